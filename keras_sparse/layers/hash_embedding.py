@@ -1,0 +1,512 @@
+"""DistributedHashEmbedding: an embedding for an open-ended set of int64 keys."""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_sparse.backend_utils import is_symbolic
+from keras_sparse.backend_utils import is_tf_ragged_or_sparse
+from keras_sparse.layers import inputs as input_forms
+from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+from keras_sparse.ops import backend_module
+from keras_sparse.table import HashTable
+from keras_sparse.table import TableFullError
+from keras_sparse.table import hash_strings
+
+
+def _string_kind(x):
+    """True for NumPy/list string data and TF string tensors."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if "string" in str(dtype):
+        return True
+    try:
+        return np.dtype(dtype).kind in "USO"
+    except TypeError:
+        return False
+
+
+def _host_keys(keys):
+    """Flat int64 NumPy keys from host data of any framework (strings hashed)."""
+    if hasattr(keys, "numpy") and callable(keys.numpy):  # tf eager
+        keys = keys.numpy()
+    elif hasattr(keys, "detach"):  # torch
+        keys = keys.detach().cpu().numpy()
+    keys = np.asarray(keys)
+    if keys.dtype.kind in "USO":
+        if keys.dtype.kind == "O":
+            keys = keys.astype("S") if keys.size else keys.astype("S1")
+        return hash_strings(keys).reshape(-1)
+    if keys.dtype.kind not in "iu":
+        raise TypeError(f"keys must be integers or strings; received dtype {keys.dtype}")
+    if keys.dtype == np.uint64:
+        return keys.reshape(-1).view(np.int64)
+    return keys.astype(np.int64).reshape(-1)
+
+
+@keras.saving.register_keras_serializable(package="keras_sparse")
+class DistributedHashEmbedding(SparseEmbeddingBase):
+    """Embedding for an unbounded key space backed by a `keras_sparse.table.HashTable`.
+
+    Keys (int64 ids such as user or item ids, or strings) are mapped to rows
+    of a ``[capacity, output_dim]`` table by a hash table with admission and
+    eviction, so the vocabulary need not be known in advance. Only the rows a
+    batch touches are trained, by the layer's own sparse optimizer.
+
+    Semantics in training (``training=True``):
+
+    - A key seen for the ``admit_after``-th time gets a row. Its vector is
+      drawn from ``embeddings_initializer`` in the step and its optimizer
+      slots are reset to their initial values, so a row reused after an
+      eviction never carries the previous key's state.
+    - Keys not (yet) admitted read zeros and train nothing.
+    - When the table is full the coldest key of the two candidate buckets is
+      evicted (``eviction="lru"`` or ``"lfu"``); with ``eviction=None`` a full
+      table raises a `keras_sparse.table.TableFullError` naming capacity and
+      size before any state changes.
+
+    In inference (``training=False``, or a frozen layer) the table is only
+    read: unknown keys read zeros and nothing is inserted.
+
+    How compiled steps reach the table: the table lives in host memory.
+    Eagerly the layer calls it directly. In a compiled JAX step the key->row
+    mapping is a `jax.experimental.io_callback` (ordered); in a TensorFlow
+    graph it is a `tf.numpy_function`. Every step therefore does one
+    device->host->device round trip of the keys and rows. XLA cannot run
+    host callbacks inside TensorFlow graphs, so on TensorFlow the layer sets
+    ``supports_jit = False``: ``compile(jit_compile=True)`` warns and compiles
+    the whole step as a plain tf.function without XLA (``"auto"`` picks that
+    silently). On PyTorch the layer also reports ``supports_jit = False``
+    (``jit_compile=True`` falls back to eager steps). On JAX the whole step
+    stays under ``jax.jit``.
+
+    Args:
+        output_dim: embedding width.
+        capacity: positive int, rows of the table; the hash table rounds it
+            up to a multiple of its bucket size (``layer.capacity``).
+        combiner: None, "sum", "mean" or "sqrtn" (see
+            `AllToAllDenseEmbedding`).
+        optimizer: the sparse optimizer (required; a name such as "adagrad",
+            a `keras_sparse.optimizers` instance or a Keras SGD/Adagrad/Adam/
+            Ftrl instance). The rows live outside the model's optimizer
+            because their meaning changes when keys are evicted.
+        embeddings_initializer: initializer of fresh rows, drawn per step
+            with the layer's own seed generator (VarianceScaling initializers
+            use the fans of the full ``[capacity, output_dim]`` table).
+        embeddings_regularizer: applied to the rows looked up in a batch.
+        eviction: "lru", "lfu" or None.
+        admit_after: int >= 1; sightings before a key gets a row.
+        key_dtype: "int64" (default) or "int32"; the dtype of integer keys.
+            Strings are always accepted and hashed with
+            `keras_sparse.table.hash_strings` (FNV-1a-64 of the UTF-8 bytes),
+            so the string "a" and the int key ``hash_strings(["a"])[0]``
+            share a row.
+        sharding: accepted for API compatibility ("auto", ...); in this
+            version the key->row map is one host-local table per process.
+        table_device: "cpu" (default), "gpu" or "auto": where the hash
+            table's key->row map lives (see `HashTable`).
+        table_seed: salt of the table's hash functions.
+
+    Call arguments:
+        inputs: int32/int64 keys of any shape, NumPy string arrays, TF string
+            tensors (in graphs too), or (TensorFlow) integer tf.RaggedTensor /
+            tf.SparseTensor. Float keys raise TypeError. On JAX, int64 keys
+            passed through ``model.fit`` are truncated to int32 by JAX unless
+            ``jax_enable_x64`` is on; eager calls with NumPy keys keep all 64
+            bits. Strings through ``fit`` on JAX/PyTorch: hash them first
+            with ``hash_strings``.
+        weights: optional per-key weights of the keys' shape; weight 0 marks
+            padding (never inserted, never trained).
+        training: see above.
+
+    Saving: the ``.keras`` file stores (key, vector, optimizer slots, score)
+    records rather than the raw table, so a model loads into a layer with a
+    different capacity. The admission sketch and hit counters are not saved.
+    ``layer.export()`` / ``layer.import_(keys, values)`` do the same for
+    serving and warm starts; ``layer.stats()`` returns the table's counters.
+
+    Example:
+
+    >>> import numpy as np, keras_sparse as ks
+    >>> from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+    >>> layer = DistributedHashEmbedding(4, capacity=128, combiner="sum",
+    ...                                  optimizer="adagrad")
+    >>> out = layer(np.array([[10**12, 7], [7, -3]]), training=True)
+    >>> tuple(out.shape), layer.stats()["size"]
+    ((2, 4), 3)
+    >>> tuple(layer(np.array([["user_1", "user_2"]])).shape)
+    (1, 4)
+    """
+
+    def __init__(
+        self,
+        output_dim,
+        *,
+        capacity,
+        combiner=None,
+        optimizer="adam",
+        embeddings_initializer="uniform",
+        embeddings_regularizer=None,
+        eviction="lru",
+        admit_after=1,
+        key_dtype="int64",
+        sharding="auto",
+        table_device="cpu",
+        table_seed=0,
+        **kwargs,
+    ):
+        name = kwargs.get("name") or "distributed_hash_embedding"
+        for arg, value in (("output_dim", output_dim), ("capacity", capacity)):
+            if (
+                not isinstance(value, (int, np.integer))
+                or isinstance(value, bool)
+                or value <= 0
+            ):
+                raise ValueError(
+                    f"Layer '{name}': `{arg}` must be a positive integer. "
+                    f"Received: {arg}={value!r} (of type {type(value).__name__})."
+                )
+        if (
+            not isinstance(admit_after, (int, np.integer))
+            or isinstance(admit_after, bool)
+            or admit_after < 1
+        ):
+            raise ValueError(
+                f"Layer '{name}': `admit_after` must be an integer >= 1 (the "
+                f"number of sightings before a key gets a row). Received: "
+                f"admit_after={admit_after!r}."
+            )
+        if optimizer is None:
+            raise ValueError(
+                f"Layer '{name}': DistributedHashEmbedding needs a sparse "
+                "`optimizer` (e.g. 'adagrad'). Rows are re-assigned to other "
+                "keys on eviction, so their values and optimizer slots must be "
+                "managed by the layer, not by the model's dense optimizer. "
+                "Received: optimizer=None."
+            )
+        if key_dtype not in ("int64", "int32"):
+            raise ValueError(
+                f"Layer '{name}': `key_dtype` must be 'int64' or 'int32'. "
+                f"Received: key_dtype={key_dtype!r}."
+            )
+        table = HashTable(
+            int(capacity),
+            eviction=eviction,
+            admit_after=int(admit_after),
+            device=table_device,
+            seed=int(table_seed),
+        )
+        super().__init__(
+            table.capacity,
+            int(output_dim),
+            embeddings_initializer,
+            embeddings_regularizer,
+            None,
+            combiner=combiner,
+            optimizer=optimizer,
+            sharding=sharding,
+            **kwargs,
+        )
+        self.table = table
+        self.requested_capacity = int(capacity)
+        self.eviction = eviction
+        self.admit_after = int(admit_after)
+        self.key_dtype = key_dtype
+        self.table_device = table_device
+        self.table_seed = int(table_seed)
+        self.seed_generator = keras.random.SeedGenerator(int(table_seed) + 1)
+        self._fresh_initializer = self._make_fresh_initializer()
+        # Raw NumPy (int64 or string) keys reach `call` unconverted, so 64-bit
+        # keys survive on JAX without x64 and strings can be hashed.
+        self._convert_input_args = False
+        self._allow_non_tensor_positional_args = True
+        # Host callbacks cannot run under XLA in TensorFlow; torch steps run
+        # eagerly. JAX keeps jit (io_callback).
+        self.supports_jit = keras.backend.backend() == "jax"
+
+    @property
+    def capacity(self):
+        return self.table.capacity
+
+    # ------------------------------------------------------------ init values
+    def _make_fresh_initializer(self):
+        init = self.embeddings_initializer
+        config = init.get_config()
+        if "seed" not in config:
+            return init  # deterministic (Zeros, Ones, Constant, ...)
+        return type(init).from_config({**config, "seed": self.seed_generator})
+
+    def _fresh_values(self, n):
+        """``[n, dim]`` draws of the initializer (``n`` may be dynamic)."""
+        init = self._fresh_initializer
+        shape = (n, self.output_dim)
+        dtype = self.embeddings.dtype
+        if not isinstance(init, keras.initializers.VarianceScaling):
+            return init(shape, dtype=dtype)
+        # Draw with the fans of the full [capacity, dim] table, not the batch.
+        fan_in, fan_out = float(self.num_rows), float(self.output_dim)
+        fan = {"fan_in": fan_in, "fan_out": fan_out}.get(
+            init.mode, (fan_in + fan_out) / 2.0
+        )
+        scale = init.scale / max(1.0, fan)
+        seed = self.seed_generator
+        if init.distribution == "truncated_normal":
+            stddev = math.sqrt(scale) / 0.87962566103423978
+            return keras.random.truncated_normal(shape, 0.0, stddev, dtype, seed)
+        if init.distribution == "untruncated_normal":
+            return keras.random.normal(shape, 0.0, math.sqrt(scale), dtype, seed)
+        limit = math.sqrt(3.0 * scale)
+        return keras.random.uniform(shape, -limit, limit, dtype, seed)
+
+    # ---------------------------------------------------------------- mapping
+    def _map_on_host(self, keys, use, insert):
+        """keys (any shape), use (bool) -> (rows int32, fresh bool), flat."""
+        flat = _host_keys(keys)
+        use = np.asarray(use, dtype=bool).reshape(-1)
+        rows = np.full(flat.shape[0], -1, np.int32)
+        fresh = np.zeros(flat.shape[0], bool)
+        selected = flat[use]
+        if insert:
+            try:
+                res = self.table.lookup_or_insert(selected)
+            except TableFullError as e:
+                raise TableFullError(
+                    f"Layer '{self.name}': the hash table is full (capacity="
+                    f"{self.table.capacity}, size={self.table.size}) and "
+                    f"eviction=None; nothing was changed. Use eviction='lru'/"
+                    f"'lfu' or a larger capacity. ({e})"
+                ) from None
+            got = _to_numpy(res.rows).astype(np.int32)
+            new_rows = _to_numpy(res.new_rows)
+            rows[use] = got
+            fresh[use] = np.isin(got, new_rows) & (got >= 0)
+        else:
+            rows[use] = _to_numpy(self.table.lookup(selected)).astype(np.int32)
+        return rows, fresh
+
+    def _map_keys(self, keys, use, insert):
+        """Flat ``(rows, fresh)`` tensors for ``keys``; rows -1 where absent."""
+        backend = keras.backend.backend()
+        symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
+        if not symbolic:
+            rows, fresh = self._map_on_host(keys, ops.convert_to_numpy(use), insert)
+            return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh)
+        n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
+
+        def callback(k, u):
+            return self._map_on_host(k, u, insert)
+
+        if backend == "jax":
+            import jax
+            from jax.experimental import io_callback
+
+            return io_callback(
+                callback,
+                (
+                    jax.ShapeDtypeStruct((n,), np.int32),
+                    jax.ShapeDtypeStruct((n,), np.bool_),
+                ),
+                keys,
+                use,
+                ordered=True,
+            )
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            rows, fresh = tf.numpy_function(
+                callback, [keys, use], [tf.int32, tf.bool], stateful=True
+            )
+            rows.set_shape((n,))
+            fresh.set_shape((n,))
+            return rows, fresh
+        raise NotImplementedError(
+            f"Layer '{self.name}': compiled steps are not supported on the "
+            f"{backend} backend; use jit_compile=False."
+        )
+
+    # ------------------------------------------------------------------ call
+    def _normalize(self, inputs, weights):
+        """(keys, weights, present); keys stay NumPy when given as NumPy."""
+        if isinstance(inputs, (list, tuple)):
+            inputs = np.asarray(inputs)
+        if _string_kind(inputs) and not is_tf_ragged_or_sparse(inputs):
+            if is_symbolic(inputs) and keras.backend.backend() == "tensorflow":
+                import tensorflow as tf
+
+                shape = inputs.shape
+                inputs = tf.numpy_function(
+                    lambda s: _host_keys(s).reshape(s.shape), [inputs], tf.int64,
+                    stateful=False,
+                )
+                inputs.set_shape(shape)
+            else:
+                inputs = _host_keys(inputs).reshape(np.shape(inputs))
+        if isinstance(inputs, np.ndarray):
+            input_forms.check_integer_dtype(self.name, inputs)
+            if weights is not None:
+                weights = ops.convert_to_tensor(weights)
+                if "float" not in str(weights.dtype):
+                    weights = ops.cast(weights, "float32")
+                if tuple(weights.shape) != inputs.shape:
+                    raise ValueError(
+                        f"Layer '{self.name}': `weights` must have the shape of "
+                        f"the keys {inputs.shape}; received {tuple(weights.shape)}."
+                    )
+            return inputs, weights, None
+        form = input_forms.normalize(self.name, inputs, weights)
+        return form.ids, form.weights, form.present
+
+    def call(self, inputs, weights=None, training=None):
+        keys, weights, present = self._normalize(inputs, weights)
+        if self.combiner is not None and len(keys.shape) == 1:
+            keys = keys[:, None] if isinstance(keys, np.ndarray) else (
+                ops.expand_dims(keys, -1)
+            )
+            weights = None if weights is None else ops.expand_dims(weights, -1)
+            present = None if present is None else ops.expand_dims(present, -1)
+        shape = tuple(keys.shape)
+        if None in shape:  # TF graphs with an unknown batch size
+            shape = tuple(ops.shape(keys))
+        use = ops.ones(shape, "bool")
+        if present is not None:
+            use = ops.logical_and(use, present)
+        if weights is not None:
+            use = ops.logical_and(use, ops.not_equal(weights, 0))
+        insert = bool(training) and self.trainable
+        rows, fresh = self._map_keys(keys, ops.reshape(use, (-1,)), insert)
+        valid = rows >= 0
+        if insert:
+            vectors = self._train_lookup(rows, valid, fresh)
+        else:
+            vectors = self.lookup_rows(rows, valid, False)
+        vectors = ops.reshape(vectors, shape + (self.output_dim,))
+        out = self.combine(vectors, weights, ops.reshape(valid, shape))
+        return ops.cast(out, self.compute_dtype)
+
+    def _train_lookup(self, rows, valid, fresh):
+        """`SparseEmbeddingBase.lookup_rows` plus the reset of fresh rows."""
+        next_iterations = ops.convert_to_tensor(self.sparse_iterations) + 1
+        iterations = next_iterations - 1
+        self.sparse_iterations.assign(next_iterations)
+        n = rows.shape[0]
+        init = self._fresh_values(ops.shape(rows)[0] if n is None else int(n))
+        vectors = backend_module().lookup_with_sparse_update(
+            self.embeddings, self.slots, self.sparse_anchor,
+            self.sparse_optimizer, rows, valid, iterations,
+            self.embeddings_constraint, reset=(fresh, init),
+        )
+        if self.embeddings_regularizer is not None:
+            self.add_loss(self.embeddings_regularizer(vectors))
+        return vectors
+
+    # ----------------------------------------------------------------- state
+    def _host_state(self):
+        """NumPy copies of the table and slots keyed "table"/slot name."""
+        state = {"table": ops.convert_to_numpy(self.embeddings)}
+        state.update({k: ops.convert_to_numpy(v) for k, v in self.slots.items()})
+        return state
+
+    def export(self):
+        """Live records: dict(keys, values, <slot name>..., scores) as NumPy."""
+        if not self.built:
+            self.build()
+        keys, rows, scores = (_to_numpy(x) for x in self.table.export())
+        state = self._host_state()
+        out = {"keys": keys, "values": state.pop("table")[rows]}
+        out.update({name: value[rows] for name, value in state.items()})
+        out["scores"] = scores
+        return out
+
+    def import_(self, keys, values, slots=None, scores=None):
+        """Inserts ``keys`` (admission bypassed) with their vectors.
+
+        Slots default to their initial values (a warm start). Keys are
+        inserted hottest-first (by ``scores`` when given); a key that finds no
+        row (more keys than capacity) is dropped. Returns the number of keys
+        stored.
+        """
+        if not self.built:
+            self.build()
+        keys = _host_keys(keys)
+        values = np.asarray(values).reshape(len(keys), self.output_dim)
+        slots = dict(slots or {})
+        if scores is not None:
+            scores = np.asarray(scores, np.int64).reshape(-1)
+            order = np.argsort(-scores, kind="stable")
+        else:
+            order = np.arange(len(keys))
+        order = order[: self.table.capacity]
+        res = self.table.import_(
+            keys[order], scores=None if scores is None else scores[order]
+        )
+        rows = _to_numpy(res.rows)
+        ok = rows >= 0
+        target, source = rows[ok], order[ok]
+        state = self._host_state()
+        state["table"][target] = values[source]
+        for spec in self.sparse_optimizer.slot_specs():
+            if spec.name in slots:
+                width = state[spec.name].shape[1]
+                saved = np.asarray(slots[spec.name]).reshape(len(keys), width)
+                state[spec.name][target] = saved[source]
+            else:
+                state[spec.name][target] = spec.initial_value
+        self.embeddings.assign(state["table"])
+        for name, var in self.slots.items():
+            var.assign(state[name])
+        return int(ok.sum())
+
+    def stats(self):
+        """The hash table's counters, size, capacity and load factor."""
+        return self.table.stats()
+
+    def save_own_variables(self, store):
+        records = self.export()
+        for name, value in records.items():
+            store[f"record_{name}"] = value
+        store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
+        store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
+
+    def load_own_variables(self, store):
+        if "record_keys" not in store:
+            raise ValueError(
+                f"Layer '{self.name}': the saved state has no hash-table records."
+            )
+        self.table.clear()
+        names = [spec.name for spec in self.sparse_optimizer.slot_specs()]
+        slots = {n: store[f"record_{n}"][...] for n in names if f"record_{n}" in store}
+        self.import_(
+            store["record_keys"][...],
+            store["record_values"][...],
+            slots=slots,
+            scores=store["record_scores"][...],
+        )
+        self.sparse_iterations.assign(store["sparse_iterations"][...])
+        if "seed_state" in store:
+            self.seed_generator.state.assign(store["seed_state"][...])
+
+    def get_config(self):
+        config = super().get_config()
+        for key in ("embeddings_constraint",):
+            config.pop(key, None)
+        config.update(
+            {
+                "capacity": self.requested_capacity,
+                "eviction": self.eviction,
+                "admit_after": self.admit_after,
+                "key_dtype": self.key_dtype,
+                "table_device": self.table_device,
+                "table_seed": self.table_seed,
+            }
+        )
+        return config
+
+
+def _to_numpy(x):
+    # GPU tables return CuPy arrays (untested path: no GPU in CI).
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):
+        return x.get()
+    return np.asarray(x)

@@ -1,0 +1,125 @@
+"""Normalizes every accepted id format to padded ids + weights + validity.
+
+Accepted: integer arrays of any rank; on TensorFlow also tf.RaggedTensor and
+tf.SparseTensor; on every backend the padded form ``(ids, weights)`` where a
+weight of 0 marks padding (see `keras_sparse.ragged_to_padded`).
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_sparse.backend_utils import is_symbolic
+from keras_sparse.backend_utils import is_tf_ragged_or_sparse
+
+
+class LookupInputs:
+    """Padded ids with per-position weights and a validity mask."""
+
+    def __init__(self, ids, weights, present):
+        self.ids = ids
+        self.weights = weights
+        self.present = present
+
+
+def check_integer_dtype(layer_name, ids, argument="inputs"):
+    dtype = str(getattr(ids, "dtype", "")).replace("tf.", "").replace("torch.", "")
+    if "int" not in dtype:
+        raise TypeError(
+            f"Layer '{layer_name}': `{argument}` must hold integer ids; received "
+            f"dtype {dtype or type(ids).__name__}. Cast ids to int32 or int64."
+        )
+
+
+def _densify_tf(x, weights):
+    import tensorflow as tf
+
+    if isinstance(x, tf.SparseTensor):
+        present = tf.SparseTensor(
+            x.indices, tf.ones_like(x.values, tf.bool), x.dense_shape
+        )
+        if weights is not None and isinstance(weights, tf.SparseTensor):
+            weights = tf.sparse.to_dense(weights)
+        return (
+            tf.sparse.to_dense(x, default_value=tf.zeros((), x.dtype)),
+            weights,
+            tf.sparse.to_dense(present, default_value=False),
+        )
+    present = tf.ones_like(x, tf.bool).to_tensor(default_value=False)
+    if weights is not None and isinstance(weights, tf.RaggedTensor):
+        weights = weights.to_tensor(default_value=0.0)
+    return x.to_tensor(default_value=tf.zeros((), x.dtype)), weights, present
+
+
+def normalize(layer_name, inputs, weights):
+    """Returns `LookupInputs` for any accepted input format."""
+    if is_tf_ragged_or_sparse(inputs):
+        check_integer_dtype(layer_name, inputs)
+        ids, weights, present = _densify_tf(inputs, weights)
+    else:
+        if not hasattr(inputs, "dtype"):
+            inputs = np.asarray(inputs)
+        check_integer_dtype(layer_name, inputs)
+        ids = ops.convert_to_tensor(inputs)
+        present = None
+    if weights is not None:
+        weights = ops.convert_to_tensor(weights)
+        if "float" not in str(weights.dtype):
+            weights = ops.cast(weights, "float32")
+        if tuple(weights.shape) != tuple(ids.shape) and None not in weights.shape:
+            raise ValueError(
+                f"Layer '{layer_name}': `weights` must have the shape of the ids "
+                f"{tuple(ids.shape)}; received {tuple(weights.shape)}."
+            )
+    return LookupInputs(ids, weights, present)
+
+
+def check_range_eagerly(layer_name, ids, present, low, high):
+    """Raises ValueError on the first id outside ``[low, high)`` (eager only)."""
+    if is_symbolic(ids):
+        return
+    values = ops.convert_to_numpy(ids)
+    bad = (values < low) | (values >= high)
+    if present is not None:
+        bad &= ops.convert_to_numpy(present)
+    if bad.any():
+        first = values[bad].reshape(-1)[0]
+        raise ValueError(
+            f"Layer '{layer_name}': id {int(first)} is out of range; valid ids "
+            f"are in [{low}, {high}) (input_dim={high}). "
+            f"{int(bad.sum())} id(s) out of range in this batch."
+        )
+
+
+def ragged_to_padded(values, row_lengths, max_length=None, pad_id=0):
+    """Turns a ragged batch (flat values + row lengths) into the padded form.
+
+    Returns ``(ids, weights)`` NumPy arrays of shape ``[batch, max_length]``;
+    padding positions hold ``pad_id`` with weight 0, which every keras_sparse
+    layer excludes from pooling and from updates.
+
+    Example:
+
+    >>> ids, w = ragged_to_padded([3, 1, 4, 1, 5], [2, 0, 3])
+    >>> ids.tolist(), w.tolist()
+    ([[3, 1, 0], [0, 0, 0], [4, 1, 5]], [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    """
+    values = np.asarray(values)
+    lengths = np.asarray(row_lengths, dtype=np.int64)
+    if lengths.ndim != 1 or (lengths < 0).any():
+        raise ValueError("ragged_to_padded: `row_lengths` must be a 1-D array of >= 0.")
+    if lengths.sum() != values.shape[0]:
+        raise ValueError(
+            f"ragged_to_padded: row_lengths sum to {int(lengths.sum())} but "
+            f"{values.shape[0]} values were given."
+        )
+    width = int(lengths.max(initial=0)) if max_length is None else int(max_length)
+    if (lengths > width).any():
+        raise ValueError(
+            f"ragged_to_padded: a row has {int(lengths.max())} ids, more than "
+            f"max_length={width}."
+        )
+    positions = np.arange(width)[None, :]
+    mask = positions < lengths[:, None]
+    ids = np.full((lengths.shape[0], width), pad_id, dtype=values.dtype)
+    ids[mask] = values
+    return ids, mask.astype(np.float32)

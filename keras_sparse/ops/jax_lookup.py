@@ -1,0 +1,155 @@
+"""JAX: the sparse update rides on a custom_vjp.
+
+The backward pass returns the updated table and slots as their "gradients";
+the variables are marked ``overwrite_with_gradient`` so the Keras optimizer
+assigns them as they are. Keras' JAX trainer donates its state, so XLA does
+the scatter in place and a step costs the same for any table size.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from keras_sparse.ops.row_updates import compute_row_updates
+
+
+def gather_valid(table, ids, valid):
+    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
+    return jnp.where(valid[:, None], rows, jnp.zeros((), table.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lookup(config, table, slots, ids, valid, iterations):
+    return gather_valid(table, ids, valid)
+
+
+def _forward(config, table, slots, ids, valid, iterations):
+    return gather_valid(table, ids, valid), (table, slots, ids, valid, iterations)
+
+
+def _backward(config, residuals, grads):
+    table, slots, ids, valid, iterations = residuals
+    optimizer, constraint, apply_update = config
+    if not apply_update:
+        # Inference call inside a gradient computation: hand the state back
+        # unchanged, since the optimizer assigns whatever is returned.
+        return table, dict(slots), None, None, None
+    state = {"table": table, **slots}
+    num_rows = table.shape[0]
+    unique_ids, is_real, new_values = compute_row_updates(
+        optimizer,
+        lambda name, rows: jnp.take(state[name], rows, axis=0),
+        tuple(slots),
+        ids,
+        valid,
+        grads,
+        iterations,
+        num_rows,
+        constraint,
+    )
+    target = jnp.where(is_real, unique_ids, num_rows)  # out of range: dropped
+    updated = {
+        name: state[name].at[target].set(
+            new_values[name].astype(state[name].dtype), mode="drop"
+        )
+        for name in state
+    }
+    table_out = updated.pop("table")
+    return table_out, updated, None, None, None
+
+
+_lookup.defvjp(_forward, _backward)
+
+
+class _Config:
+    """Hashable carrier of the static (non-array) part of the update."""
+
+    def __init__(self, optimizer, constraint, apply_update=True):
+        self.items = (optimizer, constraint, bool(apply_update))
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __hash__(self):
+        return hash((id(self.items[0]), id(self.items[1]), self.items[2]))
+
+    def __eq__(self, other):
+        return isinstance(other, _Config) and (
+            self.items[0] is other.items[0]
+            and self.items[1] is other.items[1]
+            and self.items[2] == other.items[2]
+        )
+
+
+@jax.custom_vjp
+def reset_rows(state, ids, mask, values):
+    """``state`` (dict of tables) with the rows at ``ids[mask]`` overwritten.
+
+    ``values`` maps each name of ``state`` to ``[N, width]`` new rows. Its
+    backward is the identity for ``state``: the lookup's backward returns the
+    whole updated table as the table's "gradient", and that must reach the
+    variable unchanged (a plain scatter would zero the reset rows in it).
+    """
+    return _reset_rows(state, ids, mask, values)
+
+
+def _reset_rows(state, ids, mask, values):
+    out = {}
+    for name, table in state.items():
+        target = jnp.where(mask, ids, table.shape[0])  # out of range: dropped
+        out[name] = table.at[target].set(values[name].astype(table.dtype), mode="drop")
+    return out
+
+
+def _reset_forward(state, ids, mask, values):
+    return _reset_rows(state, ids, mask, values), (ids, mask, values)
+
+
+def _reset_backward(residuals, grads):
+    ids, mask, values = residuals
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, values)
+    return grads, None, None, zeros
+
+
+reset_rows.defvjp(_reset_forward, _reset_backward)
+
+
+def lookup_with_sparse_update(
+    table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
+    constraint=None, reset=None, apply_update=True,
+):
+    """See the module docstring; ``reset=(mask, values)`` re-initializes rows.
+
+    With ``reset``, the rows ``ids[mask]`` get ``values[mask]`` (``[N, dim]``)
+    and their optimizer slots their initial values before the gather (done
+    functionally; the reset is part of the table returned by the backward).
+    Outside a trace the reset is also assigned to the variables directly.
+    """
+    del anchor_var  # the table itself carries the update on JAX
+    table = table_var.value
+    slots = {name: var.value for name, var in slot_vars.items()}
+    ids = jnp.asarray(ids, jnp.int32)
+    if reset is not None:
+        mask, values = reset
+        mask = jnp.asarray(mask, bool)
+        n = ids.shape[0]
+        new_values = {"table": jnp.asarray(values)}
+        for spec in optimizer.slot_specs():
+            width = slots[spec.name].shape[1]
+            new_values[spec.name] = jnp.full((n, width), spec.initial_value)
+        state = reset_rows({"table": table, **slots}, ids, mask, new_values)
+        table = state.pop("table")
+        slots = state
+        if not isinstance(table, jax.core.Tracer):
+            table_var.assign(table)
+            for name, var in slot_vars.items():
+                var.assign(slots[name])
+    return _lookup(
+        _Config(optimizer, constraint, apply_update),
+        table,
+        slots,
+        ids,
+        jnp.asarray(valid, bool),
+        jnp.asarray(iterations, jnp.int32),
+    )

@@ -1,0 +1,92 @@
+"""TensorFlow: the sparse update rides on a tf.custom_gradient.
+
+Table and slots are non-trainable variables. A scalar trainable "anchor"
+variable is the function's only differentiable input, so the tape calls the
+gradient function, which scatter-updates the touched rows in place and
+returns a zero gradient for the anchor.
+"""
+
+import tensorflow as tf
+
+from keras_sparse.ops.row_updates import compute_row_updates
+from keras_sparse.ops.row_updates import fill_unused_entries
+
+
+def _tf_variable(var):
+    value = var.value
+    return value if isinstance(value, tf.Variable) else var._value
+
+
+def gather_valid(table, ids, valid):
+    rows = tf.gather(table, tf.where(valid, ids, tf.zeros_like(ids)))
+    return tf.where(valid[:, None], rows, tf.zeros((), rows.dtype))
+
+
+def reset_rows(state, optimizer, ids, mask, values):
+    """Scatter-assigns ``values[mask]`` to rows ``ids[mask]``, slots to initial.
+
+    Not XLA-compilable (boolean_mask); used only by layers that run without
+    XLA. Later reads of the variables are ordered after these writes by
+    tf.function's automatic control dependencies.
+    """
+    rows = tf.boolean_mask(ids, mask)
+    state["table"].scatter_update(
+        tf.IndexedSlices(
+            tf.cast(tf.boolean_mask(values, mask), state["table"].dtype), rows
+        )
+    )
+    for spec in optimizer.slot_specs():
+        var = state[spec.name]
+        fill = tf.fill(tf.stack([tf.shape(rows)[0], var.shape[1]]), spec.initial_value)
+        var.scatter_update(tf.IndexedSlices(tf.cast(fill, var.dtype), rows))
+
+
+def lookup_with_sparse_update(
+    table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
+    constraint=None, reset=None,
+):
+    """``reset=(mask, values)``: see `reset_rows` (applied before the gather)."""
+    state = {"table": _tf_variable(table_var)}
+    state.update({name: _tf_variable(v) for name, v in slot_vars.items()})
+    ids = tf.cast(ids, tf.int32)
+    valid = tf.cast(valid, tf.bool)
+    num_rows = int(table_var.shape[0])
+    if reset is not None:
+        reset_rows(state, optimizer, ids, tf.cast(reset[0], tf.bool), reset[1])
+
+    @tf.custom_gradient
+    def lookup(anchor):
+        out = gather_valid(state["table"], ids, valid)
+
+        def grad(upstream):
+            def gather(name, rows):
+                return tf.gather(state[name], rows)
+
+            unique_ids, is_real, new_values = compute_row_updates(
+                optimizer, gather, tuple(slot_vars), ids, valid,
+                tf.convert_to_tensor(upstream), iterations, num_rows, constraint,
+            )
+            old_first = {
+                name: tf.gather(state[name], tf.zeros((1,), tf.int32))
+                for name in state
+            }
+            indices, filled = fill_unused_entries(
+                unique_ids, is_real, new_values, old_first
+            )
+            writes = [
+                state[name].scatter_update(
+                    tf.IndexedSlices(tf.cast(filled[name], state[name].dtype), indices)
+                )
+                for name in state
+            ]
+            # Grappler prunes control-only dependencies here, so the zero
+            # gradient is made to depend on the written data itself.
+            with tf.control_dependencies(writes):
+                probe = tf.reduce_sum(tf.gather(state["table"], indices[:1]))
+            return tf.math.multiply_no_nan(
+                tf.cast(probe, anchor.dtype), tf.zeros_like(anchor)
+            )
+
+        return out, grad
+
+    return lookup(tf.convert_to_tensor(_tf_variable(anchor_var)))

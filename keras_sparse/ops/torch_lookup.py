@@ -1,0 +1,81 @@
+"""PyTorch: the sparse update rides on an autograd.Function.
+
+Table and slots are parameters without gradients. A scalar trainable
+"anchor" is the function's only differentiable input; its backward updates
+the touched rows in place under no_grad and returns a zero anchor gradient.
+"""
+
+import torch
+
+from keras_sparse.ops.row_updates import compute_row_updates
+from keras_sparse.ops.row_updates import fill_unused_entries
+
+
+def gather_valid(table, ids, valid):
+    rows = table[torch.where(valid, ids, torch.zeros_like(ids))]
+    return torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype))
+
+
+class _SparseLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, ids, valid, context):
+        ctx.context = context
+        ctx.save_for_backward(anchor, ids, valid)
+        return gather_valid(context["state"]["table"], ids, valid)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        anchor, ids, valid = ctx.saved_tensors
+        context = ctx.context
+        state = context["state"]
+        with torch.no_grad():
+            unique_ids, is_real, new_values = compute_row_updates(
+                context["optimizer"],
+                lambda name, rows: state[name][rows],
+                tuple(n for n in state if n != "table"),
+                ids,
+                valid,
+                upstream,
+                context["iterations"],
+                state["table"].shape[0],
+                context["constraint"],
+            )
+            old_first = {name: state[name][:1] for name in state}
+            indices, filled = fill_unused_entries(
+                unique_ids, is_real, new_values, old_first
+            )
+            indices = indices.long()
+            for name, tensor in state.items():
+                tensor.index_copy_(0, indices, filled[name].to(tensor.dtype))
+        return torch.zeros_like(anchor), None, None, None
+
+
+def reset_rows(state, optimizer, ids, mask, values):
+    """Writes ``values[mask]`` to rows ``ids[mask]`` and slots to initial values."""
+    with torch.no_grad():
+        rows = ids[mask]
+        table = state["table"]
+        table[rows] = values[mask].to(table.dtype)
+        for spec in optimizer.slot_specs():
+            state[spec.name][rows] = spec.initial_value
+
+
+@torch.compiler.disable
+def lookup_with_sparse_update(
+    table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
+    constraint=None, reset=None,
+):
+    """``reset=(mask, values)``: see `reset_rows` (applied before the gather)."""
+    state = {"table": table_var.value}
+    state.update({name: var.value for name, var in slot_vars.items()})
+    if reset is not None:
+        reset_rows(state, optimizer, ids.long(), reset[0].bool(), reset[1])
+    context = {
+        "state": state,
+        "optimizer": optimizer,
+        "iterations": iterations,
+        "constraint": constraint,
+    }
+    return _SparseLookup.apply(
+        anchor_var.value, ids.long(), valid.bool(), context
+    )

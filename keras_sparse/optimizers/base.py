@@ -1,0 +1,109 @@
+"""Base class of the sparse (row-wise) optimizers.
+
+A sparse optimizer is a small pure function over the rows a batch touched:
+``update(rows, slots, grads, iterations) -> (new_rows, new_slots)``. The
+embedding layer owns the table and the slot variables; it gathers the touched
+rows, calls ``update`` inside its backward pass and scatters the results back,
+so a step costs the same whatever the size of the table.
+"""
+
+import keras
+from keras import ops
+
+_SCHEDULE_TYPES = (keras.optimizers.schedules.LearningRateSchedule,)
+
+
+class SlotSpec:
+    """Describes one optimizer slot: its name, width and initial value.
+
+    ``row_wise=True`` keeps one value per row (shape ``[rows, 1]``) instead of
+    one per embedding element (shape ``[rows, dim]``).
+    """
+
+    def __init__(self, name, initial_value=0.0, row_wise=False):
+        self.name = name
+        self.initial_value = float(initial_value)
+        self.row_wise = row_wise
+
+    def shape(self, num_rows, dim):
+        return (num_rows, 1 if self.row_wise else dim)
+
+
+class SparseOptimizer:
+    """Common behaviour of the sparse optimizers.
+
+    Subclasses define ``slot_specs()`` and ``update_rows``; they see only the
+    touched rows, with duplicate ids already summed.
+
+    Args:
+        learning_rate: a float, or a
+            `keras.optimizers.schedules.LearningRateSchedule` evaluated at the
+            layer's own step counter.
+    """
+
+    #: Short name used by ``keras_sparse.optimizers.get``.
+    identifier = None
+
+    def __init__(self, learning_rate=0.001):
+        if isinstance(learning_rate, dict):
+            learning_rate = keras.optimizers.schedules.deserialize(learning_rate)
+        if not isinstance(learning_rate, _SCHEDULE_TYPES):
+            if not isinstance(learning_rate, (int, float)) or isinstance(
+                learning_rate, bool
+            ):
+                raise ValueError(
+                    f"{type(self).__name__}: `learning_rate` must be a float or "
+                    "a keras.optimizers.schedules.LearningRateSchedule. "
+                    f"Received: learning_rate={learning_rate!r}"
+                )
+            if learning_rate <= 0:
+                raise ValueError(
+                    f"{type(self).__name__}: `learning_rate` must be > 0. "
+                    f"Received: learning_rate={learning_rate}"
+                )
+            learning_rate = float(learning_rate)
+        self.learning_rate = learning_rate
+
+    def slot_specs(self):
+        """The slots this optimizer keeps per row (a list of `SlotSpec`)."""
+        return []
+
+    def current_learning_rate(self, iterations, dtype="float32"):
+        """Learning rate at ``iterations`` completed updates."""
+        if isinstance(self.learning_rate, _SCHEDULE_TYPES):
+            return ops.cast(self.learning_rate(iterations), dtype)
+        return ops.cast(self.learning_rate, dtype)
+
+    def update(self, rows, slots, grads, iterations):
+        """Applies one step to the touched rows.
+
+        Args:
+            rows: ``[n, dim]`` current values of the touched rows.
+            slots: dict slot name -> ``[n, dim]`` (or ``[n, 1]``) values.
+            grads: ``[n, dim]`` summed gradient of each touched row.
+            iterations: number of updates done before this one (scalar int).
+
+        Returns:
+            ``(new_rows, new_slots)`` with the same shapes.
+        """
+        dtype = rows.dtype
+        grads = ops.cast(grads, dtype)
+        lr = self.current_learning_rate(iterations, dtype)
+        return self.update_rows(rows, slots, grads, lr, iterations)
+
+    def update_rows(self, rows, slots, grads, lr, iterations):
+        raise NotImplementedError
+
+    def get_config(self):
+        lr = self.learning_rate
+        if isinstance(lr, _SCHEDULE_TYPES):
+            lr = keras.optimizers.schedules.serialize(lr)
+        return {"learning_rate": lr}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,33 @@
+"""Model parallelism for keras_sparse embedding tables (JAX backend).
+
+    plan(model_or_layers, devices, memory_per_device, pinned, ...) -> Plan
+    distribution(model_or_layers, devices=None, plan=None) -> ModelParallel
+    exchange_bytes(strategy, rows, dim, num_ids, devices) -> bytes per device
+"""
+
+from keras_sparse.sharding.keras_integration import RUNNABLE
+from keras_sparse.sharding.keras_integration import distribution
+from keras_sparse.sharding.planner import STRATEGIES
+from keras_sparse.sharding.planner import Plan
+from keras_sparse.sharding.planner import TablePlan
+from keras_sparse.sharding.planner import TableSpec
+from keras_sparse.sharding.planner import plan
+
+
+def exchange_bytes(*args, **kwargs):
+    """See `keras_sparse.sharding.jax_sharded_lookup.exchange_bytes`."""
+    from keras_sparse.sharding.jax_sharded_lookup import exchange_bytes as fn
+
+    return fn(*args, **kwargs)
+
+
+__all__ = [
+    "RUNNABLE",
+    "STRATEGIES",
+    "Plan",
+    "TablePlan",
+    "TableSpec",
+    "distribution",
+    "exchange_bytes",
+    "plan",
+]

@@ -1,0 +1,387 @@
+"""JAX: sharded embedding lookups with the sparse update in the backward pass.
+
+All functions take global (jit-level) arrays and run their communication
+inside ``jax.shard_map`` over one mesh axis of size ``D``:
+
+``row``    table laid out ``P(axis, None)``: device ``k`` owns rows
+           ``[k * R, (k + 1) * R)`` with ``R = rows / D``. Forward: each device
+           buckets its ``n`` local ids by owner (``id // R``) into a static
+           ``[D, n]`` send buffer (a slot per (destination, local position),
+           -1 where the id belongs elsewhere), one ``all_to_all`` delivers them,
+           owners gather from their shard, the mirror ``all_to_all`` returns
+           ``[D, n, dim]`` vectors and each id picks its owner's answer. The
+           bound ``n`` per destination is the number of local ids, so the buffer
+           can never overflow. Backward: the row gradients travel the same way
+           to the owners, which dedup + sum them and apply the sparse optimizer
+           to their shard (``compute_row_updates``); the updated table and slot
+           shards come back as the variables' "gradients" (the variables are
+           ``overwrite_with_gradient``). Duplicates are summed in global batch
+           order (source device major), as on one device.
+``column`` table laid out ``P(None, axis)``: every device holds ``dim / D``
+           columns of every row. Forward: ``all_gather`` of the ids, local
+           gather of the column slice for all ids, ``all_to_all`` returns each
+           device its ids' slices. Backward: the mirror ``all_to_all`` of the
+           gradient slices, then every device applies the (element-wise)
+           optimizer to its columns. Row-wise slots / constraints need whole
+           rows and are rejected.
+``data``   replicated table: no routing needed; the single-device primitive
+           runs under jit and XLA's partitioner combines the row gradients.
+
+``exchange_bytes`` reports what each device puts into collectives per step.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from keras_sparse.ops.row_updates import compute_row_updates
+
+try:  # jax >= 0.6
+    _shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - older jax
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+
+def _smap(fn, mesh, in_specs, out_specs):
+    return _shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+class ShardConfig:
+    """Hashable, identity-compared static part of a sharded lookup."""
+
+    def __init__(self, mesh, axis, optimizer=None, constraint=None,
+                 apply_update=True):
+        self.apply_update = bool(apply_update)
+        self.mesh = mesh
+        self.axis = axis
+        self.optimizer = optimizer
+        self.constraint = constraint
+
+    @property
+    def num_shards(self):
+        return self.mesh.shape[self.axis]
+
+    def _key(self):
+        return (id(self.mesh), self.axis, id(self.optimizer), id(self.constraint),
+                self.apply_update)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, ShardConfig) and (
+            self.mesh is other.mesh
+            and self.axis == other.axis
+            and self.optimizer is other.optimizer
+            and self.constraint is other.constraint
+            and self.apply_update == other.apply_update
+        )
+
+
+def _check_divisible(what, size, d):
+    if size % d:
+        raise ValueError(
+            f"Sharded lookup: {what} ({size}) must be divisible by the number "
+            f"of shards ({d})."
+        )
+
+
+def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows):
+    """Dedup + optimizer on the local shard; returns the updated arrays."""
+    slot_names = tuple(k for k in state if k != "table")
+    unique_ids, is_real, new_values = compute_row_updates(
+        cfg.optimizer,
+        lambda name, rows: jnp.take(state[name], rows, axis=0),
+        slot_names,
+        ids,
+        valid,
+        grads,
+        iterations,
+        num_rows,
+        cfg.constraint,
+    )
+    target = jnp.where(is_real, unique_ids, num_rows)  # out of range: dropped
+    return {
+        name: state[name].at[target].set(
+            new_values[name].astype(state[name].dtype), mode="drop"
+        )
+        for name in state
+    }
+
+
+# ------------------------------------------------------------------- row-wise
+def _row_exchange_ids(axis, d, shard_rows, ids, valid):
+    """Local half: [n] ids -> (owner [n], received ids [D, n] (-1: none))."""
+    owner = jnp.where(valid, ids // shard_rows, -1)
+    dest = jnp.arange(d, dtype=owner.dtype)[:, None]
+    send = jnp.where(owner[None, :] == dest, ids[None, :], -1)  # [D, n]
+    # Static bound: at most n ids go to one destination, and each has its own
+    # slot (its local position), so nothing can overflow or collide.
+    recv = jax.lax.all_to_all(send, axis, 0, 0)  # recv[s] = ids from source s
+    return owner, recv
+
+
+def _row_forward_local(axis, d, table, ids, valid):
+    shard_rows = table.shape[0]
+    owner, recv = _row_exchange_ids(axis, d, shard_rows, ids, valid)
+    me = jax.lax.axis_index(axis)
+    recv_valid = recv >= 0
+    local = jnp.where(recv_valid, recv - me * shard_rows, 0)
+    vec = jnp.take(table, local, axis=0)  # [D, n, dim]
+    vec = jnp.where(recv_valid[..., None], vec, jnp.zeros((), table.dtype))
+    back = jax.lax.all_to_all(vec, axis, 0, 0)  # back[o] = answers of owner o
+    n = ids.shape[0]
+    rows = back[jnp.clip(owner, 0, d - 1), jnp.arange(n)]
+    rows = jnp.where((owner >= 0)[:, None], rows, jnp.zeros((), table.dtype))
+    return rows, owner, recv
+
+
+def row_gather(mesh, axis, table, ids, valid):
+    """Row-sharded gather, differentiable by JAX (dense table gradient)."""
+    d = mesh.shape[axis]
+    _check_divisible("table rows", table.shape[0], d)
+    _check_divisible("number of ids", ids.shape[0], d)
+
+    def local(table, ids, valid):
+        return _row_forward_local(axis, d, table, ids, valid)[0]
+
+    return _smap(local, mesh, (P(axis, None), P(axis), P(axis)), P(axis))(
+        table, ids, valid
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _row_lookup(cfg, table, slots, ids, valid, iterations):
+    return row_gather(cfg.mesh, cfg.axis, table, ids, valid)
+
+
+def _row_fwd(cfg, table, slots, ids, valid, iterations):
+    d = cfg.num_shards
+    _check_divisible("table rows", table.shape[0], d)
+    _check_divisible("number of ids", ids.shape[0], d)
+
+    def local(table, ids, valid):
+        rows, owner, recv = _row_forward_local(cfg.axis, d, table, ids, valid)
+        return rows, owner, recv
+
+    rows, owner, recv = _smap(
+        local, cfg.mesh, (P(cfg.axis, None), P(cfg.axis), P(cfg.axis)),
+        (P(cfg.axis), P(cfg.axis), P(cfg.axis)),
+    )(table, ids, valid)
+    return rows, (table, slots, owner, recv, iterations)
+
+
+def _row_bwd(cfg, residuals, grads):
+    table, slots, owner, recv, iterations = residuals
+    if not cfg.apply_update:  # inference under a gradient: state unchanged
+        return table, dict(slots), None, None, None
+    axis, d = cfg.axis, cfg.num_shards
+    slot_names = tuple(slots)
+
+    def local(table, slot_vals, owner, recv, grads, iterations):
+        shard_rows = table.shape[0]
+        dest = jnp.arange(d, dtype=owner.dtype)[:, None, None]
+        send = jnp.where(owner[None, :, None] == dest, grads[None], 0)  # [D,n,dim]
+        got = jax.lax.all_to_all(send, axis, 0, 0)  # got[s] = grads from s
+        me = jax.lax.axis_index(axis)
+        recv_valid = recv >= 0
+        local_ids = jnp.where(recv_valid, recv - me * shard_rows, 0).reshape(-1)
+        state = {"table": table, **dict(zip(slot_names, slot_vals))}
+        new = _apply_update(
+            cfg, state, local_ids, recv_valid.reshape(-1),
+            got.reshape(-1, got.shape[-1]), iterations, shard_rows,
+        )
+        return new["table"], tuple(new[k] for k in slot_names)
+
+    row_spec = P(axis, None)
+    new_table, new_slots = _smap(
+        local, cfg.mesh,
+        (row_spec, tuple(row_spec for _ in slot_names), P(axis), P(axis), P(axis),
+         P()),
+        (row_spec, tuple(row_spec for _ in slot_names)),
+    )(table, tuple(slots[k] for k in slot_names), owner, recv, grads, iterations)
+    return new_table, dict(zip(slot_names, new_slots)), None, None, None
+
+
+_row_lookup.defvjp(_row_fwd, _row_bwd)
+
+
+# ---------------------------------------------------------------- column-wise
+def _column_forward_local(axis, d, table, ids, valid):
+    all_ids = jax.lax.all_gather(ids, axis, tiled=True)  # [D * n]
+    all_valid = jax.lax.all_gather(valid, axis, tiled=True)
+    vec = jnp.take(table, jnp.where(all_valid, all_ids, 0), axis=0)
+    vec = jnp.where(all_valid[:, None], vec, jnp.zeros((), table.dtype))
+    n, dc = ids.shape[0], table.shape[1]
+    back = jax.lax.all_to_all(vec.reshape(d, n, dc), axis, 0, 0)  # [D(col), n, dc]
+    rows = jnp.transpose(back, (1, 0, 2)).reshape(n, d * dc)
+    return rows, all_ids, all_valid
+
+
+def column_gather(mesh, axis, table, ids, valid):
+    """Column-sharded gather, differentiable by JAX (dense table gradient)."""
+    d = mesh.shape[axis]
+    _check_divisible("embedding dim", table.shape[1], d)
+    _check_divisible("number of ids", ids.shape[0], d)
+
+    def local(table, ids, valid):
+        return _column_forward_local(axis, d, table, ids, valid)[0]
+
+    return _smap(local, mesh, (P(None, axis), P(axis), P(axis)), P(axis))(
+        table, ids, valid
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _column_lookup(cfg, table, slots, ids, valid, iterations):
+    return column_gather(cfg.mesh, cfg.axis, table, ids, valid)
+
+
+def _column_fwd(cfg, table, slots, ids, valid, iterations):
+    d, axis = cfg.num_shards, cfg.axis
+    _check_divisible("embedding dim", table.shape[1], d)
+    _check_divisible("number of ids", ids.shape[0], d)
+
+    def local(table, ids, valid):
+        rows, all_ids, all_valid = _column_forward_local(axis, d, table, ids, valid)
+        # Every device holds the same gathered ids; keep one copy per device.
+        return rows, all_ids[None], all_valid[None]
+
+    rows, all_ids, all_valid = _smap(
+        local, cfg.mesh, (P(None, axis), P(axis), P(axis)),
+        (P(axis), P(axis), P(axis)),
+    )(table, ids, valid)
+    return rows, (table, slots, all_ids, all_valid, iterations)
+
+
+def _column_bwd(cfg, residuals, grads):
+    table, slots, all_ids, all_valid, iterations = residuals
+    if not cfg.apply_update:  # inference under a gradient: state unchanged
+        return table, dict(slots), None, None, None
+    axis, d = cfg.axis, cfg.num_shards
+    slot_names = tuple(slots)
+
+    def local(table, slot_vals, all_ids, all_valid, grads, iterations):
+        n, dc = grads.shape[0], table.shape[1]
+        send = jnp.transpose(grads.reshape(n, d, dc), (1, 0, 2))  # [D(col), n, dc]
+        got = jax.lax.all_to_all(send, axis, 0, 0)  # got[s] = my cols, s's ids
+        state = {"table": table, **dict(zip(slot_names, slot_vals))}
+        new = _apply_update(
+            cfg, state, all_ids[0], all_valid[0], got.reshape(d * n, dc),
+            iterations, table.shape[0],
+        )
+        return new["table"], tuple(new[k] for k in slot_names)
+
+    col_spec = P(None, axis)
+    new_table, new_slots = _smap(
+        local, cfg.mesh,
+        (col_spec, tuple(col_spec for _ in slot_names), P(axis), P(axis), P(axis),
+         P()),
+        (col_spec, tuple(col_spec for _ in slot_names)),
+    )(table, tuple(slots[k] for k in slot_names), all_ids, all_valid, grads,
+      iterations)
+    return new_table, dict(zip(slot_names, new_slots)), None, None, None
+
+
+_column_lookup.defvjp(_column_fwd, _column_bwd)
+
+
+# ----------------------------------------------------------------- public API
+ROUTED_STRATEGIES = ("row", "column")
+
+
+def sharded_lookup_with_sparse_update(
+    strategy, mesh, axis, table, slots, optimizer, ids, valid, iterations,
+    constraint=None, apply_update=True,
+):
+    """Lookup whose backward applies the sparse optimizer on the owning shards.
+
+    Returns ``[N, dim]`` rows; the "gradients" of ``table`` and ``slots`` are
+    their updated values (for ``overwrite_with_gradient`` variables).
+    """
+    cfg = ShardConfig(mesh, axis, optimizer, constraint, apply_update)
+    args = (
+        table, dict(slots), jnp.asarray(ids, jnp.int32), jnp.asarray(valid, bool),
+        jnp.asarray(iterations, jnp.int32),
+    )
+    if strategy == "row":
+        return _row_lookup(cfg, *args)
+    if strategy == "column":
+        if constraint is not None:
+            raise ValueError(
+                "column sharding cannot apply an embeddings_constraint (it "
+                "needs whole rows); use row sharding."
+            )
+        if any(v.shape[1] == 1 and table.shape[1] != 1 for v in slots.values()):
+            raise ValueError(
+                "column sharding needs an element-wise optimizer; row-wise "
+                "slots (e.g. rowwise_adagrad) need whole rows. Use row sharding."
+            )
+        return _column_lookup(cfg, *args)
+    raise NotImplementedError(f"sharded lookup for strategy {strategy!r}")
+
+
+def sharded_gather(strategy, mesh, axis, table, ids, valid):
+    """Forward-only / dense-gradient sharded gather."""
+    ids = jnp.asarray(ids, jnp.int32)
+    valid = jnp.asarray(valid, bool)
+    if strategy == "row":
+        return row_gather(mesh, axis, table, ids, valid)
+    if strategy == "column":
+        return column_gather(mesh, axis, table, ids, valid)
+    raise NotImplementedError(f"sharded gather for strategy {strategy!r}")
+
+
+def exchange_bytes(
+    strategy, num_rows, dim, num_ids, num_devices, training=True, dtype_bytes=4,
+    id_bytes=4,
+):
+    """Bytes one device hands to collectives per step, from the buffer shapes.
+
+    Args:
+        num_ids: ids of this table in the global batch (``n = num_ids / D``
+            per device).
+
+    Returns:
+        dict with ``ids``, ``vectors``, ``grads``, ``total`` (buffer bytes,
+        including each device's block to itself) and ``remote`` (the part that
+        actually leaves the device).
+    """
+    d = num_devices
+    n = num_ids // d
+    if strategy == "row":
+        ids = d * n * id_bytes  # [D, n] int32 all_to_all
+        vectors = d * n * dim * dtype_bytes  # [D, n, dim] all_to_all back
+        grads = vectors if training else 0  # [D, n, dim] all_to_all to owners
+        remote_frac = (d - 1) / d
+        remote = (ids + vectors + grads) * remote_frac
+    elif strategy == "column":
+        ids = n * (id_bytes + 1)  # all_gather of [n] ids and [n] bool valid
+        vectors = d * n * (dim // d) * dtype_bytes  # [D, n, dim/D] all_to_all
+        grads = vectors if training else 0
+        remote = ids * (d - 1) + (vectors + grads) * (d - 1) / d
+    elif strategy == "data":
+        # Under jit XLA gathers (ids, valid, grads) of the global batch.
+        ids = n * (id_bytes + 1) if training else 0
+        vectors = 0
+        grads = n * dim * dtype_bytes if training else 0
+        remote = (ids + grads) * (d - 1)
+    elif strategy == "table":
+        ids = d * n * id_bytes
+        vectors = d * n * dim * dtype_bytes
+        grads = vectors if training else 0
+        remote = (ids + vectors + grads) * (d - 1) / d
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    total = ids + vectors + grads
+    return {
+        "ids": int(ids), "vectors": int(vectors), "grads": int(grads),
+        "total": int(total), "remote": int(round(remote)),
+    }
+
+
+def table_all_gather_bytes(num_rows, dim, num_devices, dtype_bytes=4):
+    """Bytes per device of the naive alternative: all-gathering the table."""
+    return int(num_rows * dim * dtype_bytes // num_devices)

@@ -1,0 +1,343 @@
+"""Sharding planner: picks a placement per embedding table from a cost model.
+
+Pure Python (no backend calls). For every table it estimates, per strategy:
+
+* bytes held per device, table plus sparse-optimizer slots (from the layer's
+  ``sparse_optimizer.slot_specs()``);
+* bytes each device sends per training step (ids out, vectors back, row
+  gradients back to the owners);
+* lookup load: table-wise placement puts all of a table's lookups on one
+  device, so whole tables are bin-packed (greedy, largest first) onto the
+  devices by memory and lookups.
+
+Strategies:
+
+``data``   replicated table; backward combines row gradients across replicas
+           (the cheaper of an all-gather of (ids, grads) and an all-reduce of
+           the dense table gradient).
+``table``  whole table on one device; lookups routed there.
+``row``    rows split evenly over the devices (needs ``rows % devices == 0``).
+``column`` columns split evenly (needs ``dim % devices == 0`` and an
+           element-wise optimizer: row-wise slots need whole rows).
+
+Choice: the cheapest strategy (estimated comm bytes, with a load-imbalance
+penalty for table-wise) that fits in ``memory_per_device``; pinned strategies
+are honoured as given.
+"""
+
+import math
+
+STRATEGIES = ("data", "table", "row", "column")
+_TIE_ORDER = {s: i for i, s in enumerate(STRATEGIES)}
+_ID_BYTES = 4
+
+
+class TableSpec:
+    """What the planner needs to know about one table."""
+
+    def __init__(
+        self, name, rows, dim, slot_widths=(), dtype_bytes=4, row_wise_slots=False,
+        has_constraint=False, layer=None,
+    ):
+        self.name = name
+        self.rows = int(rows)
+        self.dim = int(dim)
+        self.slot_widths = tuple(int(w) for w in slot_widths)
+        self.dtype_bytes = int(dtype_bytes)
+        self.row_wise_slots = bool(row_wise_slots)
+        self.has_constraint = bool(has_constraint)
+        self.layer = layer
+
+    @property
+    def bytes_per_row(self):
+        return (self.dim + sum(self.slot_widths)) * self.dtype_bytes
+
+    @property
+    def total_bytes(self):
+        return self.rows * self.bytes_per_row
+
+    @classmethod
+    def from_layer(cls, layer):
+        opt = getattr(layer, "sparse_optimizer", None)
+        specs = [] if opt is None else list(opt.slot_specs())
+        rows = getattr(layer, "num_rows", None) or layer.input_dim
+        dim = layer.output_dim
+        return cls(
+            layer.name, rows, dim,
+            [s.shape(rows, dim)[1] for s in specs],
+            row_wise_slots=any(s.row_wise for s in specs),
+            has_constraint=getattr(layer, "embeddings_constraint", None) is not None,
+            layer=layer,
+        )
+
+
+class TablePlan:
+    def __init__(self, spec, strategy, devices, bytes_per_device, comm_bytes, reason):
+        self.spec = spec
+        self.strategy = strategy
+        self.devices = tuple(devices)
+        self.bytes_per_device = int(bytes_per_device)
+        self.comm_bytes = int(comm_bytes)
+        self.reason = reason
+
+    @property
+    def name(self):
+        return self.spec.name
+
+
+class Plan:
+    """Result of `plan`: a `TablePlan` per table plus per-device totals."""
+
+    def __init__(self, tables, num_devices, memory_per_device, device_bytes):
+        self.tables = {t.name: t for t in tables}
+        self.num_devices = num_devices
+        self.memory_per_device = memory_per_device
+        self.device_bytes = list(device_bytes)
+
+    def strategy(self, name):
+        return self.tables[name].strategy
+
+    def __getitem__(self, name):
+        return self.tables[name]
+
+    def __iter__(self):
+        return iter(self.tables.values())
+
+    def __len__(self):
+        return len(self.tables)
+
+    @property
+    def total_comm_bytes(self):
+        return sum(t.comm_bytes for t in self)
+
+    def __str__(self):
+        head = ("table", "rows", "dim", "strategy", "devices", "bytes/device",
+                "comm bytes/step")
+        body = []
+        for t in self:
+            devs = t.devices
+            if len(devs) == self.num_devices:
+                dev_txt = f"all {len(devs)}"
+            else:
+                dev_txt = ",".join(str(d) for d in devs)
+            body.append((t.name, str(t.spec.rows), str(t.spec.dim), t.strategy,
+                         dev_txt, _fmt_bytes(t.bytes_per_device),
+                         _fmt_bytes(t.comm_bytes)))
+        widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+
+        def line(row):
+            return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+        out = [line(head), line(tuple("-" * w for w in widths))]
+        out += [line(r) for r in body]
+        out.append("")
+        out += [f"{t.name}: {t.reason}" for t in self]
+        cap = self.memory_per_device
+        out.append(
+            f"max bytes/device {_fmt_bytes(max(self.device_bytes, default=0))}"
+            + ("" if cap is None else f" of {_fmt_bytes(cap)}")
+            + f"; est. comm bytes/step/device {_fmt_bytes(self.total_comm_bytes)}"
+        )
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+
+def _fmt_bytes(n):
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+# ----------------------------------------------------------------- cost model
+def comm_bytes(spec, strategy, num_devices, lookups):
+    """Estimated bytes one device sends per training step (fwd + bwd).
+
+    ``lookups`` is the number of ids of this table in the global batch.
+    """
+    d, b, dim = num_devices, spec.dtype_bytes, spec.dim
+    if d == 1:
+        return 0
+    n = lookups / d  # ids per device
+    remote = (d - 1) / d
+    if strategy == "data":
+        gather = (d - 1) * n * (_ID_BYTES + dim * b)  # all-gather (ids, grads)
+        reduce = 2 * remote * spec.rows * dim * b  # ring all-reduce dense grad
+        return math.ceil(min(gather, reduce))
+    if strategy == "row":
+        # ids out, vectors back, grads back (remote fraction of each).
+        return math.ceil(remote * n * (_ID_BYTES + 2 * dim * b))
+    if strategy == "table":
+        # Averaged over devices; the owner does the vector traffic.
+        return math.ceil(remote * n * (_ID_BYTES + 2 * dim * b))
+    if strategy == "column":
+        # all-gather of ids, then column slices back and grads out.
+        return math.ceil((d - 1) * n * _ID_BYTES + remote * n * 2 * dim * b)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def bytes_per_device(spec, strategy, num_devices):
+    if strategy in ("data", "table"):
+        return spec.total_bytes
+    return math.ceil(spec.total_bytes / num_devices)
+
+
+def _structural_problem(spec, strategy, d):
+    if strategy == "row" and spec.rows % d:
+        return f"rows {spec.rows} not divisible by {d} devices"
+    if strategy == "column":
+        if spec.dim % d:
+            return f"dim {spec.dim} not divisible by {d} devices"
+        if spec.row_wise_slots:
+            return "row-wise optimizer slots need whole rows"
+        if spec.has_constraint:
+            return "a constraint needs whole rows"
+    return None
+
+
+# --------------------------------------------------------------------- plan
+def _collect_layers(model_or_layers):
+    from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+
+    if isinstance(model_or_layers, (list, tuple)):
+        items = list(model_or_layers)
+    elif isinstance(model_or_layers, SparseEmbeddingBase):
+        items = [model_or_layers]
+    else:
+        items = list(model_or_layers._flatten_layers(include_self=False))
+    out = []
+    for item in items:
+        if isinstance(item, TableSpec):
+            out.append(item)
+        elif isinstance(item, SparseEmbeddingBase):
+            out.append(TableSpec.from_layer(item))
+    names = [t.name for t in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"Duplicate table names: {sorted(dup)}")
+    return out
+
+
+def plan(
+    model_or_layers,
+    devices=8,
+    memory_per_device=None,
+    pinned=None,
+    batch_size=1024,
+    ids_per_sample=1,
+    strategies=STRATEGIES,
+):
+    """Chooses a strategy per table.
+
+    Args:
+        model_or_layers: a Keras model, a list of keras_sparse embedding
+            layers, or a list of `TableSpec`.
+        devices: number of devices or a list of devices.
+        memory_per_device: bytes available per device for tables and slots
+            (None: unlimited).
+        pinned: ``{table_name: strategy}`` fixed by the user (a layer's own
+            ``sharding`` other than "auto" counts as pinned too).
+        batch_size: global batch size.
+        ids_per_sample: ids per sample per table: an int, or a dict by table
+            name (missing names default to 1).
+        strategies: strategies the planner may choose for unpinned tables.
+
+    Returns:
+        A `Plan`.
+
+    Raises:
+        ValueError: a table fits under no allowed strategy.
+    """
+    d = devices if isinstance(devices, int) else len(list(devices))
+    if d < 1:
+        raise ValueError(f"`devices` must be >= 1; received {devices!r}")
+    specs = _collect_layers(model_or_layers)
+    pinned = dict(pinned or {})
+    for s in specs:
+        own = getattr(s.layer, "sharding", "auto") if s.layer is not None else "auto"
+        if s.name not in pinned and own != "auto":
+            pinned[s.name] = own
+    unknown = set(pinned) - {s.name for s in specs}
+    if unknown:
+        raise ValueError(f"`pinned` names unknown tables: {sorted(unknown)}")
+    for name, strat in pinned.items():
+        if strat not in STRATEGIES:
+            raise ValueError(
+                f"Table '{name}': pinned strategy {strat!r} is not one of "
+                f"{STRATEGIES}."
+            )
+    cap = math.inf if memory_per_device is None else memory_per_device
+
+    def lookups_of(spec):
+        if isinstance(ids_per_sample, dict):
+            return batch_size * ids_per_sample.get(spec.name, 1)
+        return batch_size * ids_per_sample
+
+    used = [0] * d
+    load = [0.0] * d
+    fair_load = sum(lookups_of(s) for s in specs) / d
+    results = {}
+    # Pinned first, then the largest tables first (bin packing).
+    order = sorted(specs, key=lambda s: (s.name not in pinned, -s.total_bytes))
+    for spec in order:
+        lk = lookups_of(spec)
+        options = [pinned[spec.name]] if spec.name in pinned else list(strategies)
+        tried = []
+        best = None
+        for strat in options:
+            problem = _structural_problem(spec, strat, d)
+            per_dev = bytes_per_device(spec, strat, d)
+            comm = comm_bytes(spec, strat, d, lk)
+            if problem:
+                tried.append(f"{strat}: {problem}")
+                continue
+            if strat == "table":
+                # Least loaded device (memory, then lookups) that fits.
+                dev = min(range(d), key=lambda i: (used[i], load[i]))
+                if used[dev] + per_dev > cap:
+                    tried.append(
+                        f"table: {_fmt_bytes(per_dev)} > "
+                        f"{_fmt_bytes(cap - used[dev])} free on device {dev}"
+                    )
+                    continue
+                imbalance = max(1.0, (load[dev] + lk) / max(fair_load, 1e-9))
+                cost = comm * imbalance
+                devs = (dev,)
+            else:
+                free = cap - max(used)
+                if per_dev > free:
+                    tried.append(
+                        f"{strat}: {_fmt_bytes(per_dev)}/device > "
+                        f"{_fmt_bytes(free)} free"
+                    )
+                    continue
+                cost = comm
+                devs = tuple(range(d))
+            key = (cost, _TIE_ORDER[strat])
+            if best is None or key < best[0]:
+                best = (key, strat, devs, per_dev, comm)
+            tried.append(f"{strat}: comm {_fmt_bytes(comm)}")
+        if best is None:
+            raise ValueError(
+                f"Table '{spec.name}' ({spec.rows} rows x {spec.dim} dim, "
+                f"{_fmt_bytes(spec.total_bytes)} with optimizer slots) fits no "
+                f"strategy on {d} devices with "
+                f"{_fmt_bytes(cap) if cap != math.inf else 'unlimited'} per device "
+                f"({_fmt_bytes(max(used))} already used): " + "; ".join(tried)
+            )
+        _, strat, devs, per_dev, comm = best
+        for i in devs:
+            used[i] += per_dev
+            load[i] += lk if strat == "table" else lk / d
+        if spec.name in pinned:
+            reason = f"pinned to {strat}"
+        else:
+            others = [t for t in tried if not t.startswith(strat + ":")]
+            reason = f"lowest est. comm that fits ({_fmt_bytes(comm)})"
+            if others:
+                reason += "; " + "; ".join(others)
+        results[spec.name] = TablePlan(spec, strat, devs, per_dev, comm, reason)
+    ordered = [results[s.name] for s in specs]
+    return Plan(ordered, d, memory_per_device, used)

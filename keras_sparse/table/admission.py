@@ -1,0 +1,83 @@
+"""Bounded-memory admission counter (count-min sketch) shared by both tables.
+
+A count-min sketch keeps ``depth`` rows of ``width`` uint32 counters.  Each key
+increments one counter per row (chosen by an independent salted hash) and its
+estimate is the minimum over rows.  Collisions can only add to a counter, so
+the estimate never under-counts: a key may be admitted *early* (with
+probability roughly ``(1 - exp(-depth * distinct / width)) ** depth`` per key
+when the sketch is crowded), never late.  Memory is ``4 * depth * width``
+bytes, independent of how many distinct keys stream through.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .keys import hash_keys
+from .keys import seed_word
+
+DEFAULT_DEPTH = 4
+MIN_WIDTH = 1 << 10
+MAX_WIDTH = 1 << 22  # 4 rows x 4M x 4 B = 64 MiB at most
+
+
+def default_width(capacity: int) -> int:
+    """Power of two near the table capacity, clamped to [1Ki, 4Mi] counters."""
+    width = MIN_WIDTH
+    while width < capacity and width < MAX_WIDTH:
+        width <<= 1
+    return width
+
+
+class CountMinSketch:
+    """Count-min sketch over int64 keys; ``xp`` is NumPy or CuPy."""
+
+    def __init__(
+        self, width: int, depth: int = DEFAULT_DEPTH, seed: int = 0, xp=np, add_at=None
+    ):
+        if width <= 0 or width & (width - 1):
+            raise ValueError(
+                f"sketch width must be a positive power of two, got {width}"
+            )
+        self.width, self.depth, self.xp = int(width), int(depth), xp
+        self._shift = np.uint64(64 - (self.width.bit_length() - 1))
+        # Row salts differ from the table's bucket salt so sketch collisions are
+        # independent of bucket collisions.
+        self._salts = [
+            seed_word(seed * 1000003 + 7919 * (r + 1)) for r in range(self.depth)
+        ]
+        self._add_at = add_at or _numpy_add_at
+        self.counts = xp.zeros((self.depth, self.width), dtype=xp.uint32)
+
+    def _cells(self, keys):
+        flat = []
+        for r, salt in enumerate(self._salts):
+            col = (hash_keys(keys, salt, self.xp) >> self._shift).astype(self.xp.int64)
+            flat.append(col + r * self.width)
+        return flat
+
+    def add(self, keys, counts):
+        """Add ``counts`` for unique int64 ``keys``; return the new estimates."""
+        table = self.counts.reshape(-1)
+        cells = self._cells(keys)
+        inc = counts.astype(self.xp.uint32)
+        for c in cells:
+            self._add_at(table, c, inc)
+        est = table[cells[0]]
+        for c in cells[1:]:
+            est = self.xp.minimum(est, table[c])
+        return est.astype(self.xp.int64)
+
+    def subtract(self, keys, counts):
+        """Exactly undo a previous ``add`` (used when a call must leave no trace)."""
+        table = self.counts.reshape(-1)
+        neg = (-counts.astype(self.xp.int64)).astype(self.xp.uint32)  # wraps mod 2**32
+        for c in self._cells(keys):
+            self._add_at(table, c, neg)
+
+    def clear(self):
+        self.counts.fill(0)
+
+
+def _numpy_add_at(arr, idx, val):
+    np.add.at(arr, idx, val)

@@ -1,0 +1,229 @@
+"""Public ``HashTable``: validates arguments, picks the device, serializes calls."""
+
+from __future__ import annotations
+
+import threading
+
+from .keys import to_numpy_keys
+from .numpy_table import MIN_BUCKETS
+from .numpy_table import InsertResult
+from .numpy_table import NumpyTable
+from .numpy_table import TableFullError
+
+__all__ = ["HashTable", "InsertResult", "TableFullError"]
+
+DEFAULT_BUCKET_SIZE = 16  # 16 x 8 B keys = one 128 B line; 16 digests = one 16 B load
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+class HashTable:
+    """Maps int64 keys to stable row numbers in ``[0, capacity)`` for embeddings.
+
+    Bucketed open addressing with two candidate buckets per key: a key lives in
+    the less loaded of its two buckets and its row is its slot index
+    (``bucket * bucket_size + position``).  When both buckets are full the
+    lowest-score key among them is evicted (``"lru"``: oldest step seen,
+    ``"lfu"``: fewest sightings, counting duplicates within a call; ties go to
+    the first bucket's lowest slot) and reported, or with ``eviction=None`` a
+    ``TableFullError`` (a ``RuntimeError``) is raised and nothing changes.
+
+    Args:
+      capacity: positive int; rounded up to a multiple of ``bucket_size`` and
+        to at least 4 buckets.  The ``capacity`` property reports the result.
+      bucket_size: positive power of two, default 16.
+      eviction: ``"lru"``, ``"lfu"`` or ``None``.
+      admit_after: a key gets a row once seen this many times in total
+        (count-min sketch; may admit early on collisions, never late).
+      device: ``"auto"`` (GPU when CuPy sees one), ``"gpu"`` or ``"cpu"``.
+      seed: salts the hash functions.
+
+    Batch semantics of ``lookup_or_insert``: duplicates share a row; keys
+    found or inserted by a call are never evicted by that same call; a batch
+    with more distinct admitted keys than ``capacity`` raises ``ValueError``
+    before changing anything; a key whose two buckets are entirely taken by
+    keys of the same call gets row -1 (``stats()["overflows"]``).
+
+    Thread safety: every public method holds one re-entrant lock, so
+    concurrent calls from several threads are serialized and each sees a
+    consistent table.
+
+    Keys: NumPy/CuPy/JAX/TF/torch arrays, lists or ints of any shape, integer
+    dtypes only (uint64 is reinterpreted bit for bit).  Results are NumPy on
+    the CPU table and CuPy on the GPU table.
+
+    Example:
+      >>> table = HashTable(64, eviction="lru", device="cpu")
+      >>> res = table.lookup_or_insert([[7, -1], [7, 2**63 - 1]])
+      >>> bool(res.rows[0, 0] == res.rows[1, 0])
+      True
+      >>> sorted(res.new_rows) == sorted(set(res.rows.ravel()))
+      True
+      >>> table.lookup([7, 12345]).tolist()[1]
+      -1
+      >>> table.size
+      3
+    """
+
+    def __init__(
+        self,
+        capacity,
+        *,
+        bucket_size=None,
+        eviction="lru",
+        admit_after=1,
+        device="auto",
+        seed=0,
+    ):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if bucket_size is None:
+            bucket_size = DEFAULT_BUCKET_SIZE
+        if (
+            isinstance(bucket_size, bool)
+            or not isinstance(bucket_size, int)
+            or bucket_size <= 0
+            or bucket_size & (bucket_size - 1)
+        ):
+            raise ValueError(
+                f"bucket_size must be a positive power of two, got {bucket_size!r}"
+            )
+        if eviction not in ("lru", "lfu", None):
+            raise ValueError(f'eviction must be "lru", "lfu" or None, got {eviction!r}')
+        if (
+            isinstance(admit_after, bool)
+            or not isinstance(admit_after, int)
+            or admit_after < 1
+        ):
+            raise ValueError(f"admit_after must be an int >= 1, got {admit_after!r}")
+        if device not in ("auto", "gpu", "cpu"):
+            raise ValueError(f'device must be "auto", "gpu" or "cpu", got {device!r}')
+        num_buckets = max(-(-capacity // bucket_size), MIN_BUCKETS)
+        if num_buckets >= 1 << 32:
+            raise ValueError(f"capacity {capacity} needs more than 2**32 buckets")
+        if device == "auto":
+            device = "gpu" if _gpu_available() else "cpu"
+        if device == "gpu":
+            if not _gpu_available():
+                raise RuntimeError(
+                    'device="gpu" but CuPy is not installed or sees no CUDA device'
+                )
+            from .cupy_table import CupyTable
+            from .cupy_table import to_cupy_keys
+
+            self._impl = CupyTable(
+                num_buckets, bucket_size, eviction, admit_after, seed
+            )
+            self._convert = to_cupy_keys
+        else:
+            self._impl = NumpyTable(
+                num_buckets, bucket_size, eviction, admit_after, seed
+            )
+            self._convert = to_numpy_keys
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------ properties
+    capacity = property(lambda self: self._impl.capacity, doc="Real number of rows.")
+    bucket_size = property(lambda self: self._impl.bucket_size)
+    num_buckets = property(lambda self: self._impl.num_buckets)
+    eviction = property(lambda self: self._impl.eviction)
+    admit_after = property(lambda self: self._impl.admit_after)
+    device = property(lambda self: self._impl.device, doc='"cpu" or "gpu".')
+    seed = property(lambda self: self._impl.seed)
+
+    @property
+    def size(self) -> int:
+        return self._impl.size
+
+    @property
+    def load_factor(self) -> float:
+        return self._impl.size / self._impl.capacity
+
+    def __len__(self):
+        return self.size
+
+    def __repr__(self):
+        return (
+            f"HashTable(capacity={self.capacity}, bucket_size={self.bucket_size}, "
+            f"eviction={self.eviction!r}, admit_after={self.admit_after}, "
+            f"device={self.device!r}, "
+            f"size={self.size})"
+        )
+
+    # ---------------------------------------------------------------- calls
+    def lookup(self, keys):
+        """Rows of ``keys`` (input's shape), -1 where absent.
+
+        Only the hit/miss counters change; scores are left alone.
+        """
+        k, shape = self._convert(keys, "keys")
+        with self._lock:
+            return self._impl.lookup(k).reshape(shape)
+
+    def lookup_or_insert(self, keys, step=None) -> InsertResult:
+        """Rows of ``keys``, inserting admitted new keys; see the class docstring.
+
+        ``step`` is the logical time recorded for LRU (default: an internal
+        counter incremented per call).  LFU scores add one per occurrence.
+        """
+        k, shape = self._convert(keys, "keys")
+        with self._lock:
+            res = self._impl.lookup_or_insert(k, step)
+        return res._replace(rows=res.rows.reshape(shape))
+
+    def erase(self, keys) -> int:
+        """Remove ``keys`` (absent ones are ignored); returns how many were live."""
+        k, _ = self._convert(keys, "keys")
+        with self._lock:
+            return self._impl.erase(k)
+
+    def export(self):
+        """``(keys, rows, scores)`` of all live entries as 1-D arrays."""
+        with self._lock:
+            return self._impl.export()
+
+    def import_(self, keys, rows=None, scores=None) -> InsertResult:
+        """Restore entries: at exactly ``rows`` when given, else insert and assign rows.
+
+        With ``rows``: raises ``ValueError`` (table unchanged) if a row is out of
+        range, used twice, not in one of its key's two buckets (different
+        capacity/bucket_size/seed), taken by another key, or if a key is live
+        elsewhere.  ``scores`` default to the current step (LRU) or 1 (LFU).
+        Admission is bypassed.
+        """
+        k, _ = self._convert(keys, "keys")
+        r = s = None
+        if rows is not None:
+            r, _ = self._convert(rows, "rows")
+        if scores is not None:
+            s, _ = self._convert(scores, "scores")
+        with self._lock:
+            return self._impl.import_(k, r, s)
+
+    def clear(self):
+        """Remove every entry and reset the admission sketch (counters are kept)."""
+        with self._lock:
+            self._impl.clear()
+
+    def stats(self) -> dict:
+        """Counters (hits, misses, inserts, evictions, rejected_admissions,
+        overflows) plus size, capacity and load_factor."""
+        with self._lock:
+            out = dict(self._impl.counters)
+            out.update(
+                size=self.size, capacity=self.capacity, load_factor=self.load_factor
+            )
+            return out
+
+    def candidate_buckets(self, keys):
+        """Diagnostic/test helper: the two candidate buckets of each key."""
+        k, shape = self._convert(keys, "keys")
+        b1, b2, _ = self._impl.hash(k)
+        return b1.reshape(shape), b2.reshape(shape)

@@ -1,0 +1,691 @@
+"""Bucketed two-choice hash table written once against an array namespace.
+
+``ArrayTable`` holds the whole algorithm in vectorized array operations, with
+``xp`` = NumPy (the CPU twin, ``NumpyTable``) or CuPy (``CupyTable`` swaps the
+hot probe/scatter steps for CUDA kernels).  Keeping one algorithm makes both
+devices give identical rows for identical call sequences.
+
+Layout (row == slot index == bucket * bucket_size + position):
+
+* ``keys``   int64  [capacity]  live key, or the bucket's *sentinel* when empty
+* ``digest`` uint8  [capacity]  8-bit fingerprint, compared first on lookup
+* ``score``  int64  [capacity]  last step seen (LRU) or times seen (LFU)
+* ``load``   int64  [num_buckets] live slots per bucket
+* ``holey``  bool   [num_buckets] False guarantees the live slots of the bucket
+  are exactly positions ``[0, load)`` (placement fills lowest free slots first,
+  so only ``erase`` and ``import_`` with explicit rows can punch holes); lets
+  placement compute the r-th free slot as ``load + r`` without reading keys
+
+Empty slots hold a per-bucket sentinel key chosen so that the sentinel's own
+candidate buckets exclude that bucket.  A lookup of key ``k`` only inspects
+``k``'s candidate buckets, so it can never match an empty slot, every int64
+value stays a valid key, and lookups need no occupancy array.  (Requires at
+least 4 buckets, which the front class guarantees.)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .admission import CountMinSketch
+from .admission import default_width
+from .keys import bucket_pair
+from .keys import digest
+from .keys import hash_keys
+from .keys import seed_word
+
+_INT64_MAX = np.iinfo(np.int64).max
+# de Bruijn sequence for count-trailing-zeros of an isolated bit (NumPy has no ctz).
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_DEBRUIJN_TABLE = np.zeros(64, np.int64)
+for _i in range(64):
+    _DEBRUIJN_TABLE[((1 << _i) * 0x03F79D71B4CB0A89 & 0xFFFFFFFFFFFFFFFF) >> 58] = _i
+MIN_BUCKETS = 4
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class InsertResult(NamedTuple):
+    """Result of ``lookup_or_insert``.
+
+    rows: row per input key (input's shape), -1 for keys not admitted/placed.
+    new_rows: unique rows assigned in this call (re-initialize these embeddings).
+    evicted_keys, evicted_rows: keys pushed out in this call and their old rows.
+    """
+
+    rows: object
+    new_rows: object
+    evicted_keys: object
+    evicted_rows: object
+
+
+class TableFullError(RuntimeError):
+    """Raised with ``eviction=None`` when a key's candidate buckets are full."""
+
+
+class ArrayTable:
+    """Algorithm core; not thread safe (the front class ``HashTable`` locks)."""
+
+    xp = np
+    device = "cpu"
+
+    def __init__(self, num_buckets, bucket_size, eviction, admit_after, seed):
+        xp = self.xp
+        if num_buckets < MIN_BUCKETS:
+            raise ValueError(f"need at least {MIN_BUCKETS} buckets, got {num_buckets}")
+        self.num_buckets, self.bucket_size = int(num_buckets), int(bucket_size)
+        self.capacity = self.num_buckets * self.bucket_size
+        self.eviction, self.admit_after, self.seed = (
+            eviction,
+            int(admit_after),
+            int(seed),
+        )
+        self.salt = seed_word(seed)
+        self._sentinels = self._find_sentinels()
+        self.keys = xp.empty(self.capacity, dtype=xp.int64)
+        self.digest = xp.zeros(self.capacity, dtype=xp.uint8)
+        self.score = xp.zeros(self.capacity, dtype=xp.int64)
+        self.load = xp.zeros(self.num_buckets, dtype=xp.int64)
+        self.holey = xp.zeros(self.num_buckets, dtype=bool)
+        self.bucket_sentinel = xp.asarray(self._sentinel_per_bucket())
+        self.sketch = None
+        if self.admit_after > 1:
+            self.sketch = CountMinSketch(
+                default_width(self.capacity), seed=seed, xp=xp, add_at=self._add_at
+            )
+        self.size = 0
+        self.clock = 0
+        self.counters = dict(
+            hits=0, misses=0, inserts=0, evictions=0, rejected_admissions=0, overflows=0
+        )
+        self.clear()
+
+    # ----------------------------------------------------------- primitives
+    def _add_at(self, arr, idx, val):
+        np.add.at(arr, idx, val)
+
+    def _asarray(self, x, dtype):
+        return self.xp.asarray(x, dtype=dtype)
+
+    def _to_host_int(self, x) -> int:
+        return int(x)
+
+    def hash(self, k):
+        """(b1, b2, digest) for flat int64 keys."""
+        h = hash_keys(k, self.salt, self.xp)
+        b1, b2 = bucket_pair(h, self.num_buckets, self.xp)
+        return b1, b2, digest(h, self.xp)
+
+    def _find_sentinels(self):
+        # Two keys with disjoint bucket pairs: bucket b's sentinel is s0 unless
+        # b is one of s0's buckets, then s1.  Deterministic for (seed, buckets).
+        def pair(v):
+            h = hash_keys(np.asarray([v], np.int64), self.salt, np)
+            b1, b2 = bucket_pair(h, self.num_buckets, np)
+            return {int(b1[0]), int(b2[0])}
+
+        s0 = -0x5EED5EED5EED5EED
+        p0 = pair(s0)
+        for cand in range(1, 1 << 20):
+            if not (pair(s0 + cand) & p0):
+                return s0, s0 + cand, p0
+        raise RuntimeError("no sentinel pair found")  # impossible for >= 4 buckets
+
+    def _sentinel_per_bucket(self):
+        s0, s1, p0 = self._sentinels
+        sent = np.full(self.num_buckets, s0, np.int64)
+        sent[list(p0)] = s1
+        return sent
+
+    def _empty_keys(self, slots):
+        return self.bucket_sentinel[slots // self.bucket_size]
+
+    # ---------------------------------------------------------------- probe
+    def probe(self, k, b1, b2, d):
+        """Row of each key, -1 when absent (digest compare, then key verify).
+
+        The 2*S digest matches of a key are packed into a bit mask (one word
+        per key for S <= 32); each round verifies the lowest candidate bit
+        against the stored key, so a digest false positive costs one more
+        round for that key only.
+        """
+        S = self.bucket_size
+        n = k.shape[0]
+        rows = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return rows
+        bb = np.stack([b1, b2], axis=1)
+        # Gather whole digest rows as machine words: far faster than bytes.
+        row_dt = _UINT[min(S, 8)]
+        dig_rows = self.digest.view(row_dt).reshape(self.num_buckets, -1)
+        g = np.take(dig_rows, bb, axis=0).view(np.uint8).reshape(n, 2 * S)
+        eq = g == d[:, None]
+        packed = np.packbits(eq, axis=1, bitorder="little")
+        wbytes = min(packed.shape[1], 8)
+        words = packed.view(_UINT[wbytes]).reshape(-1)
+        nw = packed.shape[1] // wbytes
+        flat_bb = bb.reshape(-1)
+        shift = np.int64(S.bit_length() - 1)
+        if nw == 1:
+            # Dense first round over all keys (most keys have exactly one
+            # candidate); only digest false positives go to the sparse rounds.
+            vals = words.astype(np.uint64)
+            low = vals & (~vals + np.uint64(1))
+            pos = _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)]
+            slot = np.take(flat_bb, np.arange(0, 2 * n, 2) + (pos >> shift)) * S + (
+                pos & (S - 1)
+            )
+            hit = self.keys[slot] == k
+            hit &= vals != 0
+            np.copyto(rows, slot, where=hit)
+            vals ^= low
+            ki = np.flatnonzero(vals * ~hit)
+            vals, base = vals[ki], 0
+        else:
+            ki = np.flatnonzero(words)
+            vals = words[ki].astype(np.uint64)
+            ki, base = ki // nw, (ki % nw) * 64
+        while ki.shape[0]:
+            low = vals & (~vals + np.uint64(1))
+            pos = _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)] + base
+            slot = flat_bb[2 * ki + (pos >> shift)] * S + (pos & (S - 1))
+            hit = self.keys[slot] == k[ki]
+            rows[ki[hit]] = slot[hit]
+            vals ^= low
+            keep = ~hit & (vals != 0)
+            ki, vals = ki[keep], vals[keep]
+            if nw != 1:
+                base = base[keep]
+        return rows
+
+    # --------------------------------------------------------------- public
+    def find(self, k):
+        """Row of each flat int64 key, -1 when absent (hash + probe)."""
+        b1, b2, d = self.hash(k)
+        return self.probe(k, b1, b2, d)
+
+    def lookup(self, k):
+        rows = self.find(k)
+        found = self._to_host_int((rows >= 0).sum())
+        self.counters["hits"] += found
+        self.counters["misses"] += int(k.shape[0]) - found
+        return rows
+
+    def lookup_or_insert(self, k, step=None):
+        xp = self.xp
+        step = self._next_step(step)
+        n = int(k.shape[0])
+        rows = self.find(k)
+        hit = rows >= 0
+        hit_rows = rows[hit]
+        miss_idx = xp.flatnonzero(~hit)
+        n_miss = int(miss_idx.shape[0])
+        empty = xp.zeros(0, dtype=xp.int64)
+        placed_rows, ev_keys, ev_rows = empty, empty, empty
+        rejected = 0
+        if n_miss:
+            mk = k[miss_idx]
+            order = xp.argsort(mk)
+            sk = mk[order]
+            first = xp.ones(n_miss, dtype=bool)
+            first[1:] = sk[1:] != sk[:-1]
+            inv = xp.empty(n_miss, dtype=xp.int64)
+            if bool(first.all()):  # no duplicate misses: skip the grouping
+                inv[order] = xp.arange(n_miss, dtype=xp.int64)
+                uk = sk
+                counts = xp.ones(n_miss, dtype=xp.int64)
+            else:
+                inv[order] = xp.cumsum(first) - 1
+                starts = xp.flatnonzero(first)
+                uk = sk[starts]
+                counts = xp.diff(xp.concatenate([starts, xp.asarray([n_miss])]))
+            admitted = None
+            if self.sketch is not None:
+                est = self.sketch.add(uk, counts)
+                admitted = est >= self.admit_after
+                ak, acounts = uk[admitted], counts[admitted]
+                rejected = self._to_host_int(counts[~admitted].sum())
+            else:
+                ak, acounts = uk, counts
+            try:
+                self._check_batch_fits(int(ak.shape[0]), hit_rows)
+                placed = self._place(ak, acounts, step, hit_rows)
+            except Exception:
+                if self.sketch is not None:
+                    self.sketch.subtract(uk, counts)
+                raise
+            urows = placed[0]
+            if admitted is not None:
+                urows_all = xp.full(uk.shape[0], -1, dtype=xp.int64)
+                urows_all[admitted] = urows
+                urows = urows_all
+            rows[miss_idx] = urows[inv]
+            placed_rows, ev_keys, ev_rows = placed[1], placed[2], placed[3]
+        self._touch(hit_rows, step)
+        c = self.counters
+        c["hits"] += n - n_miss
+        c["misses"] += n_miss
+        c["rejected_admissions"] += rejected
+        c["inserts"] += int(placed_rows.shape[0])
+        c["evictions"] += int(ev_keys.shape[0])
+        return InsertResult(rows, placed_rows, ev_keys, ev_rows)
+
+    def erase(self, k) -> int:
+        xp, S = self.xp, self.bucket_size
+        rows = self.find(k)
+        rows = xp.unique(rows[rows >= 0])
+        n = int(rows.shape[0])
+        if n:
+            self.keys[rows] = self._empty_keys(rows)
+            self.digest[rows] = 0
+            self.score[rows] = 0
+            self._add_at(self.load, rows // S, xp.full(n, -1, dtype=xp.int64))
+            self.holey[rows // S] = True
+            self.size -= n
+        return n
+
+    def export(self):
+        xp = self.xp
+        live = self.keys != xp.repeat(self.bucket_sentinel, self.bucket_size)
+        rows = xp.flatnonzero(live).astype(xp.int64)
+        return self.keys[rows], rows, self.score[rows]
+
+    def import_(self, k, rows=None, scores=None):
+        xp, S = self.xp, self.bucket_size
+        n = int(k.shape[0])
+        if n and int(xp.unique(k).shape[0]) != n:
+            raise ValueError("import_: keys contain duplicates")
+        if scores is not None and int(scores.shape[0]) != n:
+            raise ValueError(f"import_: got {int(scores.shape[0])} scores for {n} keys")
+        default_score = self.clock if self.eviction == "lru" else 1
+        if scores is None:
+            scores = xp.full(n, default_score, dtype=xp.int64)
+        if rows is None:
+            b1, b2, d = self.hash(k)
+            cur = self.probe(k, b1, b2, d)
+            present = cur >= 0
+            new_idx = xp.flatnonzero(~present)
+            self._check_batch_fits(int(new_idx.shape[0]), cur[present])
+            out_rows, placed, evk, evr = self._place(
+                k[new_idx],
+                xp.ones(int(new_idx.shape[0]), xp.int64),
+                self.clock,
+                cur[present],
+            )
+            cur[new_idx] = out_rows
+            ok = cur >= 0
+            self.score[cur[ok]] = scores[ok]
+            self.counters["inserts"] += int(placed.shape[0])
+            self.counters["evictions"] += int(evk.shape[0])
+            return InsertResult(cur, placed, evk, evr)
+        if int(rows.shape[0]) != n:
+            raise ValueError(f"import_: got {int(rows.shape[0])} rows for {n} keys")
+        self._validate_import_rows(k, rows)
+        b = rows // S
+        fresh = self.keys[rows] != self.bucket_sentinel[b]  # occupied (by the same key)
+        newly = rows[~fresh]
+        self.keys[rows] = k
+        self.digest[rows] = self.hash(k)[2]
+        self.score[rows] = scores
+        self._add_at(
+            self.load, newly // S, xp.ones(int(newly.shape[0]), dtype=xp.int64)
+        )
+        self.holey[newly // S] = True
+        self.size += int(newly.shape[0])
+        self.counters["inserts"] += int(newly.shape[0])
+        empty = xp.zeros(0, dtype=xp.int64)
+        return InsertResult(rows, newly, empty, empty)
+
+    def _validate_import_rows(self, k, rows):
+        xp, S = self.xp, self.bucket_size
+        n = int(k.shape[0])
+        if n == 0:
+            return
+        if bool(((rows < 0) | (rows >= self.capacity)).any()):
+            raise ValueError(f"import_: rows must be in [0, {self.capacity})")
+        if int(xp.unique(rows).shape[0]) != n:
+            raise ValueError("import_: two keys were given the same row")
+        b1, b2, d = self.hash(k)
+        bucket = rows // S
+        if bool(((bucket != b1) & (bucket != b2)).any()):
+            raise ValueError(
+                "import_: a row is not in either candidate bucket of its key "
+                "(exported from a table with another capacity, bucket_size or seed?)"
+            )
+        cur = self.probe(k, b1, b2, d)
+        if bool(((cur >= 0) & (cur != rows)).any()):
+            raise ValueError("import_: a key is already live at a different row")
+        occupant = self.keys[rows]
+        occupied = occupant != self.bucket_sentinel[bucket]
+        if bool((occupied & (occupant != k)).any()):
+            raise ValueError("import_: a row is already used by a different live key")
+
+    def clear(self):
+        xp = self.xp
+        self.keys[...] = xp.repeat(self.bucket_sentinel, self.bucket_size)
+        self.digest.fill(0)
+        self.score.fill(0)
+        self.load.fill(0)
+        self.holey.fill(False)
+        self.size = 0
+        if self.sketch is not None:
+            self.sketch.clear()
+
+    # ------------------------------------------------------------- internals
+    def _next_step(self, step):
+        if step is None:
+            self.clock += 1
+            return self.clock
+        step = int(step)
+        self.clock = max(self.clock, step)
+        return step
+
+    def _touch(self, hit_rows, step):
+        """Scores of keys found by lookup_or_insert (duplicates count for LFU)."""
+        if not hit_rows.shape[0] or self.eviction is None:
+            return
+        if self.eviction == "lru":
+            self.score[hit_rows] = step
+        else:
+            self._add_at(
+                self.score,
+                hit_rows,
+                self.xp.ones(hit_rows.shape[0], dtype=self.xp.int64),
+            )
+
+    def _check_batch_fits(self, n_new, hit_rows):
+        if n_new == 0:
+            return
+        n_hit = int(hit_rows.shape[0])
+        if n_new + n_hit > self.capacity:
+            n_hit = int(self.xp.unique(hit_rows).shape[0])
+        if n_new + n_hit > self.capacity:
+            raise ValueError(
+                f"batch has {n_new + n_hit} distinct admitted keys but the table "
+                f"capacity "
+                f"is {self.capacity}; split the batch or grow the table"
+            )
+        if self.eviction is None and n_new > self.capacity - self.size:
+            raise TableFullError(
+                f"hash table full: capacity {self.capacity}, size {self.size}, "
+                f"{n_new} new keys and eviction=None"
+            )
+
+    def _place(self, ak, counts, step, hit_rows):
+        """Give rows to new unique keys ``ak``.
+
+        Rounds: keys whose candidate buckets have room go to the less loaded
+        one (ties -> first bucket), ranked within the bucket so each gets a
+        distinct free slot; keys whose buckets are both full evict the
+        lowest-score slot among both buckets that this call has not touched.
+        Returns (rows per key, new rows, evicted keys, evicted rows).
+        """
+        xp, S = self.xp, self.bucket_size
+        m = int(ak.shape[0])
+        res = xp.full(m, -1, dtype=xp.int64)
+        empty = xp.zeros(0, dtype=xp.int64)
+        if m == 0:
+            return res, empty, empty, empty
+        b1, b2, d = self.hash(ak)
+        new_score = (
+            xp.full(m, step, dtype=xp.int64)
+            if self.eviction != "lfu"
+            else counts.astype(xp.int64)
+        )
+        pending = all_keys = xp.arange(m, dtype=xp.int64)
+        filled = []  # slots taken from free space (undo list for TableFullError)
+        ev_k, ev_r = [], []
+        prot = None
+        for _ in range(
+            4 * S + 8
+        ):  # each round places or retires >= 1 key per contended slot
+            if not pending.shape[0]:
+                break
+            everyone = pending is all_keys  # first round: pending == arange(m)
+            pb1, pb2 = (b1, b2) if everyone else (b1[pending], b2[pending])
+            l1, l2 = self.load[pb1], self.load[pb2]
+            choose = xp.where(l1 <= l2, pb1, pb2)
+            roomy = xp.minimum(l1, l2) < S
+            n_roomy = self._to_host_int(roomy.sum())
+            all_roomy = n_roomy == int(pending.shape[0])
+            full_keys = empty if all_roomy else pending[~roomy]
+            retry = []
+            if n_roomy:
+                a = pending if all_roomy else pending[roomy]
+                if not all_roomy:
+                    choose = choose[roomy]
+                slots, ok = self._claim_free(choose)
+                slots = slots[ok]
+                won = a[ok]
+                self._write(slots, ak[won], d[won], new_score[won])
+                self._add_at(
+                    self.load, slots // S, xp.ones(int(slots.shape[0]), dtype=xp.int64)
+                )
+                res[won] = slots
+                filled.append(slots)
+                if prot is not None:
+                    prot[slots] = True
+                retry.append(a[~ok])
+            if full_keys.shape[0]:
+                if self.eviction is None:
+                    self._undo_fill(filled)
+                    raise TableFullError(
+                        f"hash table full: both candidate buckets of a key are full "
+                        f"(capacity {self.capacity}, size {self.size}) "
+                        "and eviction=None"
+                    )
+                if prot is None:
+                    prot = xp.zeros(self.capacity, dtype=bool)
+                    prot[hit_rows] = True
+                    for f in filled:
+                        prot[f] = True
+                    for r in ev_r:
+                        prot[r] = True
+                lost, ek, er = self._evict_round(
+                    full_keys, b1, b2, ak, d, new_score, res, prot
+                )
+                retry.append(lost)
+                if ek.shape[0]:
+                    ev_k.append(ek)
+                    ev_r.append(er)
+            pending = xp.concatenate(retry) if retry else empty
+        n_over = int(pending.shape[0])
+        self.counters["overflows"] += n_over
+        n_filled = sum(int(f.shape[0]) for f in filled)
+        self.size += n_filled
+        evk = xp.concatenate(ev_k) if ev_k else empty
+        evr = xp.concatenate(ev_r) if ev_r else empty
+        return res, res[res >= 0], evk, evr
+
+    def _claim_free(self, choose):
+        """Distinct free slot per key in its chosen bucket; ok=False if none left.
+
+        Keys are ranked within their bucket by arrival; rank r takes the r-th
+        lowest free position.  Sorting one composite word (bucket, arrival)
+        replaces an argsort; compact buckets (see ``holey``) need no key reads.
+        """
+        xp, S = self.xp, self.bucket_size
+        n = int(choose.shape[0])
+        sh = max(n - 1, 1).bit_length()
+        comp = xp.sort((choose << sh) | xp.arange(n, dtype=xp.int64))
+        sc = comp >> sh
+        order = comp & ((1 << sh) - 1)
+        first = xp.ones(n, dtype=bool)
+        first[1:] = sc[1:] != sc[:-1]
+        starts = xp.flatnonzero(first)
+        grp = xp.cumsum(first) - 1
+        rank = xp.arange(n, dtype=xp.int64) - starts[grp]
+        lsc = self.load[sc]
+        ok_sorted = rank < (S - lsc)
+        pos = xp.minimum(lsc + rank, S - 1)
+        ub = sc[starts]
+        hole = self.holey[ub]
+        if bool(hole.any()):
+            hub = ub[hole]
+            occ = self.keys.reshape(-1, S)[hub] != self.bucket_sentinel[hub][:, None]
+            free_first = xp.argsort(
+                occ.astype(xp.int64) * S + xp.arange(S, dtype=xp.int64), axis=1
+            )
+            hid = xp.cumsum(hole) - 1  # row of each holey group in free_first
+            sel = hole[grp]
+            g = grp[sel]
+            pos[sel] = free_first[hid[g], xp.minimum(rank[sel], S - 1)]
+        slots = xp.empty(n, dtype=xp.int64)
+        ok = xp.empty(n, dtype=bool)
+        slots[order] = sc * S + pos
+        ok[order] = ok_sorted
+        return slots, ok
+
+    def _evict_round(self, keys_idx, b1, b2, ak, d, new_score, res, prot):
+        """One eviction round; returns (indices still pending, evicted keys, rows)."""
+        xp, S = self.xp, self.bucket_size
+        lane = xp.arange(S, dtype=xp.int64)
+        cand = xp.concatenate(
+            [b1[keys_idx][:, None] * S + lane, b2[keys_idx][:, None] * S + lane], axis=1
+        )
+        sc = xp.where(prot[cand], _INT64_MAX, self.score[cand])
+        pick = xp.argmin(sc, axis=1)  # first minimum: bucket 1 before 2, low slot first
+        victim = xp.take_along_axis(cand, pick[:, None], axis=1)[:, 0]
+        usable = ~prot[victim]
+        # Both buckets hold only keys of this call: the key overflows (row -1).
+        self.counters["overflows"] += int(keys_idx.shape[0]) - self._to_host_int(
+            usable.sum()
+        )
+        keys_idx, victim = keys_idx[usable], victim[usable]
+        if not keys_idx.shape[0]:
+            e = xp.zeros(0, dtype=xp.int64)
+            return e, e, e
+        _, win = xp.unique(
+            victim, return_index=True
+        )  # earliest key wins a contended slot
+        won = xp.zeros(int(keys_idx.shape[0]), dtype=bool)
+        won[win] = True
+        wi, slots = keys_idx[won], victim[won]
+        ek = self.keys[slots].copy()
+        self._write(slots, ak[wi], d[wi], new_score[wi])
+        prot[slots] = True
+        res[wi] = slots
+        return keys_idx[~won], ek, slots
+
+    def _write(self, slots, k, d, s):
+        self.keys[slots] = k
+        self.digest[slots] = d
+        self.score[slots] = s
+
+    def _undo_fill(self, filled):
+        xp = self.xp
+        for slots in filled:
+            self.keys[slots] = self._empty_keys(slots)
+            self.digest[slots] = 0
+            self.score[slots] = 0
+            self._add_at(
+                self.load,
+                slots // self.bucket_size,
+                xp.full(int(slots.shape[0]), -1, dtype=xp.int64),
+            )
+            self.holey[slots // self.bucket_size] = True
+
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_BYTES = np.uint64(0x0101010101010101)
+_CHUNK = 1 << 15  # keys per probe chunk: every temporary stays in L2
+
+
+class NumpyTable(ArrayTable):
+    """CPU twin: the algorithm above on NumPy arrays.
+
+    ``find`` (lookup, the probe of ``lookup_or_insert``, erase) runs a fused,
+    chunked version of ``probe`` for bucket sizes 8/16/32: per chunk of keys it
+    hashes, gathers both buckets' digests as 64-bit words, XORs them with the
+    key's digest repeated in every byte, turns zero bytes into a match mask
+    (one word per key) and verifies the lowest match against the stored key.
+    Results are identical to ``probe``; chunking keeps temporaries in cache.
+    """
+
+    xp = np
+    device = "cpu"
+
+    def find(self, k):
+        S = self.bucket_size
+        if S not in (8, 16, 32):
+            return super().find(k)
+        n = int(k.shape[0])
+        rows = np.full(n, -1, dtype=np.int64)
+        # One void item per bucket's digests: a single fast 8/16/32-byte gather.
+        digv = self.digest.view(np.dtype((np.void, S)))
+        mask_dt = _UINT[S // 8]
+        shift = S.bit_length() - 1
+        nb = np.uint64(self.num_buckets)
+        nb1 = np.uint64(self.num_buckets - 1)
+        salt = np.uint64(self.salt)
+        u32, bits = np.uint64(32), np.uint64(S)
+        keys, c = self.keys, _CHUNK
+        for s in range(0, n, c):
+            kc = k[s : s + c]
+            m = kc.shape[0]
+            # splitmix64 (keys.mix64) and keys.bucket_pair, inlined in place.
+            h = kc.view(np.uint64) ^ salt
+            h ^= h >> np.uint64(30)
+            h *= _M1
+            h ^= h >> np.uint64(27)
+            h *= _M2
+            h ^= h >> np.uint64(31)
+            bb = np.empty((2, m), dtype=np.uint64)  # [first buckets, second]
+            b1, b2 = bb[0], bb[1]
+            np.right_shift(h, u32, out=b1)
+            b1 *= nb
+            b1 >>= u32
+            np.bitwise_and(h, np.uint64(0xFFFFFFFF), out=b2)
+            b2 *= nb1
+            b2 >>= u32
+            b2 += b1
+            b2 += np.uint64(1)
+            np.subtract(b2, nb, out=b2, where=b2 >= nb)
+            h &= np.uint64(0xFF)
+            h *= _BYTES  # the key's digest in every byte
+            g = digv.take(bb).view(np.uint64).reshape(2, m, -1)
+            g ^= h[None, :, None]
+            # zero byte == digest match; flat packbits of S bools per bucket
+            mk = np.packbits((g.view(np.uint8) == 0).reshape(-1), bitorder="little")
+            mk = mk.view(mask_dt).reshape(2, m)
+            vals = mk[1].astype(np.uint64)
+            vals <<= bits
+            vals |= mk[0]
+            low = vals & (~vals + np.uint64(1))
+            pos = low * _DEBRUIJN
+            pos >>= np.uint64(58)
+            pos = _DEBRUIJN_TABLE.take(pos)
+            sel = pos >> shift  # 0: first bucket, 1: second
+            sel *= m
+            sel += np.arange(m)
+            slot = bb.reshape(-1).view(np.int64).take(sel)
+            slot *= S
+            pos &= S - 1
+            slot += pos
+            # No match (vals == 0) gives pos 0: that slot cannot hold kc,
+            # since a stored kc would have matched its own digest.
+            hit = keys.take(slot) == kc
+            out = rows[s : s + m]
+            np.copyto(out, slot, where=hit)
+            vals ^= low
+            np.copyto(vals, 0, where=hit)
+            ki = np.flatnonzero(vals)
+            if ki.shape[0]:
+                self._probe_rest(kc, bb.view(np.int64), ki, vals[ki], out)
+        return rows
+
+    def _probe_rest(self, k, bb, ki, vals, rows):
+        """Remaining digest candidates (false positives of the first one)."""
+        S = self.bucket_size
+        shift = np.int64(S.bit_length() - 1)
+        while ki.shape[0]:
+            low = vals & (~vals + np.uint64(1))
+            pos = _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)]
+            slot = bb[pos >> shift, ki] * S + (pos & (S - 1))
+            hit = self.keys[slot] == k[ki]
+            rows[ki[hit]] = slot[hit]
+            vals ^= low
+            keep = ~hit & (vals != 0)
+            ki, vals = ki[keep], vals[keep]

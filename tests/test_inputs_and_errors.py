@@ -1,0 +1,136 @@
+"""Input forms (padded, ragged, sparse), combiner edge cases and bad input."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_sparse as ks
+from tests.helpers import pooled_model
+
+BACKEND = keras.backend.backend()
+
+
+def _table(rows=12, dim=3):
+    return np.random.default_rng(0).normal(size=(rows, dim)).astype("float32")
+
+
+def _numpy_pool(table, rows_of_ids, combiner, weights=None):
+    out = []
+    for i, ids in enumerate(rows_of_ids):
+        w = np.ones(len(ids)) if weights is None else np.asarray(weights[i])
+        vecs = table[np.asarray(ids, int)] if len(ids) else np.zeros((0, table.shape[1]))
+        total = (vecs * w[:, None]).sum(0)
+        if combiner == "mean" and len(ids):
+            total = total / w.sum()
+        if combiner == "sqrtn" and len(ids):
+            total = total / np.sqrt((w**2).sum())
+        out.append(total)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_padded_form_excludes_padding_and_empty_bag_is_zero(combiner):
+    table = _table()
+    bags = [[3, 1], [], [4, 1, 5]]
+    ids, weights = ks.ragged_to_padded(np.array([3, 1, 4, 1, 5]), [2, 0, 3])
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner=combiner)
+    out = ops.convert_to_numpy(layer(ids, weights=weights))
+    np.testing.assert_allclose(out, _numpy_pool(table, bags, combiner), atol=1e-6)
+    assert np.all(out[1] == 0)
+
+
+def test_mask_zero_excluded_from_pooling():
+    table = _table()
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner="mean", mask_zero=True)
+    out = ops.convert_to_numpy(layer(np.array([[0, 2, 0], [0, 0, 0]])))
+    np.testing.assert_allclose(out[0], table[2], atol=1e-6)
+    np.testing.assert_array_equal(out[1], np.zeros(3))
+
+
+def test_per_id_weights_with_1d_ids_and_combiner():
+    table = _table()
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner="sum")
+    out = ops.convert_to_numpy(layer(np.array([1, 2]), weights=np.array([2.0, 0.5])))
+    np.testing.assert_allclose(out, table[[1, 2]] * np.array([[2.0], [0.5]]), atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.RaggedTensor/SparseTensor")
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_tf_ragged_and_sparse_inputs(combiner):
+    import tensorflow as tf
+
+    table = _table()
+    bags = [[3, 1], [], [4, 1, 5]]
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner=combiner)
+    expected = _numpy_pool(table, bags, combiner)
+    ragged = tf.ragged.constant(bags, dtype=tf.int64)
+    np.testing.assert_allclose(layer(ragged).numpy(), expected, atol=1e-6)
+    sparse = ragged.to_sparse()
+    np.testing.assert_allclose(layer(sparse).numpy(), expected, atol=1e-6)
+    weights = tf.ragged.constant([[2.0, 1.0], [], [1.0, 0.5, 3.0]])
+    np.testing.assert_allclose(
+        layer(ragged, weights=weights).numpy(),
+        _numpy_pool(table, bags, combiner, [[2, 1], [], [1, 0.5, 3]]),
+        atol=1e-5,
+    )
+
+
+def test_padding_is_not_updated_by_sparse_optimizer():
+    table = _table()
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner="sum", optimizer="adam")
+    ids = keras.Input((3,), dtype="int32")
+    w = keras.Input((3,))
+    model = keras.Model([ids, w], layer(ids, weights=w))
+    model.compile("sgd", "mse")
+    x, wx = ks.ragged_to_padded(np.array([3, 1, 4, 1, 5, 6]), [2, 1, 3], max_length=3)
+    model.fit([x, wx], np.ones((3, 3), "float32"), verbose=0)
+    after = layer.embeddings.numpy()
+    np.testing.assert_array_equal(after[0], table[0])  # pad id, weight 0
+    changed = np.where(np.any(after != table, axis=1))[0].tolist()
+    assert changed == [1, 3, 4, 5, 6]
+
+
+def test_float_ids_raise_type_error():
+    layer = ks.AllToAllDenseEmbedding(10, 2, name="emb_f")
+    with pytest.raises(TypeError, match="emb_f.*integer"):
+        layer(np.array([[1.0, 2.0]]))
+
+
+def test_out_of_range_eager_raises_and_leaves_state():
+    layer = ks.AllToAllDenseEmbedding(10, 2, name="emb_r", optimizer="adam")
+    layer.build()
+    before = layer.embeddings.numpy().copy()
+    for bad in (10, -1):
+        with pytest.raises(ValueError, match=rf"emb_r.*{bad}.*\[0, 10\)"):
+            layer(np.array([[1, bad, 3]]), training=True)
+    np.testing.assert_array_equal(layer.embeddings.numpy(), before)
+    assert int(layer.sparse_iterations.numpy()) == 0
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch fit runs eagerly and raises")
+def test_invalid_ids_in_compiled_step_read_zero_and_update_nothing():
+    table = _table()
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, optimizer="sgd")
+    model = pooled_model(layer, 2)
+    model.compile("sgd", "mse", jit_compile=BACKEND == "jax")
+    x = np.array([[1, 99], [-5, 2], [1000, 12]], "int32")
+    pred = model.predict(x, verbose=0)
+    np.testing.assert_allclose(pred[:, 0], [table[1].sum(), table[2].sum(), 0.0], atol=1e-5)
+    model.fit(x, np.ones((3, 1), "float32"), verbose=0)
+    after = layer.embeddings.numpy()
+    changed = np.where(np.any(after != table, axis=1))[0].tolist()
+    assert changed == [1, 2]
+
+
+def test_argument_errors_list_choices():
+    with pytest.raises(ValueError, match="'sum', 'mean', 'sqrtn'"):
+        ks.AllToAllDenseEmbedding(10, 2, combiner="avg")
+    with pytest.raises(ValueError, match="input_dim"):
+        ks.AllToAllDenseEmbedding(0, 2)
+    with pytest.raises(ValueError, match="lora_rank"):
+        ks.AllToAllDenseEmbedding(10, 2, lora_rank=4)
+    with pytest.raises(ValueError, match="sharding"):
+        ks.AllToAllDenseEmbedding(10, 2, sharding="rows")
+    with pytest.raises(ValueError, match="weights"):
+        ks.AllToAllDenseEmbedding(10, 2, weights=np.zeros((3, 2)))
