@@ -2,8 +2,10 @@
 
 CPU: a 4M-capacity table (NumPy twin) at load factors 0.5/0.75/0.95 with 1M-key
 batches, against a Python dict loop and a warm ``pandas.Index.get_indexer``.
-GPU (when CuPy sees a device): a 64M-capacity table vs ``cupy.searchsorted``
-on the sorted live keys.  ``lookup`` batches are 100% hits drawn from live
+GPU (when CuPy sees a device): a 64M-capacity table at the same load factors
+with 1M-key batches vs ``cupy.searchsorted`` on the sorted live keys, timed
+with CUDA events (best of N; ``lookup_or_insert`` has a few host syncs inside,
+which the events include).  ``lookup`` batches are 100% hits drawn from live
 keys; ``lookup_or_insert`` batches are 50% live keys + 50% new keys, and the
 table state is restored after every timed call so each repeat starts equal.
 
@@ -41,8 +43,26 @@ def best_of(fn, reps, setup=None, sync=None):
     return best
 
 
+def best_of_events(fn, reps, setup=None):
+    """Best GPU time in seconds between two CUDA events around ``fn``."""
+    import cupy as cp
+
+    best = float("inf")
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(reps):
+        if setup:
+            setup()
+        cp.cuda.Device().synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return best
+
+
 def snapshot(impl):
-    names = ("keys", "digest", "score", "load")
+    names = ("keys", "digest", "score", "load", "holey")
     saved = {n: getattr(impl, n).copy() for n in names}
     size, clock = impl.size, impl.clock
 
@@ -118,7 +138,6 @@ def bench_gpu(capacity, batch, reps):
 def _gpu_case(lf, capacity, batch, reps):
     import cupy as cp
 
-    sync = cp.cuda.Device().synchronize
     rng = np.random.default_rng(int(lf * 100))
     t = HashTable(capacity, eviction="lru", device="gpu")
     fill(t, int(lf * t.capacity), rng, xp=cp, chunk=1 << 23)
@@ -130,14 +149,17 @@ def _gpu_case(lf, capacity, batch, reps):
             cp.asarray(rng.integers(-(2**63), 2**63 - 1, batch - batch // 2)),
         ]
     )
+    mixed = mixed[cp.asarray(rng.permutation(batch))]
     restore = snapshot(t._impl)
-    t_lookup = best_of(lambda: t.lookup(hits), reps, sync=sync)
-    t_insert = best_of(
-        lambda: t.lookup_or_insert(mixed), reps, setup=restore, sync=sync
-    )
+    t.lookup(hits)  # compile/warm the kernels outside the timed region
+    t.lookup_or_insert(mixed)
+    restore()
+    t_lookup = best_of_events(lambda: t.lookup(hits), reps)
+    t_insert = best_of_events(lambda: t.lookup_or_insert(mixed), reps, setup=restore)
     restore()
     sorted_keys = cp.sort(live)
-    t_ss = best_of(lambda: cp.searchsorted(sorted_keys, hits), reps, sync=sync)
+    cp.searchsorted(sorted_keys, hits)
+    t_ss = best_of_events(lambda: cp.searchsorted(sorted_keys, hits), reps)
     return dict(
         device="gpu",
         load=t.load_factor,

@@ -5,16 +5,41 @@ Public API:
         and sparse optimizers.
     optimizers: SGD, Adagrad, RowWiseAdagrad, Adam (lazy), Ftrl.
     ragged_to_padded: the padded (ids, weights) form of a ragged batch.
+    DistributedHashEmbedding: dynamic-vocabulary embedding keyed by any int64.
+    HashTable: int64 key -> row map with eviction and admission (GPU or CPU).
+    plan, distribution, sharding: model parallelism (JAX): a planner that picks
+        row/column/replicated placement per table, and the Keras distribution
+        that lays the tables out.
+    data: the async prefetching input stage (`data.prefetch`) and synthetic
+        Criteo-like data for examples and benchmarks.
 """
 
+from keras_sparse import data
 from keras_sparse import optimizers
+from keras_sparse import sharding
 from keras_sparse.layers import AllToAllDenseEmbedding
+from keras_sparse.layers import DistributedHashEmbedding
 from keras_sparse.layers import ragged_to_padded
+from keras_sparse.sharding import distribution
+from keras_sparse.sharding import plan
+from keras_sparse.table import HashTable
+from keras_sparse.table import InsertResult
+from keras_sparse.table import TableFullError
+from keras_sparse.table import hash_strings
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllToAllDenseEmbedding",
+    "DistributedHashEmbedding",
+    "HashTable",
+    "InsertResult",
+    "TableFullError",
+    "data",
+    "distribution",
+    "hash_strings",
     "optimizers",
+    "plan",
     "ragged_to_padded",
+    "sharding",
 ]

@@ -35,13 +35,15 @@ def test_outputs_match_keras_embedding(combiner):
     np.testing.assert_allclose(
         ops.convert_to_numpy(layer(ids)),
         ops.convert_to_numpy(_reference(combiner, table, ids)),
-        rtol=1e-6, atol=1e-6,
+        rtol=1e-6,
+        atol=1e-6,
     )
     if combiner is not None:
         np.testing.assert_allclose(
             ops.convert_to_numpy(layer(ids, weights=weights)),
             ops.convert_to_numpy(_reference(combiner, table, ids, weights)),
-            rtol=1e-5, atol=1e-6,
+            rtol=1e-5,
+            atol=1e-6,
         )
 
 

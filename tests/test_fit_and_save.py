@@ -102,15 +102,23 @@ def test_save_load_continues_identically(tmp_path, optimizer):
     h1 = model.fit(x[48:], y[48:], batch_size=16, shuffle=False, verbose=0)
     h2 = restored.fit(x[48:], y[48:], batch_size=16, shuffle=False, verbose=0)
     np.testing.assert_allclose(h2.history["loss"], h1.history["loss"], rtol=1e-6)
-    np.testing.assert_allclose(emb2.embeddings.numpy(), emb.embeddings.numpy(), atol=1e-7)
+    np.testing.assert_allclose(
+        emb2.embeddings.numpy(), emb.embeddings.numpy(), atol=1e-7
+    )
     if optimizer is not None:
         assert int(emb2.sparse_iterations.numpy()) == int(emb.sparse_iterations.numpy())
 
 
 def test_config_round_trip():
     layer = ks.AllToAllDenseEmbedding(
-        50, 6, combiner="sqrtn", optimizer=ks.optimizers.RowWiseAdagrad(0.3),
-        mask_zero=True, sharding="row", embeddings_regularizer="l2", name="t",
+        50,
+        6,
+        combiner="sqrtn",
+        optimizer=ks.optimizers.RowWiseAdagrad(0.3),
+        mask_zero=True,
+        sharding="row",
+        embeddings_regularizer="l2",
+        name="t",
     )
     again = ks.AllToAllDenseEmbedding.from_config(layer.get_config())
     assert again.get_config() == layer.get_config()
@@ -124,7 +132,9 @@ class NoTrainingArg(keras.Model):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.embedding = ks.AllToAllDenseEmbedding(ROWS, DIM, combiner="sum", optimizer="adam")
+        self.embedding = ks.AllToAllDenseEmbedding(
+            ROWS, DIM, combiner="sum", optimizer="adam"
+        )
         self.head = _dense()
 
     def call(self, ids):
@@ -154,7 +164,9 @@ def test_frozen_layer_is_not_updated():
 
 
 def test_regularizer_adds_loss_with_sparse_optimizer():
-    layer = ks.AllToAllDenseEmbedding(10, 2, optimizer="sgd", embeddings_regularizer="l2")
+    layer = ks.AllToAllDenseEmbedding(
+        10, 2, optimizer="sgd", embeddings_regularizer="l2"
+    )
     layer.build()
     layer(np.array([[1, 2]]), training=True)
     assert len(layer.losses) == 1

@@ -417,3 +417,223 @@ def test_hash_strings_stable():
     assert h[:3].view(np.uint64).tolist() == expected
     assert hash_strings(np.array([["a", "b"]])).shape == (1, 2)
     assert hash_strings([b"foobar"])[0] == h[2]
+
+
+# --------------------------------------------------------------------------
+# CPU emulations of the CUDA kernels in kernels/hash_table.cu (they cannot run
+# here): each mirrors its kernel thread by thread and must agree with the
+# NumPy twin, which the GPU conformance run then checks on real hardware.
+
+
+def _emulate_ks_find(impl, keys):
+    """ks_find: 16-lane tiles, uint4 digest load when S % 16 == 0, ballot."""
+    from keras_sparse.table.keys import bucket_pair
+    from keras_sparse.table.keys import hash_keys
+
+    S, tile = impl.bucket_size, 16
+    h = hash_keys(np.asarray(keys, np.int64), impl.salt)
+    b1, b2 = bucket_pair(h.copy(), impl.num_buckets)
+    dig, tkeys = host(impl.digest), host(impl.keys)
+    out = []
+    for i, k in enumerate(np.asarray(keys, np.int64).tolist()):
+        d = int(h[i]) & 0xFF
+        found = -1
+        for base in (int(b1[i]) * S, int(b2[i]) * S):
+            for off in range(0, S, tile):
+                bal = 0
+                if S % tile == 0:  # one 16-byte load, byte j of the uint4
+                    words = dig[base + off : base + off + 16].view("<u4").tolist()
+                for lane in range(tile):
+                    j = off + lane
+                    if j >= S:
+                        continue
+                    if S % tile == 0:
+                        w = words[lane // 4]
+                        dj = (w >> (8 * (lane & 3))) & 0xFF
+                    else:
+                        dj = int(dig[base + j])
+                    if dj == d and int(tkeys[base + j]) == k:
+                        bal |= 1 << lane
+                if found < 0 and bal:
+                    found = base + off + ((bal & -bal).bit_length() - 1)
+        out.append(found)
+    return np.asarray(out, np.int64)
+
+
+@pytest.mark.parametrize("bucket_size", [4, 8, 16, 32])
+def test_find_kernel_emulation(bucket_size):
+    rng = np.random.default_rng(bucket_size)
+    t = HashTable(1024, bucket_size=bucket_size, eviction="lru", device="cpu")
+    live = rng.integers(I64.min, I64.max, 700, dtype=np.int64)
+    t.lookup_or_insert(live)
+    t.erase(live[:50])
+    probe = np.concatenate([live, rng.integers(I64.min, I64.max, 300), SPECIAL])
+    want = t._impl.find(probe)
+    np.testing.assert_array_equal(_emulate_ks_find(t._impl, probe), want)
+    assert (want >= 0).sum() > 500
+
+
+def _emulate_ks_claim_compact(impl, a, choose, ak, d, new_score):
+    """ks_claim_compact thread by thread (load read-only during the launch)."""
+    S, n = impl.bucket_size, len(choose)
+    sh = max(n - 1, 1).bit_length()
+    comp = np.sort((choose << sh) | np.arange(n, dtype=np.int64))
+    slots = np.empty(n, np.int64)
+    ok = np.empty(n, bool)
+    load = impl.load.copy()
+    writes = []
+    for i in range(n):
+        c = int(comp[i])
+        bkt, arrival = c >> sh, c & ((1 << sh) - 1)
+        free = S - int(load[bkt])
+        rank = 0
+        while (
+            rank < free and i - rank - 1 >= 0 and int(comp[i - rank - 1]) >> sh == bkt
+        ):
+            rank += 1
+        if rank < free:
+            slot = bkt * S + int(load[bkt]) + rank
+            u = int(a[arrival])
+            writes.append((slot, ak[u], d[u], new_score[u]))
+            slots[arrival], ok[arrival] = slot, True
+        else:
+            slots[arrival], ok[arrival] = -1, False
+    for slot, k, dd, sc in writes:
+        impl.keys[slot], impl.digest[slot], impl.score[slot] = k, dd, sc
+    return slots, ok
+
+
+@pytest.mark.parametrize("bucket_size", [2, 16])
+def test_claim_kernel_emulation(bucket_size):
+    import copy
+
+    rng = np.random.default_rng(bucket_size + 1)
+    t = HashTable(512, bucket_size=bucket_size, eviction="lru", device="cpu")
+    t.lookup_or_insert(rng.integers(I64.min, I64.max, 300, dtype=np.int64))
+    impl = t._impl
+    assert not impl.holey.any()
+    m = 400
+    ak = rng.integers(I64.min, I64.max, m, dtype=np.int64)
+    b1, b2, d = impl.hash(ak)
+    new_score = rng.integers(0, 99, m)
+    a = np.sort(rng.choice(m, 300, replace=False)).astype(np.int64)
+    l1, l2 = impl.load[b1[a]], impl.load[b2[a]]
+    roomy = np.minimum(l1, l2) < bucket_size
+    choose = np.where(l1 <= l2, b1[a], b2[a])[roomy]
+    a = a[roomy]
+    ref = copy.deepcopy(impl)
+    won, want_slots, lost = ref._claim_write(a, choose, ak, d, new_score)
+    got_slots, got_ok = _emulate_ks_claim_compact(impl, a, choose, ak, d, new_score)
+    # the CuPy wrapper returns (a[ok], slots[ok], a[~ok]) from the kernel
+    np.testing.assert_array_equal(a[~got_ok], lost)
+    by_key = np.argsort(won)
+    np.testing.assert_array_equal(a[got_ok], won[by_key])
+    np.testing.assert_array_equal(got_slots[got_ok], want_slots[by_key])
+    assert len(won) > 0 and len(lost) > 0
+    for name in ("keys", "digest", "score"):
+        np.testing.assert_array_equal(getattr(impl, name), getattr(ref, name))
+
+
+@pytest.mark.parametrize("bucket_size", [8, 16, 32])
+def test_fast_find_matches_generic_probe(bucket_size):
+    """NumpyTable.find (chunked, fused) == ArrayTable.find (generic probe)."""
+    from keras_sparse.table.numpy_table import ArrayTable
+    from keras_sparse.table.numpy_table import NumpyTable
+
+    rng = np.random.default_rng(bucket_size)
+    t = HashTable(1 << 12, bucket_size=bucket_size, eviction="lru", device="cpu")
+    live = rng.integers(I64.min, I64.max, 3500, dtype=np.int64)
+    t.lookup_or_insert(live)
+    t.erase(live[::7])
+    impl = t._impl
+    assert type(impl) is NumpyTable
+    probe = np.concatenate(
+        [live, rng.integers(I64.min, I64.max, 3000), SPECIAL, impl.bucket_sentinel]
+    )
+    np.testing.assert_array_equal(impl.find(probe), ArrayTable.find(impl, probe))
+    b1, b2, d = impl.hash(probe)
+    r1, r2, rd = ArrayTable.hash(impl, probe)
+    np.testing.assert_array_equal(b1, r1)
+    np.testing.assert_array_equal(b2, r2)
+    np.testing.assert_array_equal(d, rd)
+
+
+@pytest.mark.parametrize("bucket_size", [2, 16])
+def test_fast_claim_matches_generic(bucket_size):
+    """NumpyTable._claim_write (compact fast path) == ArrayTable._claim_write."""
+    import copy
+
+    from keras_sparse.table.numpy_table import ArrayTable
+
+    rng = np.random.default_rng(bucket_size + 7)
+    t = HashTable(1024, bucket_size=bucket_size, eviction="lru", device="cpu")
+    t.lookup_or_insert(rng.integers(I64.min, I64.max, 600, dtype=np.int64))
+    impl = t._impl
+    assert not impl.holey.any()
+    m = 800
+    ak = rng.integers(I64.min, I64.max, m, dtype=np.int64)
+    b1, b2, d = impl.hash(ak)
+    new_score = rng.integers(0, 99, m)
+    for a in (np.arange(m), np.sort(rng.choice(m, 500, replace=False))):
+        choose = np.where(impl.load[b1[a]] <= impl.load[b2[a]], b1[a], b2[a])
+        ref = copy.deepcopy(impl)
+        won, slots, lost = impl._claim_write(a, choose, ak, d, new_score)
+        r_won, r_slots, r_lost = ArrayTable._claim_write(
+            ref, a, choose, ak, d, new_score
+        )
+        assert len(lost) > 0 and len(won) > 0
+        np.testing.assert_array_equal(lost, r_lost)
+        pairs = np.sort(won * impl.capacity + slots)  # (key index, slot) pairs
+        np.testing.assert_array_equal(pairs, np.sort(r_won * impl.capacity + r_slots))
+        for name in ("keys", "digest", "score"):
+            np.testing.assert_array_equal(getattr(impl, name), getattr(ref, name))
+        impl.__dict__.update(copy.deepcopy(ref.__dict__))  # undo for the next a
+
+
+def test_new_keys_placed_in_first_occurrence_order(device):
+    """Dup-free and duplicate batches rank new keys by first occurrence."""
+    keys = np.asarray([50, 7, 50, 3, 7, 9, 3], np.int64)
+    a = HashTable(64, eviction="lru", device=device, seed=3)
+    b = HashTable(64, eviction="lru", device=device, seed=3)
+    rows = host(a.lookup_or_insert(keys).rows)
+    uniq = np.asarray([50, 7, 3, 9], np.int64)  # first-occurrence order
+    rows_u = host(b.lookup_or_insert(uniq).rows)
+    want = dict(zip(uniq.tolist(), rows_u.tolist()))
+    assert rows.tolist() == [want[k] for k in keys.tolist()]
+
+
+def test_find_for_insert_matches_find():
+    """The CPU split (hits, misses, their hashes) agrees with find + hash."""
+    from keras_sparse.table.numpy_table import ArrayTable
+
+    rng = np.random.default_rng(5)
+    t = HashTable(1 << 12, eviction="lru", device="cpu")
+    live = rng.integers(I64.min, I64.max, 3000, dtype=np.int64)
+    t.lookup_or_insert(live)
+    impl = t._impl
+    probe = np.concatenate([live[::2], rng.integers(I64.min, I64.max, 1 << 16)])
+    rng.shuffle(probe)
+    rows, hit_rows, miss_idx, hashes = impl._find_for_insert(probe)
+    r_rows, r_hit, r_miss, r_hashes = ArrayTable._find_for_insert(impl, probe)
+    assert r_hashes is None
+    np.testing.assert_array_equal(rows, r_rows)
+    np.testing.assert_array_equal(hit_rows, r_hit)
+    np.testing.assert_array_equal(miss_idx, r_miss)
+    for got, want in zip(hashes, impl.hash(probe[miss_idx])):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fast_choose_buckets_matches_generic():
+    """NumpyTable._choose_buckets (chunked) == ArrayTable._choose_buckets."""
+    from keras_sparse.table.numpy_table import _CHUNK
+    from keras_sparse.table.numpy_table import ArrayTable
+
+    rng = np.random.default_rng(11)
+    t = HashTable(1 << 12, bucket_size=4, eviction="lru", device="cpu")
+    t.lookup_or_insert(rng.integers(I64.min, I64.max, 3500, dtype=np.int64))
+    impl = t._impl
+    b1, b2, _ = impl.hash(rng.integers(I64.min, I64.max, 2 * _CHUNK + 5))
+    got, want = impl._choose_buckets(b1, b2), ArrayTable._choose_buckets(impl, b1, b2)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert not want[1].all() and want[1].any()

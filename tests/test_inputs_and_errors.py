@@ -19,7 +19,9 @@ def _numpy_pool(table, rows_of_ids, combiner, weights=None):
     out = []
     for i, ids in enumerate(rows_of_ids):
         w = np.ones(len(ids)) if weights is None else np.asarray(weights[i])
-        vecs = table[np.asarray(ids, int)] if len(ids) else np.zeros((0, table.shape[1]))
+        vecs = (
+            table[np.asarray(ids, int)] if len(ids) else np.zeros((0, table.shape[1]))
+        )
         total = (vecs * w[:, None]).sum(0)
         if combiner == "mean" and len(ids):
             total = total / w.sum()
@@ -42,7 +44,9 @@ def test_padded_form_excludes_padding_and_empty_bag_is_zero(combiner):
 
 def test_mask_zero_excluded_from_pooling():
     table = _table()
-    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner="mean", mask_zero=True)
+    layer = ks.AllToAllDenseEmbedding(
+        12, 3, weights=table, combiner="mean", mask_zero=True
+    )
     out = ops.convert_to_numpy(layer(np.array([[0, 2, 0], [0, 0, 0]])))
     np.testing.assert_allclose(out[0], table[2], atol=1e-6)
     np.testing.assert_array_equal(out[1], np.zeros(3))
@@ -78,7 +82,9 @@ def test_tf_ragged_and_sparse_inputs(combiner):
 
 def test_padding_is_not_updated_by_sparse_optimizer():
     table = _table()
-    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner="sum", optimizer="adam")
+    layer = ks.AllToAllDenseEmbedding(
+        12, 3, weights=table, combiner="sum", optimizer="adam"
+    )
     ids = keras.Input((3,), dtype="int32")
     w = keras.Input((3,))
     model = keras.Model([ids, w], layer(ids, weights=w))
@@ -116,7 +122,9 @@ def test_invalid_ids_in_compiled_step_read_zero_and_update_nothing():
     model.compile("sgd", "mse", jit_compile=BACKEND == "jax")
     x = np.array([[1, 99], [-5, 2], [1000, 12]], "int32")
     pred = model.predict(x, verbose=0)
-    np.testing.assert_allclose(pred[:, 0], [table[1].sum(), table[2].sum(), 0.0], atol=1e-5)
+    np.testing.assert_allclose(
+        pred[:, 0], [table[1].sum(), table[2].sum(), 0.0], atol=1e-5
+    )
     model.fit(x, np.ones((3, 1), "float32"), verbose=0)
     after = layer.embeddings.numpy()
     changed = np.where(np.any(after != table, axis=1))[0].tolist()

@@ -6,6 +6,7 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse import sharding
+from keras_sparse.ops import jax_lookup
 from keras_sparse.sharding import jax_sharded_lookup
 
 pytestmark = pytest.mark.skipif(
@@ -18,11 +19,19 @@ ROWS, DIM, BAG, BATCH, STEPS = 64, 8, 4, 32, 20
 def _layers(strategy, optimizer, combiner="sum"):
     return [
         ks.AllToAllDenseEmbedding(
-            ROWS, DIM, combiner=combiner, optimizer=optimizer, sharding=strategy,
+            ROWS,
+            DIM,
+            combiner=combiner,
+            optimizer=optimizer,
+            sharding=strategy,
             name="big",
         ),
         ks.AllToAllDenseEmbedding(
-            16, DIM, combiner=combiner, optimizer=optimizer, sharding="data",
+            16,
+            DIM,
+            combiner=combiner,
+            optimizer=optimizer,
+            sharding="data",
             name="small",
         ),
     ]
@@ -60,8 +69,9 @@ class _Losses(keras.callbacks.Callback):
 
 def _train(model, x, y):
     rec = _Losses()
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[rec])
+    model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[rec]
+    )
     return rec.losses
 
 
@@ -70,8 +80,12 @@ def _run(strategy, optimizer):
     ref = _model(_layers(strategy, optimizer))
     init = [np.array(w) for w in ref.get_weights()]
     ref_losses = _train(ref, x, y)
-    ref_tables = {n: np.array(ref.get_layer(n).embeddings.value)
-                  for n in ("big", "small")}
+    probe = [x[0][:BATCH], x[1][:BATCH]]
+    ref_pred = ref.predict(probe, batch_size=BATCH, verbose=0)
+    ref_eval = ref.evaluate(x, y, batch_size=BATCH, verbose=0)
+    ref_tables = {
+        n: np.array(ref.get_layer(n).embeddings.value) for n in ("big", "small")
+    }
 
     layers = _layers(strategy, optimizer)
     dist = sharding.distribution(layers, devices=8)
@@ -91,16 +105,30 @@ def _run(strategy, optimizer):
             np.testing.assert_allclose(
                 np.array(var.value), ref_tables[name], atol=1e-5, rtol=1e-5
             )
+        # Inference under the distribution (no update) agrees too.
+        pred = model.predict(probe, batch_size=BATCH, verbose=0)
+        np.testing.assert_allclose(pred, ref_pred, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(
+            model.evaluate(x, y, batch_size=BATCH, verbose=0),
+            ref_eval,
+            atol=1e-5,
+            rtol=1e-5,
+        )
         return dist, model
     finally:
         keras.distribution.set_distribution(None)
+
+
+class _Value:
+    def __init__(self, value):
+        self.value = value
 
 
 def _shard_shapes(variable):
     return {tuple(s.data.shape) for s in variable.value.addressable_shards}
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", None])
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam", None])
 def test_row_matches_single_device(optimizer, monkeypatch):
     calls = []
     for fn in ("sharded_lookup_with_sparse_update", "sharded_gather"):
@@ -146,3 +174,95 @@ def test_row_exchange_below_table_all_gather():
 def test_no_distribution_means_no_routing():
     layer = ks.AllToAllDenseEmbedding(ROWS, DIM, sharding="row")
     assert sharding.keras_integration.route(layer) is None
+
+
+@pytest.mark.parametrize(
+    "strategy,spec",
+    [("row", ("model", None)), ("column", (None, "model")), ("data", (None, None))],
+)
+def test_reported_bytes_match_compiled_collectives(strategy, spec):
+    """exchange_bytes() equals what the compiled program puts into collectives."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("model",))
+    opt = ks.optimizers.get("adagrad", "test")
+    n = BATCH * BAG
+
+    def arg(shape, dtype, axes):
+        return jax.ShapeDtypeStruct(
+            shape, dtype, sharding=NamedSharding(mesh, P(*axes))
+        )
+
+    table = arg((ROWS, DIM), "float32", spec)
+
+    def lookup(t, s, ids, valid):
+        if strategy == "data":  # the single-device primitive, XLA-partitioned
+            return jax_lookup.lookup_with_sparse_update(
+                _Value(t),
+                {k: _Value(v) for k, v in s.items()},
+                None,
+                opt,
+                ids,
+                valid,
+                0,
+            )
+        return jax_sharded_lookup.sharded_lookup_with_sparse_update(
+            strategy, mesh, "model", t, s, opt, ids, valid, 0
+        )
+
+    def step(table, slots, ids, valid, grads):
+        out, vjp = jax.vjp(
+            lambda t, s: lookup(t, s, ids, valid),
+            table,
+            slots,
+        )
+        return out, vjp(grads)
+
+    hlo = (
+        jax.jit(step)
+        .lower(
+            table,
+            {"accumulator": table},
+            arg((n,), "int32", ("model",)),
+            arg((n,), "bool", ("model",)),
+            arg((n, DIM), "float32", ("model", None)),
+        )
+        .compile()
+        .as_text()
+    )
+    measured = jax_sharded_lookup.hlo_collective_bytes(hlo, 8)
+    reported = jax_sharded_lookup.exchange_bytes(strategy, ROWS, DIM, n, 8)
+    assert measured["total"] == reported["total"], (measured, reported)
+
+
+def test_auto_plan_lays_out_variables():
+    layers = _layers("auto", "adagrad")
+    big_bytes = ROWS * DIM * 2 * 4
+    dist = sharding.distribution(
+        layers,
+        devices=8,
+        memory_per_device=big_bytes // 2,
+        batch_size=BATCH,
+        ids_per_sample=BAG,
+    )
+    plan = dist.keras_sparse_plan
+    assert plan.strategy("big") == "row"  # does not fit replicated
+    assert plan.strategy("small") == "data"  # pinned by the layer
+    keras.distribution.set_distribution(dist)
+    try:
+        model = _model(layers)
+        big = model.get_layer("big")
+        assert _shard_shapes(big.embeddings) == {(ROWS // 8, DIM)}
+        assert _shard_shapes(big.slots["accumulator"]) == {(ROWS // 8, DIM)}
+        assert sharding.keras_integration.route(big)[0] == "row"
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_table_strategy_is_not_runnable_yet():
+    layers = _layers("table", "adagrad")
+    with pytest.raises(NotImplementedError, match="not runnable"):
+        sharding.distribution(layers, devices=8)

@@ -19,8 +19,11 @@ def _keras_optimizers():
         "adam": lambda: keras.optimizers.Adam(0.01, beta_1=0.8, beta_2=0.95),
         "adam_schedule": lambda: keras.optimizers.Adam(schedule),
         "ftrl": lambda: keras.optimizers.Ftrl(
-            0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.01,
-            l2_shrinkage_regularization_strength=0.01, beta=0.1,
+            0.1,
+            l1_regularization_strength=0.01,
+            l2_regularization_strength=0.01,
+            l2_shrinkage_regularization_strength=0.01,
+            beta=0.1,
         ),
     }
 
@@ -41,7 +44,9 @@ def test_matches_keras_optimizer_when_every_row_is_touched(name):
     ref_layer = keras.layers.Embedding(NUM_ROWS, DIM, weights=[init])
     ref = pooled_model(ref_layer, BAG)
     ref.compile(make(), "mse")
-    ours_layer = ks.AllToAllDenseEmbedding(NUM_ROWS, DIM, weights=init, optimizer=make())
+    ours_layer = ks.AllToAllDenseEmbedding(
+        NUM_ROWS, DIM, weights=init, optimizer=make()
+    )
     ours = pooled_model(ours_layer, BAG)
     ours.compile("sgd", "mse")
 
@@ -49,8 +54,10 @@ def test_matches_keras_optimizer_when_every_row_is_touched(name):
     h_ours = ours.fit(x, y, batch_size=batch, shuffle=False, verbose=0, epochs=2)
     np.testing.assert_allclose(h_ours.history["loss"], h_ref.history["loss"], rtol=2e-5)
     np.testing.assert_allclose(
-        ours_layer.embeddings.numpy(), ref_layer.embeddings.numpy(),
-        rtol=2e-5, atol=2e-6,
+        ours_layer.embeddings.numpy(),
+        ref_layer.embeddings.numpy(),
+        rtol=2e-5,
+        atol=2e-6,
     )
     assert int(ours_layer.sparse_iterations.numpy()) == 10
 
@@ -104,12 +111,16 @@ def test_lazy_updates_match_numpy_reference(kind):
     np.testing.assert_allclose(layer.embeddings.numpy(), table, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(layer.embeddings.numpy()[10:], init[10:])
     if kind == "adam":
-        np.testing.assert_allclose(layer.slots["momentum"].numpy(), m, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            layer.slots["momentum"].numpy(), m, rtol=1e-4, atol=1e-5
+        )
         assert np.all(layer.slots["velocity"].numpy()[10:] == 0)
     else:
         acc = layer.slots["accumulator"].numpy()
         assert acc.shape == (NUM_ROWS, 1)
-        np.testing.assert_array_equal(acc[10:], np.full((NUM_ROWS - 10, 1), 0.1, "float32"))
+        np.testing.assert_array_equal(
+            acc[10:], np.full((NUM_ROWS - 10, 1), 0.1, "float32")
+        )
 
 
 def test_model_optimizer_leaves_table_alone():
@@ -128,7 +139,9 @@ def test_model_optimizer_leaves_table_alone():
 
 def test_names_instances_and_errors():
     assert isinstance(ks.optimizers.get("adam"), ks.optimizers.Adam)
-    assert isinstance(ks.optimizers.get("rowwise_adagrad"), ks.optimizers.RowWiseAdagrad)
+    assert isinstance(
+        ks.optimizers.get("rowwise_adagrad"), ks.optimizers.RowWiseAdagrad
+    )
     mirrored = ks.optimizers.get(keras.optimizers.Adam(0.3, beta_1=0.5))
     assert isinstance(mirrored, ks.optimizers.Adam)
     assert mirrored.learning_rate == pytest.approx(0.3)
@@ -145,7 +158,10 @@ def test_names_instances_and_errors():
 
 def test_optimizer_config_round_trip():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
-    for opt in (ks.optimizers.Adam(schedule, beta_2=0.9), ks.optimizers.Ftrl(0.2, beta=0.3)):
+    for opt in (
+        ks.optimizers.Adam(schedule, beta_2=0.9),
+        ks.optimizers.Ftrl(0.2, beta=0.3),
+    ):
         again = ks.optimizers.deserialize(ks.optimizers.serialize(opt))
         assert type(again) is type(opt)
         assert repr(again) == repr(opt)

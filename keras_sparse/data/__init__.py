@@ -1,5 +1,20 @@
-"""Input data helpers: synthetic Criteo-like data for examples and benchmarks."""
+"""Input data helpers: synthetic Criteo-like data for examples and benchmarks,
+and the asynchronous prefetching input stage (`prefetch`)."""
 
-from keras_sparse.data.synthetic import criteo_like, zipf_ids
+# Imported last: binds `keras_sparse.data.prefetch` to the function (the
+# module stays importable as `keras_sparse.data.prefetch` via sys.modules).
+from keras_sparse.data.prefetch import PrefetchError  # noqa: E402
+from keras_sparse.data.prefetch import PrefetchStage  # noqa: E402
+from keras_sparse.data.prefetch import prefetch  # noqa: E402
+from keras_sparse.data.routing import locality_assignment  # noqa: E402
+from keras_sparse.data.synthetic import criteo_like
+from keras_sparse.data.synthetic import zipf_ids
 
-__all__ = ["criteo_like", "zipf_ids"]
+__all__ = [
+    "PrefetchError",
+    "PrefetchStage",
+    "criteo_like",
+    "locality_assignment",
+    "prefetch",
+    "zipf_ids",
+]

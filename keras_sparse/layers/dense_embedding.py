@@ -9,7 +9,11 @@ from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 
 
 def _check_positive_int(layer_name, name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+    if (
+        not isinstance(value, (int, np.integer))
+        or isinstance(value, bool)
+        or value <= 0
+    ):
         raise ValueError(
             f"Layer '{layer_name}': `{name}` must be a positive integer. "
             f"Received: {name}={value!r} (of type {type(value).__name__})."

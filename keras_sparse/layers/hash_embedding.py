@@ -10,7 +10,6 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
-from keras_sparse.ops import backend_module
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
 from keras_sparse.table import hash_strings
@@ -41,7 +40,9 @@ def _host_keys(keys):
             keys = keys.astype("S") if keys.size else keys.astype("S1")
         return hash_strings(keys).reshape(-1)
     if keys.dtype.kind not in "iu":
-        raise TypeError(f"keys must be integers or strings; received dtype {keys.dtype}")
+        raise TypeError(
+            f"keys must be integers or strings; received dtype {keys.dtype}"
+        )
     if keys.dtype == np.uint64:
         return keys.reshape(-1).view(np.int64)
     return keys.astype(np.int64).reshape(-1)
@@ -99,7 +100,9 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         embeddings_regularizer: applied to the rows looked up in a batch.
         eviction: "lru", "lfu" or None.
         admit_after: int >= 1; sightings before a key gets a row.
-        key_dtype: "int64" (default) or "int32"; the dtype of integer keys.
+        key_dtype: "int64" (default) or "int32"; the declared key dtype,
+            validated and kept in the config (informational: int32 and int64
+            keys are both accepted and widened to int64 for the table).
             Strings are always accepted and hashed with
             `keras_sparse.table.hash_strings` (FNV-1a-64 of the UTF-8 bytes),
             so the string "a" and the int key ``hash_strings(["a"])[0]``
@@ -287,11 +290,37 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             rows[use] = _to_numpy(self.table.lookup(selected)).astype(np.int32)
         return rows, fresh
 
+    def _map_on_gpu(self, keys, use, insert):
+        """GPU table, eager call: keys and rows stay on the device via DLPack.
+
+        UNTESTED here (no CUDA device in CI); kept deliberately simple.
+        Compiled steps always go through the host callbacks instead.
+        """
+        import cupy as cp
+
+        from keras_sparse.table.keys import to_cupy_keys
+
+        flat, _ = to_cupy_keys(keys)  # zero-copy for CUDA tensors
+        use = cp.asarray(ops.convert_to_numpy(use)).reshape(-1).astype(bool)
+        rows = cp.full(flat.shape[0], -1, cp.int32)
+        fresh = cp.zeros(flat.shape[0], bool)
+        selected = flat[use]
+        if insert:
+            res = self.table.lookup_or_insert(selected)
+            got = cp.asarray(res.rows).astype(cp.int32)
+            rows[use] = got
+            fresh[use] = cp.isin(got, cp.asarray(res.new_rows)) & (got >= 0)
+        else:
+            rows[use] = cp.asarray(self.table.lookup(selected)).astype(cp.int32)
+        return _from_dlpack(rows), _from_dlpack(fresh)
+
     def _map_keys(self, keys, use, insert):
         """Flat ``(rows, fresh)`` tensors for ``keys``; rows -1 where absent."""
         backend = keras.backend.backend()
         symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
         if not symbolic:
+            if self.table.device == "gpu" and not _string_kind(keys):
+                return self._map_on_gpu(keys, use, insert)
             rows, fresh = self._map_on_host(keys, ops.convert_to_numpy(use), insert)
             return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh)
         n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
@@ -338,7 +367,9 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
 
                 shape = inputs.shape
                 inputs = tf.numpy_function(
-                    lambda s: _host_keys(s).reshape(s.shape), [inputs], tf.int64,
+                    lambda s: _host_keys(s).reshape(s.shape),
+                    [inputs],
+                    tf.int64,
                     stateful=False,
                 )
                 inputs.set_shape(shape)
@@ -360,10 +391,16 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         return form.ids, form.weights, form.present
 
     def call(self, inputs, weights=None, training=None):
+        # --- prepared-input fast path (keras_sparse.data.prefetch) begin
+        if getattr(self, "_prepared_inputs", 0):
+            return self._call_prepared(inputs, weights, training)
+        # --- prepared-input fast path (keras_sparse.data.prefetch) end
         keys, weights, present = self._normalize(inputs, weights)
         if self.combiner is not None and len(keys.shape) == 1:
-            keys = keys[:, None] if isinstance(keys, np.ndarray) else (
-                ops.expand_dims(keys, -1)
+            keys = (
+                keys[:, None]
+                if isinstance(keys, np.ndarray)
+                else ops.expand_dims(keys, -1)
             )
             weights = None if weights is None else ops.expand_dims(weights, -1)
             present = None if present is None else ops.expand_dims(present, -1)
@@ -378,6 +415,50 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         insert = bool(training) and self.trainable
         rows, fresh = self._map_keys(keys, ops.reshape(use, (-1,)), insert)
         valid = rows >= 0
+        return self._vectors_out(rows, valid, fresh, weights, shape, insert)
+
+    # --- prepared-input fast path (keras_sparse.data.prefetch) begin
+    def _call_prepared(self, codes, weights, training):
+        """`call` for inputs prepared by `keras_sparse.data.prefetch`.
+
+        Active only while a prefetch stage holds the layer in "prepared
+        inputs" mode (``self._prepared_inputs > 0``). ``codes`` are int32 of
+        the keys' shape: ``row >= 0`` for a key already in the table, ``-2 -
+        row`` for a row freshly assigned by the stage (re-initialized in this
+        step, exactly like the slow path's ``fresh`` flag) and ``-1`` for a key
+        without a row (not admitted, padding, or absent in inference). The
+        stage already did the table lookup in batch order, so no host callback
+        runs here; the fresh-row draw and the sparse-update counter advance
+        exactly as in the slow path.
+        """
+        codes = ops.cast(ops.convert_to_tensor(codes), "int32")
+        if weights is not None:
+            weights = ops.convert_to_tensor(weights)
+            if "float" not in str(weights.dtype):
+                weights = ops.cast(weights, "float32")
+        if self.combiner is not None and len(codes.shape) == 1:
+            codes = ops.expand_dims(codes, -1)
+            weights = None if weights is None else ops.expand_dims(weights, -1)
+        shape = tuple(codes.shape)
+        if None in shape:
+            shape = tuple(ops.shape(codes))
+        flat = ops.reshape(codes, (-1,))
+        fresh = ops.less_equal(flat, -2)
+        rows = ops.where(fresh, -2 - flat, flat)
+        valid = ops.greater_equal(rows, 0)
+        insert = bool(training) and self.trainable
+        return self._vectors_out(rows, valid, fresh, weights, shape, insert)
+
+    # --- prepared-input fast path (keras_sparse.data.prefetch) end
+
+    def _train_lookup(self, rows, valid, fresh):
+        """`lookup_rows` in training, re-initializing the fresh rows first."""
+        n = rows.shape[0]
+        init = self._fresh_values(ops.shape(rows)[0] if n is None else int(n))
+        return self.lookup_rows(rows, valid, True, reset=(fresh, init))
+
+    def _vectors_out(self, rows, valid, fresh, weights, shape, insert):
+        """Looks up flat ``rows`` and pools/reshapes them to the output."""
         if insert:
             vectors = self._train_lookup(rows, valid, fresh)
         else:
@@ -385,22 +466,6 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))
         return ops.cast(out, self.compute_dtype)
-
-    def _train_lookup(self, rows, valid, fresh):
-        """`SparseEmbeddingBase.lookup_rows` plus the reset of fresh rows."""
-        next_iterations = ops.convert_to_tensor(self.sparse_iterations) + 1
-        iterations = next_iterations - 1
-        self.sparse_iterations.assign(next_iterations)
-        n = rows.shape[0]
-        init = self._fresh_values(ops.shape(rows)[0] if n is None else int(n))
-        vectors = backend_module().lookup_with_sparse_update(
-            self.embeddings, self.slots, self.sparse_anchor,
-            self.sparse_optimizer, rows, valid, iterations,
-            self.embeddings_constraint, reset=(fresh, init),
-        )
-        if self.embeddings_regularizer is not None:
-            self.add_loss(self.embeddings_regularizer(vectors))
-        return vectors
 
     # ----------------------------------------------------------------- state
     def _host_state(self):
@@ -503,6 +568,22 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             }
         )
         return config
+
+
+def _from_dlpack(x):
+    """A CuPy array as a tensor of the active backend, on the GPU (untested)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax.dlpack
+
+        return jax.dlpack.from_dlpack(x)
+    if backend == "torch":
+        import torch
+
+        return torch.from_dlpack(x)
+    import tensorflow as tf
+
+    return tf.experimental.dlpack.from_dlpack(x.toDlpack())
 
 
 def _to_numpy(x):

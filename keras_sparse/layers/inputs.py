@@ -100,8 +100,10 @@ def ragged_to_padded(values, row_lengths, max_length=None, pad_id=0):
     Example:
 
     >>> ids, w = ragged_to_padded([3, 1, 4, 1, 5], [2, 0, 3])
-    >>> ids.tolist(), w.tolist()
-    ([[3, 1, 0], [0, 0, 0], [4, 1, 5]], [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    >>> ids.tolist()
+    [[3, 1, 0], [0, 0, 0], [4, 1, 5]]
+    >>> w.tolist()
+    [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
     """
     values = np.asarray(values)
     lengths = np.asarray(row_lengths, dtype=np.int64)

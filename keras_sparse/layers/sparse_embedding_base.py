@@ -92,22 +92,30 @@ class SparseEmbeddingBase(keras.layers.Layer):
             slot.overwrite_with_gradient = on_jax
             self.slots[spec.name] = slot
         self.sparse_iterations = self.add_weight(
-            shape=(), initializer="zeros", dtype="int32", trainable=False,
+            shape=(),
+            initializer="zeros",
+            dtype="int32",
+            trainable=False,
             name="sparse_iterations",
         )
         self.sparse_anchor = None
         if not on_jax:
             self.sparse_anchor = self.add_weight(
-                shape=(), initializer="zeros", trainable=True,
+                shape=(),
+                initializer="zeros",
+                trainable=True,
                 name="sparse_update_anchor",
             )
 
     # ---------------------------------------------------------------- lookup
-    def lookup_rows(self, ids, valid, training):
+    def lookup_rows(self, ids, valid, training, reset=None):
         """Gathers ``[..., dim]`` rows; invalid positions read zeros.
 
         In training with a sparse optimizer the backward pass updates the
         touched rows (duplicates summed; invalid positions update nothing).
+        ``reset=(mask, values)`` (training only) first re-initializes the rows
+        at the flat positions ``mask`` to ``values`` with fresh optimizer
+        slots, as the dynamic-vocabulary layer needs for newly assigned rows.
         """
         flat_ids = ops.reshape(ids, (-1,))
         flat_valid = ops.reshape(valid, (-1,))
@@ -130,13 +138,21 @@ class SparseEmbeddingBase(keras.layers.Layer):
                 iterations = next_iterations - 1
                 self.sparse_iterations.assign(next_iterations)
             kwargs = {"apply_update": update} if on_jax else {}
+            if reset is not None:
+                kwargs["reset"] = reset
             lookup = backend_module().lookup_with_sparse_update
             if routing is not None:  # sharding hook
                 lookup = _sharding.routed_lookup(routing)
             rows = lookup(
-                self.embeddings, self.slots, self.sparse_anchor,
-                self.sparse_optimizer, flat_ids, flat_valid, iterations,
-                self.embeddings_constraint, **kwargs,
+                self.embeddings,
+                self.slots,
+                self.sparse_anchor,
+                self.sparse_optimizer,
+                flat_ids,
+                flat_valid,
+                iterations,
+                self.embeddings_constraint,
+                **kwargs,
             )
             if update and self.embeddings_regularizer is not None:
                 self.add_loss(self.embeddings_regularizer(rows))

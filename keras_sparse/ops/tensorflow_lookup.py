@@ -42,8 +42,15 @@ def reset_rows(state, optimizer, ids, mask, values):
 
 
 def lookup_with_sparse_update(
-    table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
-    constraint=None, reset=None,
+    table_var,
+    slot_vars,
+    anchor_var,
+    optimizer,
+    ids,
+    valid,
+    iterations,
+    constraint=None,
+    reset=None,
 ):
     """``reset=(mask, values)``: see `reset_rows` (applied before the gather)."""
     state = {"table": _tf_variable(table_var)}
@@ -63,12 +70,18 @@ def lookup_with_sparse_update(
                 return tf.gather(state[name], rows)
 
             unique_ids, is_real, new_values = compute_row_updates(
-                optimizer, gather, tuple(slot_vars), ids, valid,
-                tf.convert_to_tensor(upstream), iterations, num_rows, constraint,
+                optimizer,
+                gather,
+                tuple(slot_vars),
+                ids,
+                valid,
+                tf.convert_to_tensor(upstream),
+                iterations,
+                num_rows,
+                constraint,
             )
             old_first = {
-                name: tf.gather(state[name], tf.zeros((1,), tf.int32))
-                for name in state
+                name: tf.gather(state[name], tf.zeros((1,), tf.int32)) for name in state
             }
             indices, filled = fill_unused_entries(
                 unique_ids, is_real, new_values, old_first

@@ -62,8 +62,15 @@ def reset_rows(state, optimizer, ids, mask, values):
 
 @torch.compiler.disable
 def lookup_with_sparse_update(
-    table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
-    constraint=None, reset=None,
+    table_var,
+    slot_vars,
+    anchor_var,
+    optimizer,
+    ids,
+    valid,
+    iterations,
+    constraint=None,
+    reset=None,
 ):
     """``reset=(mask, values)``: see `reset_rows` (applied before the gather)."""
     state = {"table": table_var.value}
@@ -76,6 +83,4 @@ def lookup_with_sparse_update(
         "iterations": iterations,
         "constraint": constraint,
     }
-    return _SparseLookup.apply(
-        anchor_var.value, ids.long(), valid.bool(), context
-    )
+    return _SparseLookup.apply(anchor_var.value, ids.long(), valid.bool(), context)

@@ -69,9 +69,11 @@ class Ftrl(SparseOptimizer):
         accum = slots["accumulator"]
         new_accum = accum + ops.square(grads)
         power_new = ops.power(new_accum, -lr_power)
-        linear = slots["linear"] + grad_to_use - (
-            (power_new - ops.power(accum, -lr_power)) / lr
-        ) * rows
+        linear = (
+            slots["linear"]
+            + grad_to_use
+            - ((power_new - ops.power(accum, -lr_power)) / lr) * rows
+        )
         quadratic = power_new / lr + 2 * l2_reg
         l1 = self.l1_regularization_strength
         new_rows = (ops.clip(linear, -l1, l1) - linear) / quadratic

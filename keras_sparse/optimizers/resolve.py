@@ -9,9 +9,7 @@ from keras_sparse.optimizers.ftrl import Ftrl
 from keras_sparse.optimizers.rowwise_adagrad import RowWiseAdagrad
 from keras_sparse.optimizers.sgd import SGD
 
-_BY_NAME = {
-    cls.identifier: cls for cls in (SGD, Adagrad, RowWiseAdagrad, Adam, Ftrl)
-}
+_BY_NAME = {cls.identifier: cls for cls in (SGD, Adagrad, RowWiseAdagrad, Adam, Ftrl)}
 _ALIASES = {"row_wise_adagrad": "rowwise_adagrad", "rowwiseadagrad": "rowwise_adagrad"}
 
 # Keras optimizer class -> (sparse class, hyperparameters to carry over).
@@ -87,8 +85,11 @@ def _mirror_keras_optimizer(optimizer, layer_name):
     # Backends swap in subclasses (e.g. torch's parallel Adam); the public
     # Keras class is the first one defined in keras' optimizers package.
     public = next(
-        (c for c in type(optimizer).__mro__
-         if c.__module__.startswith("keras.src.optimizers.")),
+        (
+            c
+            for c in type(optimizer).__mro__
+            if c.__module__.startswith("keras.src.optimizers.")
+        ),
         type(optimizer),
     )
     mirror = _KERAS_MIRRORS.get(public)

@@ -3,8 +3,8 @@
 import keras
 from keras import ops
 
-from keras_sparse.optimizers.base import SlotSpec
 from keras_sparse.optimizers.adagrad import Adagrad
+from keras_sparse.optimizers.base import SlotSpec
 
 
 @keras.saving.register_keras_serializable(package="keras_sparse")
@@ -24,13 +24,9 @@ class RowWiseAdagrad(Adagrad):
     identifier = "rowwise_adagrad"
 
     def slot_specs(self):
-        return [
-            SlotSpec("accumulator", self.initial_accumulator_value, row_wise=True)
-        ]
+        return [SlotSpec("accumulator", self.initial_accumulator_value, row_wise=True)]
 
     def update_rows(self, rows, slots, grads, lr, iterations):
-        acc = slots["accumulator"] + ops.mean(
-            ops.square(grads), axis=-1, keepdims=True
-        )
+        acc = slots["accumulator"] + ops.mean(ops.square(grads), axis=-1, keepdims=True)
         new_rows = rows - lr * grads / ops.sqrt(acc + self.epsilon)
         return new_rows, {"accumulator": acc}

@@ -1,12 +1,14 @@
 """Model parallelism for keras_sparse embedding tables (JAX backend).
 
-    plan(model_or_layers, devices, memory_per_device, pinned, ...) -> Plan
-    distribution(model_or_layers, devices=None, plan=None) -> ModelParallel
-    exchange_bytes(strategy, rows, dim, num_ids, devices) -> bytes per device
+plan(model_or_layers, devices, memory_per_device, pinned, ...) -> Plan
+distribution(model_or_layers, devices=None, plan=None) -> ModelParallel
+load_model(filepath, devices=None, plan=None) -> (model, distribution)
+exchange_bytes(strategy, rows, dim, num_ids, devices) -> bytes per device
 """
 
 from keras_sparse.sharding.keras_integration import RUNNABLE
 from keras_sparse.sharding.keras_integration import distribution
+from keras_sparse.sharding.keras_integration import load_model
 from keras_sparse.sharding.planner import STRATEGIES
 from keras_sparse.sharding.planner import Plan
 from keras_sparse.sharding.planner import TablePlan
@@ -29,5 +31,6 @@ __all__ = [
     "TableSpec",
     "distribution",
     "exchange_bytes",
+    "load_model",
     "plan",
 ]

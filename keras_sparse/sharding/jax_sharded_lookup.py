@@ -6,15 +6,19 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
 ``row``    table laid out ``P(axis, None)``: device ``k`` owns rows
            ``[k * R, (k + 1) * R)`` with ``R = rows / D``. Forward: each device
            buckets its ``n`` local ids by owner (``id // R``) into a static
-           ``[D, n]`` send buffer (a slot per (destination, local position),
-           -1 where the id belongs elsewhere), one ``all_to_all`` delivers them,
-           owners gather from their shard, the mirror ``all_to_all`` returns
-           ``[D, n, dim]`` vectors and each id picks its owner's answer. The
-           bound ``n`` per destination is the number of local ids, so the buffer
-           can never overflow. Backward: the row gradients travel the same way
-           to the owners, which dedup + sum them and apply the sparse optimizer
-           to their shard (``compute_row_updates``); the updated table and slot
-           shards come back as the variables' "gradients" (the variables are
+           ``[D, C]`` send buffer (``C`` slots per destination, -1 = empty),
+           one ``all_to_all`` delivers them, owners gather from their shard,
+           the mirror ``all_to_all`` returns ``[D, C, dim]`` vectors and each id
+           picks its answer. ``C`` is `row_capacity`: ``n`` by default (a slot
+           per local position: can never overflow), or
+           ``ceil(n / D * slack)`` with an ``exchange slack`` (compact: about
+           ``slack / D`` of the bytes); ids are packed into their owner's
+           bucket in local order, and a bucket overflow raises an error when
+           the step runs (never silently drops an id). Backward: the row
+           gradients travel the same way to the owners, which dedup + sum
+           them and apply the sparse optimizer to their shard
+           (``compute_row_updates``); the updated table and slot shards come
+           back as the variables' "gradients" (the variables are
            ``overwrite_with_gradient``). Duplicates are summed in global batch
            order (source device major), as on one device.
 ``column`` table laid out ``P(None, axis)``: every device holds ``dim / D``
@@ -31,9 +35,12 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
 """
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from keras_sparse.ops.row_updates import compute_row_updates
@@ -51,9 +58,17 @@ def _smap(fn, mesh, in_specs, out_specs):
 class ShardConfig:
     """Hashable, identity-compared static part of a sharded lookup."""
 
-    def __init__(self, mesh, axis, optimizer=None, constraint=None,
-                 apply_update=True):
+    def __init__(
+        self,
+        mesh,
+        axis,
+        optimizer=None,
+        constraint=None,
+        apply_update=True,
+        slack=None,
+    ):
         self.apply_update = bool(apply_update)
+        self.slack = None if slack is None else float(slack)
         self.mesh = mesh
         self.axis = axis
         self.optimizer = optimizer
@@ -64,8 +79,14 @@ class ShardConfig:
         return self.mesh.shape[self.axis]
 
     def _key(self):
-        return (id(self.mesh), self.axis, id(self.optimizer), id(self.constraint),
-                self.apply_update)
+        return (
+            id(self.mesh),
+            self.axis,
+            id(self.optimizer),
+            id(self.constraint),
+            self.apply_update,
+            self.slack,
+        )
 
     def __hash__(self):
         return hash(self._key())
@@ -77,6 +98,7 @@ class ShardConfig:
             and self.optimizer is other.optimizer
             and self.constraint is other.constraint
             and self.apply_update == other.apply_update
+            and self.slack == other.slack
         )
 
 
@@ -104,48 +126,118 @@ def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows):
     )
     target = jnp.where(is_real, unique_ids, num_rows)  # out of range: dropped
     return {
-        name: state[name].at[target].set(
-            new_values[name].astype(state[name].dtype), mode="drop"
-        )
+        name: state[name]
+        .at[target]
+        .set(new_values[name].astype(state[name].dtype), mode="drop")
         for name in state
     }
 
 
 # ------------------------------------------------------------------- row-wise
-def _row_exchange_ids(axis, d, shard_rows, ids, valid):
-    """Local half: [n] ids -> (owner [n], received ids [D, n] (-1: none))."""
+def row_capacity(ids_per_device, num_devices, slack=None):
+    """Slots per destination in the row exchange buffers.
+
+    ``slack=None``: ``ids_per_device`` (the full, overflow-free bound);
+    otherwise ``ceil(ids_per_device / num_devices * slack)``, at most
+    ``ids_per_device``.
+    """
+    n = int(ids_per_device)
+    if slack is None:
+        return n
+    if slack <= 0:
+        raise ValueError(f"exchange slack must be > 0; got {slack}.")
+    return max(1, min(n, math.ceil(n / num_devices * slack)))
+
+
+class ExchangeOverflowError(RuntimeError):
+    """A row-exchange bucket got more ids than its capacity."""
+
+
+def _raise_overflow(count, capacity, me):
+    if int(count) <= int(capacity):  # pragma: no cover - only called on overflow
+        return np.zeros((), np.int32)
+    raise ExchangeOverflowError(
+        f"keras_sparse row sharding: device {int(me)} had {int(count)} ids for "
+        f"one owner shard, more than the {int(capacity)} exchange slots per "
+        "destination (capacity = ceil(ids_per_device / devices * slack)). No "
+        "id was dropped: the step was aborted. Raise `row_exchange_slack` in "
+        "keras_sparse.sharding.distribution(...) or set it to None (full-size "
+        "buffers, never overflow)."
+    )
+
+
+def _check_capacity(axis, pos, valid, capacity):
+    # The worst bucket over all devices (one 4-byte all-reduce), so that every
+    # device raises together: a device left alone at the next collective
+    # would wait for the others forever.
+    worst = jax.lax.pmax(jnp.max(jnp.where(valid, pos + 1, 0)), axis)
+    zero = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def fail():
+        return jax.pure_callback(
+            _raise_overflow, zero, worst, capacity, jax.lax.axis_index(axis)
+        )
+
+    # Always 0; the looked-up rows depend on it, so the error surfaces with the
+    # step's outputs (the loss) instead of only with the updated state.
+    return jax.lax.cond(worst > capacity, fail, lambda: jnp.zeros((), jnp.int32))
+
+
+def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity):
+    """Local half: [n] ids -> (owner [n], slot [n], received ids [D, C])."""
+    n = ids.shape[0]
     owner = jnp.where(valid, ids // shard_rows, -1)
-    dest = jnp.arange(d, dtype=owner.dtype)[:, None]
-    send = jnp.where(owner[None, :] == dest, ids[None, :], -1)  # [D, n]
-    # Static bound: at most n ids go to one destination, and each has its own
-    # slot (its local position), so nothing can overflow or collide.
+    if capacity >= n:
+        # A slot per local position: nothing can overflow or collide.
+        slot = jnp.arange(n, dtype=owner.dtype)
+        guard = None
+        dest = jnp.arange(d, dtype=owner.dtype)[:, None]
+        send = jnp.where(owner[None, :] == dest, ids[None, :], -1)  # [D, n]
+    else:
+        # Pack each destination's ids (in local order) into its C slots.
+        hit = (owner[None, :] == jnp.arange(d, dtype=owner.dtype)[:, None]).astype(
+            jnp.int32
+        )
+        before = jnp.cumsum(hit, axis=1) - hit  # [D, n]
+        slot = jnp.where(valid, before[jnp.clip(owner, 0, d - 1), jnp.arange(n)], 0)
+        guard = _check_capacity(axis, slot, valid, capacity)
+        target = jnp.where(valid & (slot < capacity), owner, d)  # d: dropped
+        send = (
+            jnp.full((d, capacity), -1, ids.dtype)
+            .at[target, slot]
+            .set(ids, mode="drop")
+        )
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # recv[s] = ids from source s
-    return owner, recv
+    return owner, slot, recv, guard
 
 
-def _row_forward_local(axis, d, table, ids, valid):
+def _row_forward_local(axis, d, table, ids, valid, capacity):
     shard_rows = table.shape[0]
-    owner, recv = _row_exchange_ids(axis, d, shard_rows, ids, valid)
+    owner, slot, recv, guard = _row_exchange_ids(
+        axis, d, shard_rows, ids, valid, capacity
+    )
     me = jax.lax.axis_index(axis)
     recv_valid = recv >= 0
     local = jnp.where(recv_valid, recv - me * shard_rows, 0)
-    vec = jnp.take(table, local, axis=0)  # [D, n, dim]
+    vec = jnp.take(table, local, axis=0)  # [D, C, dim]
     vec = jnp.where(recv_valid[..., None], vec, jnp.zeros((), table.dtype))
     back = jax.lax.all_to_all(vec, axis, 0, 0)  # back[o] = answers of owner o
-    n = ids.shape[0]
-    rows = back[jnp.clip(owner, 0, d - 1), jnp.arange(n)]
+    rows = back[jnp.clip(owner, 0, d - 1), jnp.clip(slot, 0, back.shape[1] - 1)]
     rows = jnp.where((owner >= 0)[:, None], rows, jnp.zeros((), table.dtype))
-    return rows, owner, recv
+    if guard is not None:
+        rows = rows + guard.astype(rows.dtype)
+    return rows, owner, slot, recv
 
 
-def row_gather(mesh, axis, table, ids, valid):
+def row_gather(mesh, axis, table, ids, valid, slack=None):
     """Row-sharded gather, differentiable by JAX (dense table gradient)."""
     d = mesh.shape[axis]
     _check_divisible("table rows", table.shape[0], d)
     _check_divisible("number of ids", ids.shape[0], d)
+    capacity = row_capacity(ids.shape[0] // d, d, slack)
 
     def local(table, ids, valid):
-        return _row_forward_local(axis, d, table, ids, valid)[0]
+        return _row_forward_local(axis, d, table, ids, valid, capacity)[0]
 
     return _smap(local, mesh, (P(axis, None), P(axis), P(axis)), P(axis))(
         table, ids, valid
@@ -154,7 +246,7 @@ def row_gather(mesh, axis, table, ids, valid):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _row_lookup(cfg, table, slots, ids, valid, iterations):
-    return row_gather(cfg.mesh, cfg.axis, table, ids, valid)
+    return row_gather(cfg.mesh, cfg.axis, table, ids, valid, cfg.slack)
 
 
 def _row_fwd(cfg, table, slots, ids, valid, iterations):
@@ -162,46 +254,79 @@ def _row_fwd(cfg, table, slots, ids, valid, iterations):
     _check_divisible("table rows", table.shape[0], d)
     _check_divisible("number of ids", ids.shape[0], d)
 
-    def local(table, ids, valid):
-        rows, owner, recv = _row_forward_local(cfg.axis, d, table, ids, valid)
-        return rows, owner, recv
+    capacity = row_capacity(ids.shape[0] // d, d, cfg.slack)
 
-    rows, owner, recv = _smap(
-        local, cfg.mesh, (P(cfg.axis, None), P(cfg.axis), P(cfg.axis)),
-        (P(cfg.axis), P(cfg.axis), P(cfg.axis)),
+    def local(table, ids, valid):
+        return _row_forward_local(cfg.axis, d, table, ids, valid, capacity)
+
+    rows, owner, slot, recv = _smap(
+        local,
+        cfg.mesh,
+        (P(cfg.axis, None), P(cfg.axis), P(cfg.axis)),
+        (P(cfg.axis), P(cfg.axis), P(cfg.axis), P(cfg.axis)),
     )(table, ids, valid)
-    return rows, (table, slots, owner, recv, iterations)
+    return rows, (table, slots, owner, slot, recv, iterations)
 
 
 def _row_bwd(cfg, residuals, grads):
-    table, slots, owner, recv, iterations = residuals
+    table, slots, owner, slot, recv, iterations = residuals
     if not cfg.apply_update:  # inference under a gradient: state unchanged
         return table, dict(slots), None, None, None
     axis, d = cfg.axis, cfg.num_shards
     slot_names = tuple(slots)
 
-    def local(table, slot_vals, owner, recv, grads, iterations):
+    def local(table, slot_vals, owner, slot, recv, grads, iterations):
         shard_rows = table.shape[0]
-        dest = jnp.arange(d, dtype=owner.dtype)[:, None, None]
-        send = jnp.where(owner[None, :, None] == dest, grads[None], 0)  # [D,n,dim]
+        n, capacity = owner.shape[0], recv.shape[1]
+        if capacity >= n:
+            dest = jnp.arange(d, dtype=owner.dtype)[:, None, None]
+            send = jnp.where(owner[None, :, None] == dest, grads[None], 0)  # [D,n,dim]
+        else:
+            target = jnp.where((owner >= 0) & (slot < capacity), owner, d)
+            send = (
+                jnp.zeros((d, capacity, grads.shape[-1]), grads.dtype)
+                .at[target, slot]
+                .set(grads, mode="drop")
+            )
         got = jax.lax.all_to_all(send, axis, 0, 0)  # got[s] = grads from s
         me = jax.lax.axis_index(axis)
         recv_valid = recv >= 0
         local_ids = jnp.where(recv_valid, recv - me * shard_rows, 0).reshape(-1)
         state = {"table": table, **dict(zip(slot_names, slot_vals))}
         new = _apply_update(
-            cfg, state, local_ids, recv_valid.reshape(-1),
-            got.reshape(-1, got.shape[-1]), iterations, shard_rows,
+            cfg,
+            state,
+            local_ids,
+            recv_valid.reshape(-1),
+            got.reshape(-1, got.shape[-1]),
+            iterations,
+            shard_rows,
         )
         return new["table"], tuple(new[k] for k in slot_names)
 
     row_spec = P(axis, None)
     new_table, new_slots = _smap(
-        local, cfg.mesh,
-        (row_spec, tuple(row_spec for _ in slot_names), P(axis), P(axis), P(axis),
-         P()),
+        local,
+        cfg.mesh,
+        (
+            row_spec,
+            tuple(row_spec for _ in slot_names),
+            P(axis),
+            P(axis),
+            P(axis),
+            P(axis),
+            P(),
+        ),
         (row_spec, tuple(row_spec for _ in slot_names)),
-    )(table, tuple(slots[k] for k in slot_names), owner, recv, grads, iterations)
+    )(
+        table,
+        tuple(slots[k] for k in slot_names),
+        owner,
+        slot,
+        recv,
+        grads,
+        iterations,
+    )
     return new_table, dict(zip(slot_names, new_slots)), None, None, None
 
 
@@ -250,7 +375,9 @@ def _column_fwd(cfg, table, slots, ids, valid, iterations):
         return rows, all_ids[None], all_valid[None]
 
     rows, all_ids, all_valid = _smap(
-        local, cfg.mesh, (P(None, axis), P(axis), P(axis)),
+        local,
+        cfg.mesh,
+        (P(None, axis), P(axis), P(axis)),
         (P(axis), P(axis), P(axis)),
     )(table, ids, valid)
     return rows, (table, slots, all_ids, all_valid, iterations)
@@ -269,19 +396,23 @@ def _column_bwd(cfg, residuals, grads):
         got = jax.lax.all_to_all(send, axis, 0, 0)  # got[s] = my cols, s's ids
         state = {"table": table, **dict(zip(slot_names, slot_vals))}
         new = _apply_update(
-            cfg, state, all_ids[0], all_valid[0], got.reshape(d * n, dc),
-            iterations, table.shape[0],
+            cfg,
+            state,
+            all_ids[0],
+            all_valid[0],
+            got.reshape(d * n, dc),
+            iterations,
+            table.shape[0],
         )
         return new["table"], tuple(new[k] for k in slot_names)
 
     col_spec = P(None, axis)
     new_table, new_slots = _smap(
-        local, cfg.mesh,
-        (col_spec, tuple(col_spec for _ in slot_names), P(axis), P(axis), P(axis),
-         P()),
+        local,
+        cfg.mesh,
+        (col_spec, tuple(col_spec for _ in slot_names), P(axis), P(axis), P(axis), P()),
         (col_spec, tuple(col_spec for _ in slot_names)),
-    )(table, tuple(slots[k] for k in slot_names), all_ids, all_valid, grads,
-      iterations)
+    )(table, tuple(slots[k] for k in slot_names), all_ids, all_valid, grads, iterations)
     return new_table, dict(zip(slot_names, new_slots)), None, None, None
 
 
@@ -293,17 +424,31 @@ ROUTED_STRATEGIES = ("row", "column")
 
 
 def sharded_lookup_with_sparse_update(
-    strategy, mesh, axis, table, slots, optimizer, ids, valid, iterations,
-    constraint=None, apply_update=True,
+    strategy,
+    mesh,
+    axis,
+    table,
+    slots,
+    optimizer,
+    ids,
+    valid,
+    iterations,
+    constraint=None,
+    apply_update=True,
+    slack=None,
 ):
     """Lookup whose backward applies the sparse optimizer on the owning shards.
 
     Returns ``[N, dim]`` rows; the "gradients" of ``table`` and ``slots`` are
     their updated values (for ``overwrite_with_gradient`` variables).
+    ``slack`` sizes the row exchange buffers (`row_capacity`).
     """
-    cfg = ShardConfig(mesh, axis, optimizer, constraint, apply_update)
+    cfg = ShardConfig(mesh, axis, optimizer, constraint, apply_update, slack)
     args = (
-        table, dict(slots), jnp.asarray(ids, jnp.int32), jnp.asarray(valid, bool),
+        table,
+        dict(slots),
+        jnp.asarray(ids, jnp.int32),
+        jnp.asarray(valid, bool),
         jnp.asarray(iterations, jnp.int32),
     )
     if strategy == "row":
@@ -323,26 +468,34 @@ def sharded_lookup_with_sparse_update(
     raise NotImplementedError(f"sharded lookup for strategy {strategy!r}")
 
 
-def sharded_gather(strategy, mesh, axis, table, ids, valid):
+def sharded_gather(strategy, mesh, axis, table, ids, valid, slack=None):
     """Forward-only / dense-gradient sharded gather."""
     ids = jnp.asarray(ids, jnp.int32)
     valid = jnp.asarray(valid, bool)
     if strategy == "row":
-        return row_gather(mesh, axis, table, ids, valid)
+        return row_gather(mesh, axis, table, ids, valid, slack)
     if strategy == "column":
         return column_gather(mesh, axis, table, ids, valid)
     raise NotImplementedError(f"sharded gather for strategy {strategy!r}")
 
 
 def exchange_bytes(
-    strategy, num_rows, dim, num_ids, num_devices, training=True, dtype_bytes=4,
+    strategy,
+    num_rows,
+    dim,
+    num_ids,
+    num_devices,
+    training=True,
+    dtype_bytes=4,
     id_bytes=4,
+    slack=None,
 ):
     """Bytes one device hands to collectives per step, from the buffer shapes.
 
     Args:
         num_ids: ids of this table in the global batch (``n = num_ids / D``
             per device).
+        slack: the row exchange slack (`row_capacity`); None: full buffers.
 
     Returns:
         dict with ``ids``, ``vectors``, ``grads``, ``total`` (buffer bytes,
@@ -352,22 +505,27 @@ def exchange_bytes(
     d = num_devices
     n = num_ids // d
     if strategy == "row":
-        ids = d * n * id_bytes  # [D, n] int32 all_to_all
-        vectors = d * n * dim * dtype_bytes  # [D, n, dim] all_to_all back
-        grads = vectors if training else 0  # [D, n, dim] all_to_all to owners
-        remote_frac = (d - 1) / d
-        remote = (ids + vectors + grads) * remote_frac
+        c = row_capacity(n, d, slack)
+        ids = d * c * id_bytes  # [D, C] int32 all_to_all
+        vectors = d * c * dim * dtype_bytes  # [D, C, dim] all_to_all back
+        grads = vectors if training else 0  # [D, C, dim] all_to_all to owners
+        if c < n:  # the overflow check: a pmax of one int32
+            ids += id_bytes
+        remote = (ids + vectors + grads) * (d - 1) / d
     elif strategy == "column":
         ids = n * (id_bytes + 1)  # all_gather of [n] ids and [n] bool valid
         vectors = d * n * (dim // d) * dtype_bytes  # [D, n, dim/D] all_to_all
         grads = vectors if training else 0
         remote = ids * (d - 1) + (vectors + grads) * (d - 1) / d
     elif strategy == "data":
-        # Under jit XLA gathers (ids, valid, grads) of the global batch.
-        ids = n * (id_bytes + 1) if training else 0
+        # The single-device primitive partitioned by XLA (jax 0.10, CPU): an
+        # all-gather of the local ids, then an all-reduce of the zero-padded
+        # global [N, dim] row gradients.
+        big = n * d
+        ids = n * id_bytes if training else 0
         vectors = 0
-        grads = n * dim * dtype_bytes if training else 0
-        remote = (ids + grads) * (d - 1)
+        grads = big * dim * dtype_bytes if training else 0
+        remote = n * id_bytes * (d - 1) + 2 * grads * (d - 1) / d
     elif strategy == "table":
         ids = d * n * id_bytes
         vectors = d * n * dim * dtype_bytes
@@ -377,11 +535,63 @@ def exchange_bytes(
         raise ValueError(f"unknown strategy {strategy!r}")
     total = ids + vectors + grads
     return {
-        "ids": int(ids), "vectors": int(vectors), "grads": int(grads),
-        "total": int(total), "remote": int(round(remote)),
+        "ids": int(ids),
+        "vectors": int(vectors),
+        "grads": int(grads),
+        "total": int(total),
+        "remote": int(round(remote)),
     }
 
 
 def table_all_gather_bytes(num_rows, dim, num_devices, dtype_bytes=4):
     """Bytes per device of the naive alternative: all-gathering the table."""
     return int(num_rows * dim * dtype_bytes // num_devices)
+
+
+_HLO_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+_HLO_COLLECTIVE = re.compile(
+    r"=\s*(?P<shapes>\(.*?\)|\S+)\s+(?P<op>all-to-all|all-gather|all-reduce|"
+    r"reduce-scatter|collective-permute)(?:-start)?\("
+)
+_HLO_SHAPE = re.compile(r"\b([a-z]+\d*|pred)\[([\d,]*)\]")
+
+
+def hlo_collective_bytes(hlo_text, num_devices):
+    """Bytes each device hands to collectives in a compiled (per-device) HLO.
+
+    Counts the input size of every all-to-all / all-gather / all-reduce /
+    reduce-scatter / collective-permute (an all-gather's input is its output
+    over the group size). Returns ``{op: bytes}`` plus ``"total"``.
+    """
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_COLLECTIVE.search(line)
+        if not m:
+            continue
+        size = 0
+        for dtype, dims in _HLO_SHAPE.findall(m.group("shapes")):
+            if dtype not in _HLO_DTYPE_BYTES:
+                continue
+            count = 1
+            for dim in filter(None, dims.split(",")):
+                count *= int(dim)
+            size += count * _HLO_DTYPE_BYTES[dtype]
+        if m.group("op") == "all-gather":
+            size //= num_devices
+        out[m.group("op")] = out.get(m.group("op"), 0) + size
+    out["total"] = sum(out.values())
+    return out

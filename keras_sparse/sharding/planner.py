@@ -20,9 +20,13 @@ Strategies:
 ``column`` columns split evenly (needs ``dim % devices == 0`` and an
            element-wise optimizer: row-wise slots need whole rows).
 
-Choice: the cheapest strategy (estimated comm bytes, with a load-imbalance
-penalty for table-wise) that fits in ``memory_per_device``; pinned strategies
-are honoured as given.
+Choice: the cheapest strategy that fits in ``memory_per_device``; pinned
+strategies are honoured as given. Cost (an alpha-beta model, in bytes):
+``comm_bytes * imbalance + rounds * collective_latency_bytes`` where
+``rounds`` is the number of collective exchanges per step (data: 1, the
+gradient combine, which XLA can fuse with the dense all-reduce; row, table,
+column: 3) and ``imbalance`` (table-wise only) is the busiest device's lookups
+over the fair share after placing the table.
 """
 
 import math
@@ -30,15 +34,26 @@ import math
 STRATEGIES = ("data", "table", "row", "column")
 _TIE_ORDER = {s: i for i, s in enumerate(STRATEGIES)}
 _ID_BYTES = 4
+#: Collective exchanges per training step (forward + backward).
+ROUNDS = {"data": 1, "table": 3, "row": 3, "column": 3}
 
 
 class TableSpec:
     """What the planner needs to know about one table."""
 
     def __init__(
-        self, name, rows, dim, slot_widths=(), dtype_bytes=4, row_wise_slots=False,
-        has_constraint=False, layer=None,
+        self,
+        name,
+        rows,
+        dim,
+        slot_widths=(),
+        dtype_bytes=4,
+        row_wise_slots=False,
+        has_constraint=False,
+        layer=None,
+        shardable=True,
     ):
+        self.shardable = bool(shardable)
         self.name = name
         self.rows = int(rows)
         self.dim = int(dim)
@@ -63,11 +78,14 @@ class TableSpec:
         rows = getattr(layer, "num_rows", None) or layer.input_dim
         dim = layer.output_dim
         return cls(
-            layer.name, rows, dim,
+            layer.name,
+            rows,
+            dim,
             [s.shape(rows, dim)[1] for s in specs],
             row_wise_slots=any(s.row_wise for s in specs),
             has_constraint=getattr(layer, "embeddings_constraint", None) is not None,
             layer=layer,
+            shardable=_is_shardable_layer(layer),
         )
 
 
@@ -111,8 +129,15 @@ class Plan:
         return sum(t.comm_bytes for t in self)
 
     def __str__(self):
-        head = ("table", "rows", "dim", "strategy", "devices", "bytes/device",
-                "comm bytes/step")
+        head = (
+            "table",
+            "rows",
+            "dim",
+            "strategy",
+            "devices",
+            "bytes/device",
+            "comm bytes/step",
+        )
         body = []
         for t in self:
             devs = t.devices
@@ -120,9 +145,17 @@ class Plan:
                 dev_txt = f"all {len(devs)}"
             else:
                 dev_txt = ",".join(str(d) for d in devs)
-            body.append((t.name, str(t.spec.rows), str(t.spec.dim), t.strategy,
-                         dev_txt, _fmt_bytes(t.bytes_per_device),
-                         _fmt_bytes(t.comm_bytes)))
+            body.append(
+                (
+                    t.name,
+                    str(t.spec.rows),
+                    str(t.spec.dim),
+                    t.strategy,
+                    dev_txt,
+                    _fmt_bytes(t.bytes_per_device),
+                    _fmt_bytes(t.comm_bytes),
+                )
+            )
         widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
 
         def line(row):
@@ -184,7 +217,17 @@ def bytes_per_device(spec, strategy, num_devices):
     return math.ceil(spec.total_bytes / num_devices)
 
 
+def _is_shardable_layer(layer):
+    # Fixed-vocabulary tables only: DistributedHashEmbedding's key->row map is
+    # host-local and its training lookup does not go through `lookup_rows`.
+    from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
+
+    return isinstance(layer, AllToAllDenseEmbedding)
+
+
 def _structural_problem(spec, strategy, d):
+    if strategy != "data" and not spec.shardable:
+        return f"{type(spec.layer).__name__} tables can only be replicated"
     if strategy == "row" and spec.rows % d:
         return f"rows {spec.rows} not divisible by {d} devices"
     if strategy == "column":
@@ -228,6 +271,7 @@ def plan(
     batch_size=1024,
     ids_per_sample=1,
     strategies=STRATEGIES,
+    collective_latency_bytes=64 * 1024,
 ):
     """Chooses a strategy per table.
 
@@ -243,6 +287,8 @@ def plan(
         ids_per_sample: ids per sample per table: an int, or a dict by table
             name (missing names default to 1).
         strategies: strategies the planner may choose for unpinned tables.
+        collective_latency_bytes: fixed cost of one collective exchange,
+            expressed in bytes (latency x bandwidth).
 
     Returns:
         A `Plan`.
@@ -257,7 +303,7 @@ def plan(
     pinned = dict(pinned or {})
     for s in specs:
         own = getattr(s.layer, "sharding", "auto") if s.layer is not None else "auto"
-        if s.name not in pinned and own != "auto":
+        if s.name not in pinned and own != "auto" and s.shardable:
             pinned[s.name] = own
     unknown = set(pinned) - {s.name for s in specs}
     if unknown:
@@ -265,8 +311,7 @@ def plan(
     for name, strat in pinned.items():
         if strat not in STRATEGIES:
             raise ValueError(
-                f"Table '{name}': pinned strategy {strat!r} is not one of "
-                f"{STRATEGIES}."
+                f"Table '{name}': pinned strategy {strat!r} is not one of {STRATEGIES}."
             )
     cap = math.inf if memory_per_device is None else memory_per_device
 
@@ -279,46 +324,64 @@ def plan(
     load = [0.0] * d
     fair_load = sum(lookups_of(s) for s in specs) / d
     results = {}
-    # Pinned first, then the largest tables first (bin packing).
-    order = sorted(specs, key=lambda s: (s.name not in pinned, -s.total_bytes))
+    # Pinned first, then the smallest tables first: replicating a small table
+    # saves the most communication per byte of memory. While placing a table,
+    # memory for the smallest footprint of every table still to place is held
+    # back, so an early table cannot take memory a later one needs.
+    order = sorted(specs, key=lambda s: (s.name not in pinned, s.total_bytes))
+
+    def min_footprint(spec):
+        opts = [pinned[spec.name]] if spec.name in pinned else list(strategies)
+        ok = [o for o in opts if not _structural_problem(spec, o, d)]
+        if any(o != "data" for o in ok):
+            return spec.total_bytes / d  # sharded, or packed whole somewhere
+        return spec.total_bytes
+
+    pending = sum(min_footprint(s) for s in order)
     for spec in order:
         lk = lookups_of(spec)
         options = [pinned[spec.name]] if spec.name in pinned else list(strategies)
-        tried = []
-        best = None
-        for strat in options:
-            problem = _structural_problem(spec, strat, d)
-            per_dev = bytes_per_device(spec, strat, d)
-            comm = comm_bytes(spec, strat, d, lk)
-            if problem:
-                tried.append(f"{strat}: {problem}")
-                continue
-            if strat == "table":
-                # Least loaded device (memory, then lookups) that fits.
-                dev = min(range(d), key=lambda i: (used[i], load[i]))
-                if used[dev] + per_dev > cap:
-                    tried.append(
-                        f"table: {_fmt_bytes(per_dev)} > "
-                        f"{_fmt_bytes(cap - used[dev])} free on device {dev}"
-                    )
+        pending -= min_footprint(spec)
+        for reserve in (pending, 0):
+            tried = []
+            best = None
+            for strat in options:
+                problem = _structural_problem(spec, strat, d)
+                per_dev = bytes_per_device(spec, strat, d)
+                comm = comm_bytes(spec, strat, d, lk)
+                if problem:
+                    tried.append(f"{strat}: {problem}")
                     continue
-                imbalance = max(1.0, (load[dev] + lk) / max(fair_load, 1e-9))
-                cost = comm * imbalance
-                devs = (dev,)
-            else:
-                free = cap - max(used)
-                if per_dev > free:
-                    tried.append(
-                        f"{strat}: {_fmt_bytes(per_dev)}/device > "
-                        f"{_fmt_bytes(free)} free"
-                    )
-                    continue
-                cost = comm
-                devs = tuple(range(d))
-            key = (cost, _TIE_ORDER[strat])
-            if best is None or key < best[0]:
-                best = (key, strat, devs, per_dev, comm)
-            tried.append(f"{strat}: comm {_fmt_bytes(comm)}")
+                if strat == "table":
+                    # Least loaded device (memory, then lookups) that fits.
+                    dev = min(range(d), key=lambda i: (used[i], load[i]))
+                    if used[dev] + per_dev + reserve > cap:
+                        tried.append(
+                            f"table: {_fmt_bytes(per_dev)} > "
+                            f"{_fmt_bytes(cap - used[dev] - reserve)} free on "
+                            f"device {dev}"
+                        )
+                        continue
+                    imbalance = max(1.0, (load[dev] + lk) / max(fair_load, 1e-9))
+                    cost = comm * imbalance
+                    devs = (dev,)
+                else:
+                    free = cap - max(used) - reserve
+                    if per_dev > free:
+                        tried.append(
+                            f"{strat}: {_fmt_bytes(per_dev)}/device > "
+                            f"{_fmt_bytes(free)} free"
+                        )
+                        continue
+                    cost = comm
+                    devs = tuple(range(d))
+                cost += ROUNDS[strat] * collective_latency_bytes
+                key = (cost, _TIE_ORDER[strat])
+                if best is None or key < best[0]:
+                    best = (key, strat, devs, per_dev, comm)
+                tried.append(f"{strat}: cost {_fmt_bytes(cost)}")
+            if best is not None:
+                break
         if best is None:
             raise ValueError(
                 f"Table '{spec.name}' ({spec.rows} rows x {spec.dim} dim, "
@@ -327,7 +390,7 @@ def plan(
                 f"{_fmt_bytes(cap) if cap != math.inf else 'unlimited'} per device "
                 f"({_fmt_bytes(max(used))} already used): " + "; ".join(tried)
             )
-        _, strat, devs, per_dev, comm = best
+        (cost, _), strat, devs, per_dev, comm = best
         for i in devs:
             used[i] += per_dev
             load[i] += lk if strat == "table" else lk / d
@@ -335,7 +398,7 @@ def plan(
             reason = f"pinned to {strat}"
         else:
             others = [t for t in tried if not t.startswith(strat + ":")]
-            reason = f"lowest est. comm that fits ({_fmt_bytes(comm)})"
+            reason = f"lowest cost that fits ({_fmt_bytes(cost)})"
             if others:
                 reason += "; " + "; ".join(others)
         results[spec.name] = TablePlan(spec, strat, devs, per_dev, comm, reason)

@@ -5,6 +5,20 @@
 the CPU twin, so both give the same rows for the same call sequence.
 Placement/eviction rounds reuse ``ArrayTable``'s vectorized code on CuPy
 arrays (host syncs only where a result size must be read).
+
+Kernel path vs fallback:
+
+* ``find`` (lookup, the probe of ``lookup_or_insert``, erase): always
+  ``ks_find``, 16 lanes per key, one 16-byte digest load per bucket chunk.
+* placement of new keys, per round: ``ks_claim_compact`` ranks, places and
+  writes the keys whose chosen bucket is compact (no holes from erase/import_)
+  after one ``cupy.sort`` of (bucket, arrival) words; a round that touches a
+  holey bucket uses ``ArrayTable._claim_write`` on CuPy arrays instead.
+* dedup of the batch, admission, load-balanced bucket choice, eviction rounds
+  (LRU/LFU victims, protection of this call's keys) and overflow stay in the
+  shared host-orchestrated CuPy code, so rows equal the CPU twin's exactly.
+  (A concurrent atomicCAS insert would pick slots in a nondeterministic order
+  and break that equality, so it is deliberately not used.)
 """
 
 from __future__ import annotations
@@ -34,9 +48,16 @@ def _module():
         return _MODULE
 
 
-def _launch(name, n, args):
+def _launch(name, n, args, lanes=1):
+    """Launch ``name`` with ``lanes`` threads per item (a power of two <= 32)."""
     if n:
-        _module().get_function(name)(((n + _BLOCK - 1) // _BLOCK,), (_BLOCK,), args)
+        threads = n * lanes
+        _module().get_function(name)(
+            ((threads + _BLOCK - 1) // _BLOCK,), (_BLOCK,), args
+        )
+
+
+_TILE = 16  # lanes per key in ks_find (KS_TILE in the .cu file)
 
 
 class CupyTable(ArrayTable):
@@ -56,6 +77,9 @@ class CupyTable(ArrayTable):
             _launch("ks_add_i64", n, (arr, idx, val, np.int64(n)))
         else:
             raise TypeError(f"unsupported scatter-add dtype {arr.dtype}")
+
+    def _stable_argsort(self, x):
+        return cp.argsort(x)  # always stable; older CuPy has no ``kind``
 
     def hash(self, k):
         k = cp.ascontiguousarray(k, dtype=cp.int64)
@@ -90,5 +114,47 @@ class CupyTable(ArrayTable):
             np.uint64(self.num_buckets),
             np.int32(self.bucket_size),
         )
-        _launch("ks_lookup", n, args + (self.keys, self.digest, rows))
+        # 16-lane tile per key: vector digest load + ballot (ks_lookup is the
+        # one-thread-per-key reference version of the same probe).
+        _launch("ks_find", n, args + (self.keys, self.digest, rows), lanes=_TILE)
         return rows
+
+    def find(self, k):
+        return self.probe(k)  # hashing happens inside the kernel
+
+    def _claim_write(self, a, choose, ak, d, new_score):
+        """Kernel path of one placement round when every chosen bucket is compact.
+
+        Same result as ``ArrayTable._claim_write`` (see ``ks_claim_compact``);
+        buckets with holes (after erase/import_) take the generic CuPy path.
+        """
+        n = int(choose.shape[0])
+        if n == 0 or bool(self.holey[choose].any()):
+            return super()._claim_write(a, choose, ak, d, new_score)
+        sh = max(n - 1, 1).bit_length()
+        comp = cp.sort((choose << sh) | cp.arange(n, dtype=cp.int64))
+        slots = cp.empty(n, dtype=cp.int64)
+        ok = cp.empty(n, dtype=cp.bool_)
+        _launch(
+            "ks_claim_compact",
+            n,
+            (
+                comp,
+                np.int64(n),
+                np.int32(sh),
+                np.int32(self.bucket_size),
+                self.load,
+                cp.ascontiguousarray(a, dtype=cp.int64),
+                cp.ascontiguousarray(ak, dtype=cp.int64),
+                cp.ascontiguousarray(d, dtype=cp.uint8),
+                cp.ascontiguousarray(
+                    cp.broadcast_to(new_score, ak.shape), dtype=cp.int64
+                ),
+                self.keys,
+                self.digest,
+                self.score,
+                slots,
+                ok,
+            ),
+        )
+        return a[ok], slots[ok], a[~ok]

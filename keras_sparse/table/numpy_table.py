@@ -46,6 +46,11 @@ MIN_BUCKETS = 4
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _score_of(new_score, idx):
+    """Scores for keys ``idx``: one shared 0-d value or a per-key array."""
+    return new_score if new_score.ndim == 0 else new_score[idx]
+
+
 class InsertResult(NamedTuple):
     """Result of ``lookup_or_insert``.
 
@@ -107,6 +112,9 @@ class ArrayTable:
 
     def _asarray(self, x, dtype):
         return self.xp.asarray(x, dtype=dtype)
+
+    def _stable_argsort(self, x):
+        return np.argsort(x, kind="stable")
 
     def _to_host_int(self, x) -> int:
         return int(x)
@@ -212,55 +220,92 @@ class ArrayTable:
         self.counters["misses"] += int(k.shape[0]) - found
         return rows
 
+    def _find_for_insert(self, k):
+        """``(rows, hit_rows, miss_idx, miss_hash)`` for ``lookup_or_insert``.
+
+        ``hit_rows``: rows of the found keys; ``miss_idx``: positions of the
+        absent keys (ascending); ``miss_hash``: their ``(b1, b2, digest)``
+        when the probe already computed them (the CPU twin), else None and
+        ``_place`` hashes the new keys itself.
+        """
+        rows = self.find(k)
+        return rows, rows[rows >= 0], self.xp.flatnonzero(rows < 0), None
+
+    def _dedup(self, mk):
+        """Unique keys of ``mk`` in order of first occurrence.
+
+        Returns ``(first, counts, inv)``: ``mk[first]`` are the unique keys,
+        ``counts`` their multiplicities and ``inv`` maps each element of ``mk``
+        to its unique key; all three are None when ``mk`` has no duplicates
+        (the common case), which ``np.sort`` of the values detects far more
+        cheaply than the ``argsort`` the grouping needs.  Arrival order (not
+        key order) is what placement ranks by, so a dup-free batch needs no
+        permutation at all.
+        """
+        xp = self.xp
+        n = int(mk.shape[0])
+        sk = xp.sort(mk)
+        if not bool((sk[1:] == sk[:-1]).any()):
+            return None, None, None
+        order = self._stable_argsort(mk)  # ties keep arrival order
+        sk = mk[order]
+        is_first = xp.ones(n, dtype=bool)
+        is_first[1:] = sk[1:] != sk[:-1]
+        starts = xp.flatnonzero(is_first)
+        counts = xp.diff(xp.concatenate([starts, xp.asarray([n])]))
+        first = order[starts]  # first occurrence of each key, groups in key order
+        by_arrival = xp.argsort(first)  # stable ranks not needed: all distinct
+        rank = xp.empty(int(starts.shape[0]), dtype=xp.int64)
+        rank[by_arrival] = xp.arange(int(starts.shape[0]), dtype=xp.int64)
+        inv = xp.empty(n, dtype=xp.int64)
+        inv[order] = rank[xp.cumsum(is_first) - 1]
+        return first[by_arrival], counts[by_arrival], inv
+
     def lookup_or_insert(self, k, step=None):
         xp = self.xp
         step = self._next_step(step)
         n = int(k.shape[0])
-        rows = self.find(k)
-        hit = rows >= 0
-        hit_rows = rows[hit]
-        miss_idx = xp.flatnonzero(~hit)
+        rows, hit_rows, miss_idx, miss_hash = self._find_for_insert(k)
         n_miss = int(miss_idx.shape[0])
         empty = xp.zeros(0, dtype=xp.int64)
         placed_rows, ev_keys, ev_rows = empty, empty, empty
         rejected = 0
         if n_miss:
-            mk = k[miss_idx]
-            order = xp.argsort(mk)
-            sk = mk[order]
-            first = xp.ones(n_miss, dtype=bool)
-            first[1:] = sk[1:] != sk[:-1]
-            inv = xp.empty(n_miss, dtype=xp.int64)
-            if bool(first.all()):  # no duplicate misses: skip the grouping
-                inv[order] = xp.arange(n_miss, dtype=xp.int64)
-                uk = sk
-                counts = xp.ones(n_miss, dtype=xp.int64)
-            else:
-                inv[order] = xp.cumsum(first) - 1
-                starts = xp.flatnonzero(first)
-                uk = sk[starts]
-                counts = xp.diff(xp.concatenate([starts, xp.asarray([n_miss])]))
+            # New keys keep batch (first-occurrence) order: placement ranks
+            # them by it, identically on both devices.
+            first, counts, inv = self._dedup(k[miss_idx])
+            src = miss_idx if first is None else miss_idx[first]  # positions in k
+            if counts is None and (self.sketch is not None or self.eviction == "lfu"):
+                counts = xp.ones(int(src.shape[0]), dtype=xp.int64)  # else unused
             admitted = None
             if self.sketch is not None:
+                uk = k[src]
                 est = self.sketch.add(uk, counts)
                 admitted = est >= self.admit_after
-                ak, acounts = uk[admitted], counts[admitted]
                 rejected = self._to_host_int(counts[~admitted].sum())
+                ak_src, acounts = src[admitted], counts[admitted]
             else:
-                ak, acounts = uk, counts
+                ak_src, acounts = src, counts
+            hashes = None
+            if miss_hash is not None:  # reuse the probe's hashes of these keys
+                sel = first  # the unique misses (None: all of them)
+                if admitted is not None:
+                    adm = xp.flatnonzero(admitted)
+                    sel = adm if first is None else first[adm]
+                hashes = miss_hash if sel is None else tuple(h[sel] for h in miss_hash)
             try:
-                self._check_batch_fits(int(ak.shape[0]), hit_rows)
-                placed = self._place(ak, acounts, step, hit_rows)
+                self._check_batch_fits(int(ak_src.shape[0]), hit_rows)
+                placed = self._place(k[ak_src], acounts, step, hit_rows, hashes)
             except Exception:
                 if self.sketch is not None:
                     self.sketch.subtract(uk, counts)
                 raise
             urows = placed[0]
             if admitted is not None:
-                urows_all = xp.full(uk.shape[0], -1, dtype=xp.int64)
+                urows_all = xp.full(int(src.shape[0]), -1, dtype=xp.int64)
                 urows_all[admitted] = urows
                 urows = urows_all
-            rows[miss_idx] = urows[inv]
+            rows[miss_idx] = urows if inv is None else urows[inv]
             placed_rows, ev_keys, ev_rows = placed[1], placed[2], placed[3]
         self._touch(hit_rows, step)
         c = self.counters
@@ -412,8 +457,10 @@ class ArrayTable:
                 f"{n_new} new keys and eviction=None"
             )
 
-    def _place(self, ak, counts, step, hit_rows):
-        """Give rows to new unique keys ``ak``.
+    def _place(self, ak, counts, step, hit_rows, hashes=None):
+        """Give rows to new unique keys ``ak`` (``hashes``: their ``hash``, if known).
+
+        ``counts`` (sightings per key) is only read for LFU and may be None otherwise.
 
         Rounds: keys whose candidate buckets have room go to the less loaded
         one (ties -> first bucket), ranked within the bucket so each gets a
@@ -427,9 +474,10 @@ class ArrayTable:
         empty = xp.zeros(0, dtype=xp.int64)
         if m == 0:
             return res, empty, empty, empty
-        b1, b2, d = self.hash(ak)
+        b1, b2, d = self.hash(ak) if hashes is None else hashes
+        # per key for LFU; one 0-d value (broadcast by _score_of) otherwise
         new_score = (
-            xp.full(m, step, dtype=xp.int64)
+            xp.asarray(step, dtype=xp.int64)
             if self.eviction != "lfu"
             else counts.astype(xp.int64)
         )
@@ -444,9 +492,7 @@ class ArrayTable:
                 break
             everyone = pending is all_keys  # first round: pending == arange(m)
             pb1, pb2 = (b1, b2) if everyone else (b1[pending], b2[pending])
-            l1, l2 = self.load[pb1], self.load[pb2]
-            choose = xp.where(l1 <= l2, pb1, pb2)
-            roomy = xp.minimum(l1, l2) < S
+            choose, roomy = self._choose_buckets(pb1, pb2)
             n_roomy = self._to_host_int(roomy.sum())
             all_roomy = n_roomy == int(pending.shape[0])
             full_keys = empty if all_roomy else pending[~roomy]
@@ -455,10 +501,7 @@ class ArrayTable:
                 a = pending if all_roomy else pending[roomy]
                 if not all_roomy:
                     choose = choose[roomy]
-                slots, ok = self._claim_free(choose)
-                slots = slots[ok]
-                won = a[ok]
-                self._write(slots, ak[won], d[won], new_score[won])
+                won, slots, lost = self._claim_write(a, choose, ak, d, new_score)
                 self._add_at(
                     self.load, slots // S, xp.ones(int(slots.shape[0]), dtype=xp.int64)
                 )
@@ -466,7 +509,7 @@ class ArrayTable:
                 filled.append(slots)
                 if prot is not None:
                     prot[slots] = True
-                retry.append(a[~ok])
+                retry.append(lost)
             if full_keys.shape[0]:
                 if self.eviction is None:
                     self._undo_fill(filled)
@@ -498,12 +541,22 @@ class ArrayTable:
         evr = xp.concatenate(ev_r) if ev_r else empty
         return res, res[res >= 0], evk, evr
 
-    def _claim_free(self, choose):
-        """Distinct free slot per key in its chosen bucket; ok=False if none left.
+    def _choose_buckets(self, b1, b2):
+        """Less loaded candidate bucket per key (ties: first), and has it room."""
+        xp, S = self.xp, self.bucket_size
+        l1, l2 = self.load[b1], self.load[b2]
+        return xp.where(l1 <= l2, b1, b2), xp.minimum(l1, l2) < S
 
-        Keys are ranked within their bucket by arrival; rank r takes the r-th
-        lowest free position.  Sorting one composite word (bucket, arrival)
-        replaces an argsort; compact buckets (see ``holey``) need no key reads.
+    def _claim_write(self, a, choose, ak, d, new_score):
+        """One placement round: a distinct free slot per key in its chosen bucket.
+
+        ``a`` indexes ``ak``; ``choose[i]`` is the bucket of ``a[i]``.  Keys
+        are ranked within their bucket by position in ``a``; rank r takes the
+        r-th lowest free position, if there is one.  Sorting one composite
+        word (bucket, position) groups the buckets without an argsort, and
+        compact buckets (see ``holey``) need no key reads.  Writes the winners
+        and returns ``(won, slots, lost)``: placed indices into ``ak`` (any
+        order), their slots, and the unplaced ones in ``a``'s order.
         """
         xp, S = self.xp, self.bucket_size
         n = int(choose.shape[0])
@@ -517,7 +570,7 @@ class ArrayTable:
         grp = xp.cumsum(first) - 1
         rank = xp.arange(n, dtype=xp.int64) - starts[grp]
         lsc = self.load[sc]
-        ok_sorted = rank < (S - lsc)
+        ok = rank < (S - lsc)
         pos = xp.minimum(lsc + rank, S - 1)
         ub = sc[starts]
         hole = self.holey[ub]
@@ -531,11 +584,11 @@ class ArrayTable:
             sel = hole[grp]
             g = grp[sel]
             pos[sel] = free_first[hid[g], xp.minimum(rank[sel], S - 1)]
-        slots = xp.empty(n, dtype=xp.int64)
-        ok = xp.empty(n, dtype=bool)
-        slots[order] = sc * S + pos
-        ok[order] = ok_sorted
-        return slots, ok
+        slots = (sc * S + pos)[ok]
+        won = a[order[ok]]
+        lost = a[xp.sort(order[~ok])]
+        self._write(slots, ak[won], d[won], _score_of(new_score, won))
+        return won, slots, lost
 
     def _evict_round(self, keys_idx, b1, b2, ak, d, new_score, res, prot):
         """One eviction round; returns (indices still pending, evicted keys, rows)."""
@@ -563,7 +616,7 @@ class ArrayTable:
         won[win] = True
         wi, slots = keys_idx[won], victim[won]
         ek = self.keys[slots].copy()
-        self._write(slots, ak[wi], d[wi], new_score[wi])
+        self._write(slots, ak[wi], d[wi], _score_of(new_score, wi))
         prot[slots] = True
         res[wi] = slots
         return keys_idx[~won], ek, slots
@@ -607,15 +660,65 @@ class NumpyTable(ArrayTable):
     xp = np
     device = "cpu"
 
+    def hash(self, k):
+        """Same values as ``ArrayTable.hash`` with fewer temporaries."""
+        h = k.view(np.uint64) ^ np.uint64(self.salt)
+        h ^= h >> np.uint64(30)
+        h *= _M1
+        h ^= h >> np.uint64(27)
+        h *= _M2
+        h ^= h >> np.uint64(31)
+        u32, nb = np.uint64(32), np.uint64(self.num_buckets)
+        b1 = h >> u32
+        b1 *= nb
+        b1 >>= u32
+        b2 = h & np.uint64(0xFFFFFFFF)
+        b2 *= np.uint64(self.num_buckets - 1)
+        b2 >>= u32
+        b2 += b1
+        b2 += np.uint64(1)
+        np.minimum(b2, b2 - nb, out=b2)
+        return b1.view(np.int64), b2.view(np.int64), h.astype(np.uint8)
+
     def find(self, k):
-        S = self.bucket_size
-        if S not in (8, 16, 32):
+        if self.bucket_size not in (8, 16, 32):
             return super().find(k)
+        return self._find_chunked(k, None)
+
+    def _find_for_insert(self, k):
+        """The chunked find, also splitting hits and misses for the insert.
+
+        Each chunk compacts its hit rows and its misses (with their bucket
+        pair and digest) while they are still in cache, which saves rehashing
+        the new keys and two full-size compaction passes over ``rows``.
+        """
+        if self.bucket_size not in (8, 16, 32):
+            return super()._find_for_insert(k)
         n = int(k.shape[0])
-        rows = np.full(n, -1, dtype=np.int64)
+        # Filled front to back by the chunks; views of the used prefixes are
+        # returned (no concatenation pass).
+        split = dict(
+            hit_rows=np.empty(n, dtype=np.int64),
+            miss_idx=np.empty(n, dtype=np.int64),
+            b1=np.empty(n, dtype=np.int64),
+            b2=np.empty(n, dtype=np.int64),
+            digest=np.empty(n, dtype=np.uint8),
+            n_hit=0,
+            n_miss=0,
+        )
+        rows = self._find_chunked(k, split)
+        nh, nm = split["n_hit"], split["n_miss"]
+        hashes = tuple(split[name][:nm] for name in ("b1", "b2", "digest"))
+        return rows, split["hit_rows"][:nh], split["miss_idx"][:nm], hashes
+
+    def _find_chunked(self, k, split):
+        S = self.bucket_size
+        n = int(k.shape[0])
+        rows = np.empty(n, dtype=np.int64)  # every chunk writes all its rows
         # One void item per bucket's digests: a single fast 8/16/32-byte gather.
         digv = self.digest.view(np.dtype((np.void, S)))
         mask_dt = _UINT[S // 8]
+        W = S // 8  # digest words per bucket
         shift = S.bit_length() - 1
         nb = np.uint64(self.num_buckets)
         nb1 = np.uint64(self.num_buckets - 1)
@@ -642,11 +745,12 @@ class NumpyTable(ArrayTable):
             b2 >>= u32
             b2 += b1
             b2 += np.uint64(1)
-            np.subtract(b2, nb, out=b2, where=b2 >= nb)
+            np.minimum(b2, b2 - nb, out=b2)  # wraps: b2 - nb is huge if b2 < nb
             h &= np.uint64(0xFF)
             h *= _BYTES  # the key's digest in every byte
-            g = digv.take(bb).view(np.uint64).reshape(2, m, -1)
-            g ^= h[None, :, None]
+            bbi = bb.view(np.int64)
+            g = digv.take(bbi).view(np.uint64).reshape(2, -1)  # (2, m * W)
+            g ^= (h if W == 1 else h.repeat(W))[None, :]
             # zero byte == digest match; flat packbits of S bools per bucket
             mk = np.packbits((g.view(np.uint8) == 0).reshape(-1), bitorder="little")
             mk = mk.view(mask_dt).reshape(2, m)
@@ -660,21 +764,118 @@ class NumpyTable(ArrayTable):
             sel = pos >> shift  # 0: first bucket, 1: second
             sel *= m
             sel += np.arange(m)
-            slot = bb.reshape(-1).view(np.int64).take(sel)
+            slot = bbi.reshape(-1).take(sel)
             slot *= S
             pos &= S - 1
             slot += pos
-            # No match (vals == 0) gives pos 0: that slot cannot hold kc,
-            # since a stored kc would have matched its own digest.
+            # No digest match (vals == 0, e.g. most new keys): read slot 0,
+            # which stays in cache, instead of a random line of ``keys``, and
+            # mask the comparison (slot 0 may hold kc as its empty sentinel).
+            cand = vals != 0
+            slot *= cand
             hit = keys.take(slot) == kc
+            hit &= cand
+            miss = hit.view(np.int8).astype(np.int64)
+            miss -= 1  # 0 where hit, -1 (all ones) where not
+            slot |= miss
             out = rows[s : s + m]
-            np.copyto(out, slot, where=hit)
-            vals ^= low
-            np.copyto(vals, 0, where=hit)
-            ki = np.flatnonzero(vals)
+            out[...] = slot
+            more = vals != low  # other candidates left ...
+            np.greater(more, hit, out=more)  # ... and the first one failed
+            ki = np.flatnonzero(more)
             if ki.shape[0]:
-                self._probe_rest(kc, bb.view(np.int64), ki, vals[ki], out)
+                self._probe_rest(kc, bbi, ki, vals[ki] ^ low[ki], out)
+            if split is not None:
+                # flatnonzero + take: boolean-mask indexing of a random 50/50
+                # mask is several times slower (branch mispredictions).
+                miss = out < 0
+                mi = np.flatnonzero(miss)
+                np.logical_not(miss, out=miss)
+                hi = np.flatnonzero(miss)
+                a, b = split["n_hit"], split["n_miss"]
+                e = b + mi.shape[0]
+                out.take(hi, out=split["hit_rows"][a : a + hi.shape[0]])
+                np.add(mi, s, out=split["miss_idx"][b:e])
+                bbi[0].take(mi, out=split["b1"][b:e])
+                bbi[1].take(mi, out=split["b2"][b:e])
+                # h is digest * 0x0101..: its low byte is the digest
+                split["digest"][b:e] = h.take(mi)
+                split["n_hit"], split["n_miss"] = a + hi.shape[0], e
         return rows
+
+    def _choose_buckets(self, b1, b2):
+        """``ArrayTable._choose_buckets`` in cache-sized chunks (same result)."""
+        n, S, load = int(b1.shape[0]), self.bucket_size, self.load
+        choose = np.empty(n, dtype=np.int64)
+        roomy = np.empty(n, dtype=bool)
+        for s in range(0, n, _CHUNK):
+            e = min(s + _CHUNK, n)
+            l1, l2 = load.take(b1[s:e]), load.take(b2[s:e])
+            np.copyto(choose[s:e], b2[s:e])
+            np.copyto(choose[s:e], b1[s:e], where=l1 <= l2)
+            np.minimum(l1, l2, out=l1)
+            np.less(l1, S, out=roomy[s:e])
+        return choose, roomy
+
+    def _claim_write(self, a, choose, ak, d, new_score):
+        """``ArrayTable._claim_write`` in cache-sized chunks (same result).
+
+        Only for rounds whose chosen buckets are all compact (the usual case;
+        see ``holey``), where the r-th key of a bucket simply takes position
+        ``load + r``.  After one global sort of (bucket, arrival) words, each
+        chunk of the sorted words ranks, places and writes its keys with
+        temporaries that stay in cache (full-size temporaries cost a page
+        fault per 4 KiB on every call).  The rank is the distance to the
+        bucket group's head, found by a running maximum of head indices; a
+        group split over two chunks carries its head over.  The table writes
+        go out at ascending slots, so they are nearly sequential.
+        """
+        S, n = self.bucket_size, int(choose.shape[0])
+        if n == 0 or self.holey.take(choose).any():
+            return super()._claim_write(a, choose, ak, d, new_score)
+        sh = max(n - 1, 1).bit_length()
+        comp = choose << sh
+        comp |= np.arange(n, dtype=np.int64)
+        comp.sort()  # (bucket, arrival) words: groups buckets, arrival inside
+        # a has all len(ak) keys only in _place's first round with every key
+        # roomy (pending shrinks every round), where it is arange(len(ak)):
+        # the arrival index already is the key index.
+        identity = n == int(ak.shape[0])
+        won_all = np.empty(n, dtype=np.int64)
+        slots_all = np.empty(n, dtype=np.int64)
+        n_won, lost = 0, []
+        head_bucket, head = -1, 0  # bucket and head index of the last group
+        mask = (1 << sh) - 1
+        for s in range(0, n, _CHUNK):
+            c = comp[s : s + _CHUNK]
+            m = c.shape[0]
+            bkt = c >> sh
+            idx = np.arange(s, s + m, dtype=np.int64)
+            heads = np.empty(m, dtype=np.int64)
+            np.multiply(idx[1:], bkt[1:] != bkt[:-1], out=heads[1:])
+            heads[0] = head if bkt[0] == head_bucket else s
+            np.maximum.accumulate(heads, out=heads)
+            head_bucket, head = int(bkt[-1]), int(heads[-1])
+            rank = idx
+            rank -= heads  # position of the key within its bucket's group
+            slot = self.load.take(bkt)
+            free = S - slot
+            slot += rank
+            bkt *= S
+            slot += bkt  # bucket * S + load + rank
+            arrival = c & mask
+            ok = rank < free
+            if not ok.all():
+                lost.append(arrival[~ok])
+                ok = np.flatnonzero(ok)
+                slot, arrival = slot.take(ok), arrival.take(ok)
+            won = arrival if identity else a.take(arrival)
+            e = n_won + won.shape[0]
+            won_all[n_won:e], slots_all[n_won:e] = won, slot
+            n_won = e
+            self._write(slot, ak.take(won), d.take(won), _score_of(new_score, won))
+        lost = a.take(np.sort(np.concatenate(lost))) if lost else a[:0]
+        return won_all[:n_won], slots_all[:n_won], lost
 
     def _probe_rest(self, k, bb, ki, vals, rows):
         """Remaining digest candidates (false positives of the first one)."""

@@ -1,0 +1,211 @@
+"""Sharded training across processes: 2 processes x 4 CPU devices on one host.
+
+A stand-in for multi-host GPU training: every process runs this same script;
+JAX's distributed runtime (coordinator on process 0, gloo CPU collectives)
+joins their devices into one 8-device mesh, the embedding tables are sharded
+over all of them (row / column / data per the plan) and each process feeds its
+own half of every global batch.
+
+    # two terminals (or `&`), same port:
+    python examples/multiprocess_train.py --process-id 0 --num-processes 2 --port 12355
+    python examples/multiprocess_train.py --process-id 1 --num-processes 2 --port 12355
+    # the single-process reference on 8 local devices:
+    python examples/multiprocess_train.py --num-processes 1 --local-devices 8
+
+On real hosts, pass ``--coordinator host0:PORT`` and drop ``--local-devices``
+(GPUs are found by JAX). Process 0 prints one JSON line with the per-step
+losses and a checksum of every table.
+
+Failure handling: if a peer dies, JAX's coordination service notices the
+missing heartbeats (``--heartbeat-timeout`` seconds) and aborts this process;
+a watchdog thread additionally exits with code 3 and a clear message if no
+training step completes for ``--watchdog`` seconds (e.g. a collective waiting
+on a dead peer).
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--num-processes", type=int, default=2)
+    p.add_argument("--coordinator", default=None, help="host:port of process 0")
+    p.add_argument("--port", type=int, default=12355)
+    p.add_argument("--local-devices", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch")
+    p.add_argument("--heartbeat-timeout", type=int, default=10)
+    p.add_argument("--init-timeout", type=int, default=60)
+    p.add_argument("--watchdog", type=float, default=120.0)
+    p.add_argument(
+        "--die-at-step",
+        type=int,
+        default=None,
+        help="testing: this process kills itself (SIGKILL) after that step",
+    )
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+# Must happen before JAX initialises its CPU backend.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={ARGS.local_devices}"
+    )
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if ARGS.num_processes > 1:
+    jax.distributed.initialize(
+        coordinator_address=ARGS.coordinator or f"127.0.0.1:{ARGS.port}",
+        num_processes=ARGS.num_processes,
+        process_id=ARGS.process_id,
+        initialization_timeout=ARGS.init_timeout,
+        heartbeat_timeout_seconds=ARGS.heartbeat_timeout,
+        shutdown_timeout_seconds=ARGS.heartbeat_timeout,
+    )
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import keras_sparse as ks  # noqa: E402
+
+TABLES = {  # name: (rows, strategy, sparse optimizer)
+    "user": (256, "row", "adagrad"),
+    "item": (128, "column", "adam"),
+    "country": (16, "data", "adagrad"),
+}
+DIM, BAG = 8, 3
+
+
+class Watchdog(keras.callbacks.Callback):
+    """Exits the process if no step finishes within ``timeout`` seconds."""
+
+    def __init__(self, timeout, die_at_step=None):
+        super().__init__()
+        self.timeout, self.die_at_step = timeout, die_at_step
+        self.last = time.monotonic()
+        self.losses = []
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self):
+        while True:
+            time.sleep(1.0)
+            if time.monotonic() - self.last > self.timeout:
+                print(
+                    f"[process {jax.process_index()}] ERROR: no training step "
+                    f"finished for {self.timeout:.0f} s; a peer process is "
+                    "probably gone. Exiting.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(3)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+        self.last = time.monotonic()
+        print(f"[process {jax.process_index()}] step {batch + 1}", flush=True)
+        if self.die_at_step is not None and batch + 1 >= self.die_at_step:
+            os.kill(os.getpid(), 9)
+
+
+def build(layers):
+    inputs = [keras.Input((BAG,), dtype="int32", name=f"{n}_ids") for n in TABLES]
+    pooled = [layer(x) for layer, x in zip(layers, inputs)]
+    h = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()(pooled))
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def global_data(steps, batch):
+    rng = np.random.default_rng(0)
+    n = steps * batch
+    x = [
+        rng.integers(0, rows, size=(n, BAG)).astype("int32")
+        for rows, _, _ in TABLES.values()
+    ]
+    return x, rng.normal(size=(n, 1)).astype("float32")
+
+
+def main():
+    keras.utils.set_random_seed(0)
+    nproc, pid = jax.process_count(), jax.process_index()
+    devices = jax.devices()
+    layers = [
+        ks.AllToAllDenseEmbedding(
+            rows, DIM, combiner="sum", optimizer=opt, sharding=strategy, name=name
+        )
+        for name, (rows, strategy, opt) in TABLES.items()
+    ]
+    dist = ks.sharding.distribution(layers, devices=devices)
+    dist.auto_shard_dataset = False  # each process passes its own slice below
+    keras.distribution.set_distribution(dist)
+    model = build(layers)
+    # Same initial weights everywhere (and in the single-process reference).
+    rng = np.random.default_rng(1)
+    for w in model.weights:
+        if w.path.split("/")[-1] in ("embeddings", "kernel"):
+            w.assign(rng.normal(0, 0.1, size=w.shape).astype(w.dtype))
+    # Each process feeds its contiguous slice of every global batch.
+    x, y = global_data(ARGS.steps, ARGS.batch_size)
+    local = ARGS.batch_size // nproc
+
+    def mine(a):
+        a = a.reshape(ARGS.steps, ARGS.batch_size, *a.shape[1:])
+        return a[:, pid * local : (pid + 1) * local].reshape(-1, *a.shape[2:])
+
+    watchdog = Watchdog(ARGS.watchdog, ARGS.die_at_step)
+    model.fit(
+        [mine(a) for a in x],
+        mine(y),
+        batch_size=local,
+        shuffle=False,
+        verbose=0,
+        callbacks=[watchdog],
+    )
+    checksums = {}
+    for name in TABLES:
+        table = model.get_layer(name).embeddings.value
+        full = np.asarray(multihost_utils.process_allgather(table, tiled=True))
+        checksums[name] = float(np.abs(full).sum())
+    if pid == 0:
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "processes": nproc,
+                    "devices": len(devices),
+                    "losses": watchdog.losses,
+                    "checksums": checksums,
+                }
+            ),
+            flush=True,
+        )
+    if nproc > 1:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # e.g. a collective failing because a peer died
+        print(
+            f"[process {ARGS.process_id}] ERROR: distributed training failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "a peer process probably died. Exiting.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(2)  # skip the shutdown barrier, which would wait on the peer

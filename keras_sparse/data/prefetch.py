@@ -1,0 +1,883 @@
+"""Asynchronous prefetching input stage for models with keras_sparse layers.
+
+``stage = keras_sparse.data.prefetch(source, model, threads=2, capacity=4)``
+returns a `keras.utils.PyDataset` that ``model.fit`` / ``evaluate`` /
+``predict`` accept on every backend. Worker threads do each
+`DistributedHashEmbedding`'s input-side work ahead of the step: the hash
+table's ``lookup_or_insert`` (key -> row, admission, eviction), plus the
+optional locality routing of samples to data-parallel replicas. The step then
+receives *prepared* inputs and runs without the per-step host callback
+(``io_callback`` on JAX, ``tf.numpy_function`` on TensorFlow, eager host
+work on PyTorch).
+
+Prepared-input encoding (int32, the keys' shape):
+
+- ``row`` (``>= 0``): the key is in the table at ``row``;
+- ``-2 - row`` (``<= -2``): the key got ``row`` freshly in this batch; the
+  step re-initializes the row (vector from the initializer, optimizer slots
+  reset) before reading it, exactly like the slow path's ``fresh`` flag;
+- ``-1``: no row (not admitted yet, weight 0 / padding, or an unknown key in
+  inference). Reads zeros and trains nothing.
+
+While a stage is open, its hash layers are in "prepared inputs" mode (a
+per-layer counter; the model's cached train/test/predict functions are reset
+so they retrace) and *only* prepared inputs may reach them; ``close()`` (or
+leaving the ``with`` block, or garbage collection) restores the raw-key path
+and resets the cached functions again. Use one stage per data set (e.g.
+``validation_data=prefetch(val, model, training=False)``).
+
+Ordering and exactness. Table mutations happen in batch order: every batch
+gets a ticket (its sequence number) and the workers run the table calls of
+batch ``i`` only after those of batch ``i - 1`` (a sequencer), with exactly
+the same call as the slow path (``layer._map_on_host``), one call per layer
+per batch. Everything else (conversion, encoding, routing) runs in parallel.
+Batches are handed to Keras in order (``deterministic=True``). Embedding
+values are read inside the step, so a row evicted by batch ``i + k`` and
+handed to another key is only re-initialized when step ``i + k`` runs, after
+step ``i`` has read (and updated) it for its previous key. The fresh-row
+draw uses the layer's seed generator with the batch's full ``[n, dim]``
+shape in both paths (one draw per training step), and ``sparse_iterations``
+advances once per step in both, so the seed generator, the table (same calls,
+same order, same LRU clock) and the variables evolve identically: training
+with the stage is bit-identical to training without it.
+
+Caveats:
+
+- On JAX without ``jax_enable_x64``, Keras truncates int64 keys to int32
+  before the slow path sees them; the stage sees the full 64-bit keys. The
+  two paths agree for keys in the int32 range.
+- Batches looked up but never trained (early stopping, an exception, a new
+  pass) inserted keys whose rows were not re-initialized. When such a pass is
+  abandoned, the stage erases the keys that got a fresh row in the batches
+  the layer's ``sparse_iterations`` counter says were not trained (they are
+  re-inserted, fresh, when next seen), so no key can ever read a row that
+  was not reset for it.
+- ``deterministic=False`` lets batches out in completion order only when no
+  layer mutates its table (inference stages); training stages keep order.
+- Subclassed models: the stage cannot see which input feeds which layer;
+  pass ``feature_map={layer_name: input_key}`` (``input_key``: a dict key of
+  ``x``, an int position in a tuple/list ``x``, or None for a single array
+  ``x``). Functional models are walked automatically; a layer must be fed
+  directly by a model input, and called once.
+- ``route="locality"`` permutes samples within a batch; for ``predict`` that
+  would permute the outputs, so it is refused for inference stages. With a
+  random initializer the routed run draws fresh rows' initial values at
+  other batch positions, so it equals the unrouted run only up to those draws
+  and float summation order (bit-identical with a constant initializer).
+"""
+
+import queue
+import threading
+import time
+import weakref
+
+import keras
+import numpy as np
+from keras import tree
+
+from keras_sparse.data import routing as routing_lib
+from keras_sparse.data.sources import make_source
+
+__all__ = ["PrefetchError", "PrefetchStage", "prefetch"]
+
+_POLL = 0.05
+
+
+class PrefetchError(RuntimeError):
+    """A worker of a prefetch stage failed.
+
+    ``original`` (and ``__cause__``, unless Keras' traceback filtering cleared
+    it) is the worker's exception with its traceback; the message embeds the
+    formatted worker traceback too (it survives tf.data's re-wrapping).
+    """
+
+    original = None
+
+
+# ------------------------------------------------------------------ planning
+class _Feed:
+    """One keras_sparse layer and where its inputs sit in a batch's ``x``."""
+
+    def __init__(self, layer, key_path, weight_path, kind):
+        self.layer = layer
+        self.key_path = key_path
+        self.weight_path = weight_path
+        self.kind = kind  # "hash" or "dense"
+
+
+def _input_paths(model):
+    """{id(KerasTensor): path} for the model's inputs."""
+    struct = getattr(model, "_inputs_struct", None)
+    if struct is None:
+        inputs = getattr(model, "inputs", None) or []
+        struct = inputs[0] if len(inputs) == 1 else list(inputs)
+    paths = {}
+    if isinstance(struct, dict):
+        for k, t in struct.items():
+            paths[id(t)] = ("key", k, getattr(t, "name", None))
+    elif isinstance(struct, (list, tuple)):
+        for i, t in enumerate(struct):
+            paths[id(t)] = ("index", i, getattr(t, "name", None))
+    else:
+        paths[id(struct)] = ("single", None, getattr(struct, "name", None))
+    return paths
+
+
+def _sparse_layers(model):
+    from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+
+    seen, out = set(), []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, SparseEmbeddingBase) and id(layer) not in seen:
+            seen.add(id(layer))
+            out.append(layer)
+    return out
+
+
+def _plan(model, feature_map):
+    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+
+    feeds = []
+    paths = None
+    for layer in _sparse_layers(model):
+        kind = "hash" if isinstance(layer, DistributedHashEmbedding) else "dense"
+        if feature_map is not None:
+            if layer.name not in feature_map:
+                continue
+            key = feature_map[layer.name]
+            path = (
+                ("single", None, None)
+                if key is None
+                else ("index" if isinstance(key, int) else "key", key, None)
+            )
+            feeds.append(_Feed(layer, path, None, kind))
+            continue
+        if paths is None:
+            paths = _input_paths(model)
+        own = [
+            n
+            for n in getattr(layer, "_inbound_nodes", [])
+            if n.arguments.args and id(n.arguments.args[0]) in paths
+        ]
+        if len(own) != 1:
+            if kind == "dense":
+                continue  # routing only; skipped when not fed by an input
+            raise ValueError(
+                f"prefetch: cannot tell which model input feeds layer "
+                f"'{layer.name}' (it must be called once, directly on a model "
+                "input, in a functional model). Pass "
+                "`feature_map={layer_name: input_key}`."
+            )
+        node = own[0]
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        w = kwargs.get("weights", args[1] if len(args) > 1 else None)
+        weight_path = None
+        if w is not None:
+            if id(w) not in paths:
+                raise ValueError(
+                    f"prefetch: the `weights` of layer '{layer.name}' do not "
+                    "come directly from a model input."
+                )
+            weight_path = paths[id(w)]
+        feeds.append(_Feed(layer, paths[id(args[0])], weight_path, kind))
+    return feeds
+
+
+def _get(x, path):
+    how, key, name = path
+    if how == "single":
+        if isinstance(x, dict):
+            if len(x) == 1:
+                return next(iter(x.values()))
+            return x[name]
+        if isinstance(x, (list, tuple)) and len(x) == 1:
+            return x[0]
+        return x
+    if isinstance(x, dict):
+        return x[key] if key in x or how == "key" else x[name]
+    return x[key]
+
+
+def _set(x, path, value):
+    """Returns ``x`` with the leaf at ``path`` replaced (copies containers)."""
+    how, key, name = path
+    if how == "single" and not isinstance(x, (dict, list, tuple)):
+        return value
+    if isinstance(x, dict):
+        x = dict(x)
+        if how == "single":
+            k = next(iter(x)) if len(x) == 1 else name
+        else:
+            k = key if (key in x or how == "key") else name
+        x[k] = value
+        return x
+    x = list(x)
+    x[0 if how == "single" else key] = value
+    return tuple(x)
+
+
+def _split_batch(batch):
+    if isinstance(batch, dict):
+        return batch, None, None
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, tuple):
+        return batch, None, None
+    x = batch[0]
+    y = batch[1] if len(batch) > 1 else None
+    sw = batch[2] if len(batch) > 2 else None
+    return x, y, sw
+
+
+def _join_batch(x, y, sw, like):
+    if not isinstance(like, (tuple, list)):
+        return (x,)
+    if len(like) == 1:
+        return (x,)
+    if len(like) == 2:
+        return (x, y)
+    return (x, y, sw)
+
+
+# ------------------------------------------------------------------- engine
+class _Engine:
+    """Threads, queues and the sequencer of one stage (no ref to the stage)."""
+
+    def __init__(
+        self, feeds, source, threads, capacity, insert, ordered, route, replicas
+    ):
+        self.feeds = feeds
+        self.source = source
+        self.threads = threads
+        self.capacity = capacity
+        self.insert = insert
+        self.ordered = ordered
+        self.route = route
+        self.replicas = replicas
+        self.cond = threading.Condition()
+        self.closed = False
+        self.stats = {
+            "batches": 0, "routed_batches": 0, "bytes_unrouted": 0,
+            "bytes_routed": 0, "prepare_s": 0.0, "table_s": 0.0,
+            "route_s": 0.0, "wait_s": 0.0, "erased_keys": 0,
+        }  # fmt: skip
+        self._pass = None
+        self._pass_count = 0
+
+    # ---------------------------------------------------------------- passes
+    def start_pass(self):
+        self.end_pass(complete=False)
+        p = _Pass(self, self.source.passes(), self.source.num_batches)
+        self._pass = p
+        self._pass_count += 1
+        p.start()
+        return p
+
+    def end_pass(self, complete):
+        p, self._pass = self._pass, None
+        if p is None:
+            return
+        p.stop()
+        if not complete or not p.exhausted():
+            self._rollback(p)
+        self.source.end_pass()
+
+    def _rollback(self, p):
+        """Erases keys given fresh rows by looked-up but untrained batches."""
+        for f_idx, feed in enumerate(self.feeds):
+            if feed.kind != "hash" or not self.insert:
+                continue
+            it = getattr(feed.layer, "sparse_iterations", None)
+            if it is None:
+                continue
+            # Erasing too much is safe (a key only loses its row); too little
+            # is not: when a counter cannot be read (JAX purges variables
+            # inside a fit epoch), assume nothing of this pass was trained.
+            trained = 0
+            if p.iter0[f_idx] is not None:
+                try:
+                    trained = int(keras.ops.convert_to_numpy(it)) - p.iter0[f_idx]
+                except Exception:  # noqa: BLE001
+                    trained = 0
+            keys = [
+                fresh[f_idx]
+                for seq, fresh in p.pending.items()
+                if seq >= trained and fresh.get(f_idx) is not None
+            ]
+            if keys:
+                keys = np.unique(np.concatenate(keys))
+                self.stats["erased_keys"] += int(feed.layer.table.erase(keys))
+        p.pending.clear()
+
+    def shutdown(self):
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.end_pass(complete=False)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    # ----------------------------------------------------------- preparation
+    def prepare_parallel(self, batch):
+        x, y, sw = _split_batch(batch)
+        jobs = []
+        for feed in self.feeds:
+            keys = np.asarray(_get(x, feed.key_path))
+            w = None
+            if feed.weight_path is not None:
+                w = np.asarray(_get(x, feed.weight_path))
+            jobs.append((keys, w))
+        return (x, y, sw), jobs
+
+    def prepare_sequenced(self, jobs):
+        """The table calls of one batch (caller holds the ticket)."""
+        out, fresh_keys = [], {}
+        for f_idx, (feed, (keys, w)) in enumerate(zip(self.feeds, jobs)):
+            if feed.kind != "hash":
+                out.append(None)
+                continue
+            layer = feed.layer
+            k = keys
+            if layer.combiner is not None and k.ndim == 1:
+                k = k[:, None]
+                w = None if w is None else w[:, None]
+            use = np.ones(k.shape, bool) if w is None else (w != 0)
+            insert = self.insert and layer.trainable
+            rows, fresh = layer._map_on_host(k, use.reshape(-1), insert)
+            codes = np.where(fresh, -2 - rows, rows).astype(np.int32)
+            out.append(codes.reshape(keys.shape))
+            if insert and fresh.any():
+                from keras_sparse.layers.hash_embedding import _host_keys
+
+                fresh_keys[f_idx] = _host_keys(k)[fresh]
+        return out, fresh_keys
+
+    def finish(self, parts, codes):
+        (x, y, sw), jobs = parts
+        for feed, c in zip(self.feeds, codes):
+            if c is not None:
+                x = _set(x, feed.key_path, c)
+        perm = None
+        if self.route == "locality":
+            t0 = time.perf_counter()
+            perm = self._route(jobs, codes)
+            self._add("route_s", time.perf_counter() - t0)
+        if perm is not None:
+
+            def take(a):
+                a = np.asarray(a) if a is not None else a
+                if a is None or a.ndim == 0 or a.shape[0] != perm.shape[0]:
+                    return a
+                return a[perm]
+
+            x = tree.map_structure(take, x)
+            y = tree.map_structure(take, y) if y is not None else None
+            sw = tree.map_structure(take, sw) if sw is not None else None
+        return x, y, sw
+
+    def _route(self, jobs, codes):
+        owners, cost = [], []
+        r = self.replicas
+        for feed, (keys, w), c in zip(self.feeds, jobs, codes):
+            layer = feed.layer
+            rows = keys if c is None else np.where(c <= -2, -2 - c, c)
+            rows = np.asarray(rows).astype(np.int64)
+            ok = (rows >= 0) & (rows < layer.num_rows)
+            if w is not None:
+                ok &= np.asarray(w).reshape(rows.shape) != 0
+            rps = routing_lib.rows_per_shard(layer.num_rows, r)
+            owners.append(np.where(ok, rows // rps, -1))
+            cost.append(routing_lib.remote_id_bytes(layer.output_dim))
+        if not owners:
+            return None
+        perm = routing_lib.locality_assignment(owners, r, cost)
+        before = routing_lib.exchanged_bytes(owners, r, cost)
+        after = routing_lib.exchanged_bytes(owners, r, cost, perm)
+        with self.cond:
+            self.stats["routed_batches"] += 1
+            self.stats["bytes_unrouted"] += before
+            self.stats["bytes_routed"] += after
+        return perm
+
+    def _add(self, name, value):
+        with self.cond:
+            self.stats[name] += value
+
+
+class _Pass:
+    """One pass over the source: a feeder thread, workers, a reorder buffer."""
+
+    def __init__(self, engine, iterator, num_batches):
+        self.e = engine
+        self.iterator = iterator
+        self.num_batches = num_batches
+        self.cond = engine.cond
+        self.stop_flag = False
+        self.inq = queue.Queue()
+        self.slots = threading.Semaphore(engine.capacity)
+        self.results = {}
+        self.ticket = 0
+        self.next = 0  # next sequence number handed out
+        self.total = None  # batches in this pass, once known
+        self.failed_seq = float("inf")  # first failed batch
+        self.pending = {}  # seq -> {feed index: fresh keys}
+        self.iter0 = []
+        for feed in engine.feeds:
+            it = getattr(feed.layer, "sparse_iterations", None)
+            try:
+                self.iter0.append(int(keras.ops.convert_to_numpy(it)))
+            except Exception:  # noqa: BLE001 - unreadable: rollback erases all
+                self.iter0.append(None)
+        self.workers = []
+
+    def start(self):
+        feeder = threading.Thread(
+            target=self._feed, name="ks-prefetch-feeder", daemon=True
+        )
+        self.workers = [feeder] + [
+            threading.Thread(target=self._work, name=f"ks-prefetch-{i}", daemon=True)
+            for i in range(self.e.threads)
+        ]
+        for t in self.workers:
+            t.start()
+
+    def exhausted(self):
+        total = self.total if self.total is not None else self.num_batches
+        return total is not None and self.next >= total
+
+    def stop(self):
+        with self.cond:
+            self.stop_flag = True
+            self.cond.notify_all()
+        for _ in range(self.e.threads + 1):
+            self.slots.release()
+            self.inq.put(None)
+        for t in self.workers:
+            if t is not threading.current_thread():
+                t.join(timeout=10.0)
+        close = getattr(self.iterator, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ---------------------------------------------------------------- feeder
+    def _feed(self):
+        n = 0
+        try:
+            limit = self.num_batches
+            it = iter(self.iterator)
+            while not self.stop_flag and (limit is None or n < limit):
+                while not self.slots.acquire(timeout=_POLL):
+                    if self.stop_flag:
+                        return
+                if self.stop_flag:
+                    return
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    self.slots.release()
+                    break
+                self.inq.put((n, batch))
+                n += 1
+        except BaseException as err:  # noqa: BLE001 - surfaced on next batch
+            with self.cond:
+                self.results[n] = (None, err)
+                self.failed_seq = min(self.failed_seq, n)
+                self.cond.notify_all()
+            n += 1
+        finally:
+            with self.cond:
+                if self.total is None:
+                    self.total = n
+                self.cond.notify_all()
+            for _ in range(self.e.threads):
+                self.inq.put(None)
+
+    # ---------------------------------------------------------------- worker
+    def _work(self):
+        e = self.e
+        while True:
+            item = self.inq.get()
+            if item is None or self.stop_flag:
+                return
+            seq, batch = item
+            t0 = time.perf_counter()
+            err = parts = None
+            try:
+                parts = e.prepare_parallel(batch)
+            except BaseException as exc:  # noqa: BLE001
+                err = exc
+            codes = None
+            with self.cond:
+                while self.ticket != seq and not self.stop_flag:
+                    self.cond.wait(_POLL)
+                if self.stop_flag:
+                    return
+            try:
+                if err is None and seq < self.failed_seq:
+                    t1 = time.perf_counter()
+                    codes, fresh = e.prepare_sequenced(parts[1])
+                    e._add("table_s", time.perf_counter() - t1)
+                    if fresh:
+                        self.pending[seq] = fresh
+                elif err is None:
+                    err = RuntimeError("an earlier batch failed")
+            except BaseException as exc:  # noqa: BLE001
+                err = exc
+            finally:
+                with self.cond:
+                    if err is not None:
+                        self.failed_seq = min(self.failed_seq, seq)
+                    self.ticket += 1
+                    self.cond.notify_all()
+            out = None
+            if err is None:
+                try:
+                    out = e.finish(parts, codes)
+                except BaseException as exc:  # noqa: BLE001
+                    err = exc
+            e._add("prepare_s", time.perf_counter() - t0)
+            with self.cond:
+                self.results[seq] = (out, err)
+                self.cond.notify_all()
+
+    # -------------------------------------------------------------- consumer
+    def get(self, index):
+        """The prepared batch ``index`` (must be ``self.next``)."""
+        t0 = time.perf_counter()
+        with self.cond:
+            while True:
+                if self.e.ordered:
+                    key = index if index in self.results else None
+                else:
+                    key = min(self.results) if self.results else None
+                if key is not None:
+                    break
+                if self.total is not None and index >= self.total:
+                    raise IndexError(
+                        f"prefetch: batch {index} requested; the source "
+                        f"yielded {self.total} batches"
+                    )
+                if self.stop_flag or self.e.closed:
+                    raise RuntimeError("prefetch: the stage is closed")
+                if not any(t.is_alive() for t in self.workers):
+                    raise RuntimeError("prefetch: the worker threads died")
+                self.cond.wait(_POLL)
+            out, err = self.results.pop(key)
+            self.next += 1
+            self.e.stats["wait_s"] += time.perf_counter() - t0
+            self.e.stats["batches"] += 1
+        self.slots.release()
+        if err is not None:
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise err
+            import traceback
+
+            trace = "".join(traceback.format_exception(err)).rstrip()
+            error = PrefetchError(
+                f"prefetch: preparing batch {key} failed in a worker thread: "
+                f"{type(err).__name__}: {err}\n\nWorker traceback:\n{trace}"
+            )
+            # Keras' traceback filtering re-raises `from None`, which drops
+            # `__cause__`; `.original` keeps the worker's exception.
+            error.original = err
+            raise error from err
+        # Trim the bookkeeping of batches surely dispatched long ago.
+        for old in [s for s in self.pending if s < key - 64]:
+            del self.pending[old]
+        return out
+
+
+# -------------------------------------------------------------------- stage
+class PrefetchStage(keras.utils.PyDataset):
+    """The object `prefetch` returns: a `keras.utils.PyDataset`.
+
+    ``len(stage)`` is the number of batches per pass when known (else
+    ``num_batches`` is None and ``fit`` needs ``steps_per_epoch``). Use it as
+    a context manager, or call ``close()``; it also closes on garbage
+    collection and after ``passes`` complete passes when ``passes`` is set.
+    """
+
+    def __init__(self, engine, model, hash_layers, passes):
+        super().__init__(workers=1, use_multiprocessing=False)
+        self._engine = engine
+        self._model = model
+        self._layers = hash_layers
+        self._passes_left = passes
+        self._peeked = []
+        self._served = []
+        self._in_epoch = False
+        self._active = False
+        self._activate()
+        self._finalizer = weakref.finalize(
+            self, _finalize, engine, list(hash_layers), weakref.ref(model)
+        )
+
+    # ------------------------------------------------------------ lifecycle
+    def _activate(self):
+        flipped = False
+        for layer in self._layers:
+            count = getattr(layer, "_prepared_inputs", 0)
+            layer._prepared_inputs = count + 1
+            flipped |= count == 0
+        self._active = True
+        if flipped:
+            _reset_model_functions(self._model)
+
+    def close(self):
+        """Stops the workers and restores the layers' raw-key path."""
+        if self._finalizer.alive:
+            self._finalizer()
+        self._active = False
+        self._peeked.clear()
+
+    @property
+    def closed(self):
+        return not self._finalizer.alive
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # ------------------------------------------------------------ PyDataset
+    @property
+    def num_batches(self):
+        return self._engine.source.num_batches
+
+    def __len__(self):
+        n = self.num_batches
+        if n is None:
+            raise TypeError("prefetch: the number of batches is unknown")
+        return n
+
+    def __getitem__(self, index):
+        """The next prepared batch of the pass; ``index`` is not used.
+
+        The stage serves its source's order (Keras' ``shuffle`` does not
+        apply; shuffle in the source). Requests made outside an epoch (the
+        TensorFlow adapter peeks at 2 batches to infer the tensor specs) read
+        ahead: those batches are served again, first, once the epoch begins.
+        """
+        if self.closed:
+            raise RuntimeError(
+                "prefetch: this stage is closed; create a new one with "
+                "keras_sparse.data.prefetch(...)"
+            )
+        if self._in_epoch and self._peeked:
+            return self._peeked.pop(0)
+        engine = self._engine
+        p = engine._pass
+        if p is None or p.exhausted():
+            if p is not None:
+                engine.end_pass(complete=True)
+            p = engine.start_pass()
+        batch = self._format(*p.get(p.next))
+        if not self._in_epoch:
+            self._peeked.append(batch)
+        else:
+            self._served.append(batch)
+        return batch
+
+    def on_epoch_begin(self):
+        self._in_epoch = True
+        self._served = []
+
+    @staticmethod
+    def _format(x, y, sw):
+        if y is None and sw is None:
+            return (x,)
+        if sw is None:
+            return (x, y)
+        return (x, y, sw)
+
+    def on_epoch_end(self):
+        self._in_epoch = False
+        if _called_from_reset():
+            # Keras' `_symbolic_build` took a batch to build the model, then
+            # `EpochIterator.reset()`: that batch was not trained; serve it
+            # again first so that training sees every batch once, in order.
+            self._peeked[:0] = self._served
+            self._served = []
+            return
+        self._served = []
+        p = self._engine._pass
+        if p is not None and p.exhausted():
+            self._engine.end_pass(complete=True)
+            if self._passes_left is not None:
+                self._passes_left -= 1
+                if self._passes_left <= 0:
+                    self.close()
+
+    @property
+    def replicas(self):
+        """Replicas samples are routed to (None without routing)."""
+        return self._engine.replicas if self._engine.route else None
+
+    # ---------------------------------------------------------------- stats
+    def stats(self):
+        """Counters: batches, table/route/prepare seconds, routed bytes."""
+        with self._engine.cond:
+            s = dict(self._engine.stats)
+        n = max(1, s["routed_batches"])
+        s["bytes_unrouted_per_step"] = s["bytes_unrouted"] / n
+        s["bytes_routed_per_step"] = s["bytes_routed"] / n
+        s["bytes_saved_fraction"] = (
+            1.0 - s["bytes_routed"] / s["bytes_unrouted"]
+            if s["bytes_unrouted"]
+            else 0.0
+        )
+        return s
+
+
+def _called_from_reset():
+    """True when Keras' `EpochIterator.reset` ends the epoch (Keras 3 detail)."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "reset" and "epoch_iterator" in code.co_filename:
+            return True
+    return False
+
+
+def _reset_model_functions(model):
+    if model is None:
+        return
+    for name in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, name):
+            setattr(model, name, None)
+
+
+def _finalize(engine, layers, model_ref):
+    engine.shutdown()
+    flipped = False
+    for layer in layers:
+        count = getattr(layer, "_prepared_inputs", 0)
+        layer._prepared_inputs = max(0, count - 1)
+        flipped |= count == 1
+    if flipped:
+        _reset_model_functions(model_ref())
+
+
+def _default_replicas():
+    dist = keras.distribution.distribution()
+    if dist is None:
+        return None
+    mesh = getattr(dist, "device_mesh", None)
+    if mesh is None:
+        return None
+    axis = getattr(dist, "batch_dim_name", None)
+    if axis in tuple(mesh.axis_names):
+        return int(mesh.shape[list(mesh.axis_names).index(axis)])
+    return int(np.prod(mesh.shape))
+
+
+def prefetch(
+    source,
+    model,
+    *,
+    threads=2,
+    capacity=4,
+    route=None,
+    batch_size=None,
+    deterministic=True,
+    training=True,
+    replicas=None,
+    feature_map=None,
+    y=None,
+    sample_weight=None,
+    steps=None,
+    shuffle=False,
+    seed=None,
+    passes=None,
+):
+    """Wraps ``source`` into a prefetching input stage for ``model``.
+
+    Args:
+        source: a dict/tuple/array of NumPy arrays (with ``batch_size``; a
+            ``(x, y)`` or ``(x, y, sample_weight)`` tuple, or ``x`` with the
+            ``y=``/``sample_weight=`` arguments), a ``tf.data.Dataset``, a
+            ``keras.utils.PyDataset``, a torch ``DataLoader``, an iterable or
+            generator of batches, or a callable returning such an iterable
+            (needed for several epochs from a generator).
+        model: the Keras model the batches are for.
+        threads: worker threads (table calls are still serialized in order).
+        capacity: most batches read and not yet consumed (bounds memory).
+        route: None or ``"locality"`` (see `keras_sparse.data.routing`).
+        batch_size: batch size for in-memory arrays.
+        deterministic: hand batches out in order. False is honored only
+            when no table is mutated (``training=False``).
+        training: True for ``fit`` (keys are inserted), False for
+            ``evaluate``/``predict`` (read-only lookups).
+        replicas: replicas for ``route="locality"`` (default: the batch axis
+            of the active `keras.distribution`).
+        feature_map: ``{layer_name: input_key}`` for subclassed models.
+        y, sample_weight, shuffle, seed: for in-memory arrays.
+        steps: batches per pass for sources without a length.
+        passes: close automatically after this many complete passes.
+
+    Returns:
+        A `PrefetchStage` (a `keras.utils.PyDataset`); call ``stats()`` for
+        its counters and ``close()`` (or use ``with``) when done.
+
+    Example:
+
+    >>> import numpy as np, keras, keras_sparse as ks
+    >>> from keras_sparse.layers import DistributedHashEmbedding
+    >>> keys = keras.Input((2,), dtype="int32", name="keys")
+    >>> emb = DistributedHashEmbedding(4, capacity=64, combiner="sum",
+    ...                                optimizer="adagrad")(keys)
+    >>> model = keras.Model(keys, keras.layers.Dense(1)(emb))
+    >>> model.compile("sgd", "mse")
+    >>> x, y = np.arange(64).reshape(32, 2), np.ones((32, 1))
+    >>> with ks.data.prefetch((x, y), model, batch_size=8) as stage:
+    ...     _ = model.fit(stage, epochs=1, verbose=0)
+    >>> stage.stats()["batches"]
+    4
+    """
+    if threads < 1 or capacity < 1:
+        raise ValueError("prefetch: `threads` and `capacity` must be >= 1")
+    if route not in (None, "locality"):
+        raise ValueError(f"prefetch: route must be None or 'locality'; got {route!r}")
+    if route is not None and not training:
+        raise ValueError(
+            "prefetch: route='locality' permutes samples; it is for training "
+            "stages only (training=True)."
+        )
+    if route is not None:
+        replicas = replicas or _default_replicas()
+        if not replicas:
+            raise ValueError(
+                "prefetch: route='locality' needs `replicas` (or an active "
+                "keras.distribution with a batch axis)."
+            )
+    src = make_source(
+        source, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps=steps, shuffle=shuffle, seed=seed,
+    )  # fmt: skip
+    feeds = _plan(model, feature_map)
+    hash_layers = [f.layer for f in feeds if f.kind == "hash"]
+    for layer in hash_layers:
+        if not layer.built:
+            layer.build()
+        if getattr(layer.table, "device", "cpu") != "cpu":
+            raise NotImplementedError(
+                f"prefetch: layer '{layer.name}' has a GPU table; the stage "
+                "supports host (CPU) tables only."
+            )
+    insert = bool(training)
+    ordered = bool(deterministic) or (insert and bool(hash_layers))
+    engine = _Engine(
+        feeds, src, int(threads), int(capacity), insert, ordered, route, replicas
+    )
+    return PrefetchStage(engine, model, hash_layers, passes)

@@ -1,0 +1,20 @@
+"""The runnable examples in public docstrings actually run."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "keras_sparse.layers.dense_embedding",
+    "keras_sparse.layers.inputs",
+    "keras_sparse.optimizers.adam",
+    "keras_sparse.table.hash_table",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0

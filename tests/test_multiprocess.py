@@ -1,0 +1,118 @@
+"""2 processes x 4 CPU devices (gloo collectives over loopback) train like one
+process with 8 devices; a dead peer makes the survivor fail fast (JAX)."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "multiprocess_train.py"
+TIMEOUT = 240  # per launch, generous for a loaded 2-core machine
+STEPS = "4"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    env["KERAS_BACKEND"] = "jax"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _launch(*args):
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--steps", STEPS, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        cwd=str(ROOT),
+    )
+
+
+def _finish(proc, timeout=TIMEOUT):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"process did not finish in {timeout} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def _result(out):
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, out[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both scenarios launched at once (5 processes) to bound the wall time."""
+    port, kill_port = _free_port(), _free_port()
+    procs = {
+        "ref": _launch("--num-processes", "1", "--local-devices", "8"),
+        **{
+            f"p{i}": _launch(
+                "--process-id", str(i), "--num-processes", "2", "--port", str(port)
+            )
+            for i in range(2)
+        },
+    }
+    kill = ["--num-processes", "2", "--port", str(kill_port)]
+    kill += ["--heartbeat-timeout", "5"]
+    procs["survivor"] = _launch("--process-id", "0", *kill, "--watchdog", "60")
+    procs["victim"] = _launch("--process-id", "1", *kill, "--die-at-step", "2")
+    try:
+        done = {"victim": _finish(procs["victim"])}
+        died = time.monotonic()
+        done["survivor"] = _finish(procs["survivor"], timeout=90)
+        done["survivor_s"] = time.monotonic() - died
+        for name in ("ref", "p0", "p1"):
+            done[name] = _finish(procs[name])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
+def test_two_processes_match_one_process_eight_devices(runs):
+    for name in ("ref", "p0", "p1"):
+        rc, out = runs[name]
+        assert rc == 0, out[-3000:]
+    ref, multi = _result(runs["ref"][1]), _result(runs["p0"][1])
+    assert (ref["processes"], ref["devices"]) == (1, 8)
+    assert (multi["processes"], multi["devices"]) == (2, 8)
+    assert len(multi["losses"]) == int(STEPS)
+    assert multi["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
+    assert multi["checksums"] == pytest.approx(ref["checksums"], rel=1e-5)
+    assert f"step {STEPS}" in runs["p1"][1]  # process 1 trained too
+
+
+def test_killed_peer_fails_the_survivor_quickly(runs):
+    rc_victim, _ = runs["victim"]
+    rc, out = runs["survivor"]
+    assert rc_victim == -9
+    assert rc != 0, out[-3000:]
+    assert runs["survivor_s"] < 75
+    assert "ERROR" in out and "peer process" in out, out[-3000:]
+    assert "RESULT" not in out

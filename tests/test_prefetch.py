@@ -1,0 +1,378 @@
+"""keras_sparse.data.prefetch: exactness, sources, errors, shutdown, leaks."""
+
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from keras_sparse.data import prefetch
+from keras_sparse.data.prefetch import PrefetchError
+from keras_sparse.layers import DistributedHashEmbedding
+
+N, BATCH = 192, 24
+
+
+def _model(capacity=64, admit_after=1, eviction="lru", init="uniform"):
+    keras.utils.set_random_seed(7)
+    a = keras.Input((3,), dtype="int32", name="a")
+    wa = keras.Input((3,), name="wa")
+    b = keras.Input((), dtype="int32", name="b")
+    d = keras.Input((2,), name="d")
+    ea = DistributedHashEmbedding(
+        4, capacity=capacity, combiner="mean", optimizer="adagrad",
+        admit_after=admit_after, eviction=eviction, embeddings_initializer=init,
+        name="ea",
+    )(a, weights=wa)  # fmt: skip
+    eb = DistributedHashEmbedding(
+        4, capacity=capacity, optimizer="sgd", embeddings_initializer=init,
+        name="eb",
+    )(b)  # fmt: skip
+    h = keras.layers.Concatenate()([ea, eb, d])
+    out = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(h))
+    model = keras.Model({"a": a, "wa": wa, "b": b, "d": d}, out)
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+def _data(n=N, seed=0, vocab=300):
+    rng = np.random.default_rng(seed)
+    x = {
+        "a": rng.integers(0, vocab, (n, 3)).astype(np.int32),
+        "wa": (rng.random((n, 3)) > 0.2).astype(np.float32),  # 0 = padding
+        "b": rng.integers(0, vocab, (n,)).astype(np.int32),
+        "d": rng.normal(size=(n, 2)).astype(np.float32),
+    }
+    y = rng.normal(size=(n, 1)).astype(np.float32)
+    return x, y
+
+
+def _state(model):
+    out = {}
+    for i, w in enumerate(model.weights):  # by position: layer names differ
+        out[f"{i}:{w.name}"] = np.array(keras.ops.convert_to_numpy(w))
+    for layer in model.layers:
+        if isinstance(layer, DistributedHashEmbedding):
+            keys, rows, _ = layer.table.export()
+            order = np.argsort(keys)
+            out[layer.name + "/table"] = (keys[order], rows[order])
+    return out
+
+
+def _assert_same(s1, s2):
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        if isinstance(s1[k], tuple):
+            for a, b in zip(s1[k], s2[k]):
+                np.testing.assert_array_equal(a, b, err_msg=k)
+        else:
+            np.testing.assert_array_equal(s1[k], s2[k], err_msg=k)
+
+
+def _worker_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ks-prefetch")]
+
+
+def _wait_no_workers(timeout=20.0):
+    end = time.time() + timeout
+    while _worker_threads() and time.time() < end:
+        time.sleep(0.05)
+    return _worker_threads()
+
+
+_REFERENCES = {}
+
+
+def _reference(epochs=2, **kw):
+    key = (epochs, tuple(sorted(kw.items())), keras.backend.backend())
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_reference(epochs, **kw)
+    return _REFERENCES[key]
+
+
+def _train_reference(epochs, **kw):
+    x, y = _data()
+    model = _model(**kw)
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return _state(model)
+
+
+@pytest.mark.parametrize("threads,capacity", [(1, 1), (4, 2)])
+def test_fit_bit_identical_under_eviction(threads, capacity):
+    # 300 + 300 keys through 64-row tables: constant eviction and reuse.
+    ref = _reference(capacity=64)
+    x, y = _data()
+    model = _model(capacity=64)
+    with prefetch(
+        (x, y), model, batch_size=BATCH, threads=threads, capacity=capacity
+    ) as stage:
+        model.fit(stage, epochs=2, verbose=0)
+        stats = stage.stats()
+    assert stats["batches"] == 2 * (N // BATCH)
+    assert model.get_layer("ea").stats()["evictions"] > 0
+    _assert_same(ref, _state(model))
+    assert not _wait_no_workers()
+
+
+def test_fit_identical_with_admission_and_lfu():
+    ref = _reference(capacity=128, admit_after=2, eviction="lfu")
+    x, y = _data()
+    model = _model(capacity=128, admit_after=2, eviction="lfu")
+    with prefetch((x, y), model, batch_size=BATCH, threads=3) as stage:
+        model.fit(stage, epochs=2, verbose=0)
+    _assert_same(ref, _state(model))
+
+
+def test_raw_path_restored_and_inference_stage_matches():
+    x, y = _data()
+    model = _model(capacity=128)
+    with prefetch((x, y), model, batch_size=BATCH) as stage:
+        model.fit(stage, epochs=1, verbose=0)
+        assert model.get_layer("ea")._prepared_inputs == 1
+    assert model.get_layer("ea")._prepared_inputs == 0
+    raw_pred = model.predict(x, batch_size=BATCH, verbose=0)
+    raw_loss = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    size = model.get_layer("ea").table.size
+    with prefetch(
+        x, model, batch_size=BATCH, training=False, deterministic=False
+    ) as stage:
+        pred = model.predict(stage, verbose=0)
+    with prefetch((x, y), model, batch_size=BATCH, training=False) as stage:
+        loss = model.evaluate(stage, verbose=0)
+    np.testing.assert_array_equal(raw_pred, pred)
+    np.testing.assert_allclose(raw_loss, loss, rtol=1e-6)
+    assert model.get_layer("ea").table.size == size  # read-only lookups
+
+
+def test_validation_stage_during_fit():
+    x, y = _data()
+    xv, yv = _data(48, seed=1)
+    model = _model(capacity=128)
+    with (
+        prefetch((x, y), model, batch_size=BATCH) as train,
+        prefetch((xv, yv), model, batch_size=BATCH, training=False) as val,
+    ):
+        hist = model.fit(train, validation_data=val, epochs=2, verbose=0)
+    assert len(hist.history["val_loss"]) == 2
+    assert np.isfinite(hist.history["val_loss"]).all()
+
+
+def _batches(x, y):
+    return [
+        ({k: v[i : i + BATCH] for k, v in x.items()}, y[i : i + BATCH])
+        for i in range(0, N, BATCH)
+    ]
+
+
+class _Seq(keras.utils.PyDataset):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def _sources():
+    x, y = _data()
+    batches = _batches(x, y)
+    out = {
+        "arrays_y_kwarg": (x, {"y": y}),
+        "callable_generator": (lambda: iter(batches), {"steps": N // BATCH}),
+        "list": (batches, {}),
+        "pydataset": (_Seq(batches), {}),
+    }
+    import tensorflow as tf
+
+    out["tf_data"] = (
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
+        {},
+    )
+    try:
+        import torch.utils.data as tud
+
+        class _DS(tud.Dataset):
+            def __len__(self):
+                return N
+
+            def __getitem__(self, i):
+                return {k: v[i] for k, v in x.items()}, y[i]
+
+        out["torch_loader"] = (tud.DataLoader(_DS(), batch_size=BATCH), {})
+    except ImportError:  # pragma: no cover
+        pass
+    return out
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["arrays_y_kwarg", "callable_generator", "list", "pydataset", "tf_data",
+     "torch_loader"],
+)  # fmt: skip
+def test_sources_train_identically(name):
+    sources = _sources()
+    if name not in sources:
+        pytest.skip(f"{name} unavailable")
+    source, kwargs = sources[name]
+    ref = _reference(epochs=1, capacity=128)
+    model = _model(capacity=128)
+    with prefetch(source, model, batch_size=BATCH, threads=2, **kwargs) as stage:
+        assert len(stage) == N // BATCH
+        model.fit(stage, epochs=1, verbose=0)
+    _assert_same(ref, _state(model))
+
+
+def test_one_shot_generator_single_epoch_and_steps():
+    x, y = _data()
+    model = _model(capacity=128)
+    gen = (b for b in _batches(x, y))
+    with prefetch(gen, model, steps=N // BATCH) as stage:
+        model.fit(stage, epochs=1, verbose=0)
+    ref = _reference(epochs=1, capacity=128)
+    _assert_same(ref, _state(model))
+
+
+def test_worker_error_surfaces_with_cause():
+    x, y = _data()
+    batches = _batches(x, y)
+
+    def broken():
+        for i, b in enumerate(batches):
+            if i == 3:
+                raise ZeroDivisionError("boom in the source")
+            yield b
+
+    model = _model(capacity=128)
+    before = len(_worker_threads())
+    with pytest.raises(Exception) as info:
+        with prefetch(broken, model, steps=len(batches), threads=2) as stage:
+            model.fit(stage, epochs=1, verbose=0)
+    chain, err = [], info.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
+    assert "boom in the source" in text
+    assert "Worker traceback" in text and "in broken" in text
+    if keras.backend.backend() != "tensorflow":  # tf.data re-wraps errors
+        err = next(e for e in chain if isinstance(e, PrefetchError))
+        assert isinstance(err.original, ZeroDivisionError)
+        assert err.original.__traceback__ is not None
+    assert len(_wait_no_workers()) <= before
+
+
+def test_bad_keys_error_in_worker():
+    x, y = _data()
+    x = dict(x, a=x["a"].astype(np.float32))  # float keys are rejected
+    model = _model(capacity=128)
+    stage = prefetch((x, y), model, batch_size=BATCH)
+    stage.on_epoch_begin()
+    with pytest.raises(PrefetchError) as info:
+        stage[0]
+    assert isinstance(info.value.__cause__, TypeError)
+    stage.close()
+    assert not _wait_no_workers()
+
+
+class _StopAfter(keras.callbacks.Callback):
+    def __init__(self, n, exc=None):
+        super().__init__()
+        self.n, self.exc = n, exc
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 >= self.n:
+            if self.exc is not None:
+                raise self.exc
+            self.model.stop_training = True
+
+
+def test_exception_in_fit_shuts_down_and_rolls_back():
+    x, y = _data()
+    model = _model(capacity=512)
+    start = time.time()
+    with pytest.raises(RuntimeError, match="stop here"):
+        with prefetch((x, y), model, batch_size=BATCH, threads=3, capacity=4) as stage:
+            model.fit(
+                stage, epochs=1, verbose=0,
+                callbacks=[_StopAfter(2, RuntimeError("stop here"))],
+            )  # fmt: skip
+    assert not _wait_no_workers()
+    assert time.time() - start < 120
+    assert stage.closed
+    layer = model.get_layer("eb")
+    trained = int(keras.ops.convert_to_numpy(layer.sparse_iterations))
+    # Only keys of trained batches may keep rows: rows handed out by batches
+    # looked up ahead of the step were erased on close.
+    seen = set(x["b"][: trained * BATCH].tolist())
+    keys = set(layer.table.export()[0].tolist())
+    assert keys <= seen
+    if trained < N // BATCH:
+        assert stage.stats()["erased_keys"] > 0 or keys == seen
+
+
+def test_early_stopping_and_no_leaks_across_fits():
+    x, y = _data()
+    model = _model(capacity=128)
+    baseline = threading.active_count()
+    for _ in range(2):
+        with prefetch((x, y), model, batch_size=BATCH, threads=2) as stage:
+            model.fit(stage, epochs=3, verbose=0, callbacks=[_StopAfter(3)])
+        assert not _wait_no_workers()
+    # Without a context manager: threads stop at the end of each pass, and
+    # `passes` closes the stage.
+    stage = prefetch((x, y), model, batch_size=BATCH, passes=2)
+    model.fit(stage, epochs=2, verbose=0)
+    assert stage.closed and model.get_layer("ea")._prepared_inputs == 0
+    assert not _wait_no_workers()
+    assert threading.active_count() <= baseline + 1
+
+
+def test_garbage_collection_closes():
+    import gc
+
+    x, y = _data()
+    model = _model(capacity=128)
+    stage = prefetch((x, y), model, batch_size=BATCH, threads=2)
+    stage.on_epoch_begin()
+    stage[0]
+    assert _worker_threads()
+    del stage
+    gc.collect()
+    assert not _wait_no_workers()
+    assert model.get_layer("ea")._prepared_inputs == 0
+
+
+def test_subclassed_model_needs_feature_map():
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = DistributedHashEmbedding(
+                4, capacity=64, combiner="sum", optimizer="sgd", name="emb"
+            )
+            self.out = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.out(self.emb(x["k"]))
+
+    rng = np.random.default_rng(0)
+    x = {"k": rng.integers(0, 50, (64, 2)).astype(np.int32)}
+    y = np.zeros((64, 1), np.float32)
+    model = Sub()
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="feature_map"):
+        prefetch((x, y), model, batch_size=16)
+    with prefetch((x, y), model, batch_size=16, feature_map={"emb": "k"}) as stage:
+        model.fit(stage, epochs=1, verbose=0)
+        assert stage.stats()["table_s"] > 0
+
+
+def test_prefetch_docstring_example():
+    import doctest
+    import importlib
+
+    module = importlib.import_module("keras_sparse.data.prefetch")
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

@@ -1,0 +1,141 @@
+"""Compact row exchange buffers: fewer bytes, same result, loud overflow (JAX)."""
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
+)
+
+ROWS, DIM, D, N = 64, 8, 8, 256  # N ids in the global batch: 32 per device
+
+
+def _setup():
+    import jax
+    from jax.sharding import Mesh
+
+    import keras_sparse as ks
+
+    mesh = Mesh(np.array(jax.devices()[:D]), ("model",))
+    return jax, mesh, ks.optimizers.get("adagrad", "test")
+
+
+def _step_fn(jax, mesh, opt, slack):
+    from keras_sparse.sharding import jax_sharded_lookup as jsl
+
+    def step(table, slots, ids, valid, grads):
+        out, vjp = jax.vjp(
+            lambda t, s: jsl.sharded_lookup_with_sparse_update(
+                "row", mesh, "model", t, s, opt, ids, valid, 0, slack=slack
+            ),
+            table,
+            slots,
+        )
+        return out, vjp(grads)
+
+    return jax.jit(step)
+
+
+def _args(jax, mesh, ids):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(0)
+    row = NamedSharding(mesh, P("model", None))
+    table = jax.device_put(rng.normal(size=(ROWS, DIM)).astype("float32"), row)
+    acc = jax.device_put(np.full((ROWS, DIM), 0.1, "float32"), row)
+    valid = ids >= 0
+    valid[::7] = False  # some padding positions
+    grads = rng.normal(size=(len(ids), DIM)).astype("float32")
+    put = lambda a, *s: jax.device_put(a, NamedSharding(mesh, P("model", *s)))  # noqa: E731
+    return (
+        table,
+        {"accumulator": acc},
+        put(ids.astype("int32")),
+        put(valid),
+        put(grads, None),
+    )
+
+
+def test_compact_matches_full_buffers():
+    jax, mesh, opt = _setup()
+    ids = np.random.default_rng(1).integers(0, ROWS, N)
+    ids[::5] = 9  # a hot id, as in real data
+    args = _args(jax, mesh, ids)
+    full = _step_fn(jax, mesh, opt, None)(*args)
+    compact = _step_fn(jax, mesh, opt, 4.0)(*args)  # 16 of 32 slots
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(compact)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_overflow_raises_instead_of_dropping():
+    jax, mesh, opt = _setup()
+    ids = np.random.default_rng(2).integers(0, ROWS // D, N)  # all on shard 0
+    step = _step_fn(jax, mesh, opt, 2.0)
+    with pytest.raises(Exception, match="exchange slots per destination"):
+        out = step(*_args(jax, mesh, ids))
+        jax.block_until_ready(out)
+
+
+@pytest.mark.parametrize("slack", [None, 1.5, 4.0])
+def test_reported_bytes_match_compiled_collectives(slack):
+    from keras_sparse.sharding import jax_sharded_lookup as jsl
+
+    jax, mesh, opt = _setup()
+    args = _args(jax, mesh, np.zeros(N, "int64"))
+    hlo = _step_fn(jax, mesh, opt, slack).lower(*args).compile().as_text()
+    measured = jsl.hlo_collective_bytes(hlo, D)
+    reported = jsl.exchange_bytes("row", ROWS, DIM, N, D, slack=slack)
+    assert measured["total"] == reported["total"], (measured, reported)
+    c = jsl.row_capacity(N // D, D, slack)
+    assert c == {None: 32, 1.5: 6, 4.0: 16}[slack]
+    check = 4 if c < N // D else 0  # the overflow check's pmax
+    assert reported["total"] == D * c * (4 + 2 * DIM * 4) + check
+
+
+def test_fit_with_slack_and_overflow_error():
+    import keras_sparse as ks
+    from keras_sparse import sharding
+
+    def layers():
+        return [
+            ks.AllToAllDenseEmbedding(
+                ROWS, DIM, combiner="sum", optimizer="adagrad", sharding="row"
+            )
+        ]
+
+    def model(layer):
+        x = keras.Input((4,), dtype="int32")
+        m = keras.Model(x, keras.layers.Dense(1)(layer(x)))
+        m.compile("sgd", "mse")
+        return m
+
+    y = np.zeros((64, 1), "float32")
+    ok = np.arange(64 * 4).reshape(64, 4) % ROWS  # 32 ids/device, 4 per owner
+    ref = model(layers()[0])
+    init = [np.array(w) for w in ref.get_weights()]
+    ref_loss = ref.fit(ok, y, batch_size=64, shuffle=False, verbose=0)
+    ref_loss = ref_loss.history["loss"]
+    layer = layers()[0]
+    dist = sharding.distribution([layer], devices=D, row_exchange_slack=2.0)
+    keras.distribution.set_distribution(dist)
+    try:
+        m = model(layer)
+        m.set_weights(init)
+        loss = m.fit(ok, y, batch_size=64, shuffle=False, verbose=0)
+        loss = loss.history["loss"]
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.array(layer.embeddings.value),
+            np.array(ref.layers[1].embeddings.value),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        skewed = np.zeros((64, 4), "int32")  # every id on shard 0
+        with pytest.raises(Exception, match="row_exchange_slack"):
+            # Raised when the step's outputs are read (here: the last loss).
+            hist = m.fit(skewed, y, batch_size=64, verbose=0)
+            float(hist.history["loss"][-1])
+    finally:
+        keras.distribution.set_distribution(None)
