@@ -23,16 +23,16 @@ Kernel path vs fallback:
 
 from __future__ import annotations
 
-import pathlib
 import threading
 
 import cupy as cp
 import numpy as np
 
+from keras_sparse.kernel_sources import kernel_source
+
 from .keys import to_cupy_keys  # noqa: F401  (re-exported for the front class)
 from .numpy_table import ArrayTable
 
-_KERNEL_PATH = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "hash_table.cu"
 _MODULE = None
 _MODULE_LOCK = threading.Lock()
 _BLOCK = 256
@@ -43,7 +43,7 @@ def _module():
     with _MODULE_LOCK:
         if _MODULE is None:
             _MODULE = cp.RawModule(
-                code=_KERNEL_PATH.read_text(), options=("--std=c++17",)
+                code=kernel_source("hash_table.cu"), options=("--std=c++17",)
             )
         return _MODULE
 
