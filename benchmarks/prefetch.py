@@ -85,8 +85,9 @@ def criteo_data(n, seed=0, scale=0.01):  # noqa: D103
     return x, labels
 
 
-def bench_throughput(batch, steps, capacity, threads_list, *, dim=16, hidden=64,
-                     scale=0.01, repeats=3):
+def bench_throughput(
+    batch, steps, capacity, threads_list, *, dim=16, hidden=64, scale=0.01, repeats=3
+):
     """Rows of (path, samples/s, speed-up, table ms/step, wait ms/step).
 
     Fairness: every path trains a fresh model (same seed) on the same data,
@@ -169,7 +170,7 @@ def table_only(x, batch, steps, capacity, repeats=3):
         t0 = time.perf_counter()
         for s in range(steps):
             for t, k in zip(tables, keys):
-                t.lookup_or_insert(k[s * batch:(s + 1) * batch].astype(np.int64))
+                t.lookup_or_insert(k[s * batch : (s + 1) * batch].astype(np.int64))
         return (time.perf_counter() - t0) / steps
 
     one_pass()
