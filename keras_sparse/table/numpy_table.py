@@ -74,6 +74,10 @@ class ArrayTable:
 
     xp = np
     device = "cpu"
+    # _place's first round may hand keys without room to _claim_write
+    _claim_unroomy = False
+    # lookup_or_insert may mark protected slots by score == step (LRU)
+    _score_protect = False
 
     def __init__(self, num_buckets, bucket_size, eviction, admit_after, seed):
         xp = self.xp
@@ -118,6 +122,10 @@ class ArrayTable:
 
     def _to_host_int(self, x) -> int:
         return int(x)
+
+    def _arange(self, n):
+        """``arange(n)`` int64 that callers only read."""
+        return self.xp.arange(n, dtype=self.xp.int64)
 
     def hash(self, k):
         """(b1, b2, digest) for flat int64 keys."""
@@ -263,7 +271,17 @@ class ArrayTable:
 
     def lookup_or_insert(self, k, step=None):
         xp = self.xp
+        clock0 = self.clock
         step = self._next_step(step)
+        # LRU with every stored score < step (no import_ above the clock):
+        # exactly the slots this call touches hold score == step, so that
+        # marks them protected from eviction (no capacity-size bool array).
+        score_prot = (
+            self._score_protect
+            and self.eviction == "lru"
+            and step > clock0
+            and not self.__dict__.get("_score_above_clock", False)
+        )
         n = int(k.shape[0])
         rows, hit_rows, miss_idx, miss_hash = self._find_for_insert(k)
         n_miss = int(miss_idx.shape[0])
@@ -295,7 +313,11 @@ class ArrayTable:
                 hashes = miss_hash if sel is None else tuple(h[sel] for h in miss_hash)
             try:
                 self._check_batch_fits(int(ak_src.shape[0]), hit_rows)
-                placed = self._place(k[ak_src], acounts, step, hit_rows, hashes)
+                if score_prot:
+                    self._touch(hit_rows, step)
+                placed = self._place(
+                    k[ak_src], acounts, step, hit_rows, hashes, score_prot
+                )
             except Exception:
                 if self.sketch is not None:
                     self.sketch.subtract(uk, counts)
@@ -307,7 +329,10 @@ class ArrayTable:
                 urows = urows_all
             rows[miss_idx] = urows if inv is None else urows[inv]
             placed_rows, ev_keys, ev_rows = placed[1], placed[2], placed[3]
-        self._touch(hit_rows, step)
+        else:
+            score_prot = False
+        if not score_prot:
+            self._touch(hit_rows, step)
         c = self.counters
         c["hits"] += n - n_miss
         c["misses"] += n_miss
@@ -346,6 +371,8 @@ class ArrayTable:
         default_score = self.clock if self.eviction == "lru" else 1
         if scores is None:
             scores = xp.full(n, default_score, dtype=xp.int64)
+        elif n and self._to_host_int(scores.max()) > self.clock:
+            self._score_above_clock = True  # until clear()
         if rows is None:
             b1, b2, d = self.hash(k)
             cur = self.probe(k, b1, b2, d)
@@ -414,6 +441,7 @@ class ArrayTable:
         self.load.fill(0)
         self.holey.fill(False)
         self.size = 0
+        self._score_above_clock = False
         if self.sketch is not None:
             self.sketch.clear()
 
@@ -457,7 +485,7 @@ class ArrayTable:
                 f"{n_new} new keys and eviction=None"
             )
 
-    def _place(self, ak, counts, step, hit_rows, hashes=None):
+    def _place(self, ak, counts, step, hit_rows, hashes=None, score_prot=False):
         """Give rows to new unique keys ``ak`` (``hashes``: their ``hash``, if known).
 
         ``counts`` (sightings per key) is only read for LFU and may be None otherwise.
@@ -481,10 +509,12 @@ class ArrayTable:
             if self.eviction != "lfu"
             else counts.astype(xp.int64)
         )
-        pending = all_keys = xp.arange(m, dtype=xp.int64)
+        pending = all_keys = self._arange(m)
         filled = []  # slots taken from free space (undo list for TableFullError)
         ev_k, ev_r = [], []
-        prot = None
+        # score_prot: protected slots are those with score == step (hits
+        # already touched, and every slot written here gets score step)
+        prot = step if score_prot else None
         for _ in range(
             4 * S + 8
         ):  # each round places or retires >= 1 key per contended slot
@@ -498,16 +528,26 @@ class ArrayTable:
             full_keys = empty if all_roomy else pending[~roomy]
             retry = []
             if n_roomy:
-                a = pending if all_roomy else pending[roomy]
-                if not all_roomy:
-                    choose = choose[roomy]
-                won, slots, lost = self._claim_write(a, choose, ak, d, new_score)
+                if everyone and not all_roomy and self._claim_unroomy:
+                    # A key without room chose a full bucket, so it (and every
+                    # other key of that bucket) loses its claim: claiming with
+                    # all keys gives the same winners, keeps ``a`` the
+                    # identity and saves compacting the roomy keys.
+                    won, slots, lost = self._claim_write(
+                        pending, choose, ak, d, new_score
+                    )
+                    lost = lost[roomy[lost]]
+                else:
+                    a = pending if all_roomy else pending[roomy]
+                    if not all_roomy:
+                        choose = choose[roomy]
+                    won, slots, lost = self._claim_write(a, choose, ak, d, new_score)
                 self._add_at(
                     self.load, slots // S, xp.ones(int(slots.shape[0]), dtype=xp.int64)
                 )
                 res[won] = slots
                 filled.append(slots)
-                if prot is not None:
+                if prot is not None and not score_prot:
                     prot[slots] = True
                 retry.append(lost)
             if full_keys.shape[0]:
@@ -597,10 +637,16 @@ class ArrayTable:
         cand = xp.concatenate(
             [b1[keys_idx][:, None] * S + lane, b2[keys_idx][:, None] * S + lane], axis=1
         )
-        sc = xp.where(prot[cand], _INT64_MAX, self.score[cand])
+        sc = self.score[cand]
+        if isinstance(prot, int):  # protected == score is the step
+            step, prot = prot, None
+            sc[sc == step] = _INT64_MAX
+        else:
+            step = None
+            sc[prot[cand]] = _INT64_MAX
         pick = xp.argmin(sc, axis=1)  # first minimum: bucket 1 before 2, low slot first
         victim = xp.take_along_axis(cand, pick[:, None], axis=1)[:, 0]
-        usable = ~prot[victim]
+        usable = ~prot[victim] if step is None else self.score[victim] != step
         # Both buckets hold only keys of this call: the key overflows (row -1).
         self.counters["overflows"] += int(keys_idx.shape[0]) - self._to_host_int(
             usable.sum()
@@ -617,7 +663,8 @@ class ArrayTable:
         wi, slots = keys_idx[won], victim[won]
         ek = self.keys[slots].copy()
         self._write(slots, ak[wi], d[wi], _score_of(new_score, wi))
-        prot[slots] = True
+        if step is None:
+            prot[slots] = True
         res[wi] = slots
         return keys_idx[~won], ek, slots
 
@@ -644,6 +691,16 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _BYTES = np.uint64(0x0101010101010101)
 _CHUNK = 1 << 15  # keys per probe chunk: every temporary stays in L2
+_IOTA = np.arange(0, dtype=np.int64)
+
+
+def _iota(n):
+    """Read-only ``arange(n)`` view of one shared, growing array."""
+    global _IOTA
+    if _IOTA.shape[0] < n:
+        _IOTA = np.arange(max(n, 2 * _IOTA.shape[0]), dtype=np.int64)
+        _IOTA.flags.writeable = False
+    return _IOTA[:n]
 
 
 class NumpyTable(ArrayTable):
@@ -659,6 +716,23 @@ class NumpyTable(ArrayTable):
 
     xp = np
     device = "cpu"
+    _claim_unroomy = True
+    _score_protect = True
+
+    def _arange(self, n):
+        return _iota(n)
+
+    def _scratch(self, name, n, dtype):
+        """Length-``n`` view of a per-table buffer kept across calls.
+
+        For full-size temporaries that never outlive one call: a fresh
+        multi-MiB array costs a page fault per 4 KiB on every call.
+        """
+        bufs = self.__dict__.setdefault("_bufs", {})
+        b = bufs.get(name)
+        if b is None or b.shape[0] < n:
+            b = bufs[name] = np.empty(n, dtype=dtype)
+        return b[:n]
 
     def hash(self, k):
         """Same values as ``ArrayTable.hash`` with fewer temporaries."""
@@ -697,17 +771,47 @@ class NumpyTable(ArrayTable):
         n = int(k.shape[0])
         # Filled front to back by the chunks; views of the used prefixes are
         # returned (no concatenation pass).
+        # Scratch buffers: all of these die with the lookup_or_insert call.
         split = dict(
-            hit_rows=np.empty(n, dtype=np.int64),
-            miss_idx=np.empty(n, dtype=np.int64),
-            b1=np.empty(n, dtype=np.int64),
-            b2=np.empty(n, dtype=np.int64),
-            digest=np.empty(n, dtype=np.uint8),
+            hit_rows=self._scratch("hit_rows", n, np.int64),
+            miss_idx=self._scratch("miss_idx", n, np.int64),
+            b1=self._scratch("b1", n, np.int64),
+            b2=self._scratch("b2", n, np.int64),
+            digest=self._scratch("digest", n, np.uint8),
             n_hit=0,
             n_miss=0,
+            rest=[],
         )
         rows = self._find_chunked(k, split)
         nh, nm = split["n_hit"], split["n_miss"]
+        if split["rest"]:
+            # Keys whose first digest candidate was a false positive: probe
+            # their remaining candidates in one go, then move the ones found
+            # from the miss lists (ascending, so positions by searchsorted)
+            # to the hits.
+            gi, vals, bb = (
+                np.concatenate(x, axis=-1) for x in zip(*split["rest"])
+            )
+            found = np.full(gi.shape[0], -1, dtype=np.int64)
+            self._probe_rest(
+                k.take(gi), bb, np.arange(gi.shape[0]), vals, found
+            )
+            fi = np.flatnonzero(found >= 0)
+            if fi.shape[0]:
+                gi, found = gi.take(fi), found.take(fi)
+                rows[gi] = found
+                at = np.searchsorted(split["miss_idx"][:nm], gi)
+                keep = np.ones(nm, dtype=bool)
+                keep[at] = False
+                for name in ("miss_idx", "b1", "b2", "digest"):
+                    arr = split[name]
+                    arr[: nm - fi.shape[0]] = arr[:nm][keep]
+                nm -= fi.shape[0]
+                # hit_rows stays in batch order: gi - at hits precede key gi
+                gi -= at
+                hit_rows = np.insert(split["hit_rows"][:nh], gi, found)
+                nh = hit_rows.shape[0]
+                split["hit_rows"] = hit_rows
         hashes = tuple(split[name][:nm] for name in ("b1", "b2", "digest"))
         return rows, split["hit_rows"][:nh], split["miss_idx"][:nm], hashes
 
@@ -784,7 +888,15 @@ class NumpyTable(ArrayTable):
             np.greater(more, hit, out=more)  # ... and the first one failed
             ki = np.flatnonzero(more)
             if ki.shape[0]:
-                self._probe_rest(kc, bbi, ki, vals[ki] ^ low[ki], out)
+                rest = vals.take(ki)
+                rest ^= low.take(ki)
+                if split is None:
+                    self._probe_rest(kc, bbi, ki, rest, out)
+                else:
+                    # Deferred to one _probe_rest after the loop (a few
+                    # hundred keys per chunk: per-round overhead dominates);
+                    # until then they count as misses (their row is -1).
+                    split["rest"].append((ki + s, rest, bbi.take(ki, axis=1)))
             if split is not None:
                 # flatnonzero + take: boolean-mask indexing of a random 50/50
                 # mask is several times slower (branch mispredictions).
@@ -810,9 +922,15 @@ class NumpyTable(ArrayTable):
         roomy = np.empty(n, dtype=bool)
         for s in range(0, n, _CHUNK):
             e = min(s + _CHUNK, n)
-            l1, l2 = load.take(b1[s:e]), load.take(b2[s:e])
-            np.copyto(choose[s:e], b2[s:e])
-            np.copyto(choose[s:e], b1[s:e], where=l1 <= l2)
+            c1, c2 = b1[s:e], b2[s:e]
+            l1, l2 = load.take(c1), load.take(c2)
+            # choose = b1 where l1 <= l2 else b2, branch-free
+            le = np.less_equal(l1, l2).view(np.int8).astype(np.int64)
+            np.negative(le, out=le)
+            ch = choose[s:e]
+            np.bitwise_xor(c1, c2, out=ch)
+            ch &= le
+            ch ^= c2
             np.minimum(l1, l2, out=l1)
             np.less(l1, S, out=roomy[s:e])
         return choose, roomy
@@ -834,15 +952,19 @@ class NumpyTable(ArrayTable):
         if n == 0 or self.holey.take(choose).any():
             return super()._claim_write(a, choose, ak, d, new_score)
         sh = max(n - 1, 1).bit_length()
-        comp = choose << sh
-        comp |= np.arange(n, dtype=np.int64)
+        comp = np.left_shift(choose, sh, out=self._scratch("comp", n, np.int64))
+        comp |= _iota(n)
         comp.sort()  # (bucket, arrival) words: groups buckets, arrival inside
         # a has all len(ak) keys only in _place's first round with every key
         # roomy (pending shrinks every round), where it is arange(len(ak)):
         # the arrival index already is the key index.
         identity = n == int(ak.shape[0])
-        won_all = np.empty(n, dtype=np.int64)
-        slots_all = np.empty(n, dtype=np.int64)
+        if identity:  # first round: the only one, so scratch is safe
+            won_all = self._scratch("won", n, np.int64)
+            slots_all = self._scratch("slots", n, np.int64)
+        else:  # later rounds: _place still holds the first round's slots
+            won_all = np.empty(n, dtype=np.int64)
+            slots_all = np.empty(n, dtype=np.int64)
         n_won, lost = 0, []
         head_bucket, head = -1, 0  # bucket and head index of the last group
         mask = (1 << sh) - 1
@@ -878,15 +1000,38 @@ class NumpyTable(ArrayTable):
         return won_all[:n_won], slots_all[:n_won], lost
 
     def _probe_rest(self, k, bb, ki, vals, rows):
-        """Remaining digest candidates (false positives of the first one)."""
+        """Remaining digest candidates (false positives of the first one).
+
+        ``bb`` is the chunk's (2, m) bucket pair; flat ``take``s keep the
+        per-round overhead low (a chunk has only a few hundred such keys).
+        """
         S = self.bucket_size
-        shift = np.int64(S.bit_length() - 1)
-        while ki.shape[0]:
-            low = vals & (~vals + np.uint64(1))
-            pos = _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)]
-            slot = bb[pos >> shift, ki] * S + (pos & (S - 1))
-            hit = self.keys[slot] == k[ki]
-            rows[ki[hit]] = slot[hit]
+        shift, m = S.bit_length() - 1, int(k.shape[0])
+        bbf = bb.reshape(-1)
+        keys, one, s58 = self.keys, np.uint64(1), np.uint64(58)
+        kk = k.take(ki)
+        while True:
+            low = ~vals
+            low += one
+            low &= vals
+            pos = low * _DEBRUIJN
+            pos >>= s58
+            pos = _DEBRUIJN_TABLE.take(pos)
+            sel = pos >> shift
+            sel *= m
+            sel += ki
+            slot = bbf.take(sel)
+            slot *= S
+            pos &= S - 1
+            slot += pos
+            hit = keys.take(slot) == kk
+            if hit.any():
+                h = np.flatnonzero(hit)
+                rows[ki.take(h)] = slot.take(h)
             vals ^= low
-            keep = ~hit & (vals != 0)
-            ki, vals = ki[keep], vals[keep]
+            keep = vals != 0
+            np.greater(keep, hit, out=keep)
+            if not keep.any():
+                return
+            keep = np.flatnonzero(keep)
+            ki, vals, kk = ki.take(keep), vals.take(keep), kk.take(keep)
