@@ -789,13 +789,9 @@ class NumpyTable(ArrayTable):
             # their remaining candidates in one go, then move the ones found
             # from the miss lists (ascending, so positions by searchsorted)
             # to the hits.
-            gi, vals, bb = (
-                np.concatenate(x, axis=-1) for x in zip(*split["rest"])
-            )
+            gi, vals, bb = (np.concatenate(x, axis=-1) for x in zip(*split["rest"]))
             found = np.full(gi.shape[0], -1, dtype=np.int64)
-            self._probe_rest(
-                k.take(gi), bb, np.arange(gi.shape[0]), vals, found
-            )
+            self._probe_rest(k.take(gi), bb, np.arange(gi.shape[0]), vals, found)
             fi = np.flatnonzero(found >= 0)
             if fi.shape[0]:
                 gi, found = gi.take(fi), found.take(fi)
