@@ -10,6 +10,7 @@ Public API:
     plan, distribution, sharding: model parallelism (JAX): a planner that picks
         row/column/replicated placement per table, and the Keras distribution
         that lays the tables out.
+    share_gpu_memory: split each GPU between the backend and CuPy hash tables.
     data: the async prefetching input stage (`data.prefetch`) and synthetic
         Criteo-like data for examples and benchmarks.
 """
@@ -17,6 +18,7 @@ Public API:
 from keras_sparse import data
 from keras_sparse import optimizers
 from keras_sparse import sharding
+from keras_sparse.gpu_memory import share_gpu_memory
 from keras_sparse.layers import AllToAllDenseEmbedding
 from keras_sparse.layers import DistributedHashEmbedding
 from keras_sparse.layers import ragged_to_padded
@@ -41,5 +43,6 @@ __all__ = [
     "optimizers",
     "plan",
     "ragged_to_padded",
+    "share_gpu_memory",
     "sharding",
 ]

@@ -6,7 +6,9 @@ import importlib
 import pytest
 
 MODULES = [
+    "keras_sparse.gpu_memory",
     "keras_sparse.layers.dense_embedding",
+    "keras_sparse.layers.hash_embedding",
     "keras_sparse.layers.inputs",
     "keras_sparse.optimizers.adam",
     "keras_sparse.table.hash_table",

@@ -30,17 +30,26 @@ class SumLast(keras.layers.Layer):
         return tuple(shape[:-1]) + (1,)
 
 
-def _model(layer, bag):
-    ids = keras.Input((bag,), dtype="int32")
+def _model(layer, bag, dtype="int32"):
+    ids = keras.Input((bag,), dtype=dtype)
     return keras.Model(ids, SumLast()(layer(ids)))
 
 
-def _data(num_keys=24, batch=8, bag=3, steps=6, seed=0):
+def _data(num_keys=24, batch=8, bag=3, steps=6, seed=0, wide=False):
     rng = np.random.default_rng(seed)
     vocab = rng.choice(2**31 - 1, size=num_keys, replace=False).astype("int64")
+    if wide:
+        # Keys that agree in their low 32 bits (JAX without x64 would merge
+        # them), negative keys and the int64 extremes.
+        vocab[: num_keys // 2] += np.int64(2**32) * rng.integers(
+            -(2**30), 2**30, size=num_keys // 2
+        )
+        vocab[num_keys // 2 : num_keys // 2 + 4] = vocab[:4] + np.int64(2**40)
+        vocab[-2:] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max]
+        assert len(set(vocab.tolist())) == num_keys
     idx = rng.integers(0, num_keys, size=(batch * steps, bag))
     y = rng.normal(size=(batch * steps, 1)).astype("float32")
-    return vocab, vocab[idx].astype("int32"), y
+    return vocab, vocab[idx].astype("int64" if wide else "int32"), y
 
 
 def _first_seen(keys):
@@ -55,9 +64,12 @@ def _np(x):
 
 
 # --------------------------------------------------------------- correctness
+@pytest.mark.parametrize("wide", [False, True], ids=["int32_keys", "int64_keys"])
 @pytest.mark.parametrize("mode", _jit_modes(), ids=str)
-def test_training_matches_dense_reference(mode):
-    vocab, x, y = _data()
+def test_training_matches_dense_reference(mode, wide):
+    # int64_keys: full 64-bit keys straight from NumPy into fit/evaluate/
+    # predict (on JAX without x64 they reach the host mapping whole).
+    vocab, x, y = _data(wide=wide)
     order = _first_seen(x)
     dense_x = np.vectorize(order.get)(x).astype("int32")
     init = keras.initializers.Constant(0.1)
@@ -76,7 +88,7 @@ def test_training_matches_dense_reference(mode):
         embeddings_initializer=init,
         optimizer=make_opt(),
     )
-    model = _model(hashed, 3)
+    model = _model(hashed, 3, "int64" if wide else "int32")
     model.compile(keras.optimizers.SGD(0.0), "mse", **mode)
     if backend() == "tensorflow":  # host callbacks: XLA is switched off
         assert hashed.supports_jit is False and model.jit_compile is False
@@ -88,9 +100,12 @@ def test_training_matches_dense_reference(mode):
     ref = keras.Model(ids, ref_out)
     ref.compile(make_opt(), "mse", **mode)
 
-    h = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    r = ref.fit(dense_x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    # Validation batches interleave with training batches between epochs.
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    h = model.fit(x, y, validation_data=(x[:16], y[:16]), **fit)
+    r = ref.fit(dense_x, y, validation_data=(dense_x[:16], y[:16]), **fit)
     np.testing.assert_allclose(h.history["loss"], r.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h.history["val_loss"], r.history["val_loss"], rtol=1e-5)
 
     records = hashed.export()
     assert len(records["keys"]) == len(order)
@@ -260,6 +275,29 @@ def test_inference_inserts_nothing():
     out = _np(layer(x, training=False))
     assert np.all(out[0] != 0) and np.all(out[1] == 0)
     assert layer.stats()["size"] == 3
+
+
+@pytest.mark.parametrize("capacity", [64, 4096], ids=["same", "larger"])
+def test_admission_counts_survive_save_load(tmp_path, capacity):
+    def make(cap):
+        layer = DistributedHashEmbedding(
+            DIM, capacity=cap, combiner="sum", optimizer="sgd", admit_after=3
+        )
+        layer(np.array([[1, 2]]), training=False)  # build, inserts nothing
+        return layer
+
+    layer = make(64)
+    for _ in range(2):
+        layer(np.array([[7, 8]]), training=True)
+    layer(np.array([[9, 9]]), training=True)  # 9 seen twice too (one batch)
+    assert layer.stats()["size"] == 0
+    path = os.path.join(tmp_path, "w.weights.h5")
+    keras.Sequential([keras.Input((2,), dtype="int32"), layer]).save_weights(path)
+    loaded = make(capacity)
+    keras.Sequential([keras.Input((2,), dtype="int32"), loaded]).load_weights(path)
+    # The third sighting admits 7, 8 and 9 in the loaded layer; 5 is new.
+    loaded(np.array([[7, 8], [9, 5]]), training=True)
+    assert sorted(loaded.export()["keys"].tolist()) == [7, 8, 9]
 
 
 # -------------------------------------------------------------- save / load

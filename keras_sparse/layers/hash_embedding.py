@@ -1,6 +1,7 @@
 """DistributedHashEmbedding: an embedding for an open-ended set of int64 keys."""
 
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -9,6 +10,7 @@ from keras import ops
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
+from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
@@ -107,8 +109,14 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             `keras_sparse.table.hash_strings` (FNV-1a-64 of the UTF-8 bytes),
             so the string "a" and the int key ``hash_strings(["a"])[0]``
             share a row.
-        sharding: accepted for API compatibility ("auto", ...); in this
-            version the key->row map is one host-local table per process.
+        sharding: placement of the ``[capacity, output_dim]`` table and its
+            optimizer slots under `keras_sparse.sharding.distribution` (JAX):
+            "auto" (planner's choice), "data" (replicated), "row" or
+            "column" (element-wise optimizers only); fresh rows are
+            re-initialized on the devices holding them. The key->row map
+            stays one host table per process, so "row"/"column" need a
+            single-process run (any number of local devices); with more
+            than one process they raise a ValueError.
         table_device: "cpu" (default), "gpu" or "auto": where the hash
             table's key->row map lives (see `HashTable`).
         table_seed: salt of the table's hash functions.
@@ -116,18 +124,26 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
     Call arguments:
         inputs: int32/int64 keys of any shape, NumPy string arrays, TF string
             tensors (in graphs too), or (TensorFlow) integer tf.RaggedTensor /
-            tf.SparseTensor. Float keys raise TypeError. On JAX, int64 keys
-            passed through ``model.fit`` are truncated to int32 by JAX unless
-            ``jax_enable_x64`` is on; eager calls with NumPy keys keep all 64
-            bits. Strings through ``fit`` on JAX/PyTorch: hash them first
-            with ``hash_strings``.
+            tf.SparseTensor. Float keys raise TypeError. On JAX without
+            ``jax_enable_x64`` the device sees int64 batches as int32, but
+            ``fit`` / ``evaluate`` / ``predict`` (and ``*_on_batch``) of a
+            functional model hand the full 64-bit keys of the inputs feeding
+            this layer to its host mapping (see
+            `keras_sparse.layers.jax_full_keys`; JAX's truncation warning
+            is then harmless for these inputs). Subclassed models get a clear
+            error for keys beyond the int32 range: use
+            ``keras_sparse.data.prefetch(..., feature_map=...)`` or x64.
+            Strings through ``fit`` on JAX/PyTorch: hash them first with
+            ``hash_strings``.
         weights: optional per-key weights of the keys' shape; weight 0 marks
             padding (never inserted, never trained).
         training: see above.
 
     Saving: the ``.keras`` file stores (key, vector, optimizer slots, score)
     records rather than the raw table, so a model loads into a layer with a
-    different capacity. The admission sketch and hit counters are not saved.
+    different capacity, plus the admission sketch's counters (re-binned when
+    the capacity changes, never under-counting, so a key half-way to admission
+    stays half-way or closer). The hit/miss counters are not saved.
     ``layer.export()`` / ``layer.import_(keys, values)`` do the same for
     serving and warm starts; ``layer.stats()`` returns the table's counters.
 
@@ -229,6 +245,9 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         # Host callbacks cannot run under XLA in TensorFlow; torch steps run
         # eagerly. JAX keeps jit (io_callback).
         self.supports_jit = keras.backend.backend() == "jax"
+        # JAX without x64 truncates int64 batches; let fit/evaluate/predict
+        # hand the full keys to the host mapping.
+        jax_full_keys.install()
 
     @property
     def capacity(self):
@@ -314,6 +333,13 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             rows[use] = cp.asarray(self.table.lookup(selected)).astype(cp.int32)
         return _from_dlpack(rows), _from_dlpack(fresh)
 
+    def _full_keys(self, keys):
+        """Host keys with the high 32 bits JAX dropped restored (see
+        `keras_sparse.layers.jax_full_keys`); other keys pass through."""
+        if keras.backend.backend() != "jax" or _string_kind(keys):
+            return keys
+        return jax_full_keys.restore(self, _host_keys(keys))
+
     def _map_keys(self, keys, use, insert):
         """Flat ``(rows, fresh)`` tensors for ``keys``; rows -1 where absent."""
         backend = keras.backend.backend()
@@ -321,12 +347,14 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         if not symbolic:
             if self.table.device == "gpu" and not _string_kind(keys):
                 return self._map_on_gpu(keys, use, insert)
-            rows, fresh = self._map_on_host(keys, ops.convert_to_numpy(use), insert)
+            rows, fresh = self._map_on_host(
+                self._full_keys(keys), ops.convert_to_numpy(use), insert
+            )
             return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh)
         n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
 
         def callback(k, u):
-            return self._map_on_host(k, u, insert)
+            return self._map_on_host(self._full_keys(k), u, insert)
 
         if backend == "jax":
             import jax
@@ -534,6 +562,11 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             store[f"record_{name}"] = value
         store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
         store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
+        sketch = self._admission_sketch()
+        if sketch is not None:
+            with self.table._lock:
+                store["admission_counts"] = sketch.state()
+            store["admission_seed"] = np.int64(sketch.seed)
 
     def load_own_variables(self, store):
         if "record_keys" not in store:
@@ -552,6 +585,24 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         self.sparse_iterations.assign(store["sparse_iterations"][...])
         if "seed_state" in store:
             self.seed_generator.state.assign(store["seed_state"][...])
+        sketch = self._admission_sketch()
+        if sketch is not None and "admission_counts" in store:
+            try:
+                with self.table._lock:
+                    sketch.load_state(
+                        store["admission_counts"][...],
+                        int(store["admission_seed"][...]),
+                    )
+            except ValueError as e:
+                warnings.warn(
+                    f"Layer '{self.name}': admission counts not restored ({e}); "
+                    "keys start counting their sightings from zero.",
+                    stacklevel=2,
+                )
+
+    def _admission_sketch(self):
+        """The table's count-min sketch, or None (``admit_after=1``)."""
+        return getattr(self.table._impl, "sketch", None)
 
     def get_config(self):
         config = super().get_config()

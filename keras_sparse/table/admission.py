@@ -40,6 +40,7 @@ class CountMinSketch:
                 f"sketch width must be a positive power of two, got {width}"
             )
         self.width, self.depth, self.xp = int(width), int(depth), xp
+        self.seed = int(seed)
         self._shift = np.uint64(64 - (self.width.bit_length() - 1))
         # Row salts differ from the table's bucket salt so sketch collisions are
         # independent of bucket collisions.
@@ -77,6 +78,43 @@ class CountMinSketch:
 
     def clear(self):
         self.counts.fill(0)
+
+    def state(self):
+        """The counters as a NumPy ``[depth, width]`` uint32 array (a copy)."""
+        counts = self.counts
+        return counts.get() if hasattr(counts, "get") else np.array(counts)
+
+    def load_state(self, counts, seed):
+        """Restores counters saved by `state`, possibly from another width.
+
+        A key's cell in width ``w`` is the top ``log2(w)`` bits of its hash, so
+        halving the width merges cell pairs ``(2i, 2i + 1)`` into ``i`` and
+        doubling it splits cell ``i`` into ``2i`` and ``2i + 1``. Summing on
+        merge and copying on split keep every estimate an upper bound of the
+        true count: a key is still never admitted late. The depth and the
+        seed must match (they fix the row hashes); otherwise ValueError.
+        """
+        if int(seed) != self.seed:
+            raise ValueError(
+                f"sketch state was made with seed {seed}; this sketch uses "
+                f"{self.seed} (other hash functions)"
+            )
+        counts = np.asarray(counts, dtype=np.uint64)
+        if counts.ndim != 2 or counts.shape[0] != self.depth:
+            raise ValueError(
+                f"sketch state has shape {counts.shape}; expected ({self.depth}, width)"
+            )
+        width = counts.shape[1]
+        if width <= 0 or width & (width - 1):
+            raise ValueError(f"sketch state width {width} is not a power of two")
+        while width > self.width:
+            counts = counts[:, 0::2] + counts[:, 1::2]
+            width //= 2
+        while width < self.width:
+            counts = np.repeat(counts, 2, axis=1)
+            width *= 2
+        counts = np.minimum(counts, np.iinfo(np.uint32).max).astype(np.uint32)
+        self.counts[...] = self.xp.asarray(counts)
 
 
 def _numpy_add_at(arr, idx, val):

@@ -1,0 +1,304 @@
+"""Keeps 64-bit keys whole through ``model.fit`` on JAX without x64.
+
+Without ``jax_enable_x64`` JAX stores integers in 32 bits: an int64 key array
+handed to a compiled step is wrapped to its low 32 bits before any layer sees
+it, so keys ``k`` and ``k + 2**32`` would share a row. The key->row mapping of
+`DistributedHashEmbedding` runs on the host anyway (a host callback inside
+the step), so the full keys only have to reach the host, not the device.
+
+On import (JAX backend only) this module wraps the JAX trainer's ``fit``,
+``evaluate``, ``predict`` and ``*_on_batch`` methods. While one runs on a model
+with hash layers, every batch the data adapter yields (after Keras' own
+shuffling and splitting, before the transfer to the device) is inspected: the
+int64/uint64 key arrays feeding each hash layer are pushed, unchanged, onto
+that layer's host-side queue. The step still receives the (truncated) arrays,
+so shapes, tracing and the compiled program are exactly those of plain Keras.
+When the layer's host mapping runs for a batch it pops its queue and uses the
+full keys, after checking that their low 32 bits equal what the step received
+(steps run in order, so the queue is FIFO; an abandoned look-ahead batch is
+recognised by that check and dropped). Cost: one host reference per batch and
+one O(n) comparison per layer per step.
+
+Models where the feeding input cannot be found (subclassed models, a layer
+fed by another layer) cannot be served this way; for them a batch whose int64
+keys do not fit in 32 bits raises a clear error instead of training on
+collided keys. ``keras_sparse.data.prefetch`` (which maps keys on the host)
+and ``jax_enable_x64`` are the alternatives.
+"""
+
+import collections
+import contextlib
+import contextvars
+import functools
+import threading
+import weakref
+
+import numpy as np
+
+_ACTIVE = contextvars.ContextVar("keras_sparse_full_keys_model", default=None)
+_INT32 = np.iinfo(np.int32)
+_install_lock = threading.Lock()
+_installed = False
+_feeds_cache = weakref.WeakKeyDictionary()
+
+
+class KeyMismatchError(RuntimeError):
+    """The keys a step received do not match the queued full keys."""
+
+
+# ------------------------------------------------------------- layer side
+class _KeyQueue:
+    """Full-width host keys of the batches a layer has not mapped yet.
+
+    Appended by the input pipeline (main thread), taken by the layer's host
+    mapping (a JAX runtime thread), hence the lock.
+    """
+
+    def __init__(self):
+        self._items = collections.deque()
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._items)
+
+    def append(self, keys):
+        with self._lock:
+            self._items.append(keys)
+
+    def clear(self):
+        with self._lock:
+            self._items.clear()
+
+    def take_match(self, keys):
+        """Removes and returns the oldest entry whose low 32 bits are ``keys``'.
+
+        Usually the head. Entries before it stay: they belong to batches of
+        another iterator still to run (e.g. a training look-ahead batch queued
+        before the validation batches of the same epoch).
+        """
+        low = keys.astype(np.int32)
+        with self._lock:
+            for i, full in enumerate(self._items):
+                if full.shape == low.shape and np.array_equal(
+                    full.astype(np.int32), low
+                ):
+                    del self._items[i]
+                    return full
+        return None
+
+
+def key_queue(layer):
+    """The layer's `_KeyQueue` (created on first use)."""
+    q = layer.__dict__.get("_ks_full_key_queue")
+    if q is None:
+        q = _KeyQueue()
+        layer.__dict__["_ks_full_key_queue"] = q
+    return q
+
+
+def restore(layer, keys):
+    """``keys`` (flat int64 NumPy) with their high 32 bits restored.
+
+    Returns ``keys`` unchanged when the layer has no queued full keys (direct
+    calls outside ``fit``/``evaluate``/``predict``, x64 mode).
+    """
+    q = layer.__dict__.get("_ks_full_key_queue")
+    if not q:
+        return keys
+    full = q.take_match(keys)
+    if full is not None:
+        return full
+    raise KeyMismatchError(
+        f"Layer '{layer.name}': the keys of this step match none of the full "
+        "64-bit keys queued by the input pipeline. This should not happen; "
+        "enable `jax_enable_x64` or use `keras_sparse.data.prefetch` as a "
+        "workaround and report the model that triggered it."
+    )
+
+
+# ------------------------------------------------------------- data side
+def _needs_full_keys():
+    import jax
+
+    return not jax.config.jax_enable_x64
+
+
+def _feeds(model):
+    """``(hash feeds, problem, has_hash_layers)`` for ``model`` (cached).
+
+    ``problem`` is why the feeding inputs cannot be found, or None.
+    """
+    cached = _feeds_cache.get(model)
+    if cached is not None:
+        return cached
+    from keras_sparse.data.prefetch import _plan
+
+    try:
+        feeds = [f for f in _plan(model, None) if f.kind == "hash"]
+        problem = None
+    except ValueError as e:
+        feeds, problem = [], str(e)
+    has_hash = _has_hash_layers(model)
+    result = (feeds, problem if has_hash else None, has_hash)
+    _feeds_cache[model] = result
+    return result
+
+
+def _has_hash_layers(model):
+    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+
+    return any(
+        isinstance(layer, DistributedHashEmbedding)
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+    )
+
+
+def _is_wide(a):
+    return isinstance(a, np.ndarray) and a.dtype in (np.int64, np.uint64)
+
+
+def _check_fits_int32(model, x, problem):
+    from keras import tree
+
+    for a in tree.flatten(x):
+        if _is_wide(a) and a.size:
+            if a.dtype == np.uint64 or a.min() < _INT32.min or a.max() > _INT32.max:
+                raise ValueError(
+                    f"Model '{model.name}': int64 keys beyond the int32 range "
+                    "reach a DistributedHashEmbedding, but JAX (without "
+                    "`jax_enable_x64`) would truncate them to 32 bits and "
+                    "keras_sparse cannot tell which input feeds the layer "
+                    f"({problem}). Use `keras_sparse.data.prefetch(data, "
+                    "model, feature_map=...)`, or enable x64 with "
+                    "`jax.config.update('jax_enable_x64', True)` before "
+                    "building the model."
+                )
+
+
+def note_batch(model, batch):
+    """Queues the full keys of one batch (``(x, ...)`` as Keras yields it)."""
+    from keras_sparse.data.prefetch import _get
+    from keras_sparse.data.prefetch import _split_batch
+
+    feeds, problem, has_hash = _feeds(model)
+    if not has_hash:
+        return
+    x, _, _ = _split_batch(batch)
+    if problem is not None:
+        _check_fits_int32(model, x, problem)
+        return
+    for feed in feeds:
+        if getattr(feed.layer, "_prepared_inputs", 0):
+            continue  # a prefetch stage already mapped these keys
+        keys = _get(x, feed.key_path)
+        if _is_wide(keys):
+            key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
+
+
+def _clear_queues(model):
+    for feed in _feeds(model)[0]:
+        key_queue(feed.layer).clear()
+
+
+def _noting(model, iterator):
+    for batch in iterator:
+        note_batch(model, batch)
+        yield batch
+
+
+@contextlib.contextmanager
+def _active(model):
+    """Marks ``model`` as the one whose batches are noted (nests safely)."""
+    if not _needs_full_keys() or not _feeds(model)[2]:
+        yield
+        return
+    outer = _ACTIVE.get()
+    token = _ACTIVE.set(model)
+    if outer is not model:
+        _clear_queues(model)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        if outer is not model:
+            _clear_queues(model)
+
+
+# ------------------------------------------------------------- installing
+def _precheck(model, args, kwargs):
+    """Fails before Keras takes the model's state when in-memory data is bad.
+
+    An exception raised from inside a JAX step (where batches are pulled)
+    would leave the model's variables detached; arrays given directly can be
+    checked up front. Other sources are checked batch by batch.
+    """
+    feeds, problem, _ = _feeds(model)
+    if problem is None:
+        return
+    x = args[0] if args else kwargs.get("x")
+    validation = kwargs.get("validation_data")
+    for data in (x, validation[0] if isinstance(validation, tuple) else None):
+        if isinstance(data, (np.ndarray, dict, list, tuple)):
+            _check_fits_int32(model, data, problem)
+
+
+def _wrap_method(cls, name):
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        with _active(self):
+            if _ACTIVE.get() is self:
+                _precheck(self, args, kwargs)
+            return original(self, *args, **kwargs)
+
+    setattr(cls, name, wrapper)
+
+
+def _wrap_on_batch(cls, name):
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        with _active(self):
+            if _ACTIVE.get() is self:
+                note_batch(self, (args[0] if args else kwargs.get("x"),))
+            return original(self, *args, **kwargs)
+
+    setattr(cls, name, wrapper)
+
+
+def _wrap_epoch_iterator(cls):
+    original = cls._get_iterator
+
+    @functools.wraps(original)
+    def _get_iterator(self):
+        model = _ACTIVE.get()
+        adapter = self.data_adapter
+        if model is not None and not getattr(adapter, "_ks_noting", False):
+            inner = adapter.get_jax_iterator
+            adapter.get_jax_iterator = lambda: _noting(model, inner())
+            adapter._ks_noting = True
+        return original(self)
+
+    cls._get_iterator = _get_iterator
+
+
+def install():
+    """Wraps the JAX trainer once (idempotent; no-op on other backends)."""
+    global _installed
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return
+    with _install_lock:
+        if _installed:
+            return
+        from keras.src.backend.jax import trainer as jax_trainer
+
+        for name in ("fit", "evaluate", "predict"):
+            _wrap_method(jax_trainer.JAXTrainer, name)
+        for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
+            _wrap_on_batch(jax_trainer.JAXTrainer, name)
+        _wrap_epoch_iterator(jax_trainer.JAXEpochIterator)
+        _installed = True

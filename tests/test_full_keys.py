@@ -1,0 +1,96 @@
+"""64-bit keys through fit/evaluate/predict on JAX without x64."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from tests.conftest import backend
+
+pytestmark = pytest.mark.skipif(
+    backend() != "jax", reason="only JAX narrows int64 inputs to 32 bits"
+)
+
+HIGH = np.int64(2**32)
+
+
+def _layer():
+    return DistributedHashEmbedding(
+        2,
+        capacity=64,
+        combiner="sum",
+        optimizer="sgd",
+        embeddings_initializer=keras.initializers.Constant(0.5),
+    )
+
+
+def _functional(layer):
+    ids = keras.Input((2,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1, use_bias=False)(layer(ids)))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def _queued(layer):
+    return len(jax_full_keys.key_queue(layer))
+
+
+def test_on_batch_methods_keep_high_bits():
+    layer = _layer()
+    model = _functional(layer)
+    x = np.array([[7, 7 + HIGH], [7 + 5 * HIGH, -7]], np.int64)
+    y = np.ones((2, 1), np.float32)
+    model.train_on_batch(x, y)
+    assert sorted(layer.export()["keys"].tolist()) == sorted(
+        {int(k) for k in x.ravel()}
+    )
+    # Inference: a key equal to a stored one in its low 32 bits only is unknown
+    # (zeros), not the stored key's vector.
+    probe = np.array([[7 + 9 * HIGH, 7 + 9 * HIGH]], np.int64)
+    assert np.all(model.predict_on_batch(probe) == 0)
+    assert model.test_on_batch(x, y) >= 0
+    assert _queued(layer) == 0
+
+
+def test_queues_are_empty_after_fit_and_predict():
+    layer = _layer()
+    model = _functional(layer)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 8, size=(40, 2)) + HIGH * rng.integers(0, 3, size=(40, 2))
+    y = rng.normal(size=(40, 1)).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_split=0.2)
+    model.predict(x, batch_size=16, verbose=0)
+    assert _queued(layer) == 0
+    assert len(layer.export()["keys"]) == len(set(x[:32].ravel().tolist()))
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.emb = _layer()
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        return self.out(self.emb(x, training=training))
+
+
+def test_unknown_feed_raises_for_wide_keys_and_works_for_narrow_ones():
+    model = _Subclassed()
+    model.compile("sgd", "mse")
+    y = np.zeros((4, 1), np.float32)
+    narrow = np.arange(8, dtype=np.int64).reshape(4, 2)
+    model.fit(narrow, y, batch_size=4, verbose=0)
+    before = sorted(model.emb.export()["keys"].tolist())
+    with pytest.raises(ValueError, match="beyond the int32 range"):
+        model.fit(narrow + HIGH, y, batch_size=4, verbose=0)
+    assert sorted(model.emb.export()["keys"].tolist()) == before
+
+
+def test_mismatched_queue_is_an_error_not_a_silent_collision():
+    layer = _layer()
+    layer(np.array([[1, 2]]), training=True)  # build
+    jax_full_keys.key_queue(layer).append(np.array([5 + HIGH, 6], np.int64))
+    with pytest.raises(jax_full_keys.KeyMismatchError, match=layer.name):
+        jax_full_keys.restore(layer, np.array([1, 2], np.int64))
+    jax_full_keys.key_queue(layer).clear()
