@@ -1,0 +1,68 @@
+"""DistributedHashEmbedding with its table on the GPU (CuPy), JAX backend."""
+
+import os
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed; GPU tests skipped")
+try:
+    _n_gpus = cp.cuda.runtime.getDeviceCount()
+except Exception:  # CUDA driver missing
+    _n_gpus = 0
+if _n_gpus == 0:
+    pytest.skip("CuPy sees no CUDA device", allow_module_level=True)
+if os.environ.get("KERAS_BACKEND", "jax") != "jax":
+    pytest.skip("GPU layer tests run on the JAX backend", allow_module_level=True)
+
+import keras  # noqa: E402
+
+import keras_sparse as ks  # noqa: E402
+
+
+def _model(table_device):
+    ids = keras.Input((3,), dtype="int32")
+    layer = ks.DistributedHashEmbedding(
+        8,
+        capacity=256,
+        combiner="sum",
+        optimizer="adagrad",
+        embeddings_initializer=keras.initializers.Constant(0.1),
+        table_device=table_device,
+        name="hashed",
+    )
+    model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
+    model.compile("sgd", "mse")
+    return model, layer
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 400, size=(256, 3)).astype("int32")
+    return x, rng.normal(size=(256, 1)).astype("float32")
+
+
+def test_gpu_table_trains_like_the_cpu_table():
+    x, y = _data()
+    runs = {}
+    for device in ("cpu", "gpu"):
+        keras.utils.set_random_seed(0)
+        model, layer = _model(device)
+        assert layer.table.device == device
+        hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        runs[device] = (hist.history["loss"], layer.export())
+    np.testing.assert_allclose(runs["cpu"][0], runs["gpu"][0], rtol=1e-5)
+    a, b = runs["cpu"][1], runs["gpu"][1]
+    oa, ob = np.argsort(a["keys"]), np.argsort(b["keys"])
+    np.testing.assert_array_equal(a["keys"][oa], b["keys"][ob])
+    np.testing.assert_allclose(a["values"][oa], b["values"][ob], rtol=1e-5)
+
+
+def test_eager_call_keeps_device_keys_on_the_gpu():
+    import jax
+
+    _, layer = _model("gpu")
+    keys = jax.device_put(np.array([[5, 6, 7]], np.int32), jax.devices("gpu")[0])
+    out = layer(keys, training=True)
+    assert out.devices() == {jax.devices("gpu")[0]}
+    assert layer.stats()["size"] == 3
