@@ -13,7 +13,8 @@ device). Reported per strategy:
   buffer shapes (`keras_sparse.sharding.exchange_bytes`, summed over tables);
 - HLO bytes/step: the same, read from the compiled training step (all
   collectives of the step, the dense part's gradient all-reduce included);
-- table mem/device: bytes of table + slot shards held by device 0.
+- table mem/device: bytes of table + slot shards held by device 0 (padding
+  rows of row-sharded tables included).
 
 On CPU the "devices" share 2 cores, so step times measure overheads, not
 network; the bytes and memory columns are the portable part.
@@ -45,8 +46,9 @@ from keras_sparse.sharding import jax_sharded_lookup  # noqa: E402
 NUM_TABLES = 26
 DIM = 16
 DEVICES = 8
-# Criteo-like spread (rounded to multiples of 8 so row sharding applies).
-ROWS = [8 * int(r) for r in np.geomspace(2, 62_500, NUM_TABLES).round()]
+# Criteo-like spread; most counts are not multiples of 8, so row-sharded
+# tables are padded to ceil(rows / 8) rows per device.
+ROWS = [int(r) + 3 for r in np.geomspace(16, 500_000, NUM_TABLES).round()]
 
 
 def make_layers(strategy):

@@ -153,6 +153,29 @@ def test_call_without_training_flag_neither_updates_nor_corrupts():
     np.testing.assert_array_equal(model.embedding.embeddings.numpy(), before)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_output_outside_the_loss_leaves_the_table_alone(optimizer):
+    """A sparse layer feeding only an output without a loss: its table must
+    not change (on JAX it would be overwritten with an all-zero gradient if
+    the lookup's backward pass were skipped)."""
+    ids = keras.Input((BAG,), dtype="int32")
+    other = keras.Input((3,))
+    emb = ks.AllToAllDenseEmbedding(
+        ROWS, DIM, combiner="sum", optimizer=optimizer, name="unused_emb"
+    )
+    outputs = {
+        "scored": keras.layers.Dense(1, name="scored")(other),
+        "unscored": keras.layers.Dense(1, name="unscored")(emb(ids)),
+    }
+    model = keras.Model([ids, other], outputs)
+    model.compile("sgd", loss={"scored": "mse"})
+    before = keras.ops.convert_to_numpy(emb.embeddings).copy()
+    x, y = _data(32)
+    feats = np.ones((32, 3), "float32")
+    model.fit([x, feats], {"scored": y, "unscored": y}, batch_size=8, verbose=0)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(emb.embeddings), before)
+
+
 def test_frozen_layer_is_not_updated():
     model, emb = _build("functional", optimizer="adam")
     emb.trainable = False

@@ -31,9 +31,9 @@ def test_huge_table_is_row_sharded():
 
 
 def test_medium_table_goes_table_wise_when_row_impossible():
-    # 1000003 rows: not divisible by 8, too big to replicate everywhere
-    # alongside the others, fits whole on one device.
-    t = TableSpec("odd", 1_000_003, 32)
+    # 1000003 rows: not divisible by 8 and no sparse optimizer (so no
+    # padding), too big to replicate everywhere, fits whole on one device.
+    t = TableSpec("odd", 1_000_003, 32, sparse_update=False)
     p = plan([t], devices=8, memory_per_device=200 * MiB, batch_size=64, pinned=None)
     assert p.strategy("odd") in ("data", "table")
     p = plan(
@@ -44,6 +44,14 @@ def test_medium_table_goes_table_wise_when_row_impossible():
         strategies=("row", "column", "table"),
     )
     assert p.strategy("odd") in ("table", "column")
+
+
+def test_uneven_rows_are_row_sharded_with_padding():
+    t = TableSpec("odd", 1_000_003, 32, slot_widths=[32])
+    p = plan([t], devices=8, strategies=("row",))
+    assert p.strategy("odd") == "row"
+    # ceil(1000003 / 8) rows per device, table + accumulator.
+    assert p["odd"].bytes_per_device == 125_001 * 64 * 4
 
 
 def test_table_wise_bin_packing_spreads_tables():
@@ -88,7 +96,11 @@ def test_bad_pins_raise():
     with pytest.raises(ValueError, match="pinned strategy"):
         plan([t], pinned={"a": "diagonal"})
     with pytest.raises(ValueError, match="not divisible"):
-        plan([TableSpec("odd", 101, 8)], devices=8, pinned={"odd": "row"})
+        plan(
+            [TableSpec("odd", 101, 8, sparse_update=False)],
+            devices=8,
+            pinned={"odd": "row"},
+        )
 
 
 def test_plan_prints_a_table():
@@ -129,9 +141,14 @@ def test_memory_is_held_back_for_later_tables():
     assert max(p.device_bytes) <= 32 * MiB
 
 
-def test_hash_embedding_tables_are_replicated():
+def test_hash_embedding_tables_are_planned_like_fixed_ones():
     if not hasattr(ks, "DistributedHashEmbedding"):
         pytest.skip("no DistributedHashEmbedding")
     layer = ks.DistributedHashEmbedding(8, capacity=1024, optimizer="adagrad")
     p = plan([layer], devices=8)
-    assert p.strategy(layer.name) == "data"
+    assert p.strategy(layer.name) == "data"  # small: replicated
+    # Too big to replicate: split like a fixed-vocabulary table.
+    full = 1024 * 16 * 4  # table + accumulator
+    p = plan([layer], devices=8, memory_per_device=full // 4)
+    assert p.strategy(layer.name) in ("row", "column")
+    assert p[layer.name].bytes_per_device == full // 8

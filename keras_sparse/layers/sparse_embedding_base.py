@@ -66,9 +66,12 @@ class SparseEmbeddingBase(keras.layers.Layer):
         # the Keras optimizer assigns it (overwrite_with_gradient); elsewhere
         # the backward pass writes the variables itself.
         on_jax = keras.backend.backend() == "jax"
+        # --- keras_sparse.sharding hook: row-sharded tables whose rows do not
+        # divide by the device count get zero padding rows (never looked up).
+        rows = _sharding.variable_rows(self)
         self.embeddings = self.add_weight(
-            shape=(self.num_rows, self.output_dim),
-            initializer=self.embeddings_initializer,
+            shape=(rows, self.output_dim),
+            initializer=_sharding.table_initializer(self, rows),
             regularizer=None if sparse else self.embeddings_regularizer,
             constraint=None if sparse else self.embeddings_constraint,
             trainable=(not sparse) or on_jax,
@@ -76,14 +79,14 @@ class SparseEmbeddingBase(keras.layers.Layer):
             name="embeddings",
         )
         if sparse:
-            self._build_sparse_state(on_jax)
+            self._build_sparse_state(on_jax, rows)
         self.built = True
 
-    def _build_sparse_state(self, on_jax):
+    def _build_sparse_state(self, on_jax, rows):
         self.embeddings.overwrite_with_gradient = on_jax
         for spec in self.sparse_optimizer.slot_specs():
             slot = self.add_weight(
-                shape=spec.shape(self.num_rows, self.output_dim),
+                shape=spec.shape(rows, self.output_dim),
                 initializer=keras.initializers.Constant(spec.initial_value),
                 trainable=on_jax,
                 autocast=False,
@@ -154,8 +157,14 @@ class SparseEmbeddingBase(keras.layers.Layer):
                 self.embeddings_constraint,
                 **kwargs,
             )
+            loss = None
+            if on_jax:
+                loss = _zero_that_reaches(rows)
             if update and self.embeddings_regularizer is not None:
-                self.add_loss(self.embeddings_regularizer(rows))
+                penalty = self.embeddings_regularizer(rows)
+                loss = penalty if loss is None else penalty + loss
+            if loss is not None:
+                self.add_loss(loss)
         elif routing is not None:  # sharding hook
             rows = _sharding.routed_gather(
                 routing, self.embeddings, flat_ids, flat_valid
@@ -193,13 +202,14 @@ class SparseEmbeddingBase(keras.layers.Layer):
         return named
 
     def save_own_variables(self, store):
+        # Unpadded arrays (sharding hook), so checkpoints load on any mesh.
         for name, variable in self._named_variables().items():
-            store[name] = variable.numpy()
+            store[name] = _sharding.unpadded_value(self, variable)
 
     def load_own_variables(self, store):
         for name, variable in self._named_variables().items():
             if name in store:
-                variable.assign(store[name])
+                variable.assign(_sharding.padded_value(self, variable, store[name]))
             elif name == "embeddings":
                 raise ValueError(
                     f"Layer '{self.name}': the saved state has no 'embeddings'."
@@ -233,3 +243,17 @@ class SparseEmbeddingBase(keras.layers.Layer):
             }
         )
         return config
+
+
+def _zero_that_reaches(rows):
+    """An exact 0.0 loss term whose gradient reaches ``rows`` (as zeros).
+
+    On JAX the table variable is overwritten with its "gradient", which the
+    lookup's backward pass sets to the updated table. If the layer's output
+    did not reach the loss, JAX would skip that backward pass and hand the
+    optimizer an all-zero gradient, wiping the table. This term keeps the
+    backward pass on the path (with a zero cotangent, so the update is that
+    of a zero gradient); its value is exactly 0 even for non-finite rows.
+    """
+    never = ops.zeros((), "bool")
+    return ops.sum(ops.where(never, rows, ops.zeros_like(rows)))

@@ -4,6 +4,53 @@ routing used by ``SparseEmbeddingBase.lookup_rows``.
 Layout: a 1-D device mesh with one axis (``"model"`` by default) that is both
 the batch (data-parallel) axis of the dense part of the model and the axis the
 tables are split over, the usual hybrid-parallel recommender layout.
+
+Row padding: a row-sharded table with ``num_rows % D != 0`` is built with
+``ceil(num_rows / D) * D`` rows (`variable_rows`), the same for its slots,
+so each device holds an equal block; the extra rows are zeros that no id
+reaches. ``layer.num_rows`` is unchanged; ``layer.embeddings``, the slots and
+``model.get_weights()`` / ``set_weights()`` have the padded shape; the
+layer's saved state (``.keras`` files) is unpadded (`unpadded_value`,
+`padded_value`), so checkpoints load under any device count.
+
+Hash layers: a `DistributedHashEmbedding` keeps its key->row map on the host;
+row/column sharding splits its table and slots, and the rows it assigns in a
+step are re-initialized by `jax_sharded_lookup.sharded_reset` on the devices
+holding them, before the sharded lookup. One map per process means sharded
+hash layers need a single process (`check_hash_layer_processes`).
+
+Design note: the "table" strategy (planned, not runnable)
+---------------------------------------------------------
+The planner can place a whole table on one device (``TablePlan.devices``),
+but `distribution` refuses to run such a plan:
+
+* A variable laid out on the mesh has a PartitionSpec over the whole mesh;
+  no spec says "all rows on device k", and a jitted step rejects a variable
+  committed to a one-device sub-mesh next to mesh-wide arrays. A per-table
+  ``[D * rows, dim]`` row-sharded variable using only device k's block would
+  hold ``D`` times the table.
+* The layout that gives each device exactly its tables is a stack per group
+  of table-wise tables with equal ``(dim, dtype, sparse optimizer,
+  constraint)``: one ``[D * B, dim]`` variable (and one per slot) laid out
+  ``(axis, None)``, ``B`` = the most rows the planner packed onto one device,
+  table ``t`` placed on device ``k`` at offset ``o_t`` of block ``k``; its id
+  ``i`` is global row ``k * B + o_t + i``. The lookup is then the row-sharded
+  primitive unchanged (with full-size exchange buffers: all of a table's ids
+  go to one owner).
+* What blocks it: the sparse update rides on the variable's "gradient"
+  (``overwrite_with_gradient``). Independent layers sharing one stacked
+  variable would each hand back a whole updated stack and autodiff sums
+  the cotangents. It needs either one grouped lookup for all tables of a
+  group (a layer owning the stack and taking every group input in one call:
+  a model-level change), or the stack threaded through the group's lookups
+  of a step (each lookup also returns the stack, consumed by the next, so
+  the backward applies the updates in turn; needs a per-trace registry and
+  a marker for the last lookup of the chain). Each layer would save and load
+  its own rows of the stack, keeping the checkpoint format (and resharding).
+* Meanwhile "row" sharding covers every table "table" could hold: with
+  padding any row count works, each device holds ``ceil(rows / D)`` rows
+  (at most what table-wise placement puts on its busiest device) and the
+  lookups are spread evenly.
 """
 
 import re
@@ -19,6 +66,29 @@ _ROUTED = ("row", "column")
 
 def _axes(strategy, axis):
     return {"row": (axis, None), "column": (None, axis), "data": (None, None)}[strategy]
+
+
+def check_hash_layer_processes(layer, strategy, process_count=None):
+    """Raises for a sharded `DistributedHashEmbedding` in a multi-process run.
+
+    Each process keeps its own key->row map, filled from the keys of its own
+    steps, so two processes would give the same row to different keys (or a
+    key different rows) and write each other's sharded rows.
+    """
+    if strategy == "data" or not planner_lib.is_hash_layer(layer):
+        return
+    if process_count is None:
+        import jax
+
+        process_count = jax.process_count()
+    if process_count > 1:
+        raise ValueError(
+            f"Layer '{layer.name}': a DistributedHashEmbedding can be "
+            f"{strategy}-sharded only in a single-process run (this run has "
+            f"{process_count} processes). Its key->row map is one host table "
+            "per process, and separate maps would assign the same rows to "
+            "different keys. Use one process with several devices."
+        )
 
 
 def _variable_names(layer):
@@ -85,9 +155,13 @@ def distribution(
         if table.strategy not in RUNNABLE:
             raise NotImplementedError(
                 f"Table '{table.name}': strategy {table.strategy!r} is planned "
-                f"but not runnable yet (runnable: {RUNNABLE}). Re-plan with "
-                f"strategies={RUNNABLE!r} or pin another strategy."
+                f"but not runnable yet (runnable: {RUNNABLE}; see the design "
+                "note in keras_sparse.sharding.keras_integration). Re-plan "
+                f"with strategies={RUNNABLE!r} or pin another strategy: 'row' "
+                "takes any row count and holds ceil(rows / devices) rows per "
+                "device."
             )
+        check_hash_layer_processes(layer, table.strategy)
         axes = _axes(table.strategy, axis)
         layer._ks_strategy = table.strategy
         layer._ks_axis = axis
@@ -96,6 +170,7 @@ def distribution(
             layout_map[pattern] = axes
         if layer.built:
             _relayout(layer, axes, mesh)
+        _replicate_other_variables(layer, mesh)
     dist = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name=axis)
     dist.keras_sparse_plan = plan
     # Looked up by layer name in `route`, so layers deserialized later (e.g. by
@@ -176,8 +251,13 @@ def load_model(
             filepath, custom_objects=custom_objects, compile=compile
         )
         return model, None
+    # Unbuilt (no build_config): planning needs no variable, and a built
+    # layer with uneven rows could not be laid out padded.
     layers = [
-        keras.saving.deserialize_keras_object(cfg, custom_objects=custom_objects)
+        keras.saving.deserialize_keras_object(
+            {k: v for k, v in cfg.items() if k != "build_config"},
+            custom_objects=custom_objects,
+        )
         for cfg in _embedding_layer_configs(_read_config(filepath))
     ]
     if isinstance(plan, dict):
@@ -205,7 +285,34 @@ def load_model(
 
 def _relayout(layer, axes, mesh):
     variables = [layer.embeddings] + list(getattr(layer, "slots", {}).values())
+    d = mesh.shape[0]
+    if axes[0] is not None and layer.embeddings.shape[0] % d:
+        raise ValueError(
+            f"Layer '{layer.name}' is already built with {layer.num_rows} rows, "
+            f"not a multiple of the {d} devices of its row sharding; its "
+            "variables cannot be padded in place. Build the model after "
+            "keras.distribution.set_distribution(...), or save it and reload "
+            "it with keras_sparse.sharding.load_model(...)."
+        )
     for variable in variables:
+        variable._layout = keras.distribution.TensorLayout(axes, mesh)
+        variable._direct_assign(variable.value)
+
+
+def _replicate_other_variables(layer, mesh):
+    """Replicates a layer's variables created before the mesh existed.
+
+    A jitted step needs every variable on the mesh; a variable that predates
+    the distribution (the hash layer's seed-generator state, created in its
+    constructor; ``sparse_iterations`` of a built layer) would stay on one
+    device.
+    """
+    placed = [layer.embeddings] if layer.built else []
+    placed += list(getattr(layer, "slots", {}).values())
+    for variable in layer.variables:
+        if any(variable is p for p in placed) or variable._layout is not None:
+            continue
+        axes = (None,) * len(variable.shape)
         variable._layout = keras.distribution.TensorLayout(axes, mesh)
         variable._direct_assign(variable.value)
 
@@ -231,11 +338,93 @@ def route(layer):
         axis = getattr(layer, "_ks_axis", None) or "model"
     if strategy not in _ROUTED or not planner_lib._is_shardable_layer(layer):
         return None
+    check_hash_layer_processes(layer, strategy)
     mesh = dist.device_mesh
     if axis not in mesh.axis_names:
         return None
     slack = getattr(dist, "keras_sparse_row_exchange_slack", None)
     return strategy, mesh.backend_mesh, axis, slack
+
+
+# ------------------------------------------------------------ row padding
+def padded_rows(num_rows, num_devices):
+    """``num_rows`` rounded up to a multiple of ``num_devices``."""
+    return -(-int(num_rows) // int(num_devices)) * int(num_devices)
+
+
+def variable_rows(layer):
+    """Rows of ``layer``'s table and slot variables when built now.
+
+    ``layer.num_rows`` unless the active distribution row-shards the layer
+    over ``D`` devices with ``num_rows % D != 0``: then the variables get
+    `padded_rows` rows, so every device holds an equal block. Ids are always
+    ``< num_rows``, so the padding rows are never read or updated.
+    """
+    routing = route(layer)
+    if routing is None or routing[0] != "row":
+        return layer.num_rows
+    _, mesh, axis, _ = routing
+    return padded_rows(layer.num_rows, mesh.shape[axis])
+
+
+class PaddedInitializer:
+    """Draws ``num_rows`` rows with ``initializer`` and appends zero rows.
+
+    The real rows get exactly the values of an unpadded build (same shape
+    drawn), so a seeded model starts alike on any device count.
+    """
+
+    def __init__(self, initializer, num_rows):
+        self.initializer = initializer
+        self.num_rows = int(num_rows)
+
+    def __call__(self, shape, dtype=None):
+        from keras import ops
+
+        values = self.initializer((self.num_rows,) + tuple(shape[1:]), dtype=dtype)
+        pad = [(0, shape[0] - self.num_rows)] + [(0, 0)] * (len(shape) - 1)
+        return ops.pad(values, pad)
+
+
+def table_initializer(layer, rows):
+    """The initializer of a table variable built with ``rows`` rows."""
+    if rows == layer.num_rows:
+        return layer.embeddings_initializer
+    return PaddedInitializer(layer.embeddings_initializer, layer.num_rows)
+
+
+def _is_row_state(layer, variable):
+    """True for the table and slot variables (the ones that can be padded)."""
+    candidates = [layer.embeddings] + list(getattr(layer, "slots", {}).values())
+    return any(variable is c for c in candidates)
+
+
+def unpadded_value(layer, variable):
+    """The variable's value as NumPy without padding rows (for saving)."""
+    value = variable.numpy()
+    if _is_row_state(layer, variable) and value.shape[0] > layer.num_rows:
+        value = value[: layer.num_rows]
+    return value
+
+
+def padded_value(layer, variable, value):
+    """``value`` (saved with ``num_rows`` rows) padded to the variable's rows.
+
+    Checkpoints hold unpadded arrays, so they load under any device count;
+    the padding rows are zeros.
+    """
+    import numpy as np
+
+    if not _is_row_state(layer, variable):
+        return value
+    extra = int(variable.shape[0]) - layer.num_rows
+    if extra <= 0:
+        return value
+    value = np.asarray(value)
+    if value.shape[0] != layer.num_rows:
+        return value  # let assign report the shape mismatch
+    pad = [(0, extra)] + [(0, 0)] * (value.ndim - 1)
+    return np.pad(value, pad)
 
 
 def routed_lookup(routing):
@@ -258,17 +447,17 @@ def routed_lookup(routing):
         reset=None,
     ):
         del anchor_var  # the table itself carries the update on JAX
-        if reset is not None:
-            raise NotImplementedError(
-                "keras_sparse.sharding: row resets are not supported by the "
-                "sharded lookup yet."
-            )
+        table = table_var.value
         slots = {name: var.value for name, var in slot_vars.items()}
+        if reset is not None:
+            table, slots = _routed_reset(
+                routing, table_var, slot_vars, optimizer, table, slots, ids, reset
+            )
         return jax_sharded_lookup.sharded_lookup_with_sparse_update(
             strategy,
             mesh,
             axis,
-            table_var.value,
+            table,
             slots,
             optimizer,
             ids,
@@ -280,6 +469,38 @@ def routed_lookup(routing):
         )
 
     return lookup
+
+
+def _routed_reset(routing, table_var, slot_vars, optimizer, table, slots, ids, reset):
+    """Applies ``reset=(mask, values)`` to the sharded table and slots.
+
+    Mirrors ``ops.jax_lookup.lookup_with_sparse_update``: done functionally
+    (identity backward) so the sharded lookup's update lands on the reset
+    table; outside a trace the reset is also assigned to the variables.
+    """
+    import jax
+
+    from keras_sparse.sharding import jax_sharded_lookup
+
+    strategy, mesh, axis, _ = routing
+    mask, values = reset
+    slot_inits = {spec.name: spec.initial_value for spec in optimizer.slot_specs()}
+    state = jax_sharded_lookup.sharded_reset(
+        strategy,
+        mesh,
+        axis,
+        {"table": table, **slots},
+        ids,
+        mask,
+        values,
+        slot_inits,
+    )
+    table = state.pop("table")
+    if not isinstance(table, jax.core.Tracer):
+        table_var.assign(table)
+        for name, var in slot_vars.items():
+            var.assign(state[name])
+    return table, state
 
 
 def routed_gather(routing, table_var, ids, valid):

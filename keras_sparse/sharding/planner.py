@@ -16,7 +16,10 @@ Strategies:
            (the cheaper of an all-gather of (ids, grads) and an all-reduce of
            the dense table gradient).
 ``table``  whole table on one device; lookups routed there.
-``row``    rows split evenly over the devices (needs ``rows % devices == 0``).
+``row``    rows split evenly over the devices; with ``rows % devices != 0``
+           the variables are padded to the next multiple (sparse-optimizer
+           tables only: a dense-gradient table's Keras optimizer state would
+           be padded too and its checkpoints would not reshard).
 ``column`` columns split evenly (needs ``dim % devices == 0`` and an
            element-wise optimizer: row-wise slots need whole rows).
 
@@ -52,8 +55,10 @@ class TableSpec:
         has_constraint=False,
         layer=None,
         shardable=True,
+        sparse_update=True,
     ):
         self.shardable = bool(shardable)
+        self.sparse_update = bool(sparse_update)
         self.name = name
         self.rows = int(rows)
         self.dim = int(dim)
@@ -86,6 +91,7 @@ class TableSpec:
             has_constraint=getattr(layer, "embeddings_constraint", None) is not None,
             layer=layer,
             shardable=_is_shardable_layer(layer),
+            sparse_update=opt is not None,
         )
 
 
@@ -214,22 +220,36 @@ def comm_bytes(spec, strategy, num_devices, lookups):
 def bytes_per_device(spec, strategy, num_devices):
     if strategy in ("data", "table"):
         return spec.total_bytes
+    if strategy == "row":  # padded to an equal block per device
+        return math.ceil(spec.rows / num_devices) * spec.bytes_per_row
     return math.ceil(spec.total_bytes / num_devices)
 
 
 def _is_shardable_layer(layer):
-    # Fixed-vocabulary tables only: DistributedHashEmbedding's key->row map is
-    # host-local and its training lookup does not go through `lookup_rows`.
+    # Both layers look their rows up through `lookup_rows`; the hash layer's
+    # key->row map stays on the host (one per process) and only its
+    # ``[capacity, dim]`` table and slots are split.
     from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
+    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
 
-    return isinstance(layer, AllToAllDenseEmbedding)
+    return isinstance(layer, (AllToAllDenseEmbedding, DistributedHashEmbedding))
+
+
+def is_hash_layer(layer):
+    """True for tables whose rows are assigned by a host-side key->row map."""
+    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+
+    return isinstance(layer, DistributedHashEmbedding)
 
 
 def _structural_problem(spec, strategy, d):
     if strategy != "data" and not spec.shardable:
         return f"{type(spec.layer).__name__} tables can only be replicated"
-    if strategy == "row" and spec.rows % d:
-        return f"rows {spec.rows} not divisible by {d} devices"
+    if strategy == "row" and spec.rows % d and not spec.sparse_update:
+        return (
+            f"rows {spec.rows} not divisible by {d} devices (padding needs "
+            "a sparse optimizer)"
+        )
     if strategy == "column":
         if spec.dim % d:
             return f"dim {spec.dim} not divisible by {d} devices"
