@@ -172,3 +172,21 @@ def test_dense_gradient_table_needs_divisible_rows():
     layer = ks.AllToAllDenseEmbedding(13, DIM, sharding="row")
     with pytest.raises(ValueError, match="padding needs a sparse optimizer"):
         sharding.distribution([layer], devices=8)
+
+
+def test_constructor_weights_are_padded_under_a_padding_plan():
+    plan_layer = ks.AllToAllDenseEmbedding(
+        13, DIM, optimizer="adagrad", sharding="row", name="given"
+    )
+    keras.distribution.set_distribution(sharding.distribution([plan_layer], devices=8))
+    try:
+        w = np.random.default_rng(0).normal(size=(13, DIM)).astype("float32")
+        layer = ks.AllToAllDenseEmbedding(
+            13, DIM, optimizer="adagrad", sharding="row", weights=w, name="given"
+        )
+        got = np.array(layer.embeddings.value)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert got.shape == (16, DIM)
+    np.testing.assert_array_equal(got[:13], w)
+    np.testing.assert_array_equal(got[13:], 0)

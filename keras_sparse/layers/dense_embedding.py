@@ -6,6 +6,7 @@ from keras import ops
 
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+from keras_sparse.sharding import keras_integration as _sharding
 
 
 def _check_positive_int(layer_name, name, value):
@@ -117,7 +118,10 @@ class AllToAllDenseEmbedding(SparseEmbeddingBase):
                     f"Layer '{self.name}': `weights` must have shape "
                     f"{(self.input_dim, self.output_dim)}; received {weights.shape}."
                 )
-            self.embeddings.assign(weights)
+            # Padded to the variable's rows when a distribution pads the table.
+            self.embeddings.assign(
+                _sharding.padded_value(self, self.embeddings, weights)
+            )
 
     def call(self, inputs, weights=None, training=None):
         form = input_forms.normalize(self.name, inputs, weights)
