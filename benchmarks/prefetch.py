@@ -14,12 +14,15 @@ two configurations:
      (scale 1.0: many distinct keys, misses, LRU evictions), batch 64K.
 
 Fairness: same data, same steps per fit, a fresh model (same seed) per
-path, one warm-up fit excluded (compiles; for the stage also its first
-pass), median of ``--repeats`` timed fits; the stage's construction is
-excluded (once, before its warm-up), its per-pass thread start/stop is
-included in every timed fit. The input-side share of the no-stage step is
-reported three ways: no-stage minus floor, the 26 ``lookup_or_insert``
-calls timed alone, and the same calls timed in the stage's worker.
+path, one warm-up fit per path excluded (compiles; for the stage also its
+first pass); the timed fits are interleaved round-robin over the paths
+(``--repeats`` rounds) and each path reports its median; the stage's
+construction is excluded (once, before its warm-up), its per-pass thread
+start/stop is included in every timed fit. "Cores busy" (process CPU time
+/ wall time) shows how much of the 2 cores each path keeps busy. The
+input-side share of the no-stage step is reported three ways: no-stage
+minus floor, the 26 ``lookup_or_insert`` calls timed alone, and the same
+calls timed in the stage's workers.
 
 Part 2, routing: all-to-all bytes per step for 8 data-parallel replicas with
 row-sharded tables (owner = row // ceil(rows / 8)), Keras' contiguous split
@@ -88,69 +91,81 @@ def criteo_data(n, seed=0, scale=0.01):  # noqa: D103
 def bench_throughput(
     batch, steps, capacity, threads_list, *, dim=16, hidden=64, scale=0.01, repeats=3
 ):
-    """Rows of (path, samples/s, speed-up, table ms/step, wait ms/step).
+    """Rows of (path, samples/s, speed-up, table ms/step, wait ms/step, CPU).
 
     Fairness: every path trains a fresh model (same seed) on the same data,
-    ``steps`` batches per fit; one warm-up fit (compiles; for the stage also
-    its first pass) is excluded; the timed number is the median of
-    ``repeats`` further fits. The stage's construction (``prefetch(...)``:
-    planning, the model-function reset) is excluded -- done once before the
-    warm-up, like a model's compile; its per-pass thread start/stop is inside
-    every timed fit.
+    ``steps`` batches per fit; one warm-up fit per path (compiles; for the
+    stage also its first pass) is excluded. The timed fits are interleaved
+    round-robin over the paths (``repeats`` rounds) so that a disturbance
+    on the shared machine hits every path alike; each path reports its
+    median. The stage's construction (``prefetch(...)``: planning, the
+    model-function reset) is excluded -- done once before the warm-up, like
+    a model's compile; its per-pass thread start/stop is inside every timed
+    fit.
     """
     n = batch * steps
     x, y = criteo_data(n, scale=scale)
-    rows = []
-
-    def timed(fn):
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
 
     def fit_arrays(m, xs):
         m.fit(xs, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 
+    paths = []  # (label, fit callable, stage or None)
     model = hash_model(capacity, dim=dim, hidden=hidden)
-    fit_arrays(model, x)  # warm-up: compiles
-    base = timed(lambda: fit_arrays(model, x))
-    rows.append(("no stage (host callback)", n / base, 1.0, "", ""))
+    paths.append(("no stage (host callback)", lambda m=model: fit_arrays(m, x), None))
+    stages = []
     for threads in threads_list:
         model = hash_model(capacity, dim=dim, hidden=hidden)
-        with prefetch(
-            (x, y), model, batch_size=batch, threads=threads, capacity=4
-        ) as stage:
-            model.fit(stage, epochs=1, verbose=0)  # warm-up: compiles
-            before = stage.stats()
-            t = timed(lambda m=model, st=stage: m.fit(st, epochs=1, verbose=0))
-            after = stage.stats()
-        done = max(1, after["batches"] - before["batches"])
-        table = (after["table_s"] - before["table_s"]) / done
-        wait = (after["wait_s"] - before["wait_s"]) / done
-        rows.append(
+        stage = prefetch((x, y), model, batch_size=batch, threads=threads, capacity=4)
+        stages.append(stage)
+        paths.append(
             (
                 f"prefetch, threads={threads}",
-                n / t,
-                base / t,
-                f"{1e3 * table:.0f}",
-                f"{1e3 * wait:.0f}",
+                lambda m=model, st=stage: m.fit(st, epochs=1, verbose=0),
+                stage,
             )
         )
     # Compute floor: the same steps fed pre-prepared codes from memory (the
     # layers in prepared mode, no table work at all): the best any input
     # pipeline can do for this model on this machine.
     model = hash_model(capacity, dim=dim, hidden=hidden)
-    with prefetch((x, y), model, batch_size=batch, threads=1) as stage:
-        stage.on_epoch_begin()
-        parts = [stage[0] for _ in range(len(stage))]
-        stage.on_epoch_end()
-        px = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
-        fit_arrays(model, px)  # warm-up: compiles
-        floor = timed(lambda: fit_arrays(model, px))
-    rows.append(("compute floor (pre-prepared, no table work)", n / floor,
-                 base / floor, "0", ""))  # fmt: skip
+    floor_stage = prefetch((x, y), model, batch_size=batch, threads=1)
+    floor_stage.on_epoch_begin()
+    parts = [floor_stage[0] for _ in range(len(floor_stage))]
+    floor_stage.on_epoch_end()
+    px = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+    paths.append(
+        (
+            "compute floor (pre-prepared, no table work)",
+            lambda m=model: fit_arrays(m, px),
+            None,
+        )
+    )
+    for _, fit, _ in paths:
+        fit()  # warm-up: compiles (and the stage's first pass)
+    before = [st.stats() if st is not None else None for _, _, st in paths]
+    wall = [[] for _ in paths]
+    cpu = [[] for _ in paths]
+    for _ in range(repeats):
+        for i, (_, fit, _) in enumerate(paths):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fit()
+            wall[i].append(time.perf_counter() - t0)
+            cpu[i].append(time.process_time() - c0)
+    rows = []
+    base = float(np.median(wall[0]))
+    for i, (label, _, st) in enumerate(paths):
+        t = float(np.median(wall[i]))
+        c = float(np.median(cpu[i]))
+        table = wait = ""
+        if st is not None:
+            after = st.stats()
+            done = max(1, after["batches"] - before[i]["batches"])
+            table = f"{1e3 * (after['table_s'] - before[i]['table_s']) / done:.0f}"
+            wait = f"{1e3 * (after['wait_s'] - before[i]['wait_s']) / done:.0f}"
+        rows.append((label, n / t, base / t, table, wait, c / t))
+    for st in stages + [floor_stage]:
+        st.close()
+    floor = float(np.median(wall[-1]))
     return rows, base / steps, floor / steps
 
 
@@ -297,10 +312,14 @@ def main():
                     "input path",
                     "samples/s",
                     "speed-up",
-                    "table ms/step (worker, while the step runs)",
+                    "table ms/step (workers' sum, while the steps run)",
                     "main thread waited for a batch ms/step",
+                    "cores busy (process CPU / wall)",
                 ],
-                [(r[0], f"{r[1]:,.0f}", f"{r[2]:.2f}x", r[3], r[4]) for r in rows],
+                [
+                    (r[0], f"{r[1]:,.0f}", f"{r[2]:.2f}x", r[3], r[4], f"{r[5]:.2f}")
+                    for r in rows
+                ],
             )  # fmt: skip
         )
         b, f = 1e3 * base_step, 1e3 * floor_step

@@ -637,3 +637,77 @@ def test_fast_choose_buckets_matches_generic():
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert not want[1].all() and want[1].any()
+
+
+def _generic_evict(t):
+    """``t`` with ``ArrayTable._evict_round`` instead of the CPU twin's."""
+    from keras_sparse.table.numpy_table import ArrayTable
+
+    impl = t._impl
+    impl._evict_round = lambda *args: ArrayTable._evict_round(impl, *args)
+    return t
+
+
+@pytest.mark.parametrize("bucket_size", [4, 16])
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_fast_evict_round_matches_generic(bucket_size, eviction, admit_after):
+    """NumpyTable._evict_round (per-bucket minima) == ArrayTable's, call by call.
+
+    Covers both minima sources (whole score array for large batches, the
+    keys' own buckets for small ones), both protection forms (score == step
+    and the bool array used when a step does not advance the clock), holes
+    from erase, and Zipf-like duplicates.
+    """
+    kw = dict(bucket_size=bucket_size, eviction=eviction, admit_after=admit_after)
+    fast = HashTable(1 << 10, device="cpu", seed=4, **kw)
+    slow = _generic_evict(HashTable(1 << 10, device="cpu", seed=4, **kw))
+    sources = set()  # which minima source each round used
+    minima = fast._impl._bucket_minima
+
+    def spy(buckets, prot):
+        sources.add(("all" if buckets is None else "own", isinstance(prot, int)))
+        return minima(buckets, prot)
+
+    fast._impl._bucket_minima = spy
+    rng = np.random.default_rng(bucket_size + admit_after)
+    for i in range(40):
+        n = int(rng.choice([8, 60, 500, 900]))
+        batch = (rng.pareto(0.8, n) * 50).astype(np.int64) % 20_000
+        if n == 900:  # mostly new keys: rounds larger than the bucket count
+            batch = rng.integers(0, 1 << 40, n // admit_after)
+            batch = np.repeat(batch, admit_after)  # admitted in this call
+        kwargs = {}  # the internal clock advances
+        if i % 7 == 3:  # a step that does not advance the clock
+            kwargs = dict(step=fast._impl.clock)
+        elif i % 2:
+            kwargs = dict(step=fast._impl.clock + 2)
+        got, want = (
+            fast.lookup_or_insert(batch, **kwargs),
+            slow.lookup_or_insert(batch, **kwargs),
+        )
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        if i % 9 == 5:
+            gone = batch[: n // 3]
+            assert fast.erase(gone) == slow.erase(gone)
+    for g, w in zip(fast.export(), slow.export()):
+        np.testing.assert_array_equal(g, w)
+    assert fast.stats() == slow.stats()
+    assert fast.stats()["evictions"] > 50
+    assert {src for src, _ in sources} == {"all", "own"}
+    assert {by_score for _, by_score in sources} == (
+        {True, False} if eviction == "lru" else {False}
+    )
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_first_claims_marks_earliest_claim(high):
+    """One winner per contended slot: its first claimant (both code paths)."""
+    from keras_sparse.table.numpy_table import NumpyTable
+
+    victim = np.asarray([5, 3, 5, 9, 3, 3, 7], np.int64)
+    if high:  # too large for (slot, position) words: the np.unique fallback
+        victim = victim + (1 << 60)
+    won = NumpyTable._first_claims(victim)
+    assert won.tolist() == [True, True, False, True, False, False, True]

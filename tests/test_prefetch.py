@@ -115,6 +115,121 @@ def test_fit_bit_identical_under_eviction(threads, capacity):
     assert not _wait_no_workers()
 
 
+def _wide_model(fields=5, capacity=32):
+    """``fields`` single-key hash layers (own tables) + dense features."""
+    keras.utils.set_random_seed(11)
+    inputs, parts = {}, []
+    for f in range(fields):
+        k = keras.Input((), dtype="int32", name=f"k{f}")
+        inputs[f"k{f}"] = k
+        parts.append(
+            DistributedHashEmbedding(
+                3, capacity=capacity, optimizer="adagrad", name=f"e{f}"
+            )(k)
+        )
+    d = keras.Input((2,), name="d")
+    inputs["d"] = d
+    h = keras.layers.Concatenate()(parts + [d])
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+def _wide_data(fields=5, n=N, seed=3):
+    rng = np.random.default_rng(seed)
+    # Vocabularies of 100 to 1600 keys through 64-row tables: every layer
+    # evicts (and reuses rows) at its own rate.
+    x = {
+        f"k{f}": rng.integers(0, 100 << f, (n,)).astype(np.int32) for f in range(fields)
+    }
+    x["d"] = rng.normal(size=(n, 2)).astype(np.float32)
+    return x, rng.normal(size=(n, 1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("threads,capacity", [(1, 1), (3, 3), (8, 6)])
+def test_per_layer_ordering_many_threads_identical(threads, capacity):
+    """Layers' table calls overlap across threads and batches, each table's
+    calls stay in batch order: same weights and tables as the raw path."""
+    x, y = _wide_data()
+    ref_model = _wide_model()
+    ref_model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    ref = _state(ref_model)
+    model = _wide_model()
+    with prefetch(
+        (x, y), model, batch_size=BATCH, threads=threads, capacity=capacity
+    ) as stage:
+        model.fit(stage, epochs=2, verbose=0)
+    for f in range(5):
+        assert model.get_layer(f"e{f}").stats()["evictions"] > 0
+    _assert_same(ref, _state(model))
+    assert not _wait_no_workers()
+
+
+def test_table_calls_run_per_layer_in_batch_order_and_overlap():
+    """Each layer sees its batches in order; different layers run at once."""
+    x, y = _wide_data(fields=4)
+    model = _wide_model(fields=4)
+    calls, lock = [], threading.Lock()
+
+    def spy(layer):
+        inner = layer._map_on_host
+
+        def wrapped(keys, use, insert):
+            t0 = time.perf_counter()
+            time.sleep(0.01)  # long enough for another thread to start
+            out = inner(keys, use, insert)
+            with lock:
+                calls.append((layer.name, np.array(keys).reshape(-1), t0,
+                              time.perf_counter()))  # fmt: skip
+            return out
+
+        layer._map_on_host = wrapped
+
+    for f in range(4):
+        spy(model.get_layer(f"e{f}"))
+    with prefetch((x, y), model, batch_size=BATCH, threads=4, capacity=4) as s:
+        s.on_epoch_begin()
+        for _ in range(len(s)):
+            s[0]
+        s.on_epoch_end()
+    for f in range(4):
+        mine = [c for c in calls if c[0] == f"e{f}"]
+        assert len(mine) == N // BATCH
+        for i, c in enumerate(sorted(mine, key=lambda c: c[2])):
+            np.testing.assert_array_equal(c[1], x[f"k{f}"][i * BATCH : (i + 1) * BATCH])
+    overlap = any(
+        a[0] != b[0] and a[2] < b[3] and b[2] < a[3]
+        for i, a in enumerate(calls)
+        for b in calls[i + 1 :]
+    )
+    assert overlap, "no two layers' table calls ever ran at the same time"
+
+
+def test_layers_sharing_a_table_keep_one_call_order():
+    """Two layers given one table object take turns on it in feed order."""
+    x, y = _wide_data(fields=3)
+
+    def shared():
+        model = _wide_model(fields=3)
+        model.get_layer("e1").table = model.get_layer("e0").table
+        return model
+
+    ref_model = shared()
+    ref_model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model = shared()
+    first = model.get_layer("e0")
+    inner = first._map_on_host
+
+    def slow(*args):  # would let e1 overtake e0 if their turns were separate
+        time.sleep(0.005)
+        return inner(*args)
+
+    first._map_on_host = slow
+    with prefetch((x, y), model, batch_size=BATCH, threads=4) as stage:
+        model.fit(stage, epochs=1, verbose=0)
+    _assert_same(_state(ref_model), _state(model))
+
+
 def test_fit_identical_with_admission_and_lfu():
     ref = _reference(capacity=128, admit_after=2, eviction="lfu")
     x, y = _data()

@@ -26,20 +26,24 @@ leaving the ``with`` block, or garbage collection) restores the raw-key path
 and resets the cached functions again. Use one stage per data set (e.g.
 ``validation_data=prefetch(val, model, training=False)``).
 
-Ordering and exactness. Table mutations happen in batch order: every batch
-gets a ticket (its sequence number) and the workers run the table calls of
-batch ``i`` only after those of batch ``i - 1`` (a sequencer), with exactly
-the same call as the slow path (``layer._map_on_host``), one call per layer
-per batch. Everything else (conversion, encoding, routing) runs in parallel.
-Batches are handed to Keras in order (``deterministic=True``). Embedding
-values are read inside the step, so a row evicted by batch ``i + k`` and
-handed to another key is only re-initialized when step ``i + k`` runs, after
-step ``i`` has read (and updated) it for its previous key. The fresh-row
-draw uses the layer's seed generator with the batch's full ``[n, dim]``
-shape in both paths (one draw per training step), and ``sparse_iterations``
-advances once per step in both, so the seed generator, the table (same calls,
-same order, same LRU clock) and the variables evolve identically: training
-with the stage is bit-identical to training without it.
+Ordering and exactness. Each layer's table is mutated in batch order: a
+layer's table call for batch ``i`` runs only after its call for batch
+``i - 1`` (a turn counter per table; layers given one shared table object
+take turns in feed order), with exactly the same call as the slow
+path (``layer._map_on_host``), one call per layer per batch. The tables of
+different layers are independent, so their calls run in parallel: one
+thread may do layer ``f`` of batch ``i`` while another does layer ``g`` of
+batch ``i`` or ``i + 1``. Everything else (conversion, encoding, routing)
+runs in parallel too. Batches are handed to Keras in order
+(``deterministic=True``). Embedding values are read inside the step, so a
+row evicted by batch ``i + k`` and handed to another key is only
+re-initialized when step ``i + k`` runs, after step ``i`` has read (and
+updated) it for its previous key. The fresh-row draw uses the layer's seed
+generator with the batch's full ``[n, dim]`` shape in both paths (one draw
+per training step), and ``sparse_iterations`` advances once per step in
+both, so the seed generator, every table (same calls, same order, same LRU
+clock) and the variables evolve identically: training with the stage is
+bit-identical to training without it, whatever the number of threads.
 
 Caveats:
 
@@ -66,7 +70,7 @@ Caveats:
   and float summation order (bit-identical with a constant initializer).
 """
 
-import queue
+import collections
 import threading
 import time
 import weakref
@@ -330,28 +334,30 @@ class _Engine:
             jobs.append((keys, w))
         return (x, y, sw), jobs
 
-    def prepare_sequenced(self, jobs):
-        """The table calls of one batch (caller holds the ticket)."""
-        out, fresh_keys = [], {}
-        for f_idx, (feed, (keys, w)) in enumerate(zip(self.feeds, jobs)):
-            if feed.kind != "hash":
-                out.append(None)
-                continue
-            layer = feed.layer
-            k = keys
-            if layer.combiner is not None and k.ndim == 1:
-                k = k[:, None]
-                w = None if w is None else w[:, None]
-            use = np.ones(k.shape, bool) if w is None else (w != 0)
-            insert = self.insert and layer.trainable
-            rows, fresh = layer._map_on_host(k, use.reshape(-1), insert)
-            codes = np.where(fresh, -2 - rows, rows).astype(np.int32)
-            out.append(codes.reshape(keys.shape))
-            if insert and fresh.any():
-                from keras_sparse.layers.hash_embedding import _host_keys
+    def table_call(self, f_idx, job):
+        """Layer ``f_idx``'s table call for one batch (caller holds its turn).
 
-                fresh_keys[f_idx] = _host_keys(k)[fresh]
-        return out, fresh_keys
+        Returns ``(codes, fresh_keys)``: the prepared int32 codes (the keys'
+        shape) and the keys that got a fresh row (None when there are none),
+        which a rollback erases if the batch is never trained.
+        """
+        keys, w = job
+        feed = self.feeds[f_idx]
+        layer = feed.layer
+        k = keys
+        if layer.combiner is not None and k.ndim == 1:
+            k = k[:, None]
+            w = None if w is None else w[:, None]
+        use = np.ones(k.size, bool) if w is None else (w != 0).reshape(-1)
+        insert = self.insert and layer.trainable
+        rows, fresh = layer._map_on_host(k, use, insert)
+        codes = np.where(fresh, -2 - rows, rows).astype(np.int32, copy=False)
+        fresh_keys = None
+        if insert and fresh.any():
+            from keras_sparse.layers.hash_embedding import _host_keys
+
+            fresh_keys = _host_keys(k)[fresh]
+        return codes.reshape(keys.shape), fresh_keys
 
     def finish(self, parts, codes):
         (x, y, sw), jobs = parts
@@ -405,8 +411,48 @@ class _Engine:
             self.stats[name] += value
 
 
+def _lanes(feeds):
+    """(lane of each feed, its position in the lane, size of each lane).
+
+    A lane is one hash table: layers normally own their table, but layers
+    given the same table object must share its call order.
+    """
+    lane, pos, size, ids = [], [], [], {}
+    for feed in feeds:
+        table = getattr(feed.layer, "table", None) if feed.kind == "hash" else None
+        key = id(table) if table is not None else ("feed", len(lane))
+        if key not in ids:
+            ids[key] = len(size)
+            size.append(0)
+        lane.append(ids[key])
+        pos.append(size[ids[key]])
+        size[ids[key]] += 1
+    return lane, pos, size
+
+
+class _Batch:
+    """Work state of one batch inside a pass (guarded by the pass's lock)."""
+
+    def __init__(self, seq, parts, err, todo):
+        self.seq = seq
+        self.parts = parts  # ((x, y, sw), jobs) from prepare_parallel
+        self.err = err
+        self.todo = todo  # hash feed indices whose table call has not started
+        self.running = 0  # table calls in progress
+        self.codes = None if parts is None else [None] * len(parts[1])
+        self.finishing = False
+
+
 class _Pass:
-    """One pass over the source: a feeder thread, workers, a reorder buffer."""
+    """One pass over the source: a feeder thread, workers, a reorder buffer.
+
+    Work is split into units that any worker may run: ``prep`` (convert one
+    batch's inputs), ``table`` (one layer's table call for one batch) and
+    ``finish`` (encode and route a batch whose table calls are done). Each
+    layer has its own turn counter, so the table calls of a layer run in
+    batch order while different layers (independent tables) of the same or
+    of consecutive batches run on different threads at once.
+    """
 
     def __init__(self, engine, iterator, num_batches):
         self.e = engine
@@ -414,10 +460,16 @@ class _Pass:
         self.num_batches = num_batches
         self.cond = engine.cond
         self.stop_flag = False
-        self.inq = queue.Queue()
+        self.inq = collections.deque()  # (seq, batch) read, not yet prepared
+        self.fed_all = False  # the feeder has put its last batch
         self.slots = threading.Semaphore(engine.capacity)
         self.results = {}
-        self.ticket = 0
+        self.batches = {}  # seq -> _Batch, prepared and not yet finished
+        # Layers sharing one table form one lane; a lane's calls run in
+        # (batch, feed) order: ticket = batch * lane size + position.
+        self.lane, self.lane_pos, self.lane_size = _lanes(engine.feeds)
+        self.turn = [0] * len(self.lane_size)  # per lane: next ticket to run
+        self.unit_s = [0.0] * len(engine.feeds)  # per layer: running mean time
         self.next = 0  # next sequence number handed out
         self.total = None  # batches in this pass, once known
         self.failed_seq = float("inf")  # first failed batch
@@ -452,7 +504,6 @@ class _Pass:
             self.cond.notify_all()
         for _ in range(self.e.threads + 1):
             self.slots.release()
-            self.inq.put(None)
         for t in self.workers:
             if t is not threading.current_thread():
                 t.join(timeout=10.0)
@@ -480,7 +531,9 @@ class _Pass:
                 except StopIteration:
                     self.slots.release()
                     break
-                self.inq.put((n, batch))
+                with self.cond:
+                    self.inq.append((n, batch))
+                    self.cond.notify_all()
                 n += 1
         except BaseException as err:  # noqa: BLE001 - surfaced on next batch
             with self.cond:
@@ -492,57 +545,127 @@ class _Pass:
             with self.cond:
                 if self.total is None:
                     self.total = n
+                self.fed_all = True
                 self.cond.notify_all()
-            for _ in range(self.e.threads):
-                self.inq.put(None)
 
     # ---------------------------------------------------------------- worker
     def _work(self):
-        e = self.e
         while True:
-            item = self.inq.get()
-            if item is None or self.stop_flag:
-                return
-            seq, batch = item
-            t0 = time.perf_counter()
-            err = parts = None
-            try:
-                parts = e.prepare_parallel(batch)
-            except BaseException as exc:  # noqa: BLE001
-                err = exc
-            codes = None
             with self.cond:
-                while self.ticket != seq and not self.stop_flag:
+                unit = self._claim()
+                while unit is None:
+                    if self.stop_flag or (
+                        self.fed_all and not self.inq and not self.batches
+                    ):
+                        return
                     self.cond.wait(_POLL)
-                if self.stop_flag:
-                    return
+                    unit = self._claim()
+            kind = unit[0]
+            if kind == "prep":
+                self._run_prep(*unit[1:])
+            elif kind == "table":
+                self._run_table(*unit[1:])
+            else:
+                self._run_finish(unit[1])
+
+    def _claim(self):
+        """The next unit to run (caller holds the lock), or None.
+
+        Preparing comes first (cheap, and it makes the next batch's table
+        calls runnable); then the oldest batch with work: its finish when all
+        its table calls are done, else a table call whose layer's turn has
+        come, the slowest layer first so that long calls start early.
+        """
+        if self.stop_flag:
+            return None
+        if self.inq:
+            return ("prep",) + self.inq.popleft()
+        for seq in sorted(self.batches):
+            b = self.batches[seq]
+            if b.finishing:
+                continue
+            if not b.todo and not b.running:
+                b.finishing = True
+                return ("finish", b)
+            ready = [
+                f for f in b.todo if self.turn[self.lane[f]] == self._ticket(f, seq)
+            ]
+            if not ready:
+                continue
+            if b.err is not None or seq >= self.failed_seq:
+                # No table call after a failure: pass the layers' turns on.
+                for f in ready:
+                    b.todo.discard(f)
+                    self.turn[self.lane[f]] += 1
+                self.cond.notify_all()
+                return self._claim()
+            f = max(ready, key=lambda i: self.unit_s[i])
+            b.todo.discard(f)
+            b.running += 1
+            return ("table", b, f)
+        return None
+
+    def _ticket(self, f, seq):
+        """The lane ticket of feed ``f``'s table call for batch ``seq``."""
+        return seq * self.lane_size[self.lane[f]] + self.lane_pos[f]
+
+    def _run_prep(self, seq, batch):
+        t0 = time.perf_counter()
+        parts = err = None
+        try:
+            parts = self.e.prepare_parallel(batch)
+        except BaseException as exc:  # noqa: BLE001
+            err = exc
+        todo = set()
+        if parts is not None:
+            todo = {i for i, f in enumerate(self.e.feeds) if f.kind == "hash"}
+        with self.cond:
+            if err is not None:
+                self.failed_seq = min(self.failed_seq, seq)
+                # Its layers' turns still pass through it (without calls).
+                todo = {i for i, f in enumerate(self.e.feeds) if f.kind == "hash"}
+            self.batches[seq] = _Batch(seq, parts, err, todo)
+            self.e.stats["prepare_s"] += time.perf_counter() - t0
+            self.cond.notify_all()
+
+    def _run_table(self, b, f):
+        t0 = time.perf_counter()
+        codes = fresh = err = None
+        try:
+            codes, fresh = self.e.table_call(f, b.parts[1][f])
+        except BaseException as exc:  # noqa: BLE001
+            err = exc
+        dt = time.perf_counter() - t0
+        with self.cond:
+            b.codes[f] = codes
+            if fresh is not None:
+                self.pending.setdefault(b.seq, {})[f] = fresh
+            if err is not None and b.err is None:
+                b.err = err
+                self.failed_seq = min(self.failed_seq, b.seq)
+            b.running -= 1
+            self.turn[self.lane[f]] += 1
+            u = self.unit_s[f]
+            self.unit_s[f] = dt if not u else 0.8 * u + 0.2 * dt
+            self.e.stats["table_s"] += dt
+            self.e.stats["prepare_s"] += dt
+            self.cond.notify_all()
+
+    def _run_finish(self, b):
+        t0 = time.perf_counter()
+        out, err = None, b.err
+        if err is None and b.seq > self.failed_seq:
+            err = RuntimeError("an earlier batch failed")
+        if err is None:
             try:
-                if err is None and seq < self.failed_seq:
-                    t1 = time.perf_counter()
-                    codes, fresh = e.prepare_sequenced(parts[1])
-                    e._add("table_s", time.perf_counter() - t1)
-                    if fresh:
-                        self.pending[seq] = fresh
-                elif err is None:
-                    err = RuntimeError("an earlier batch failed")
+                out = self.e.finish(b.parts, b.codes)
             except BaseException as exc:  # noqa: BLE001
                 err = exc
-            finally:
-                with self.cond:
-                    if err is not None:
-                        self.failed_seq = min(self.failed_seq, seq)
-                    self.ticket += 1
-                    self.cond.notify_all()
-            out = None
-            if err is None:
-                try:
-                    out = e.finish(parts, codes)
-                except BaseException as exc:  # noqa: BLE001
-                    err = exc
-            e._add("prepare_s", time.perf_counter() - t0)
-            with self.cond:
-                self.results[seq] = (out, err)
-                self.cond.notify_all()
+        with self.cond:
+            del self.batches[b.seq]
+            self.results[b.seq] = (out, err)
+            self.e.stats["prepare_s"] += time.perf_counter() - t0
+            self.cond.notify_all()
 
     # -------------------------------------------------------------- consumer
     def get(self, index):
@@ -811,7 +934,8 @@ def prefetch(
             generator of batches, or a callable returning such an iterable
             (needed for several epochs from a generator).
         model: the Keras model the batches are for.
-        threads: worker threads (table calls are still serialized in order).
+        threads: worker threads. One layer's table calls run in batch
+            order; different layers' calls run on different threads at once.
         capacity: most batches read and not yet consumed (bounds memory).
         route: None or ``"locality"`` (see `keras_sparse.data.routing`).
         batch_size: batch size for in-memory arrays.

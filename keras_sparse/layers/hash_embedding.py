@@ -288,6 +288,8 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         """keys (any shape), use (bool) -> (rows int32, fresh bool), flat."""
         flat = _host_keys(keys)
         use = np.asarray(use, dtype=bool).reshape(-1)
+        if use.all():  # no padding: skip the mask copies and scatters
+            use = slice(None)
         rows = np.full(flat.shape[0], -1, np.int32)
         fresh = np.zeros(flat.shape[0], bool)
         selected = flat[use]

@@ -995,6 +995,101 @@ class NumpyTable(ArrayTable):
         lost = a.take(np.sort(np.concatenate(lost))) if lost else a[:0]
         return won_all[:n_won], slots_all[:n_won], lost
 
+    def _evict_round(self, keys_idx, b1, b2, ak, d, new_score, res, prot):
+        """``ArrayTable._evict_round`` from per-bucket minima (same result).
+
+        The generic round gathers all ``2 * bucket_size`` candidate scores of
+        every key, although keys outnumber buckets when a full table takes a
+        large batch (and every round repeats it for the keys that lost).
+        The first minimum over [first bucket's lanes, second bucket's lanes]
+        is the first bucket's minimum when that is ``<=`` the second's, else
+        the second's, so one (min, argmin) per bucket gives the same victim.
+        Minima come from the whole score array when the keys' buckets cover
+        most of it (one sequential pass), else from the keys' own buckets.
+        """
+        S = self.bucket_size
+        n = int(keys_idx.shape[0])
+        kb1, kb2 = b1.take(keys_idx), b2.take(keys_idx)
+        step = prot if isinstance(prot, int) else None
+        if 2 * n >= self.num_buckets:
+            bmin, bpos = self._bucket_minima(None, prot)
+            m1, m2 = bmin.take(kb1), bmin.take(kb2)
+            p1, p2 = bpos.take(kb1), bpos.take(kb2)
+        else:
+            m1, p1 = self._bucket_minima(kb1, prot)
+            m2, p2 = self._bucket_minima(kb2, prot)
+        first = m1 <= m2  # ties: the first bucket (its lanes come first)
+        kb1 *= S
+        kb1 += p1
+        kb2 *= S
+        kb2 += p2
+        victim = np.where(first, kb1, kb2)
+        if step is None:
+            usable = ~prot.take(victim)
+        else:
+            usable = self.score.take(victim) != step
+        # Both buckets hold only keys of this call: the key overflows (row -1).
+        n_use = int(np.count_nonzero(usable))
+        self.counters["overflows"] += n - n_use
+        if n_use < n:
+            keep = np.flatnonzero(usable)
+            keys_idx, victim = keys_idx.take(keep), victim.take(keep)
+            n = n_use
+        if not n:
+            e = np.zeros(0, dtype=np.int64)
+            return e, e, e
+        won = self._first_claims(victim)
+        wi, slots = keys_idx[won], victim[won]
+        ek = self.keys.take(slots)
+        self._write(slots, ak.take(wi), d.take(wi), _score_of(new_score, wi))
+        if step is None:
+            prot[slots] = True
+        res[wi] = slots
+        return keys_idx[~won], ek, slots
+
+    def _bucket_minima(self, buckets, prot):
+        """(lowest score, its first lane) of each of ``buckets`` (None: all).
+
+        Protected slots (``prot``: a bool array, or the step when protection
+        is ``score == step``) count as ``INT64_MAX``, as in the generic round.
+        """
+        S = self.bucket_size
+        sc = self.score.reshape(-1, S)
+        if isinstance(prot, int):
+            sc = sc.copy() if buckets is None else sc.take(buckets, axis=0)
+            sc[sc == prot] = _INT64_MAX
+        else:
+            mask = prot.reshape(-1, S)
+            if buckets is not None:
+                sc, mask = sc.take(buckets, axis=0), mask.take(buckets, axis=0)
+            sc = np.where(mask, _INT64_MAX, sc)
+        pos = sc.argmin(axis=1)
+        return np.take_along_axis(sc, pos[:, None], axis=1)[:, 0], pos
+
+    @staticmethod
+    def _first_claims(victim):
+        """Mask of the earliest claim of each distinct slot in ``victim``.
+
+        Sorts (slot, position) words: one plain sort, cheaper than the
+        stable argsort behind ``np.unique(return_index=True)``.
+        """
+        n = int(victim.shape[0])
+        sh = max(n - 1, 1).bit_length()
+        if int(victim.max()).bit_length() + sh > 62:  # words would overflow
+            won = np.zeros(n, dtype=bool)
+            won[np.unique(victim, return_index=True)[1]] = True
+            return won
+        comp = np.left_shift(victim, sh)
+        comp |= _iota(n)
+        comp.sort()
+        head = np.empty(n, dtype=bool)
+        head[0] = True
+        hi = comp >> sh
+        np.not_equal(hi[1:], hi[:-1], out=head[1:])
+        won = np.zeros(n, dtype=bool)
+        won[comp[head] & ((1 << sh) - 1)] = True
+        return won
+
     def _probe_rest(self, k, bb, ki, vals, rows):
         """Remaining digest candidates (false positives of the first one).
 
