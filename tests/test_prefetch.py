@@ -491,3 +491,38 @@ def test_prefetch_docstring_example():
 
     module = importlib.import_module("keras_sparse.data.prefetch")
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_transfer_copies_in_workers_and_trains_identically():
+    # transfer=True copies each prepared batch to the backend's device in the
+    # workers (JAX: jax.Array, PyTorch: torch.Tensor); training is unchanged.
+    backend = keras.backend.backend()
+    ref = _reference(capacity=64)
+    x, y = _data()
+    with prefetch(
+        (x, y), _model(capacity=64), batch_size=BATCH, training=False, transfer=True
+    ) as peek:
+        peek.on_epoch_begin()
+        bx, by = peek[0][:2]
+        peek.on_epoch_end()
+    if backend == "jax":
+        import jax
+
+        assert isinstance(bx["a"], jax.Array) and isinstance(by, jax.Array)
+    elif backend == "torch":
+        import torch
+
+        assert isinstance(bx["a"], torch.Tensor) and isinstance(by, torch.Tensor)
+    else:  # tf.data makes its own tensors: nothing to copy
+        assert isinstance(bx["a"], np.ndarray)
+    model = _model(capacity=64)
+    with prefetch((x, y), model, batch_size=BATCH, threads=2, transfer=True) as st:
+        model.fit(st, epochs=2, verbose=0)
+    _assert_same(ref, _state(model))
+
+
+def test_transfer_bad_value_rejected():
+    x, y = _data()
+    model = _model()
+    with pytest.raises(ValueError, match="prefetch: `transfer` must be"):
+        prefetch((x, y), model, batch_size=BATCH, transfer="gpu")

@@ -81,6 +81,7 @@ from keras import tree
 
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
+from keras_sparse.data.transfer import batch_copier
 
 __all__ = ["PrefetchError", "PrefetchStage", "prefetch"]
 
@@ -267,6 +268,7 @@ class _Engine:
         }  # fmt: skip
         self._pass = None
         self._pass_count = 0
+        self.copy_batch = None  # host -> device copy (`transfer.batch_copier`)
 
     # ---------------------------------------------------------------- passes
     def start_pass(self):
@@ -380,6 +382,8 @@ class _Engine:
             x = tree.map_structure(take, x)
             y = tree.map_structure(take, y) if y is not None else None
             sw = tree.map_structure(take, sw) if sw is not None else None
+        if self.copy_batch is not None:
+            x, y, sw = self.copy_batch((x, y, sw))
         return x, y, sw
 
     def _route(self, jobs, codes):
@@ -923,6 +927,7 @@ def prefetch(
     shuffle=False,
     seed=None,
     passes=None,
+    transfer="auto",
 ):
     """Wraps ``source`` into a prefetching input stage for ``model``.
 
@@ -949,6 +954,9 @@ def prefetch(
         y, sample_weight, shuffle, seed: for in-memory arrays.
         steps: batches per pass for sources without a length.
         passes: close automatically after this many complete passes.
+        transfer: copy prepared batches to the device in the workers (JAX
+            without a distribution, PyTorch; see `keras_sparse.data.transfer`).
+            ``"auto"``: only when the default device is an accelerator.
 
     Returns:
         A `PrefetchStage` (a `keras.utils.PyDataset`); call ``stats()`` for
@@ -999,9 +1007,11 @@ def prefetch(
                 f"prefetch: layer '{layer.name}' has a GPU table; the stage "
                 "supports host (CPU) tables only."
             )
+    copy_batch = batch_copier(transfer)
     insert = bool(training)
     ordered = bool(deterministic) or (insert and bool(hash_layers))
     engine = _Engine(
         feeds, src, int(threads), int(capacity), insert, ordered, route, replicas
     )
+    engine.copy_batch = copy_batch
     return PrefetchStage(engine, model, hash_layers, passes)
