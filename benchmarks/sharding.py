@@ -5,7 +5,10 @@ A DLRM-like model: 26 tables (Criteo-like spread of sizes, ``dim`` 16,
 concatenated into Dense(64) -> Dense(1), MSE loss, keras Adam for the dense
 part. Every table uses the same strategy ("data", "row", "column"), or the
 planner's choice ("auto", given ``--memory-mib`` of table memory per
-device). Reported per strategy:
+device); "table" puts the 26 tables in one ``EmbeddingCollection`` placed
+table-wise (each table whole on one device, the planner balancing bytes and
+lookups; one stacked ``[8 * B, 16]`` variable, ``B`` = the busiest device's
+rows). Reported per strategy:
 
 - step: median steady-state seconds per ``model.fit`` step (after a warm-up
   fit that compiles; the loss is read each step so dispatch cannot hide work);
@@ -14,7 +17,7 @@ device). Reported per strategy:
 - HLO bytes/step: the same, read from the compiled training step (all
   collectives of the step, the dense part's gradient all-reduce included);
 - table mem/device: bytes of table + slot shards held by device 0 (padding
-  rows of row-sharded tables included).
+  rows of row-sharded tables and of the table-wise stack included).
 
 On CPU the "devices" share 2 cores, so step times measure overheads, not
 network; the bytes and memory columns are the portable part.
@@ -52,6 +55,16 @@ ROWS = [int(r) + 3 for r in np.geomspace(16, 500_000, NUM_TABLES).round()]
 
 
 def make_layers(strategy):
+    if strategy == "table":
+        tables = {
+            f"t{i:02d}": keras_sparse.TableConfig(rows, DIM, combiner="sum")
+            for i, rows in enumerate(ROWS)
+        }
+        return [
+            keras_sparse.EmbeddingCollection(
+                tables, optimizer="adagrad", sharding="table", name="tables"
+            )
+        ]
     return [
         keras_sparse.AllToAllDenseEmbedding(
             rows,
@@ -67,7 +80,11 @@ def make_layers(strategy):
 
 def build_model(layers):
     ids = keras.Input((NUM_TABLES,), dtype="int32", name="ids")
-    pooled = [layer(ids[:, i : i + 1]) for i, layer in enumerate(layers)]
+    if isinstance(layers[0], keras_sparse.EmbeddingCollection):
+        out = layers[0]({f"t{i:02d}": ids[:, i : i + 1] for i in range(NUM_TABLES)})
+        pooled = list(out.values())
+    else:
+        pooled = [layer(ids[:, i : i + 1]) for i, layer in enumerate(layers)]
     h = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()(pooled))
     model = keras.Model(ids, keras.layers.Dense(1)(h))
     model.compile(keras.optimizers.Adam(1e-3), "mse")
@@ -98,7 +115,13 @@ def data(steps, batch, rng):
 def table_bytes_on_device0(layers):
     total = 0
     for layer in layers:
-        for var in [layer.embeddings, *layer.slots.values()]:
+        if isinstance(layer, keras_sparse.EmbeddingCollection):
+            variables = [
+                v for stack in layer.stacks for v in layer.stack_variables(stack.name)
+            ]
+        else:
+            variables = [layer.embeddings, *layer.slots.values()]
+        for var in variables:
             shard = var.value.addressable_shards[0]
             total += shard.data.size * shard.data.dtype.itemsize
     return total
@@ -180,7 +203,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--strategies", default="data,row,column,auto")
+    parser.add_argument("--strategies", default="data,row,column,table,auto")
     parser.add_argument(
         "--memory-mib",
         type=float,

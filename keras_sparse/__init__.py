@@ -5,10 +5,12 @@ Public API:
         and sparse optimizers.
     optimizers: SGD, Adagrad, RowWiseAdagrad, Adam (lazy), Ftrl.
     ragged_to_padded: the padded (ids, weights) form of a ragged batch.
+    EmbeddingCollection, TableConfig: several tables in one layer (stacked
+        per width; what makes table-wise sharding possible).
     DistributedHashEmbedding: dynamic-vocabulary embedding keyed by any int64.
     HashTable: int64 key -> row map with eviction and admission (GPU or CPU).
     plan, distribution, sharding: model parallelism (JAX): a planner that picks
-        row/column/replicated placement per table, and the Keras distribution
+        table/row/column/replicated placement per table, and the Keras distribution
         that lays the tables out.
     share_gpu_memory: split each GPU between the backend and CuPy hash tables.
     data: the async prefetching input stage (`data.prefetch`) and synthetic
@@ -21,6 +23,8 @@ from keras_sparse import sharding
 from keras_sparse.gpu_memory import share_gpu_memory
 from keras_sparse.layers import AllToAllDenseEmbedding
 from keras_sparse.layers import DistributedHashEmbedding
+from keras_sparse.layers import EmbeddingCollection
+from keras_sparse.layers import TableConfig
 from keras_sparse.layers import ragged_to_padded
 from keras_sparse.sharding import distribution
 from keras_sparse.sharding import plan
@@ -34,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllToAllDenseEmbedding",
     "DistributedHashEmbedding",
+    "EmbeddingCollection",
     "HashTable",
     "InsertResult",
     "TableFullError",
@@ -45,4 +50,5 @@ __all__ = [
     "ragged_to_padded",
     "share_gpu_memory",
     "sharding",
+    "TableConfig",
 ]

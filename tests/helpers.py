@@ -27,3 +27,18 @@ def random_batches(num_rows, batch, bag, steps, seed=0, cover_all=False):
     x = np.concatenate(xs).astype("int32")
     y = rng.normal(size=(x.shape[0], 1)).astype("float32")
     return x, y
+
+
+class _StepLosses(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def fit_losses(model, x, y, batch_size):
+    """One unshuffled epoch of ``model.fit``; the loss of every step."""
+    rec = _StepLosses()
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0, callbacks=[rec])
+    return rec.losses

@@ -8,6 +8,7 @@ import pytest
 MODULES = [
     "keras_sparse.gpu_memory",
     "keras_sparse.layers.dense_embedding",
+    "keras_sparse.layers.embedding_collection",
     "keras_sparse.layers.hash_embedding",
     "keras_sparse.layers.inputs",
     "keras_sparse.optimizers.adam",

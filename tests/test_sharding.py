@@ -262,7 +262,16 @@ def test_auto_plan_lays_out_variables():
         keras.distribution.set_distribution(None)
 
 
-def test_table_strategy_is_not_runnable_yet():
+def test_table_strategy_needs_an_embedding_collection():
+    # "table" runs for the tables of an EmbeddingCollection
+    # (tests/test_sharding_table.py); a standalone layer pinned to it is
+    # refused by the planner, and a hand-made plan placing it by distribution.
     layers = _layers("table", "adagrad")
-    with pytest.raises(NotImplementedError, match="not runnable.*design note"):
+    with pytest.raises(ValueError, match="'big'.*EmbeddingCollection"):
         sharding.distribution(layers, devices=8)
+    spec = sharding.TableSpec.from_layer(layers[0])
+    plan = sharding.Plan(
+        [sharding.TablePlan(spec, "table", (0,), 0, 0, "by hand")], 8, None, []
+    )
+    with pytest.raises(ValueError, match="'big'.*EmbeddingCollection"):
+        sharding.distribution(layers[:1], devices=8, plan=plan)

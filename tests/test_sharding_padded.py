@@ -11,6 +11,7 @@ import pytest
 import keras_sparse as ks
 from keras_sparse import sharding
 from keras_sparse.sharding import keras_integration
+from tests.helpers import fit_losses
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
@@ -46,18 +47,8 @@ def _data(seed, steps=STEPS):
     return x, rng.normal(size=(n, 1)).astype("float32")
 
 
-class _Losses(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.losses = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
-
-
 def _fit(model, x, y):
-    rec = _Losses()
-    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[rec])
-    return rec.losses
+    return fit_losses(model, x, y, BATCH)
 
 
 def _state(model):

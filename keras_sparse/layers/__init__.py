@@ -1,7 +1,15 @@
 """Keras layers of keras_sparse."""
 
 from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
+from keras_sparse.layers.embedding_collection import EmbeddingCollection
+from keras_sparse.layers.embedding_collection import TableConfig
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
 from keras_sparse.layers.inputs import ragged_to_padded
 
-__all__ = ["AllToAllDenseEmbedding", "DistributedHashEmbedding", "ragged_to_padded"]
+__all__ = [
+    "AllToAllDenseEmbedding",
+    "DistributedHashEmbedding",
+    "EmbeddingCollection",
+    "TableConfig",
+    "ragged_to_padded",
+]

@@ -124,20 +124,9 @@ class AllToAllDenseEmbedding(SparseEmbeddingBase):
             )
 
     def call(self, inputs, weights=None, training=None):
-        form = input_forms.normalize(self.name, inputs, weights)
-        ids, weights, present = form.ids, form.weights, form.present
-        if self.combiner is not None and len(ids.shape) == 1:
-            ids = ops.expand_dims(ids, -1)
-            weights = None if weights is None else ops.expand_dims(weights, -1)
-            present = None if present is None else ops.expand_dims(present, -1)
-        input_forms.check_range_eagerly(self.name, ids, present, 0, self.input_dim)
-        valid = ops.logical_and(ids >= 0, ids < self.input_dim)
-        if present is not None:
-            valid = ops.logical_and(valid, present)
-        if self.combiner is not None and self.mask_zero:
-            valid = ops.logical_and(valid, ops.not_equal(ids, 0))
-        if weights is not None:
-            valid = ops.logical_and(valid, ops.not_equal(weights, 0))
+        ids, weights, valid = input_forms.fixed_vocabulary_ids(
+            self.name, inputs, weights, self.input_dim, self.combiner, self.mask_zero
+        )
         rows = self.lookup_rows(ids, valid, training)
         out = self.combine(rows, weights, valid)
         return ops.cast(out, self.compute_dtype)

@@ -90,6 +90,32 @@ def check_range_eagerly(layer_name, ids, present, low, high):
         )
 
 
+def fixed_vocabulary_ids(
+    layer_name, inputs, weights, input_dim, combiner, mask_zero=False
+):
+    """``(ids, weights, valid)`` of a fixed-vocabulary lookup of any input form.
+
+    With a combiner, rank-1 ids become bags of one. Invalid positions:
+    out-of-range ids (raising `check_range_eagerly` in eager calls), ragged
+    or sparse gaps, weight 0 and, with a combiner and ``mask_zero``, id 0.
+    """
+    form = normalize(layer_name, inputs, weights)
+    ids, weights, present = form.ids, form.weights, form.present
+    if combiner is not None and len(ids.shape) == 1:
+        ids = ops.expand_dims(ids, -1)
+        weights = None if weights is None else ops.expand_dims(weights, -1)
+        present = None if present is None else ops.expand_dims(present, -1)
+    check_range_eagerly(layer_name, ids, present, 0, input_dim)
+    valid = ops.logical_and(ids >= 0, ids < input_dim)
+    if present is not None:
+        valid = ops.logical_and(valid, present)
+    if combiner is not None and mask_zero:
+        valid = ops.logical_and(valid, ops.not_equal(ids, 0))
+    if weights is not None:
+        valid = ops.logical_and(valid, ops.not_equal(weights, 0))
+    return ids, weights, valid
+
+
 def ragged_to_padded(values, row_lengths, max_length=None, pad_id=0):
     """Turns a ragged batch (flat values + row lengths) into the padded form.
 

@@ -122,70 +122,26 @@ class SparseEmbeddingBase(keras.layers.Layer):
         """
         flat_ids = ops.reshape(ids, (-1,))
         flat_valid = ops.reshape(valid, (-1,))
-        # --- keras_sparse.sharding hook (begin): None unless JAX + an active
+        # --- keras_sparse.sharding hook: None unless JAX + an active
         # ModelParallel distribution + a row/column strategy for this layer.
         routing = _sharding.route(self)
-        # --- keras_sparse.sharding hook (end)
-        sparse = self.uses_sparse_update and self.trainable
-        update = sparse and bool(training)
-        on_jax = keras.backend.backend() == "jax"
-        if update or (sparse and on_jax):
-            # On JAX the table is overwritten with whatever its "gradient" is,
-            # so even inference calls go through the primitive, which then
-            # hands the state back unchanged.
-            iterations = ops.convert_to_tensor(self.sparse_iterations)
-            if update:
-                # A fresh tensor: on torch the assign below updates the
-                # variable's storage in place before the backward pass runs.
-                next_iterations = iterations + 1
-                iterations = next_iterations - 1
-                self.sparse_iterations.assign(next_iterations)
-            kwargs = {"apply_update": update} if on_jax else {}
-            if reset is not None:
-                kwargs["reset"] = reset
-            lookup = backend_module().lookup_with_sparse_update
-            if routing is not None:  # sharding hook
-                lookup = _sharding.routed_lookup(routing)
-            rows = lookup(
-                self.embeddings,
-                self.slots,
-                self.sparse_anchor,
-                self.sparse_optimizer,
-                flat_ids,
-                flat_valid,
-                iterations,
-                self.embeddings_constraint,
-                **kwargs,
-            )
-            loss = None
-            if on_jax:
-                loss = _zero_that_reaches(rows)
-            if update and self.embeddings_regularizer is not None:
-                penalty = self.embeddings_regularizer(rows)
-                loss = penalty if loss is None else penalty + loss
-            if loss is not None:
-                self.add_loss(loss)
-        elif routing is not None:  # sharding hook
-            rows = _sharding.routed_gather(
-                routing, self.embeddings, flat_ids, flat_valid
-            )
-        else:
-            safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))
-            rows = ops.take(self.embeddings, safe, axis=0)
-            rows = ops.where(ops.expand_dims(flat_valid, -1), rows, 0)
+        rows = lookup_flat_rows(
+            self,
+            self.embeddings,
+            self.slots,
+            flat_ids,
+            flat_valid,
+            training,
+            sparse_step(self, training),
+            routing,
+            reset,
+        )
         out_shape = tuple(ops.shape(ids)) + (self.output_dim,)
         return ops.reshape(rows, out_shape)
 
     def combine(self, rows, weights, valid):
         """Pools (combiner set) or scales (weights given) looked-up rows."""
-        if self.combiner is None:
-            if weights is not None:
-                rows = rows * ops.expand_dims(ops.cast(weights, rows.dtype), -1)
-            return rows
-        if weights is None:
-            weights = ops.ones(ops.shape(valid), rows.dtype)
-        weights = ops.where(valid, ops.cast(weights, rows.dtype), 0)
-        return pooling.pool(rows, weights, self.combiner)
+        return combine_rows(rows, weights, valid, self.combiner)
 
     def compute_output_shape(self, input_shape):
         shape = tuple(input_shape)
@@ -243,6 +199,92 @@ class SparseEmbeddingBase(keras.layers.Layer):
             }
         )
         return config
+
+
+def combine_rows(rows, weights, valid, combiner):
+    """Pools (``combiner`` set) or scales (weights given) looked-up rows."""
+    if combiner is None:
+        if weights is not None:
+            rows = rows * ops.expand_dims(ops.cast(weights, rows.dtype), -1)
+        return rows
+    if weights is None:
+        weights = ops.ones(ops.shape(valid), rows.dtype)
+    weights = ops.where(valid, ops.cast(weights, rows.dtype), 0)
+    return pooling.pool(rows, weights, combiner)
+
+
+def sparse_step(layer, training):
+    """This call's sparse-optimizer step (a tensor), or None.
+
+    None when the call needs no sparse primitive. In training the layer's
+    ``sparse_iterations`` counter is incremented (once per call: a layer
+    owning several tables, `EmbeddingCollection`, shares one counter).
+    """
+    sparse = layer.uses_sparse_update and layer.trainable
+    update = sparse and bool(training)
+    on_jax = keras.backend.backend() == "jax"
+    # On JAX the table is overwritten with whatever its "gradient" is,
+    # so even inference calls go through the primitive, which then
+    # hands the state back unchanged.
+    if not (update or (sparse and on_jax)):
+        return None
+    iterations = ops.convert_to_tensor(layer.sparse_iterations)
+    if update:
+        # A fresh tensor: on torch the assign below updates the
+        # variable's storage in place before the backward pass runs.
+        next_iterations = iterations + 1
+        iterations = next_iterations - 1
+        layer.sparse_iterations.assign(next_iterations)
+    return iterations
+
+
+def lookup_flat_rows(
+    layer, table, slots, flat_ids, flat_valid, training, iterations, routing, reset=None
+):
+    """``[N, dim]`` rows of ``table`` (a variable of ``layer``) at ``flat_ids``.
+
+    The lookup shared by every keras_sparse layer: with ``iterations`` (from
+    ``layer.sparse_step``) the per-backend primitive whose backward applies
+    ``layer.sparse_optimizer`` to the touched rows of ``table`` and ``slots``;
+    otherwise a plain (dense-gradient) gather. ``routing`` (from
+    `keras_sparse.sharding.keras_integration.route`) selects the sharded
+    primitive. The layer supplies ``sparse_optimizer``, ``sparse_anchor``,
+    ``embeddings_constraint``, ``embeddings_regularizer`` and ``add_loss``.
+    """
+    on_jax = keras.backend.backend() == "jax"
+    if iterations is not None:
+        update = layer.uses_sparse_update and layer.trainable and bool(training)
+        kwargs = {"apply_update": update} if on_jax else {}
+        if reset is not None:
+            kwargs["reset"] = reset
+        lookup = backend_module().lookup_with_sparse_update
+        if routing is not None:  # sharding hook
+            lookup = _sharding.routed_lookup(routing)
+        rows = lookup(
+            table,
+            slots,
+            layer.sparse_anchor,
+            layer.sparse_optimizer,
+            flat_ids,
+            flat_valid,
+            iterations,
+            layer.embeddings_constraint,
+            **kwargs,
+        )
+        loss = None
+        if on_jax:
+            loss = _zero_that_reaches(rows)
+        if update and layer.embeddings_regularizer is not None:
+            penalty = layer.embeddings_regularizer(rows)
+            loss = penalty if loss is None else penalty + loss
+        if loss is not None:
+            layer.add_loss(loss)
+        return rows
+    if routing is not None:  # sharding hook
+        return _sharding.routed_gather(routing, table, flat_ids, flat_valid)
+    safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))
+    rows = ops.take(table, safe, axis=0)
+    return ops.where(ops.expand_dims(flat_valid, -1), rows, 0)
 
 
 def _zero_that_reaches(rows):

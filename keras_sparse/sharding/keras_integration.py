@@ -19,38 +19,35 @@ step are re-initialized by `jax_sharded_lookup.sharded_reset` on the devices
 holding them, before the sharded lookup. One map per process means sharded
 hash layers need a single process (`check_hash_layer_processes`).
 
-Design note: the "table" strategy (planned, not runnable)
----------------------------------------------------------
-The planner can place a whole table on one device (``TablePlan.devices``),
-but `distribution` refuses to run such a plan:
+Table-wise sharding: EmbeddingCollection stacks
+------------------------------------------------
+A Keras variable's layout is a PartitionSpec over the whole mesh: no spec
+says "all rows on device k". So "table t lives whole on device k" is a
+*stack*: an `EmbeddingCollection` (one layer owning several tables) groups
+its tables by ``(output_dim, strategy)`` and keeps one variable per group
+(and one per optimizer slot), see `collection_stacks`:
 
-* A variable laid out on the mesh has a PartitionSpec over the whole mesh;
-  no spec says "all rows on device k", and a jitted step rejects a variable
-  committed to a one-device sub-mesh next to mesh-wide arrays. A per-table
-  ``[D * rows, dim]`` row-sharded variable using only device k's block would
-  hold ``D`` times the table.
-* The layout that gives each device exactly its tables is a stack per group
-  of table-wise tables with equal ``(dim, dtype, sparse optimizer,
-  constraint)``: one ``[D * B, dim]`` variable (and one per slot) laid out
-  ``(axis, None)``, ``B`` = the most rows the planner packed onto one device,
-  table ``t`` placed on device ``k`` at offset ``o_t`` of block ``k``; its id
-  ``i`` is global row ``k * B + o_t + i``. The lookup is then the row-sharded
-  primitive unchanged (with full-size exchange buffers: all of a table's ids
-  go to one owner).
-* What blocks it: the sparse update rides on the variable's "gradient"
-  (``overwrite_with_gradient``). Independent layers sharing one stacked
-  variable would each hand back a whole updated stack and autodiff sums
-  the cotangents. It needs either one grouped lookup for all tables of a
-  group (a layer owning the stack and taking every group input in one call:
-  a model-level change), or the stack threaded through the group's lookups
-  of a step (each lookup also returns the stack, consumed by the next, so
-  the backward applies the updates in turn; needs a per-trace registry and
-  a marker for the last lookup of the chain). Each layer would save and load
-  its own rows of the stack, keeping the checkpoint format (and resharding).
-* Meanwhile "row" sharding covers every table "table" could hold: with
-  padding any row count works, each device holds ``ceil(rows / D)`` rows
-  (at most what table-wise placement puts on its busiest device) and the
-  lookups are spread evenly.
+* "table" group: ``[D * B, dim]`` laid out ``(axis, None)``, ``B`` = the
+  most rows the planner packed onto one device (``TablePlan.devices``);
+  table ``t`` on device ``k`` at offset ``o_t`` of block ``k``, its id ``i``
+  is global row ``k * B + o_t + i``. Each device holds ``B`` rows: its own
+  tables plus zero padding. The lookup is the row-sharded primitive
+  unchanged, with full-size exchange buffers (all of a table's ids go to one
+  owner, so a slack would overflow).
+* "row" group: the concatenation of its tables, padded to a multiple of
+  ``D`` rows and row-sharded; "column" group: the concatenation, laid out
+  ``(None, axis)``; "data" group (and every group without a distribution):
+  the concatenation, replicated.
+
+The layer runs one sparse lookup per group per call (the ids of the group's
+tables, offset and concatenated; the rows split back), so exactly one
+custom_vjp owns each stacked variable and ``overwrite_with_gradient`` gets
+one whole updated stack. That is why "table" needs the collection: separate
+layers sharing one stacked variable would each hand back a whole updated
+stack and autodiff would sum them. A standalone layer is planned without
+"table" (the planner names `EmbeddingCollection` in its reason) and a plan
+pinning it raises. The collection saves per table (unpadded, unstacked
+arrays), so checkpoints load under any device count, grouping or strategy.
 """
 
 import re
@@ -59,13 +56,19 @@ import keras
 
 from keras_sparse.sharding import planner as planner_lib
 
-#: Strategies the Keras integration can run today.
-RUNNABLE = ("data", "row", "column")
+#: Strategies the Keras integration can run ("table": for the tables of an
+#: `EmbeddingCollection`).
+RUNNABLE = ("data", "table", "row", "column")
 _ROUTED = ("row", "column")
 
 
 def _axes(strategy, axis):
-    return {"row": (axis, None), "column": (None, axis), "data": (None, None)}[strategy]
+    return {
+        "row": (axis, None),
+        "table": (axis, None),
+        "column": (None, axis),
+        "data": (None, None),
+    }[strategy]
 
 
 def check_hash_layer_processes(layer, strategy, process_count=None):
@@ -145,6 +148,7 @@ def distribution(
         )
     mesh = keras.distribution.DeviceMesh((len(devices),), [axis], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
+    collections = {}
     for table in plan:
         layer = table.spec.layer
         if layer is None:
@@ -154,12 +158,23 @@ def distribution(
             )
         if table.strategy not in RUNNABLE:
             raise NotImplementedError(
-                f"Table '{table.name}': strategy {table.strategy!r} is planned "
-                f"but not runnable yet (runnable: {RUNNABLE}; see the design "
-                "note in keras_sparse.sharding.keras_integration). Re-plan "
-                f"with strategies={RUNNABLE!r} or pin another strategy: 'row' "
-                "takes any row count and holds ceil(rows / devices) rows per "
-                "device."
+                f"Table '{table.name}': strategy {table.strategy!r} is not "
+                f"runnable (runnable: {RUNNABLE})."
+            )
+        if planner_lib.is_collection(layer):
+            device = table.devices[0] if table.strategy == "table" else None
+            placement = collections.setdefault(layer.name, (layer, {}))[1]
+            placement[table.spec.collection_table] = (table.strategy, device)
+            continue
+        if table.strategy == "table":
+            raise ValueError(
+                f"Table '{table.name}': strategy 'table' (the whole table on "
+                f"one device) needs the table in a keras_sparse."
+                "EmbeddingCollection, which stacks the tables of each device "
+                "into one row-sharded variable (see the design note in "
+                "keras_sparse.sharding.keras_integration). Put the table in "
+                "an EmbeddingCollection, or use 'row': it takes any row count "
+                "and holds ceil(rows / devices) rows per device."
             )
         check_hash_layer_processes(layer, table.strategy)
         axes = _axes(table.strategy, axis)
@@ -171,12 +186,27 @@ def distribution(
         if layer.built:
             _relayout(layer, axes, mesh)
         _replicate_other_variables(layer, mesh)
+    for layer, placement in collections.values():
+        stacks = collection_stacks(layer.tables, placement, len(devices))
+        for stack in stacks:
+            axes = _axes(stack.strategy, axis)
+            for name in stack.variable_names(layer.sparse_optimizer):
+                pattern = f"(^|.*/){re.escape(layer.name)}/{re.escape(name)}$"
+                layout_map[pattern] = axes
+        if layer.built:
+            _relayout_collection(layer, stacks, mesh, axis)
     dist = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name=axis)
     dist.keras_sparse_plan = plan
     # Looked up by layer name in `route`, so layers deserialized later (e.g. by
     # `load_model`) follow this plan rather than their saved `sharding`.
     dist.keras_sparse_strategies = {
-        table.spec.layer.name: table.strategy for table in plan
+        table.spec.layer.name: table.strategy
+        for table in plan
+        if not planner_lib.is_collection(table.spec.layer)
+    }
+    # Read by `collection_placement` when an EmbeddingCollection is built.
+    dist.keras_sparse_collections = {
+        name: placement for name, (_, placement) in collections.items()
     }
     dist.keras_sparse_axis = axis
     dist.keras_sparse_row_exchange_slack = row_exchange_slack
@@ -264,12 +294,17 @@ def load_model(
         for layer in layers:
             if layer.name in plan:
                 layer.sharding = plan[layer.name]
+            # A collection's tables by "collection/table" (the plan's names).
+            for table, config in getattr(layer, "tables", {}).items():
+                if f"{layer.name}/{table}" in plan:
+                    config.sharding = plan[f"{layer.name}/{table}"]
         plan = None
     elif plan is not None:
         by_name = {layer.name: layer for layer in layers}
         for table in plan:
-            if table.spec.layer is not None and table.name in by_name:
-                table.spec.layer = by_name[table.name]
+            old = table.spec.layer
+            if old is not None and old.name in by_name:
+                table.spec.layer = by_name[old.name]
     dist = distribution(layers, devices=devices, plan=plan, axis=axis, **plan_kwargs)
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(dist)
@@ -510,3 +545,167 @@ def routed_gather(routing, table_var, ids, valid):
     return jax_sharded_lookup.sharded_gather(
         strategy, mesh, axis, table_var.value, ids, valid, slack
     )
+
+
+# ------------------------------------------------------ collection stacks
+class StackLayout:
+    """One stacked variable of an `EmbeddingCollection` (see the module note).
+
+    Attributes:
+        name: variable name (slots: ``f"{name}_{slot}"``).
+        strategy: "data", "table", "row" or "column" (layout of the stack).
+        dim: embedding width of every table in the stack.
+        tables: the table names, in the collection's order.
+        offsets: table name -> first global row of the table in the stack.
+        rows: rows of the stacked variable (padding included).
+        block_rows: rows per device of a "table" stack (``B``), else None.
+    """
+
+    def __init__(self, name, strategy, dim, tables, offsets, rows, block_rows=None):
+        self.name = name
+        self.strategy = strategy
+        self.dim = int(dim)
+        self.tables = tuple(tables)
+        self.offsets = dict(offsets)
+        self.rows = int(rows)
+        self.block_rows = block_rows
+
+    def variable_names(self, optimizer):
+        names = [self.name]
+        if optimizer is not None:
+            names += [f"{self.name}_{spec.name}" for spec in optimizer.slot_specs()]
+        return names
+
+    def key(self):
+        return (self.name, self.strategy, self.dim, self.tables, self.rows)
+
+    def __repr__(self):
+        return (
+            f"StackLayout({self.name!r}, {self.strategy!r}, dim={self.dim}, "
+            f"rows={self.rows}, offsets={self.offsets})"
+        )
+
+
+def collection_stacks(tables, placement, num_devices):
+    """The `StackLayout` list of a collection's tables.
+
+    Args:
+        tables: ordered ``{name: config}`` with ``input_dim``/``output_dim``.
+        placement: ``{name: (strategy, device)}`` (device: the owner of a
+            "table" table, else None), or None: one device, every group
+            replicated ("data").
+        num_devices: devices of the mesh (``D``).
+
+    Tables group by ``(output_dim, strategy)``, groups ordered by their first
+    table; a "table" stack packs each device's tables (in collection order)
+    into its block of ``B`` rows.
+    """
+    groups = {}
+    for name, config in tables.items():
+        strategy = "data" if placement is None else placement[name][0]
+        groups.setdefault((config.output_dim, strategy), []).append(name)
+    d = int(num_devices)
+    stacks = []
+    for (dim, strategy), names in groups.items():
+        offsets, block = {}, None
+        if strategy == "table":
+            per_device = [[] for _ in range(d)]
+            for name in names:
+                device = placement[name][1]
+                if device is None or not 0 <= device < d:
+                    raise ValueError(
+                        f"Table '{name}': table-wise placement needs a device "
+                        f"in [0, {d}); got {device!r}."
+                    )
+                per_device[device].append(name)
+            block = max(sum(tables[n].input_dim for n in p) for p in per_device)
+            for k, owned in enumerate(per_device):
+                offset = k * block
+                for name in owned:
+                    offsets[name] = offset
+                    offset += tables[name].input_dim
+            rows = d * block
+        else:
+            rows = 0
+            for name in names:
+                offsets[name] = rows
+                rows += tables[name].input_dim
+            if strategy == "row":  # an equal block per device
+                rows = padded_rows(rows, d)
+        stacks.append(
+            StackLayout(
+                f"stack_{dim}_{strategy}", strategy, dim, names, offsets, rows, block
+            )
+        )
+    return stacks
+
+
+def collection_placement(layer):
+    """``(placement, num_devices)`` for building ``layer`` (a collection) now.
+
+    From the active distribution made by `distribution` (JAX only); ``(None,
+    1)`` otherwise: without it every table is in a replicated stack.
+    """
+    if keras.backend.backend() != "jax":
+        return None, 1
+    dist = keras.distribution.distribution()
+    if dist is None or not isinstance(dist, keras.distribution.ModelParallel):
+        return None, 1
+    placement = getattr(dist, "keras_sparse_collections", {}).get(layer.name)
+    if placement is None:
+        return None, 1
+    missing = [name for name in layer.tables if name not in placement]
+    if missing:
+        raise ValueError(
+            f"Layer '{layer.name}': the active distribution places no table "
+            f"named {missing} (it was made for a collection with tables "
+            f"{sorted(placement)}). Re-create it with keras_sparse.distribution."
+        )
+    axis = dist.keras_sparse_axis
+    return placement, dist.device_mesh.shape[dist.device_mesh.axis_names.index(axis)]
+
+
+def route_stack(stack):
+    """Routing (as `route`) for one stack of a collection, or None."""
+    if stack.strategy == "data" or keras.backend.backend() != "jax":
+        return None
+    dist = keras.distribution.distribution()
+    if dist is None or not isinstance(dist, keras.distribution.ModelParallel):
+        return None
+    axis = getattr(dist, "keras_sparse_axis", "model")
+    mesh = dist.device_mesh
+    if axis not in mesh.axis_names:
+        return None
+    if stack.strategy == "table":
+        # Every id of a table goes to its one owner: only full-size buffers
+        # cannot overflow.
+        return "row", mesh.backend_mesh, axis, None
+    slack = getattr(dist, "keras_sparse_row_exchange_slack", None)
+    return stack.strategy, mesh.backend_mesh, axis, slack
+
+
+def _relayout_collection(layer, stacks, mesh, axis):
+    """Lays out a built collection's stacks for ``stacks`` (same grouping)."""
+    current = [s.key() for s in layer.stacks]
+    if current != [s.key() for s in stacks] or any(
+        a.offsets != b.offsets for a, b in zip(layer.stacks, stacks)
+    ):
+        raise ValueError(
+            f"Layer '{layer.name}' (EmbeddingCollection) is already built with "
+            "stacks that differ from the ones this distribution needs "
+            f"({[s.name for s in layer.stacks]} -> {[s.name for s in stacks]}); "
+            "its variables cannot be re-stacked in place. Build the model "
+            "after keras.distribution.set_distribution(...), or save it and "
+            "reload it with keras_sparse.sharding.load_model(...)."
+        )
+    for stack in stacks:
+        layout = keras.distribution.TensorLayout(_axes(stack.strategy, axis), mesh)
+        for variable in layer.stack_variables(stack.name):
+            variable._layout = layout
+            variable._direct_assign(variable.value)
+    layer.stacks = list(stacks)
+    for variable in layer.variables:
+        if variable._layout is None:
+            axes = (None,) * len(variable.shape)
+            variable._layout = keras.distribution.TensorLayout(axes, mesh)
+            variable._direct_assign(variable.value)

@@ -15,7 +15,10 @@ Strategies:
 ``data``   replicated table; backward combines row gradients across replicas
            (the cheaper of an all-gather of (ids, grads) and an all-reduce of
            the dense table gradient).
-``table``  whole table on one device; lookups routed there.
+``table``  whole table on one device; lookups routed there. Runnable for
+           the tables of an `EmbeddingCollection` (stacked per device, see
+           ``keras_integration``); a standalone layer is never planned
+           table-wise (its reason line says so).
 ``row``    rows split evenly over the devices; with ``rows % devices != 0``
            the variables are padded to the next multiple (sparse-optimizer
            tables only: a dense-gradient table's Keras optimizer state would
@@ -56,7 +59,11 @@ class TableSpec:
         layer=None,
         shardable=True,
         sparse_update=True,
+        collection_table=None,
     ):
+        # The table's name inside its `EmbeddingCollection` (``layer``), or
+        # None for a one-table layer; ``name`` is then "collection/table".
+        self.collection_table = collection_table
         self.shardable = bool(shardable)
         self.sparse_update = bool(sparse_update)
         self.name = name
@@ -93,6 +100,37 @@ class TableSpec:
             shardable=_is_shardable_layer(layer),
             sparse_update=opt is not None,
         )
+
+    @classmethod
+    def from_collection(cls, layer):
+        """One spec per table of an `EmbeddingCollection`."""
+        opt = layer.sparse_optimizer
+        specs = [] if opt is None else list(opt.slot_specs())
+        out = []
+        for table, config in layer.tables.items():
+            rows, dim = config.input_dim, config.output_dim
+            out.append(
+                cls(
+                    f"{layer.name}/{table}",
+                    rows,
+                    dim,
+                    [s.shape(rows, dim)[1] for s in specs],
+                    row_wise_slots=any(s.row_wise for s in specs),
+                    layer=layer,
+                    sparse_update=opt is not None,
+                    collection_table=table,
+                )
+            )
+        return out
+
+    @property
+    def own_sharding(self):
+        """The strategy the table's layer pins ("auto": none)."""
+        if self.layer is None:
+            return "auto"
+        if self.collection_table is not None:
+            return self.layer.table_sharding(self.collection_table)
+        return getattr(self.layer, "sharding", "auto")
 
 
 class TablePlan:
@@ -235,6 +273,13 @@ def _is_shardable_layer(layer):
     return isinstance(layer, (AllToAllDenseEmbedding, DistributedHashEmbedding))
 
 
+def is_collection(layer):
+    """True for an `EmbeddingCollection` (one layer owning several tables)."""
+    from keras_sparse.layers.embedding_collection import EmbeddingCollection
+
+    return isinstance(layer, EmbeddingCollection)
+
+
 def is_hash_layer(layer):
     """True for tables whose rows are assigned by a host-side key->row map."""
     from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
@@ -245,6 +290,13 @@ def is_hash_layer(layer):
 def _structural_problem(spec, strategy, d):
     if strategy != "data" and not spec.shardable:
         return f"{type(spec.layer).__name__} tables can only be replicated"
+    in_collection = spec.collection_table is not None
+    if strategy == "table" and spec.layer is not None and not in_collection:
+        return "a whole table per device needs the table in an EmbeddingCollection"
+    if in_collection and strategy != "data" and not spec.sparse_update:
+        # Sharded stacks are padded and re-stacked on load; a Keras
+        # optimizer's state of the stacked shape would not follow.
+        return "sharded EmbeddingCollection tables need a sparse optimizer"
     if strategy == "row" and spec.rows % d and not spec.sparse_update:
         return (
             f"rows {spec.rows} not divisible by {d} devices (padding needs "
@@ -276,6 +328,8 @@ def _collect_layers(model_or_layers):
             out.append(item)
         elif isinstance(item, SparseEmbeddingBase):
             out.append(TableSpec.from_layer(item))
+        elif is_collection(item):
+            out.extend(TableSpec.from_collection(item))
     names = [t.name for t in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -322,7 +376,7 @@ def plan(
     specs = _collect_layers(model_or_layers)
     pinned = dict(pinned or {})
     for s in specs:
-        own = getattr(s.layer, "sharding", "auto") if s.layer is not None else "auto"
+        own = s.own_sharding
         if s.name not in pinned and own != "auto" and s.shardable:
             pinned[s.name] = own
     unknown = set(pinned) - {s.name for s in specs}
@@ -344,11 +398,15 @@ def plan(
     load = [0.0] * d
     fair_load = sum(lookups_of(s) for s in specs) / d
     results = {}
-    # Pinned first, then the smallest tables first: replicating a small table
+    # Pinned first, largest first (greedy bin packing of pinned table-wise
+    # tables); then the smallest tables first: replicating a small table
     # saves the most communication per byte of memory. While placing a table,
     # memory for the smallest footprint of every table still to place is held
     # back, so an early table cannot take memory a later one needs.
-    order = sorted(specs, key=lambda s: (s.name not in pinned, s.total_bytes))
+    order = sorted(
+        specs,
+        key=lambda s: (0, -s.total_bytes) if s.name in pinned else (1, s.total_bytes),
+    )
 
     def min_footprint(spec):
         opts = [pinned[spec.name]] if spec.name in pinned else list(strategies)

@@ -1,0 +1,542 @@
+"""EmbeddingCollection: one layer owning several embedding tables.
+
+The tables are grouped by ``(output_dim, strategy)`` into stacked variables
+(one per group, plus one per optimizer slot) and each call runs one sparse
+lookup per group: the group's ids, offset to their table's rows in the
+stack and concatenated, then the rows split back per table. One primitive
+per stacked variable keeps the in-backward sparse update exact (on JAX the
+updated stack is the variable's "gradient"), and it is what lets the
+"table" strategy place whole tables on devices: the stack of a table-wise
+group is ``[devices * B, dim]``, row-sharded, device ``k``'s block holding
+its tables (see `keras_sparse.sharding.keras_integration`).
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_sparse import optimizers as sparse_optimizers
+from keras_sparse.layers import inputs as input_forms
+from keras_sparse.layers import pooling
+from keras_sparse.layers.sparse_embedding_base import check_sharding
+from keras_sparse.layers.sparse_embedding_base import combine_rows
+from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
+from keras_sparse.layers.sparse_embedding_base import sparse_step
+from keras_sparse.sharding import keras_integration as _sharding
+
+
+def _check_positive_int(where, name, value):
+    if (
+        not isinstance(value, (int, np.integer))
+        or isinstance(value, bool)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{where}: `{name}` must be a positive integer. Received: "
+            f"{name}={value!r} (of type {type(value).__name__})."
+        )
+
+
+class TableConfig:
+    """One table of an `EmbeddingCollection`.
+
+    Args:
+        input_dim: vocabulary size; ids must be in ``[0, input_dim)``.
+        output_dim: embedding width.
+        combiner: None (one vector per id), "sum", "mean" or "sqrtn" (pool
+            the last axis of the ids), as in `AllToAllDenseEmbedding`.
+        embeddings_initializer: initializer of the table's rows.
+        sharding: "auto" (the collection's), "data", "table", "row" or
+            "column"; used by `keras_sparse.plan` / `keras_sparse.distribution`.
+
+    Example:
+
+    >>> import keras_sparse as ks
+    >>> ks.TableConfig(1000, 8, combiner="sum").input_dim
+    1000
+    """
+
+    def __init__(
+        self,
+        input_dim,
+        output_dim,
+        combiner=None,
+        embeddings_initializer="uniform",
+        sharding="auto",
+    ):
+        where = "TableConfig"
+        _check_positive_int(where, "input_dim", input_dim)
+        _check_positive_int(where, "output_dim", output_dim)
+        pooling.check_combiner(where, combiner)
+        check_sharding(where, sharding)
+        self.input_dim = int(input_dim)
+        self.output_dim = int(output_dim)
+        self.combiner = combiner
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.sharding = sharding
+
+    def get_config(self):
+        return {
+            "input_dim": self.input_dim,
+            "output_dim": self.output_dim,
+            "combiner": self.combiner,
+            "embeddings_initializer": keras.initializers.serialize(
+                self.embeddings_initializer
+            ),
+            "sharding": self.sharding,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        return (
+            f"TableConfig(input_dim={self.input_dim}, output_dim="
+            f"{self.output_dim}, combiner={self.combiner!r}, "
+            f"sharding={self.sharding!r})"
+        )
+
+
+class StackInitializer:
+    """Draws each table of a stack with its own initializer, in table order,
+    and places it at its offset; padding rows are zeros.
+
+    A table gets exactly the values a standalone layer of its shape would
+    draw, whatever the stacking (placement, device count).
+    """
+
+    def __init__(self, parts, dim):
+        self.parts = list(parts)  # (offset, rows, initializer), table order
+        self.dim = int(dim)
+
+    def __call__(self, shape, dtype=None):
+        drawn = [
+            (offset, init((rows, self.dim), dtype=dtype))
+            for offset, rows, init in self.parts
+        ]
+        drawn.sort(key=lambda item: item[0])
+        pieces, position = [], 0
+        for offset, values in drawn:
+            if offset > position:
+                pieces.append(ops.zeros((offset - position, self.dim), dtype))
+            pieces.append(values)
+            position = offset + int(values.shape[0])
+        if shape[0] > position:
+            pieces.append(ops.zeros((shape[0] - position, self.dim), dtype))
+        return ops.concatenate(pieces, axis=0)
+
+
+def _table_config(layer_name, table, spec):
+    if isinstance(spec, TableConfig):
+        return spec
+    if isinstance(spec, dict):
+        try:
+            return TableConfig(**spec)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Layer '{layer_name}', table '{table}': {e}") from None
+    raise TypeError(
+        f"Layer '{layer_name}', table '{table}': expected a "
+        f"keras_sparse.TableConfig or a dict of its arguments; received "
+        f"{type(spec).__name__}."
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_sparse")
+class EmbeddingCollection(keras.layers.Layer):
+    """Several embedding tables in one layer, with one sparse optimizer.
+
+    Called with a dict of ids per table, it returns a dict of outputs per
+    table, each exactly what an `AllToAllDenseEmbedding` with that table's
+    configuration (and the same optimizer) returns and learns. Tables of equal
+    ``output_dim`` share one stacked variable and one lookup per call, which
+    is what makes table-wise sharding possible: under
+    ``keras_sparse.distribution`` on the JAX backend, tables with
+    ``sharding="table"`` each live whole on one device (the planner balances
+    bytes and lookups), and "row", "column" and "data" tables are split or
+    replicated as for a standalone layer.
+
+    Args:
+        tables: ``{name: TableConfig(...) or dict of its arguments}``. Names
+            are non-empty strings without "/" or ":"; they key the call's
+            inputs and outputs, the saved state and the plan
+            (``"collection_name/table_name"``).
+        optimizer: sparse optimizer for every table, resolved like
+            `AllToAllDenseEmbedding`'s (None: dense gradients through the
+            model's optimizer; then only the "data" strategy can be used).
+        sharding: default strategy of the tables whose own ``sharding`` is
+            "auto".
+
+    Call arguments:
+        inputs: ``{name: ids}`` with exactly the collection's table names;
+            ids of any form `AllToAllDenseEmbedding` accepts for the table's
+            combiner. Within one stack the ids of all tables must share their
+            first (batch) dimension, or all shapes must be known.
+        weights: optional ``{name: per-id weights}`` (any subset of tables).
+
+    Returns:
+        ``{name: output}`` in the order of ``tables``.
+
+    The saved state is per table (``"{name}:embeddings"``,
+    ``"{name}:slot_{slot}"``, unpadded and unstacked) plus
+    ``sparse_iterations``, so a ``.keras`` file loads under any device count,
+    grouping or strategy (`keras_sparse.sharding.load_model`).
+
+    Example:
+
+    >>> import numpy as np, keras_sparse as ks
+    >>> features = ks.EmbeddingCollection(
+    ...     {
+    ...         "user": ks.TableConfig(1000, 8, combiner="mean"),
+    ...         "item": ks.TableConfig(500, 8),
+    ...         "country": {"input_dim": 200, "output_dim": 4, "combiner": "sum"},
+    ...     },
+    ...     optimizer="adagrad",
+    ... )
+    >>> out = features(
+    ...     {
+    ...         "user": np.array([[1, 2], [3, 4]]),
+    ...         "item": np.array([7, 9]),
+    ...         "country": np.array([[5], [6]]),
+    ...     }
+    ... )
+    >>> {k: tuple(v.shape) for k, v in out.items()}
+    {'user': (2, 8), 'item': (2, 8), 'country': (2, 4)}
+    """
+
+    def __init__(self, tables, optimizer=None, sharding="auto", **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(tables, dict) or not tables:
+            raise ValueError(
+                f"Layer '{self.name}': `tables` must be a non-empty dict of "
+                f"table name -> TableConfig; received {tables!r}."
+            )
+        configs = {}
+        for name, spec in tables.items():
+            if not isinstance(name, str) or not name or "/" in name or ":" in name:
+                raise ValueError(
+                    f"Layer '{self.name}': table names must be non-empty "
+                    f"strings without '/' or ':'; received {name!r}."
+                )
+            configs[name] = _table_config(self.name, name, spec)
+        self.tables = configs
+        check_sharding(self.name, sharding)
+        self.sharding = sharding
+        self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
+        # Read by the shared lookup; per-table ones are not offered.
+        self.embeddings_regularizer = None
+        self.embeddings_constraint = None
+        self.sparse_anchor = None
+        self.stacks = []
+        self._stack_tables = {}
+        self._stack_slots = {}
+
+    # ------------------------------------------------------------- helpers
+    @property
+    def uses_sparse_update(self):
+        return self.sparse_optimizer is not None
+
+    def table_sharding(self, name):
+        """Table ``name``'s own strategy, else the collection's."""
+        own = self.tables[name].sharding
+        return self.sharding if own == "auto" else own
+
+    def stack_variables(self, stack_name):
+        """The table variable of a stack followed by its slot variables."""
+        return [self._stack_tables[stack_name]] + list(
+            self._stack_slots[stack_name].values()
+        )
+
+    def _stack_of(self, name):
+        for stack in self.stacks:
+            if name in stack.offsets:
+                return stack
+        raise KeyError(name)
+
+    # --------------------------------------------------------------- state
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        placement, devices = _sharding.collection_placement(self)
+        self.stacks = _sharding.collection_stacks(self.tables, placement, devices)
+        sparse = self.uses_sparse_update
+        # As in SparseEmbeddingBase.build: on JAX the updated stack travels
+        # back as its "gradient" (overwrite_with_gradient); elsewhere the
+        # backward pass writes the variables itself.
+        on_jax = keras.backend.backend() == "jax"
+        for stack in self.stacks:
+            parts = [
+                (
+                    stack.offsets[n],
+                    self.tables[n].input_dim,
+                    self.tables[n].embeddings_initializer,
+                )
+                for n in stack.tables
+            ]
+            table = self.add_weight(
+                shape=(stack.rows, stack.dim),
+                initializer=StackInitializer(parts, stack.dim),
+                trainable=(not sparse) or on_jax,
+                autocast=False,
+                name=stack.name,
+            )
+            slots = {}
+            if sparse:
+                table.overwrite_with_gradient = on_jax
+                for spec in self.sparse_optimizer.slot_specs():
+                    slot = self.add_weight(
+                        shape=spec.shape(stack.rows, stack.dim),
+                        initializer=keras.initializers.Constant(spec.initial_value),
+                        trainable=on_jax,
+                        autocast=False,
+                        name=f"{stack.name}_{spec.name}",
+                    )
+                    slot.overwrite_with_gradient = on_jax
+                    slots[spec.name] = slot
+            self._stack_tables[stack.name] = table
+            self._stack_slots[stack.name] = slots
+        if sparse:
+            self.sparse_iterations = self.add_weight(
+                shape=(),
+                initializer="zeros",
+                dtype="int32",
+                trainable=False,
+                name="sparse_iterations",
+            )
+            if not on_jax:
+                # One anchor for every stack: each lookup's backward still
+                # runs (TF/torch call every custom gradient of an input).
+                self.sparse_anchor = self.add_weight(
+                    shape=(),
+                    initializer="zeros",
+                    trainable=True,
+                    name="sparse_update_anchor",
+                )
+        self.built = True
+
+    # ---------------------------------------------------------------- call
+    def _check_names(self, what, given, required):
+        if not isinstance(given, dict):
+            raise TypeError(
+                f"Layer '{self.name}': `{what}` must be a dict of table name "
+                f"-> array; received {type(given).__name__}."
+            )
+        unknown = [k for k in given if k not in self.tables]
+        if unknown:
+            raise ValueError(
+                f"Layer '{self.name}': `{what}` names unknown table(s) "
+                f"{unknown}; the tables are {list(self.tables)}."
+            )
+        missing = [k for k in self.tables if k not in given] if required else []
+        if missing:
+            raise ValueError(
+                f"Layer '{self.name}': `{what}` has no ids for table(s) "
+                f"{missing}; pass ids for every table ({list(self.tables)})."
+            )
+
+    def call(self, inputs, weights=None, training=None):
+        self._check_names("inputs", inputs, required=True)
+        weights = {} if weights is None else weights
+        self._check_names("weights", weights, required=False)
+        prepared = {}
+        for name, config in self.tables.items():
+            # Errors read "Layer 'features' table 'user': ...".
+            label = f"{self.name}' table '{name}"
+            prepared[name] = input_forms.fixed_vocabulary_ids(
+                label,
+                inputs[name],
+                weights.get(name),
+                config.input_dim,
+                config.combiner,
+            )
+        iterations = sparse_step(self, training)
+        outputs = {}
+        for stack in self.stacks:
+            rows = self._lookup_stack(stack, prepared, training, iterations)
+            for name in stack.tables:
+                _, table_weights, valid = prepared[name]
+                out = combine_rows(
+                    rows[name], table_weights, valid, self.tables[name].combiner
+                )
+                outputs[name] = ops.cast(out, self.compute_dtype)
+        return {name: outputs[name] for name in self.tables}
+
+    def _lookup_stack(self, stack, prepared, training, iterations):
+        """One lookup for all tables of ``stack``: ``{name: [..., dim] rows}``."""
+        ids, valid, shapes = [], [], []
+        for name in stack.tables:
+            table_ids, _, table_valid = prepared[name]
+            shapes.append(table_ids.shape)
+            offset_ids = ops.cast(table_ids, "int32") + stack.offsets[name]
+            ids.append(ops.where(table_valid, offset_ids, 0))
+            valid.append(table_valid)
+        widths = _batch_major_widths(shapes)
+        if widths is not None:
+            # [batch, sum of widths]: each device's part of the flat ids is its
+            # own batch rows of every table (no resharding before the lookup).
+            flat_ids = ops.reshape(
+                ops.concatenate(
+                    [ops.reshape(x, (-1, w)) for x, w in zip(ids, widths)], 1
+                ),
+                (-1,),
+            )
+            flat_valid = ops.reshape(
+                ops.concatenate(
+                    [ops.reshape(x, (-1, w)) for x, w in zip(valid, widths)], 1
+                ),
+                (-1,),
+            )
+        else:
+            if any(d is None for s in shapes for d in s):
+                raise ValueError(
+                    f"Layer '{self.name}': the ids of tables {list(stack.tables)} "
+                    f"have shapes {[tuple(s) for s in shapes]}; tables sharing "
+                    "a stack need ids with a common first (batch) dimension "
+                    "and known other dimensions."
+                )
+            sizes = [int(np.prod(s)) for s in shapes]
+            flat_ids = ops.concatenate([ops.reshape(x, (-1,)) for x in ids], 0)
+            flat_valid = ops.concatenate([ops.reshape(x, (-1,)) for x in valid], 0)
+        rows = lookup_flat_rows(
+            self,
+            self._stack_tables[stack.name],
+            self._stack_slots[stack.name],
+            flat_ids,
+            flat_valid,
+            training,
+            iterations,
+            _sharding.route_stack(stack),
+        )
+        if widths is not None:
+            rows = ops.reshape(rows, (-1, sum(widths), stack.dim))
+            cuts, axis = np.cumsum(widths)[:-1].tolist(), 1
+        else:
+            cuts, axis = np.cumsum(sizes)[:-1].tolist(), 0
+        # (torch rejects an empty list of split points)
+        parts = ops.split(rows, cuts, axis=axis) if cuts else [rows]
+        out = {}
+        for name, part in zip(stack.tables, parts):
+            shape = tuple(ops.shape(prepared[name][0])) + (stack.dim,)
+            out[name] = ops.reshape(part, shape)
+        return out
+
+    def compute_output_shape(self, input_shape):
+        out = {}
+        for name, config in self.tables.items():
+            shape = tuple(input_shape[name])
+            if config.combiner is not None and len(shape) >= 2:
+                shape = shape[:-1]
+            out[name] = shape + (config.output_dim,)
+        return out
+
+    # ------------------------------------------------- per-table state
+    def _named_stack_variables(self, stack):
+        named = {"embeddings": self._stack_tables[stack.name]}
+        named.update({f"slot_{k}": v for k, v in self._stack_slots[stack.name].items()})
+        return named
+
+    def get_table(self, name):
+        """Table ``name``'s rows as a NumPy ``[input_dim, output_dim]`` array."""
+        if name not in self.tables:
+            raise KeyError(
+                f"Layer '{self.name}': no table {name!r}; the tables are "
+                f"{list(self.tables)}."
+            )
+        stack = self._stack_of(name)
+        start = stack.offsets[name]
+        value = self._stack_tables[stack.name].numpy()
+        return value[start : start + self.tables[name].input_dim]
+
+    def set_table(self, name, value):
+        """Assigns table ``name``'s rows (``[input_dim, output_dim]``)."""
+        self._assign_tables({name: {"embeddings": value}})
+
+    def save_own_variables(self, store):
+        # Per table, unpadded and unstacked: loads under any grouping.
+        for stack in self.stacks:
+            for var_name, variable in self._named_stack_variables(stack).items():
+                value = variable.numpy()
+                for name in stack.tables:
+                    start = stack.offsets[name]
+                    rows = self.tables[name].input_dim
+                    store[f"{name}:{var_name}"] = value[start : start + rows]
+        if self.uses_sparse_update:
+            store["sparse_iterations"] = self.sparse_iterations.numpy()
+
+    def load_own_variables(self, store):
+        values = {}
+        for name in self.tables:
+            if f"{name}:embeddings" not in store:
+                raise ValueError(
+                    f"Layer '{self.name}': the saved state has no table "
+                    f"'{name}' (key '{name}:embeddings')."
+                )
+            stack = self._stack_of(name)
+            values[name] = {
+                var_name: store[f"{name}:{var_name}"]
+                for var_name in self._named_stack_variables(stack)
+                if f"{name}:{var_name}" in store
+            }
+        self._assign_tables(values)
+        if self.uses_sparse_update and "sparse_iterations" in store:
+            self.sparse_iterations.assign(store["sparse_iterations"])
+
+    def _assign_tables(self, values):
+        """``values``: ``{table: {"embeddings"|"slot_<name>": array}}``."""
+        for stack in self.stacks:
+            todo = [n for n in stack.tables if n in values]
+            if not todo:
+                continue
+            for var_name, variable in self._named_stack_variables(stack).items():
+                if not any(var_name in values[n] for n in todo):
+                    continue
+                full = np.array(variable.numpy())
+                for name in todo:
+                    if var_name not in values[name]:
+                        continue
+                    value = np.asarray(values[name][var_name])
+                    want = (self.tables[name].input_dim,) + full.shape[1:]
+                    if value.shape != want:
+                        raise ValueError(
+                            f"Layer '{self.name}', table '{name}': `{var_name}` "
+                            f"must have shape {want}; received {value.shape}."
+                        )
+                    start = stack.offsets[name]
+                    full[start : start + want[0]] = value
+                variable.assign(full)
+
+    def quantize(self, mode=None, **kwargs):
+        raise NotImplementedError(
+            f"Layer '{self.name}' (EmbeddingCollection) does not support "
+            "quantization yet; quantize the dense layers only."
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "tables": {n: c.get_config() for n, c in self.tables.items()},
+                "optimizer": None
+                if self.sparse_optimizer is None
+                else sparse_optimizers.serialize(self.sparse_optimizer),
+                "sharding": self.sharding,
+            }
+        )
+        return config
+
+
+def _batch_major_widths(shapes):
+    """Per-table widths for the ``[batch, width]`` concatenation, or None.
+
+    Needs rank >= 1, known non-batch dims and one batch size (equal, or
+    unknown as in a traced step; a model feeds every table the same batch).
+    """
+    widths, batches = [], set()
+    for shape in shapes:
+        if len(shape) == 0 or any(d is None for d in shape[1:]):
+            return None
+        widths.append(int(np.prod(shape[1:], dtype=np.int64)))
+        batches.add(shape[0])
+    if len({b for b in batches if b is not None}) > 1:
+        return None
+    return widths

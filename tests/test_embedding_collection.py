@@ -1,0 +1,169 @@
+"""EmbeddingCollection on one device: equals separate AllToAllDenseEmbedding
+layers (forward and training), saves per table, rejects bad input (every
+backend)."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_sparse as ks
+from tests.helpers import fit_losses
+
+BATCH, STEPS = 16, 5
+# Two tables of width 8 share a stack; "c" (width 4) gets its own.
+TABLES = {
+    "a": dict(input_dim=50, output_dim=8, combiner="sum"),
+    "b": dict(input_dim=30, output_dim=8),
+    "c": dict(input_dim=20, output_dim=4, combiner="mean"),
+}
+SHAPES = {"a": (3,), "b": (), "c": (2,)}
+
+
+def _collection(optimizer, name="features"):
+    return ks.EmbeddingCollection(
+        {n: ks.TableConfig(**cfg) for n, cfg in TABLES.items()},
+        optimizer=optimizer,
+        name=name,
+    )
+
+
+def _separate(optimizer):
+    return {
+        n: ks.AllToAllDenseEmbedding(
+            cfg["input_dim"],
+            cfg["output_dim"],
+            combiner=cfg.get("combiner"),
+            optimizer=optimizer,
+            name=f"emb_{n}",
+        )
+        for n, cfg in TABLES.items()
+    }
+
+
+def _inputs():
+    return {n: keras.Input(SHAPES[n], dtype="int32", name=n) for n in TABLES}
+
+
+def _head(outputs):
+    flat = [keras.layers.Flatten()(outputs[n]) for n in TABLES]
+    h = keras.layers.Concatenate()(flat)
+    return keras.layers.Dense(1, name="head")(h)
+
+
+def _models(optimizer):
+    inputs = _inputs()
+    coll = _collection(optimizer)
+    model = keras.Model(inputs, _head(coll(inputs)))
+    layers = _separate(optimizer)
+    inputs = _inputs()
+    ref = keras.Model(inputs, _head({n: layers[n](inputs[n]) for n in TABLES}))
+    # Same starting point: the reference takes the collection's tables.
+    for n in TABLES:
+        layers[n].embeddings.assign(coll.get_table(n))
+    ref.get_layer("head").set_weights(model.get_layer("head").get_weights())
+    for m in (model, ref):
+        m.compile(keras.optimizers.Adam(0.01), "mse")
+    return model, coll, ref, layers
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    n = BATCH * STEPS
+    x = {
+        name: rng.integers(0, cfg["input_dim"], size=(n,) + SHAPES[name]).astype(
+            "int32"
+        )
+        for name, cfg in TABLES.items()
+    }
+    x["a"][:, 0] = 7  # a hot row: duplicates every step
+    return x, rng.normal(size=(n, 1)).astype("float32")
+
+
+def _fit(model, x, y):
+    return fit_losses(model, x, y, BATCH)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad", None])
+def test_matches_separate_layers(optimizer):
+    model, coll, ref, layers = _models(optimizer)
+    x, y = _data()
+    probe = {n: v[:BATCH] for n, v in x.items()}
+    np.testing.assert_array_equal(
+        model.predict(probe, verbose=0), ref.predict(probe, verbose=0)
+    )
+    np.testing.assert_array_equal(_fit(model, x, y), _fit(ref, x, y))
+    for n in TABLES:
+        np.testing.assert_array_equal(coll.get_table(n), layers[n].embeddings.numpy())
+    if optimizer is not None:
+        assert int(coll.sparse_iterations.numpy()) == STEPS
+        assert int(layers["a"].sparse_iterations.numpy()) == STEPS
+    # Two widths -> two stacks, each looked up once per call.
+    assert [s.name for s in coll.stacks] == ["stack_8_data", "stack_4_data"]
+    assert coll.stacks[0].offsets == {"a": 0, "b": 50}
+
+
+def test_eager_outputs_and_weights_match():
+    coll = _collection("adagrad")
+    layers = _separate("adagrad")
+    rng = np.random.default_rng(1)
+    ids = {
+        n: rng.integers(0, c["input_dim"], (4,) + SHAPES[n]) for n, c in TABLES.items()
+    }
+    weights = {"a": rng.uniform(size=(4, 3)).astype("float32")}
+    weights["a"][0, 1] = 0.0  # padding
+    out = coll(ids, weights=weights)
+    assert list(out) == list(TABLES)
+    for n in TABLES:
+        layers[n].build()
+        layers[n].embeddings.assign(coll.get_table(n))
+        want = layers[n](ids[n], weights=weights.get(n))
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(out[n]), keras.ops.convert_to_numpy(want)
+        )
+
+
+def test_save_load_per_table(tmp_path):
+    model, coll, _, _ = _models("adam")
+    x, y = _data()
+    _fit(model, x, y)
+    path = str(tmp_path / "coll.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    got = loaded.get_layer("features")
+    assert got.get_config() == coll.get_config()
+    for a, b in zip(coll.variables, got.variables):
+        assert a.path == b.path
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # Training resumes identically.
+    x2, y2 = _data(1)
+    np.testing.assert_allclose(_fit(loaded, x2, y2), _fit(model, x2, y2), rtol=1e-6)
+
+
+def test_config_round_trip_and_plain_dicts():
+    coll = ks.EmbeddingCollection(TABLES, optimizer="sgd", name="c")
+    again = ks.EmbeddingCollection.from_config(coll.get_config())
+    assert again.get_config() == coll.get_config()
+    assert again.tables["c"].combiner == "mean"
+
+
+def test_bad_inputs_name_layer_and_table():
+    coll = _collection("adagrad")
+    ids = {n: np.zeros((2,) + SHAPES[n], "int32") for n in TABLES}
+    coll(ids)
+    with pytest.raises(ValueError, match=r"'features'.*unknown table.*\['d'\]"):
+        coll({**ids, "d": ids["a"]})
+    with pytest.raises(ValueError, match=r"'features'.*no ids for table.*\['b'\]"):
+        coll({n: v for n, v in ids.items() if n != "b"})
+    bad = dict(ids, c=np.array([[1, 20], [0, 0]]))
+    with pytest.raises(ValueError, match=r"'features' table 'c'.*id 20.*\[0, 20\)"):
+        coll(bad)
+    with pytest.raises(TypeError, match=r"'features' table 'a'.*integer"):
+        coll(dict(ids, a=ids["a"].astype("float32")))
+    with pytest.raises(TypeError, match="dict of table name"):
+        coll(ids["a"])
+    with pytest.raises(ValueError, match=r"table 'x'.*output_dim"):
+        ks.EmbeddingCollection({"x": {"input_dim": 3, "output_dim": 0}}, name="e")
+    with pytest.raises(ValueError, match="table names"):
+        ks.EmbeddingCollection({"x/y": ks.TableConfig(3, 2)})
+    with pytest.raises(ValueError, match="non-empty dict"):
+        ks.EmbeddingCollection({})
