@@ -98,14 +98,18 @@ def _head(parts, inputs):
     return model
 
 
-def hash_model(capacity):
-    """One DistributedHashEmbedding per field; fed through `prefetch`."""
+def hash_model(capacity, table_device="cpu", key_dtype="int32"):
+    """One DistributedHashEmbedding per field.
+
+    int32 inputs: fed through `prefetch` (row codes). int64 inputs: raw keys
+    straight into fit; the layer maps them in its host callback.
+    """
     keras.utils.set_random_seed(0)
     inputs, parts = {}, []
     for f in range(FIELDS):
         # int32: the prefetch stage hands the layer int32 row codes; the
         # 64-bit keys never enter the JAX program.
-        k = keras.Input((), dtype="int32", name=f"cat_{f}")
+        k = keras.Input((), dtype=key_dtype, name=f"cat_{f}")
         inputs[f"cat_{f}"] = k
         parts.append(
             DistributedHashEmbedding(
@@ -113,6 +117,7 @@ def hash_model(capacity):
                 capacity=capacity,
                 combiner=None,
                 optimizer="adagrad",
+                table_device=table_device,
                 name=f"hash_emb_{f}",
             )(k)
         )
@@ -130,15 +135,41 @@ def baseline_model(num_bins):
     return _head(parts, inputs)
 
 
+def _splitmix64_bins(v, num_bins):
+    """A strong 64-bit mix, modulo num_bins (used where TF is missing)."""
+    with np.errstate(over="ignore"):
+        z = v.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z % np.uint64(num_bins)).astype(np.int32)
+
+
 def hash_on_host(keys, num_bins):
-    """keras.layers.Hashing over full int64 keys, per field, on the host."""
-    layer = keras.layers.Hashing(num_bins)
+    """keras.layers.Hashing over full int64 keys, per field, on the host.
+
+    Keras' Hashing layer needs TensorFlow; on a machine without it (the GPU
+    image) a NumPy splitmix64 hash modulo ``num_bins`` stands in: a uniform
+    64-bit hash collides like FarmHash at these sizes. Returns the name used.
+    """
+    try:
+        import tensorflow  # noqa: F401
+
+        layer = keras.layers.Hashing(num_bins)
+        name = "keras.layers.Hashing"
+
+        def hash_fn(v):
+            return np.asarray(keras.ops.convert_to_numpy(layer(v))).astype(np.int32)
+
+    except ImportError:
+        name = "NumPy splitmix64 (TensorFlow not installed)"
+
+        def hash_fn(v):
+            return _splitmix64_bins(v, num_bins)
+
     t0 = time.perf_counter()
-    bins = {
-        name: np.asarray(keras.ops.convert_to_numpy(layer(v))).astype(np.int32)
-        for name, v in keys.items()
-    }
-    return bins, time.perf_counter() - t0
+    bins = {k: hash_fn(v) for k, v in keys.items()}
+    return bins, time.perf_counter() - t0, name
 
 
 def collision_stats(keys, bins, capacity):
@@ -196,7 +227,7 @@ def plot(rows, coll, path):
     )
     names = [r["short"] for r in rows]
     vals = [r["sps"] for r in rows]
-    bars = ax1.bar(names, vals, color=["tab:blue", "tab:orange", "tab:gray"])
+    bars = ax1.bar(names, vals, color=[f"C{i}" for i in range(len(rows))])
     ax1.bar_label(bars, labels=[f"{v:,.0f}" for v in vals], fontsize=8)
     ax1.set_ylabel("model.fit samples/s (median)")
     ax1.set_title("fit throughput, 26 fields, equal rows")
@@ -223,6 +254,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2,
                         help="prefetch worker threads")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="CI smoke size")
+    parser.add_argument("--gpu-table", action="store_true",
+                        help="add a row with the tables on the GPU (CuPy)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     quick = dict(samples=1 << 15, batch_size=4096, capacity_per_field=1 << 12,
@@ -248,7 +281,8 @@ def main():
     assert all(v.dtype == np.int64 for v in keys.values())
 
     # Baseline input: keras Hashing on the host (full int64 keys).
-    bins, hash_s = hash_on_host(keys, cap)
+    bins, hash_s, hasher = hash_on_host(keys, cap)
+    print(f"baseline hashing: {hasher}")
     coll = collision_stats(keys, bins, cap)
 
     rows = []
@@ -264,6 +298,30 @@ def main():
     rows.append(dict(name="DistributedHashEmbedding (prefetch, 64-bit keys)",
                      short="DistributedHash\nEmbedding", sps=n / t_hash,
                      t=t_hash, ts=ts, loss=loss))  # fmt: skip
+
+    if args.gpu_table:
+        # 1b) Tables on the GPU (CuPy), driven by the prefetch workers.
+        pmodel = hash_model(cap, table_device="gpu")
+        with prefetch(
+            (keys, labels), pmodel, batch_size=batch, threads=args.threads, capacity=4
+        ) as stage:
+            t_p, ts, loss = timed_fits(
+                lambda: pmodel.fit(stage, epochs=1, verbose=0), args.repeats
+            )
+        rows.append(dict(name="DistributedHashEmbedding (prefetch, GPU tables)",
+                         short="DistributedHash\n(prefetch, GPU)", sps=n / t_p,
+                         t=t_p, ts=ts, loss=loss))  # fmt: skip
+        # 1c) Tables on the GPU (CuPy), raw int64 keys straight into fit.
+        gmodel = hash_model(cap, table_device="gpu", key_dtype="int64")
+        t_gpu, ts, loss = timed_fits(
+            lambda: gmodel.fit(
+                keys, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0
+            ),
+            args.repeats,
+        )
+        rows.append(dict(name="DistributedHashEmbedding (GPU tables, raw keys)",
+                         short="DistributedHash\n(GPU tables)", sps=n / t_gpu,
+                         t=t_gpu, ts=ts, loss=loss))  # fmt: skip
 
     # 2) Hashing (host, excluded) + Embedding.
     bmodel = baseline_model(cap)

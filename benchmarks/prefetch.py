@@ -253,26 +253,6 @@ def _route_stats(x, y, model, batch, replicas):
     return s, elapsed / max(1, s["routed_batches"])
 
 
-def pin_xla_compute(cores):
-    """Confines XLA's compute threads to the first ``cores`` cores.
-
-    Emulates an accelerator: on a GPU machine the step's compute runs on the
-    device and leaves the host cores to Python and the input side. Here XLA
-    gets ``cores`` cores for every path (floor included) and the process's
-    other threads keep all of them. XLA's thread pools start with the
-    backend and inherit the affinity of the thread that starts it, so the
-    main thread is pinned while the backend starts, then released.
-    """
-    import jax
-
-    everything = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, sorted(everything)[:cores])
-    try:
-        jax.jit(lambda a: a + 1)(np.zeros(4, np.float32)).block_until_ready()
-    finally:
-        os.sched_setaffinity(0, everything)
-
-
 def markdown(headers, rows):
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
@@ -291,22 +271,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=None, help="'A' or 'B': one config")
     parser.add_argument("--skip-routing", action="store_true")
-    parser.add_argument(
-        "--xla-cores",
-        type=int,
-        default=0,
-        help="pin XLA's compute threads to this many cores (0: no pinning)",
-    )
     args = parser.parse_args()
-    if args.xla_cores:
-        pin_xla_compute(args.xla_cores)
     if args.quick:
         args.steps, args.batch = 3, 4096
         args.light_steps, args.light_batch, args.repeats = 3, 16384, 1
     print(
         f"backend={keras.backend.backend()} batch={args.batch} "
-        f"steps/epoch={args.steps} cores={os.cpu_count()} "
-        f"xla-cores={args.xla_cores or 'all'}\n"
+        f"steps/epoch={args.steps} cores={os.cpu_count()}\n"
     )
     threads_list = [1, 2] if args.quick else [1, 2, 4]
     configs = [

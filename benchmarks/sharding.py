@@ -71,7 +71,7 @@ def make_layers(strategy):
             DIM,
             combiner="sum",
             optimizer="adagrad",
-            sharding="auto" if strategy == "auto" else strategy,
+            sharding={"auto": "auto", "single": "auto"}.get(strategy, strategy),
             name=f"t{i:02d}",
         )
         for i, rows in enumerate(ROWS)
@@ -145,7 +145,34 @@ def compiled_step_bytes(model, x, y):
     return jax_sharded_lookup.hlo_collective_bytes(text, DEVICES)["total"]
 
 
+def run_single(steps, batch, rng):
+    """The same model without a distribution, on the backend's first device."""
+    import jax
+
+    layers = make_layers("single")
+    try:
+        model = build_model(layers)
+        x, y = data(steps, batch, rng)
+        model.fit(x[: batch * 2], y[: batch * 2], batch_size=batch, verbose=0)
+        timer = StepTimer()
+        model.fit(x, y, batch_size=batch, verbose=0, shuffle=False, callbacks=[timer])
+        d = jax.devices()[0]
+        return {
+            "strategy": f"single device ({d.platform}: {d.device_kind})",
+            "tables": f"local:{len(layers)}",
+            "step_ms": 1000 * statistics.median(timer.gaps),
+            "bytes": 0,
+            "hlo_bytes": 0,
+            "mem": table_bytes_on_device0(layers),
+            "plan": None,
+        }
+    finally:
+        keras.backend.clear_session()
+
+
 def run(strategy, steps, batch, rng, memory_per_device, row_slack=None):
+    if strategy == "single":
+        return run_single(steps, batch, rng)
     layers = make_layers(strategy)
     dist = sharding.distribution(
         layers,
@@ -203,7 +230,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--strategies", default="data,row,column,table,auto")
+    parser.add_argument(
+        "--strategies",
+        default="data,row,column,table,auto",
+        help="comma list of data,row,column,table,auto and 'single' (no "
+        "distribution, the backend's first device: the GPU when there is one)",
+    )
     parser.add_argument(
         "--memory-mib",
         type=float,

@@ -56,6 +56,10 @@ Caveats:
   the layer's ``sparse_iterations`` counter says were not trained (they are
   re-inserted, fresh, when next seen), so no key can ever read a row that
   was not reset for it.
+- GPU tables (``table_device="gpu"``) take the same call: the worker sends
+  the batch's keys to the GPU, the CUDA kernels map them, and the int32 codes
+  come back to the worker, all off the step's critical path (the transfer
+  then moves them to the device with the rest of the batch).
 - ``deterministic=False`` lets batches out in completion order only when no
   layer mutates its table (inference stages); training stages keep order.
 - Subclassed models: the stage cannot see which input feeds which layer;
@@ -1002,11 +1006,6 @@ def prefetch(
     for layer in hash_layers:
         if not layer.built:
             layer.build()
-        if getattr(layer.table, "device", "cpu") != "cpu":
-            raise NotImplementedError(
-                f"prefetch: layer '{layer.name}' has a GPU table; the stage "
-                "supports host (CPU) tables only."
-            )
     copy_batch = batch_copier(transfer)
     insert = bool(training)
     ordered = bool(deterministic) or (insert and bool(hash_layers))

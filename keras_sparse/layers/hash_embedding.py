@@ -314,8 +314,8 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
     def _map_on_gpu(self, keys, use, insert):
         """GPU table, eager call: keys and rows stay on the device via DLPack.
 
-        UNTESTED here (no CUDA device in CI); kept deliberately simple.
-        Compiled steps always go through the host callbacks instead.
+        Checked by ``tests/gpu`` (needs a CUDA device). Compiled steps go
+        through the host callbacks instead (or ``keras_sparse.data.prefetch``).
         """
         import cupy as cp
 

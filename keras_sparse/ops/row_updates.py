@@ -5,7 +5,30 @@ TensorFlow custom_gradient and a PyTorch autograd.Function. Shapes stay
 static (``N`` = number of looked-up ids) so XLA can compile it.
 """
 
+import keras
 from keras import ops
+
+# None: decide from the backend and device (see `_positions_by_argsort`);
+# True/False force one algorithm (tests compare both on any machine).
+FORCE_ARGSORT = None
+
+
+def _positions_by_argsort():
+    """Whether to find each id's segment through an argsort, not a search.
+
+    XLA lowers ``searchsorted`` to a loop of ``log2(N)`` dependent passes:
+    cheap on CPU, where it beats an argsort by ~2x, but a chain of small
+    kernel launches on a GPU, where a (key, position) sort is ~3x faster
+    (26 tables x 16K ids on an H100: 2.9 ms vs 8.8 ms). TensorFlow and
+    PyTorch have native search kernels and keep the search.
+    """
+    if FORCE_ARGSORT is not None:
+        return bool(FORCE_ARGSORT)
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return jax.default_backend() != "cpu"
 
 
 def dedup_and_sum(ids, valid, grads, num_rows):
@@ -24,9 +47,15 @@ def dedup_and_sum(ids, valid, grads, num_rows):
     """
     n = ops.shape(ids)[0]
     keys = ops.where(valid, ops.cast(ids, "int32"), num_rows)
-    # Sorting the keys alone and finding each position's segment by binary
-    # search is ~3x faster on XLA:CPU than an argsort carrying the gradients.
-    sorted_keys = ops.sort(keys)
+    by_argsort = _positions_by_argsort()
+    if by_argsort:
+        order = ops.cast(ops.argsort(keys), "int32")
+        sorted_keys = ops.take(keys, order)
+    else:
+        # Sorting the keys alone and finding each position's segment by
+        # binary search is ~3x faster on XLA:CPU than an argsort carrying
+        # the gradients.
+        sorted_keys = ops.sort(keys)
     is_start = ops.concatenate(
         [ops.ones((1,), "bool"), ops.not_equal(sorted_keys[1:], sorted_keys[:-1])]
     )
@@ -35,9 +64,14 @@ def dedup_and_sum(ids, valid, grads, num_rows):
         ops.full((n,), num_rows, "int32"), ops.expand_dims(segment, -1), sorted_keys
     )
     num_unique = segment[-1] + 1
-    position_segment = ops.cast(
-        ops.searchsorted(unique_ids, keys, side="left"), "int32"
-    )
+    if by_argsort:
+        position_segment = ops.scatter_update(
+            ops.zeros((n,), "int32"), ops.expand_dims(order, -1), segment
+        )
+    else:
+        position_segment = ops.cast(
+            ops.searchsorted(unique_ids, keys, side="left"), "int32"
+        )
     summed = ops.segment_sum(grads, position_segment, num_segments=n)
     is_real = ops.logical_and(
         ops.arange(n, dtype="int32") < num_unique, unique_ids < num_rows

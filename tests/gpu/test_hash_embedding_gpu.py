@@ -66,3 +66,25 @@ def test_eager_call_keeps_device_keys_on_the_gpu():
     out = layer(keys, training=True)
     assert out.devices() == {jax.devices("gpu")[0]}
     assert layer.stats()["size"] == 3
+
+
+def test_prefetch_with_gpu_tables_trains_like_the_slow_cpu_path():
+    """Worker threads drive the CUDA tables; under eviction pressure (400 keys,
+    capacity 256) the result equals the callback path on a CPU table."""
+    x, y = _data()
+    runs = {}
+    for device in ("cpu", "gpu"):
+        keras.utils.set_random_seed(0)
+        model, layer = _model(device)
+        if device == "cpu":
+            hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        else:
+            with ks.data.prefetch((x, y), model, batch_size=32, threads=3) as stage:
+                hist = model.fit(stage, epochs=2, verbose=0)
+        runs[device] = (hist.history["loss"], layer.export(), layer.stats())
+    assert runs["gpu"][2]["evictions"] > 0
+    np.testing.assert_allclose(runs["cpu"][0], runs["gpu"][0], rtol=1e-5)
+    a, b = runs["cpu"][1], runs["gpu"][1]
+    oa, ob = np.argsort(a["keys"]), np.argsort(b["keys"])
+    np.testing.assert_array_equal(a["keys"][oa], b["keys"][ob])
+    np.testing.assert_allclose(a["values"][oa], b["values"][ob], rtol=1e-5)
