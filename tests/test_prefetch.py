@@ -521,6 +521,38 @@ def test_transfer_copies_in_workers_and_trains_identically():
     _assert_same(ref, _state(model))
 
 
+def test_transfer_compiles_the_step_once():
+    # Device copies must look to jit like NumPy inputs (uncommitted); a
+    # committed copy changed the input shardings and recompiled the step in
+    # the first two fits.
+    if keras.backend.backend() != "jax":
+        pytest.skip("jit compilation counting is JAX-specific")
+    import logging
+
+    import jax
+
+    compiled = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "compilation of jit(train_step)" in record.getMessage():
+                compiled.append(record.getMessage())
+
+    handler = Count(logging.WARNING)
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    x, y = _data()
+    model = _model(capacity=64)
+    try:
+        with jax.log_compiles(True):
+            with prefetch((x, y), model, batch_size=BATCH, transfer=True) as st:
+                for _ in range(3):
+                    model.fit(st, epochs=1, verbose=0)
+    finally:
+        logger.removeHandler(handler)
+    assert len(compiled) == 1, compiled
+
+
 def test_transfer_bad_value_rejected():
     x, y = _data()
     model = _model()

@@ -8,7 +8,8 @@ are already on the device through unchanged.
 Backends:
 
 - JAX, no active `keras.distribution`: ``jax.device_put`` to the default
-  device. Under a distribution the batch stays in NumPy: Keras splits it
+  device (uncommitted, so the compiled step is the one NumPy inputs get).
+  Under a distribution the batch stays in NumPy: Keras splits it
   over the mesh itself (``make_array_from_process_local_data``), and a
   second copy from device arrays would only add work.
 - PyTorch: ``torch.as_tensor`` then ``.to(device, non_blocking=True)`` from
@@ -43,10 +44,11 @@ def _jax_copy():
         return None
     import jax
 
-    device = jax.devices()[0]
-
     def copy(a):
-        return jax.device_put(a, device)
+        # No device argument: the array lands on the default device but stays
+        # *uncommitted*, like a NumPy input. A committed array would change
+        # the shardings jit sees and cost extra compilations of the step.
+        return jax.device_put(a)
 
     return copy
 
