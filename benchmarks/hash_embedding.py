@@ -199,6 +199,11 @@ def collision_stats(keys, bins, capacity):
     }
 
 
+def epoch_on_arrays(model, x, y, batch):
+    """A callable fitting one epoch over in-memory arrays, in order."""
+    return lambda: model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+
+
 def timed_fits(fit, repeats):
     fit()  # warm-up epoch: compiles (and fills the hash tables); excluded
     times = []
@@ -314,10 +319,7 @@ def main():
         # 1c) Tables on the GPU (CuPy), raw int64 keys straight into fit.
         gmodel = hash_model(cap, table_device="gpu", key_dtype="int64")
         t_gpu, ts, loss = timed_fits(
-            lambda: gmodel.fit(
-                keys, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0
-            ),
-            args.repeats,
+            epoch_on_arrays(gmodel, keys, labels, batch), args.repeats
         )
         rows.append(dict(name="DistributedHashEmbedding (GPU tables, raw keys)",
                          short="DistributedHash\n(GPU tables)", sps=n / t_gpu,
@@ -326,10 +328,7 @@ def main():
     # 2) Hashing (host, excluded) + Embedding.
     bmodel = baseline_model(cap)
     t_base, ts, loss = timed_fits(
-        lambda: bmodel.fit(
-            bins, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0
-        ),
-        args.repeats,
+        epoch_on_arrays(bmodel, bins, labels, batch), args.repeats
     )
     rows.append(dict(name="Hashing + Embedding (host hashing excluded)",
                      short="Hashing+Embedding\n(hashing excl.)", sps=n / t_base,

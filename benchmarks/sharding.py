@@ -145,17 +145,23 @@ def compiled_step_bytes(model, x, y):
     return jax_sharded_lookup.hlo_collective_bytes(text, DEVICES)["total"]
 
 
+def fit_timed(layers, steps, batch, rng):
+    """Builds the model, warms it up (compiles), then times ``steps`` steps."""
+    model = build_model(layers)
+    x, y = data(steps, batch, rng)
+    model.fit(x[: batch * 2], y[: batch * 2], batch_size=batch, verbose=0)
+    timer = StepTimer()
+    model.fit(x, y, batch_size=batch, verbose=0, shuffle=False, callbacks=[timer])
+    return model, x, y, timer
+
+
 def run_single(steps, batch, rng):
     """The same model without a distribution, on the backend's first device."""
     import jax
 
     layers = make_layers("single")
     try:
-        model = build_model(layers)
-        x, y = data(steps, batch, rng)
-        model.fit(x[: batch * 2], y[: batch * 2], batch_size=batch, verbose=0)
-        timer = StepTimer()
-        model.fit(x, y, batch_size=batch, verbose=0, shuffle=False, callbacks=[timer])
+        _, _, _, timer = fit_timed(layers, steps, batch, rng)
         d = jax.devices()[0]
         return {
             "strategy": f"single device ({d.platform}: {d.device_kind})",
@@ -185,11 +191,7 @@ def run(strategy, steps, batch, rng, memory_per_device, row_slack=None):
     plan = dist.keras_sparse_plan
     keras.distribution.set_distribution(dist)
     try:
-        model = build_model(layers)
-        x, y = data(steps, batch, rng)
-        model.fit(x[: batch * 2], y[: batch * 2], batch_size=batch, verbose=0)
-        timer = StepTimer()
-        model.fit(x, y, batch_size=batch, verbose=0, shuffle=False, callbacks=[timer])
+        model, x, y, timer = fit_timed(layers, steps, batch, rng)
         try:
             hlo_bytes = compiled_step_bytes(model, x[:batch], y[:batch])
         except Exception as e:  # diagnostics only
