@@ -11,6 +11,8 @@ own half of every global batch.
     python examples/multiprocess_train.py --process-id 1 --num-processes 2 --port 12355
     # the single-process reference on 8 local devices:
     python examples/multiprocess_train.py --num-processes 1 --local-devices 8
+    # add --collection: the tables in one EmbeddingCollection, plus two tables
+    # placed table-wise (each whole on one device)
 
 On real hosts, pass ``--coordinator host0:PORT`` and drop ``--local-devices``
 (GPUs are found by JAX). Process 0 prints one JSON line with the per-step
@@ -43,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--heartbeat-timeout", type=int, default=10)
     p.add_argument("--init-timeout", type=int, default=60)
     p.add_argument("--watchdog", type=float, default=120.0)
+    p.add_argument(
+        "--collection",
+        action="store_true",
+        help="the tables (plus two table-wise ones) in one EmbeddingCollection",
+    )
     p.add_argument(
         "--die-at-step",
         type=int,
@@ -87,6 +94,8 @@ TABLES = {  # name: (rows, strategy, sparse optimizer)
     "country": (16, "data", "adagrad"),
 }
 DIM, BAG = 8, 3
+# --collection adds two tables placed whole on one device each.
+TABLE_WISE = {"genre": 40, "region": 24}
 
 
 class Watchdog(keras.callbacks.Callback):
@@ -120,9 +129,38 @@ class Watchdog(keras.callbacks.Callback):
             os.kill(os.getpid(), 9)
 
 
+def table_rows():
+    rows = {name: spec[0] for name, spec in TABLES.items()}
+    if ARGS.collection:
+        rows.update(TABLE_WISE)
+    return rows
+
+
+def make_layers():
+    if not ARGS.collection:
+        return [
+            ks.AllToAllDenseEmbedding(
+                rows, DIM, combiner="sum", optimizer=opt, sharding=strategy, name=name
+            )
+            for name, (rows, strategy, opt) in TABLES.items()
+        ]
+    configs = {
+        name: ks.TableConfig(rows, DIM, combiner="sum", sharding=strategy)
+        for name, (rows, strategy, _) in TABLES.items()
+    }
+    for name, rows in TABLE_WISE.items():
+        configs[name] = ks.TableConfig(rows, DIM, combiner="sum", sharding="table")
+    return [ks.EmbeddingCollection(configs, optimizer="adagrad", name="tables")]
+
+
 def build(layers):
-    inputs = [keras.Input((BAG,), dtype="int32", name=f"{n}_ids") for n in TABLES]
-    pooled = [layer(x) for layer, x in zip(layers, inputs)]
+    names = list(table_rows())
+    inputs = [keras.Input((BAG,), dtype="int32", name=f"{n}_ids") for n in names]
+    if ARGS.collection:
+        out = layers[0](dict(zip(names, inputs)))
+        pooled = [out[n] for n in names]
+    else:
+        pooled = [layer(x) for layer, x in zip(layers, inputs)]
     h = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()(pooled))
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
     model.compile(keras.optimizers.Adam(0.01), "mse")
@@ -134,7 +172,7 @@ def global_data(steps, batch):
     n = steps * batch
     x = [
         rng.integers(0, rows, size=(n, BAG)).astype("int32")
-        for rows, _, _ in TABLES.values()
+        for rows in table_rows().values()
     ]
     return x, rng.normal(size=(n, 1)).astype("float32")
 
@@ -143,20 +181,18 @@ def main():
     keras.utils.set_random_seed(0)
     nproc, pid = jax.process_count(), jax.process_index()
     devices = jax.devices()
-    layers = [
-        ks.AllToAllDenseEmbedding(
-            rows, DIM, combiner="sum", optimizer=opt, sharding=strategy, name=name
-        )
-        for name, (rows, strategy, opt) in TABLES.items()
-    ]
+    layers = make_layers()
     dist = ks.sharding.distribution(layers, devices=devices)
     dist.auto_shard_dataset = False  # each process passes its own slice below
     keras.distribution.set_distribution(dist)
     model = build(layers)
     # Same initial weights everywhere (and in the single-process reference).
     rng = np.random.default_rng(1)
+    stacked = set()
+    if ARGS.collection:
+        stacked = {id(layers[0].stack_variables(s.name)[0]) for s in layers[0].stacks}
     for w in model.weights:
-        if w.path.split("/")[-1] in ("embeddings", "kernel"):
+        if w.path.split("/")[-1] in ("embeddings", "kernel") or id(w) in stacked:
             w.assign(rng.normal(0, 0.1, size=w.shape).astype(w.dtype))
     # Each process feeds its contiguous slice of every global batch.
     x, y = global_data(ARGS.steps, ARGS.batch_size)
@@ -176,10 +212,18 @@ def main():
         callbacks=[watchdog],
     )
     checksums = {}
-    for name in TABLES:
-        table = model.get_layer(name).embeddings.value
-        full = np.asarray(multihost_utils.process_allgather(table, tiled=True))
-        checksums[name] = float(np.abs(full).sum())
+    if ARGS.collection:
+        for stack in layers[0].stacks:
+            table = layers[0].stack_variables(stack.name)[0].value
+            full = np.asarray(multihost_utils.process_allgather(table, tiled=True))
+            for name, start in stack.offsets.items():
+                rows = table_rows()[name]
+                checksums[name] = float(np.abs(full[start : start + rows]).sum())
+    else:
+        for name in TABLES:
+            table = model.get_layer(name).embeddings.value
+            full = np.asarray(multihost_utils.process_allgather(table, tiled=True))
+            checksums[name] = float(np.abs(full).sum())
     if pid == 0:
         print(
             "RESULT "

@@ -65,14 +65,28 @@ def _result(out):
 
 @pytest.fixture(scope="module")
 def runs():
-    """Both scenarios launched at once (5 processes) to bound the wall time."""
-    port, kill_port = _free_port(), _free_port()
+    """All scenarios launched at once (8 processes) to bound the wall time."""
+    port, kill_port, coll_port = _free_port(), _free_port(), _free_port()
     procs = {
         "ref": _launch("--num-processes", "1", "--local-devices", "8"),
         **{
             f"p{i}": _launch(
                 "--process-id", str(i), "--num-processes", "2", "--port", str(port)
             )
+            for i in range(2)
+        },
+        # An EmbeddingCollection: row, column, data and two table-wise tables.
+        "cref": _launch("--collection", "--num-processes", "1", "--local-devices", "8"),
+        **{
+            f"c{i}": _launch(
+                "--collection",
+                "--process-id",
+                str(i),
+                "--num-processes",
+                "2",
+                "--port",
+                str(coll_port),
+            )  # fmt: skip
             for i in range(2)
         },
     }
@@ -85,7 +99,7 @@ def runs():
         died = time.monotonic()
         done["survivor"] = _finish(procs["survivor"], timeout=90)
         done["survivor_s"] = time.monotonic() - died
-        for name in ("ref", "p0", "p1"):
+        for name in ("ref", "p0", "p1", "cref", "c0", "c1"):
             done[name] = _finish(procs[name])
     finally:
         for proc in procs.values():
@@ -106,6 +120,18 @@ def test_two_processes_match_one_process_eight_devices(runs):
     assert multi["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
     assert multi["checksums"] == pytest.approx(ref["checksums"], rel=1e-5)
     assert f"step {STEPS}" in runs["p1"][1]  # process 1 trained too
+
+
+def test_collection_two_processes_match_one_process(runs):
+    for name in ("cref", "c0", "c1"):
+        rc, out = runs[name]
+        assert rc == 0, out[-3000:]
+    ref, multi = _result(runs["cref"][1]), _result(runs["c0"][1])
+    assert (multi["processes"], multi["devices"]) == (2, 8)
+    assert set(multi["checksums"]) == {"user", "item", "country", "genre", "region"}
+    assert multi["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
+    assert multi["checksums"] == pytest.approx(ref["checksums"], rel=1e-5)
+    assert multi["losses"][-1] < multi["losses"][0]  # it trained
 
 
 def test_killed_peer_fails_the_survivor_quickly(runs):
