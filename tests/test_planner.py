@@ -1,5 +1,6 @@
 """The sharding planner's choices (pure Python)."""
 
+import keras
 import pytest
 
 import keras_sparse as ks
@@ -152,3 +153,111 @@ def test_hash_embedding_tables_are_planned_like_fixed_ones():
     p = plan([layer], devices=8, memory_per_device=full // 4)
     assert p.strategy(layer.name) in ("row", "column")
     assert p[layer.name].bytes_per_device == full // 8
+
+
+def _stacked_collection(pins):
+    return ks.EmbeddingCollection(
+        {
+            name: ks.TableConfig(rows, dim, sharding=pins.get(name, "auto"))
+            for name, (rows, dim) in {
+                "wide": (1000, 16),
+                "narrow": (1000, 8),
+            }.items()
+        },
+        optimizer="adagrad",
+        name="features",
+    )
+
+
+def test_table_wise_bytes_count_the_padded_stack_on_every_device():
+    # Two table-wise stacks (dim 16, dim 8). Each device holds B rows of each
+    # stack, B its busiest device's rows: 1000 * (16 + 16) * 4 + 1000 *
+    # (8 + 8) * 4 bytes on every device, not only on the tables' owners.
+    coll = _stacked_collection({"wide": "table", "narrow": "table"})
+    p = plan([coll], devices=8)
+    assert p.strategy("features/wide") == p.strategy("features/narrow") == "table"
+    assert p["features/wide"].devices != p["features/narrow"].devices
+    want = 1000 * 32 * 4 + 1000 * 16 * 4
+    assert p.device_bytes == [want] * 8
+    # The table rows keep their own bytes; a line per stack shows the padding.
+    assert p["features/narrow"].bytes_per_device == 1000 * 16 * 4
+    assert {(s.name, s.block_rows) for s in p.stacks} == {
+        ("features/stack_16_table", 1000),
+        ("features/stack_8_table", 1000),
+    }
+    text = str(p)
+    assert "features/stack_8_table (table-wise stack of 1 tables): 8 x 1000" in text
+    assert f"max bytes/device {want / 1024:.1f} KiB" in text
+
+
+def test_table_wise_placement_that_only_fits_unpadded_is_refused():
+    # Owner-only accounting puts "wide" (125 KiB) on one device and "narrow"
+    # (62.5 KiB) on another: 125 KiB max, under 150000 bytes. The stacks are
+    # padded: every device holds both, 187.5 KiB.
+    budget = 150_000
+    coll = _stacked_collection({"wide": "table", "narrow": "table"})
+    with pytest.raises(ValueError, match=r"'features/narrow'.*fits no strategy") as e:
+        plan([coll], devices=8, memory_per_device=budget)
+    assert "stack features/stack_8_table grows by 62.5 KiB/device" in str(e.value)
+    # Enough for both padded stacks: it fits exactly.
+    p = plan([coll], devices=8, memory_per_device=1000 * 48 * 4)
+    assert {t.strategy for t in p} == {"table"}
+
+    # "narrow" free to choose: its few lookups leave table-wise no dearer
+    # than row-wise (ties go to "table"), but its stack does not fit.
+    coll = _stacked_collection({"wide": "table"})
+    kwargs = dict(
+        devices=8,
+        batch_size=1024,
+        ids_per_sample={"features/wide": 64, "features/narrow": 1},
+        strategies=("table", "row"),
+    )
+    assert plan([coll], **kwargs).strategy("features/narrow") == "table"
+    p = plan([coll], memory_per_device=budget, **kwargs)
+    assert p.strategy("features/wide") == "table"
+    assert p.strategy("features/narrow") == "row"
+    assert "table: stack features/stack_8_table grows" in p["features/narrow"].reason
+    assert p.device_bytes == [1000 * 32 * 4 + 1000 * 16 * 4 // 8] * 8
+    assert max(p.device_bytes) <= budget
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
+)
+def test_planned_bytes_match_the_live_stacks_on_each_device():
+    from keras_sparse import sharding
+
+    rows = {"t0": 61, "t1": 23, "t2": 40, "t3": 9, "t4": 35, "t5": 50, "t6": 17}
+    dims = {"t0": 8, "t1": 8, "t2": 4, "t3": 8, "t4": 4, "t5": 8, "t6": 4}
+    coll = ks.EmbeddingCollection(
+        {n: ks.TableConfig(r, dims[n]) for n, r in rows.items()},
+        optimizer="adam",  # two slots per row
+        sharding="table",
+        name="features",
+    )
+    dist = sharding.distribution([coll], devices=8)
+    p = dist.keras_sparse_plan
+    assert {t.strategy for t in p} == {"table"}
+    keras.distribution.set_distribution(dist)
+    try:
+        coll.build()
+        on_device = {}
+        for stack in coll.stacks:
+            for var in coll.stack_variables(stack.name):
+                for shard in var.value.addressable_shards:
+                    nbytes = shard.data.size * shard.data.dtype.itemsize
+                    on_device[shard.device] = on_device.get(shard.device, 0) + nbytes
+        first = sum(
+            var.value.addressable_shards[0].data.size
+            * var.value.addressable_shards[0].data.dtype.itemsize
+            for stack in coll.stacks
+            for var in coll.stack_variables(stack.name)
+        )
+    finally:
+        keras.distribution.set_distribution(None)
+    assert len(on_device) == 8
+    assert p.device_bytes[0] == first
+    assert sorted(p.device_bytes) == sorted(on_device.values())
+    # Device 0's own tables alone are fewer bytes: the padding is counted.
+    owned = [t for t in p if t.devices == (0,)]
+    assert sum(t.spec.rows * t.spec.dim * 3 * 4 for t in owned) < first

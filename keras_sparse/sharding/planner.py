@@ -26,6 +26,22 @@ Strategies:
 ``column`` columns split evenly (needs ``dim % devices == 0`` and an
            element-wise optimizer: row-wise slots need whole rows).
 
+Table-wise memory: the tables placed table-wise are stacked, as the runtime
+does (`keras_sparse.sharding.keras_integration.collection_stacks`), one stack
+per ``(collection, dim)``: a ``[devices * B, dim]`` variable (and one per
+optimizer slot) row-sharded over the devices, ``B`` the rows of its busiest
+device (the sum of the rows of the stack's tables placed there). EVERY device
+holds ``B`` rows of the stack, table plus slots: ``B * bytes_per_row``. The
+per-device totals (`Plan.device_bytes`, the printed "max bytes/device") and
+the memory-fit decision count that padded stack: placing a table on device
+``k`` costs every device ``(max(B, rows_on_k + rows) - B) * bytes_per_row``.
+The table's device is the one with the fewest rows of its stack (the
+smallest growth of ``B``), then the fewest lookups. In the printed table a
+table-wise table's "bytes/device" is its own bytes (held by its owner); a
+line per stack below it gives ``B`` and the stack's bytes on every device.
+`TableSpec`s without a layer are stacked like the tables of one collection
+(one stack per ``dim`` and row size).
+
 Choice: the cheapest strategy that fits in ``memory_per_device``; pinned
 strategies are honoured as given. Cost (an alpha-beta model, in bytes):
 ``comm_bytes * imbalance + rounds * collective_latency_bytes`` where
@@ -147,14 +163,67 @@ class TablePlan:
         return self.spec.name
 
 
-class Plan:
-    """Result of `plan`: a `TablePlan` per table plus per-device totals."""
+class TableStack:
+    """The stacked variable of a group of table-wise tables.
 
-    def __init__(self, tables, num_devices, memory_per_device, device_bytes):
+    ``[num_devices * block_rows, dim]`` rows (plus one variable per optimizer
+    slot), row-sharded: every device holds ``block_rows`` rows, the rows of
+    the busiest device, so ``bytes_per_device`` on each of them.
+    """
+
+    def __init__(self, name, dim, bytes_per_row, num_devices):
+        self.name = name
+        self.dim = int(dim)
+        self.bytes_per_row = int(bytes_per_row)
+        self.device_rows = [0] * int(num_devices)
+        self.tables = []
+
+    @property
+    def block_rows(self):
+        return max(self.device_rows, default=0)
+
+    @property
+    def bytes_per_device(self):
+        return self.block_rows * self.bytes_per_row
+
+    def growth(self, device, rows):
+        """Bytes every device gains when ``rows`` rows go to ``device``."""
+        block = self.block_rows
+        return (max(block, self.device_rows[device] + rows) - block) * (
+            self.bytes_per_row
+        )
+
+    def add(self, name, device, rows):
+        self.device_rows[device] += int(rows)
+        self.tables.append(name)
+
+
+def _stack_key(spec):
+    # As `collection_stacks`: one stack per collection and dim (the row size
+    # adds nothing there; it keeps apart layer-less specs that differ).
+    owner = None if spec.layer is None else id(spec.layer)
+    return owner, spec.dim, spec.bytes_per_row
+
+
+def _stack_name(spec):
+    name = f"stack_{spec.dim}_table"
+    return name if spec.layer is None else f"{spec.layer.name}/{name}"
+
+
+class Plan:
+    """Result of `plan`: a `TablePlan` per table plus per-device totals.
+
+    ``device_bytes[k]``: bytes device ``k`` holds (tables and slots), the
+    table-wise stacks padded as the runtime allocates them; ``stacks``: the
+    `TableStack` of each group of table-wise tables.
+    """
+
+    def __init__(self, tables, num_devices, memory_per_device, device_bytes, stacks=()):
         self.tables = {t.name: t for t in tables}
         self.num_devices = num_devices
         self.memory_per_device = memory_per_device
         self.device_bytes = list(device_bytes)
+        self.stacks = list(stacks)
 
     def strategy(self, name):
         return self.tables[name].strategy
@@ -209,6 +278,15 @@ class Plan:
         out += [line(r) for r in body]
         out.append("")
         out += [f"{t.name}: {t.reason}" for t in self]
+        for st in self.stacks:
+            rows = ",".join(str(r) for r in st.device_rows)
+            out.append(
+                f"{st.name} (table-wise stack of {len(st.tables)} tables): "
+                f"{self.num_devices} x {st.block_rows} rows, every device holds "
+                f"the busiest device's {st.block_rows} rows with slots = "
+                f"{_fmt_bytes(st.bytes_per_device)} (table rows per device: "
+                f"{rows})"
+            )
         cap = self.memory_per_device
         out.append(
             f"max bytes/device {_fmt_bytes(max(self.device_bytes, default=0))}"
@@ -396,6 +474,7 @@ def plan(
 
     used = [0] * d
     load = [0.0] * d
+    stacks = {}  # _stack_key -> TableStack, in creation order
     fair_load = sum(lookups_of(s) for s in specs) / d
     results = {}
     # Pinned first, largest first (greedy bin packing of pinned table-wise
@@ -422,7 +501,7 @@ def plan(
         pending -= min_footprint(spec)
         for reserve in (pending, 0):
             tried = []
-            best = None
+            best = best_stack = None
             for strat in options:
                 problem = _structural_problem(spec, strat, d)
                 per_dev = bytes_per_device(spec, strat, d)
@@ -431,13 +510,21 @@ def plan(
                     tried.append(f"{strat}: {problem}")
                     continue
                 if strat == "table":
-                    # Least loaded device (memory, then lookups) that fits.
-                    dev = min(range(d), key=lambda i: (used[i], load[i]))
-                    if used[dev] + per_dev + reserve > cap:
+                    # Every device holds the stack's busiest block: the device
+                    # with the fewest rows of the stack (the smallest growth
+                    # of that block), then the fewest lookups.
+                    stack = stacks.get(_stack_key(spec)) or TableStack(
+                        _stack_name(spec), spec.dim, spec.bytes_per_row, d
+                    )
+                    dev = min(range(d), key=lambda i: (stack.device_rows[i], load[i]))
+                    grow = stack.growth(dev, spec.rows)
+                    free = cap - max(used) - reserve
+                    if grow > free:
                         tried.append(
-                            f"table: {_fmt_bytes(per_dev)} > "
-                            f"{_fmt_bytes(cap - used[dev] - reserve)} free on "
-                            f"device {dev}"
+                            f"table: stack {stack.name} grows by "
+                            f"{_fmt_bytes(grow)}/device (to "
+                            f"{stack.device_rows[dev] + spec.rows} rows) > "
+                            f"{_fmt_bytes(free)} free"
                         )
                         continue
                     imbalance = max(1.0, (load[dev] + lk) / max(fair_load, 1e-9))
@@ -457,6 +544,8 @@ def plan(
                 key = (cost, _TIE_ORDER[strat])
                 if best is None or key < best[0]:
                     best = (key, strat, devs, per_dev, comm)
+                    if strat == "table":
+                        best_stack = (stack, grow)
                 tried.append(f"{strat}: cost {_fmt_bytes(cost)}")
             if best is not None:
                 break
@@ -469,9 +558,17 @@ def plan(
                 f"({_fmt_bytes(max(used))} already used): " + "; ".join(tried)
             )
         (cost, _), strat, devs, per_dev, comm = best
-        for i in devs:
-            used[i] += per_dev
-            load[i] += lk if strat == "table" else lk / d
+        if strat == "table":
+            stack, grow = best_stack
+            stacks.setdefault(_stack_key(spec), stack)
+            stack.add(spec.name, devs[0], spec.rows)
+            load[devs[0]] += lk
+            for i in range(d):
+                used[i] += grow
+        else:
+            for i in devs:
+                used[i] += per_dev
+                load[i] += lk / d
         if spec.name in pinned:
             reason = f"pinned to {strat}"
         else:
@@ -481,4 +578,4 @@ def plan(
                 reason += "; " + "; ".join(others)
         results[spec.name] = TablePlan(spec, strat, devs, per_dev, comm, reason)
     ordered = [results[s.name] for s in specs]
-    return Plan(ordered, d, memory_per_device, used)
+    return Plan(ordered, d, memory_per_device, used, stacks.values())
