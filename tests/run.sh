@@ -35,7 +35,7 @@ for backend in jax tensorflow torch; do
   else
     marker="not backend_independent" extra=(--ignore=tests/gpu)
   fi
-  KERAS_BACKEND=$backend python -m pytest tests ${extra[@]+"${extra[@]}"} -q -rs \
+  KERAS_BACKEND=$backend python -m pytest tests ${extra[@]+"${extra[@]}"} -q -rfEs \
     -p no:cacheprovider -m "$marker" "$@" 2>&1 | tee "$log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   tally

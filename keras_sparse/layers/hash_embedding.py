@@ -1,6 +1,5 @@
 """DistributedHashEmbedding: an embedding for an open-ended set of int64 keys."""
 
-import math
 import warnings
 
 import keras
@@ -11,6 +10,7 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers.fresh_rows import fresh_row_values
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
@@ -96,9 +96,12 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             a `keras_sparse.optimizers` instance or a Keras SGD/Adagrad/Adam/
             Ftrl instance). The rows live outside the model's optimizer
             because their meaning changes when keys are evicted.
-        embeddings_initializer: initializer of fresh rows, drawn per step
-            with the layer's own seed generator (VarianceScaling initializers
-            use the fans of the full ``[capacity, output_dim]`` table).
+        embeddings_initializer: initializer of fresh rows, drawn once per
+            training step with the layer's own seed generator, for as many
+            rows as the step's fresh positions need (the smallest of 1/32,
+            1/8, 1/2 or all of the batch's ids; see
+            `keras_sparse.layers.fresh_rows`). VarianceScaling initializers
+            use the fans of the full ``[capacity, output_dim]`` table.
         embeddings_regularizer: applied to the rows looked up in a batch.
         eviction: "lru", "lfu" or None.
         admit_after: int >= 1; sightings before a key gets a row.
@@ -237,7 +240,6 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         self.table_device = table_device
         self.table_seed = int(table_seed)
         self.seed_generator = keras.random.SeedGenerator(int(table_seed) + 1)
-        self._fresh_initializer = self._make_fresh_initializer()
         # Raw NumPy (int64 or string) keys reach `call` unconverted, so 64-bit
         # keys survive on JAX without x64 and strings can be hashed.
         self._convert_input_args = False
@@ -252,36 +254,6 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
     @property
     def capacity(self):
         return self.table.capacity
-
-    # ------------------------------------------------------------ init values
-    def _make_fresh_initializer(self):
-        init = self.embeddings_initializer
-        config = init.get_config()
-        if "seed" not in config:
-            return init  # deterministic (Zeros, Ones, Constant, ...)
-        return type(init).from_config({**config, "seed": self.seed_generator})
-
-    def _fresh_values(self, n):
-        """``[n, dim]`` draws of the initializer (``n`` may be dynamic)."""
-        init = self._fresh_initializer
-        shape = (n, self.output_dim)
-        dtype = self.embeddings.dtype
-        if not isinstance(init, keras.initializers.VarianceScaling):
-            return init(shape, dtype=dtype)
-        # Draw with the fans of the full [capacity, dim] table, not the batch.
-        fan_in, fan_out = float(self.num_rows), float(self.output_dim)
-        fan = {"fan_in": fan_in, "fan_out": fan_out}.get(
-            init.mode, (fan_in + fan_out) / 2.0
-        )
-        scale = init.scale / max(1.0, fan)
-        seed = self.seed_generator
-        if init.distribution == "truncated_normal":
-            stddev = math.sqrt(scale) / 0.87962566103423978
-            return keras.random.truncated_normal(shape, 0.0, stddev, dtype, seed)
-        if init.distribution == "untruncated_normal":
-            return keras.random.normal(shape, 0.0, math.sqrt(scale), dtype, seed)
-        limit = math.sqrt(3.0 * scale)
-        return keras.random.uniform(shape, -limit, limit, dtype, seed)
 
     # ---------------------------------------------------------------- mapping
     def _map_on_host(self, keys, use, insert):
@@ -483,8 +455,14 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
 
     def _train_lookup(self, rows, valid, fresh):
         """`lookup_rows` in training, re-initializing the fresh rows first."""
-        n = rows.shape[0]
-        init = self._fresh_values(ops.shape(rows)[0] if n is None else int(n))
+        init = fresh_row_values(
+            self.embeddings_initializer,
+            fresh,
+            self.output_dim,
+            self.embeddings.dtype,
+            self.seed_generator,
+            fans=(self.num_rows, self.output_dim),
+        )
         return self.lookup_rows(rows, valid, True, reset=(fresh, init))
 
     def _vectors_out(self, rows, valid, fresh, weights, shape, insert):
