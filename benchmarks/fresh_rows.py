@@ -45,7 +45,7 @@ def fresh_share(x, batch, steps, capacity):
     """
     shares = []
     for f in range(FIELDS):
-        table = HashTable(capacity, eviction="lru")
+        table = HashTable(capacity, eviction="lru", device="cpu")
         for s in range(steps):
             res = table.lookup_or_insert(x[f"cat_{f}"][s * batch : (s + 1) * batch])
         rows = np.asarray(res.rows)

@@ -63,24 +63,17 @@ def _result(out):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _pair(port, *args):
+    """Processes 0 and 1 of a 2-process run on ``port``."""
+    pair = ["--num-processes", "2", "--port", str(port)]
+    return [_launch(*args, *pair, "--process-id", str(i)) for i in range(2)]
+
+
 def _collection_runs():
     """An EmbeddingCollection (row, column, data and two table-wise tables)."""
-    port = _free_port()
-    return {
-        "cref": _launch("--collection", "--num-processes", "1", "--local-devices", "8"),
-        **{
-            f"c{i}": _launch(
-                "--collection",
-                "--process-id",
-                str(i),
-                "--num-processes",
-                "2",
-                "--port",
-                str(port),
-            )  # fmt: skip
-            for i in range(2)
-        },
-    }
+    c0, c1 = _pair(_free_port(), "--collection")
+    cref = _launch("--collection", "--num-processes", "1", "--local-devices", "8")
+    return {"cref": cref, "c0": c0, "c1": c1}
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +84,11 @@ def runs():
     first wave, beside fewer processes competing for the cores.
     """
     port, kill_port = _free_port(), _free_port()
+    p0, p1 = _pair(port)
     procs = {
         "ref": _launch("--num-processes", "1", "--local-devices", "8"),
-        **{
-            f"p{i}": _launch(
-                "--process-id", str(i), "--num-processes", "2", "--port", str(port)
-            )
-            for i in range(2)
-        },
+        "p0": p0,
+        "p1": p1,
     }
     kill = ["--num-processes", "2", "--port", str(kill_port)]
     kill += ["--heartbeat-timeout", "5"]

@@ -67,14 +67,12 @@ def draw_sizes(n):
 
 
 def draw(initializer, shape, dtype, seed, fans=None):
-    """``initializer`` drawn at ``shape`` with the seed tensor ``seed``.
+    """Seeded ``initializer`` drawn at ``shape`` with the seed tensor ``seed``.
 
     ``fans=(fan_in, fan_out)`` overrides a VarianceScaling initializer's
     fans (the table's, not the batch's).
     """
     config = initializer.get_config()
-    if "seed" not in config:
-        return initializer(shape, dtype=dtype)  # deterministic
     seeded = DrawnSeed(seed)
     if fans is None or not isinstance(initializer, keras.initializers.VarianceScaling):
         return type(initializer).from_config({**config, "seed": seeded})(
