@@ -1,17 +1,26 @@
 """The prefetching input stage: fit throughput and locality-routing bytes.
 
 Part 1, throughput: ``model.fit`` samples/s of 26-field Criteo-like models
-(one `DistributedHashEmbedding` per field, adagrad; dense features;
-Dense(hidden) -> Dense(1)), without the stage (the table is reached through
-the per-step host callback) and with ``keras_sparse.data.prefetch`` at 1, 2
-and 4 threads, measured side by side in one process, plus the "compute
-floor" (the same steps fed pre-prepared codes: no table work at all), for
-two configurations:
+(one `DistributedHashEmbedding` per field; dense features; Dense(hidden) ->
+Dense(1)), without the stage (the table is reached through the per-step
+host callback) and with ``keras_sparse.data.prefetch`` at 1, 2 and 4
+threads (and at 1 thread with ``dedup=False``: the step sorts the ids
+itself), measured side by side in one process, plus the "compute floor"
+(the same steps fed batches the stage prepared in a second, warm pass,
+replayed from memory: no table work at all), for three configurations:
 
-  A. dim 16, Dense(64), scale-0.01 vocabularies, batch 16K (compute-heavy:
-     the table is a small part of the step);
-  B. "light compute": dim 8, Dense(16), full-size Criteo vocabularies
-     (scale 1.0: many distinct keys, misses, LRU evictions), batch 64K.
+  A. dim 16, Dense(64), adagrad, scale-0.01 vocabularies, batch 16K
+     (compute-heavy: the table is a small part of the step);
+  B. "light compute": dim 8, Dense(16), adagrad, full-size Criteo
+     vocabularies (scale 1.0: many distinct keys, misses, LRU evictions),
+     batch 64K;
+  C. "input-heavy": dim 4, Dense(8), SGD, full-size vocabularies, keys
+     admitted after 2 sightings (count-min sketch) with LFU eviction, batch
+     64K: the table work outweighs the step.
+
+On 2 cores the stage can only hide the input side in the cycles the step
+leaves idle: by CPU-time accounting (BENCHMARKS.md) a speed-up of 1.5x
+needs the input side to be about 60% of the no-stage step.
 
 Fairness: same data, same steps per fit, a fresh model (same seed) per
 path, one warm-up fit per path excluded (compiles; for the stage also its
@@ -32,7 +41,7 @@ items, Zipf(1.05) ids, dim 64; 3 small context fields, dim 16) and (b) the
 (forward: id out, vector back; backward: id and gradient).
 
     python benchmarks/prefetch.py [--quick] [--steps 8] [--batch 16384]
-        [--light-batch 65536] [--light-steps 6] [--repeats 3] [--only A|B]
+        [--light-batch 65536] [--light-steps 6] [--repeats 3] [--only A|B|C]
         [--skip-routing]
 
 Run it alone on the machine: on 2 cores, concurrent processes distort the
@@ -62,17 +71,19 @@ from keras_sparse.layers import DistributedHashEmbedding  # noqa: E402
 FIELDS = 26
 
 
-def hash_model(capacity, dim=16, fields=FIELDS, hidden=64):
+def hash_model(capacity, dim=16, fields=FIELDS, hidden=64, table=None):
+    """``table``: extra `DistributedHashEmbedding` arguments (optimizer, ...)."""
     keras.utils.set_random_seed(0)
+    table = {"optimizer": "adagrad", **(table or {})}
     inputs, parts = {}, []
     dense = keras.Input((13,), name="dense")
     for f in range(fields):
         k = keras.Input((), dtype="int32", name=f"cat_{f}")
         inputs[f"cat_{f}"] = k
         parts.append(
-            DistributedHashEmbedding(
-                dim, capacity=capacity, optimizer="adagrad", name=f"emb_{f}"
-            )(k)
+            DistributedHashEmbedding(dim, capacity=capacity, name=f"emb_{f}", **table)(
+                k
+            )
         )
     inputs["dense"] = dense
     h = keras.layers.Concatenate()(parts + [dense])
@@ -88,8 +99,31 @@ def criteo_data(n, seed=0, scale=0.01):  # noqa: D103
     return x, labels
 
 
+class _Replay(keras.utils.PyDataset):
+    """Serves stored prepared batches (the compute floor's input)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+
 def bench_throughput(
-    batch, steps, capacity, threads_list, *, dim=16, hidden=64, scale=0.01, repeats=3
+    batch,
+    steps,
+    capacity,
+    threads_list,
+    *,
+    dim=16,
+    hidden=64,
+    scale=0.01,
+    repeats=3,
+    table=None,
 ):
     """Rows of (path, samples/s, speed-up, table ms/step, wait ms/step, CPU).
 
@@ -110,33 +144,38 @@ def bench_throughput(
         m.fit(xs, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 
     paths = []  # (label, fit callable, stage or None)
-    model = hash_model(capacity, dim=dim, hidden=hidden)
+    model = hash_model(capacity, dim=dim, hidden=hidden, table=table)
     paths.append(("no stage (host callback)", lambda m=model: fit_arrays(m, x), None))
     stages = []
-    for threads in threads_list:
-        model = hash_model(capacity, dim=dim, hidden=hidden)
-        stage = prefetch((x, y), model, batch_size=batch, threads=threads, capacity=4)
+    # The stage at each thread count, then without its dedup (the step
+    # sorts the ids itself).
+    variants = [(f"prefetch, threads={t}", t, True) for t in threads_list]
+    variants.append((f"prefetch, threads={threads_list[0]}, dedup=False",) + (
+        threads_list[0], False))  # fmt: skip
+    for label, threads, dedup in variants:
+        model = hash_model(capacity, dim=dim, hidden=hidden, table=table)
+        stage = prefetch(
+            (x, y), model, batch_size=batch, threads=threads, capacity=4,
+            dedup=dedup,
+        )  # fmt: skip
         stages.append(stage)
         paths.append(
-            (
-                f"prefetch, threads={threads}",
-                lambda m=model, st=stage: m.fit(st, epochs=1, verbose=0),
-                stage,
-            )
+            (label, lambda m=model, st=stage: m.fit(st, epochs=1, verbose=0), stage)
         )
     # Compute floor: the same steps fed pre-prepared codes from memory (the
     # layers in prepared mode, no table work at all): the best any input
     # pipeline can do for this model on this machine.
-    model = hash_model(capacity, dim=dim, hidden=hidden)
+    model = hash_model(capacity, dim=dim, hidden=hidden, table=table)
     floor_stage = prefetch((x, y), model, batch_size=batch, threads=1)
-    floor_stage.on_epoch_begin()
-    parts = [floor_stage[0] for _ in range(len(floor_stage))]
-    floor_stage.on_epoch_end()
-    px = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+    for _ in range(2):  # keep the second pass: warm tables, like timed fits
+        floor_stage.on_epoch_begin()
+        parts = [floor_stage[0] for _ in range(len(floor_stage))]
+        floor_stage.on_epoch_end()
+    replay = _Replay(parts)
     paths.append(
         (
             "compute floor (pre-prepared, no table work)",
-            lambda m=model: fit_arrays(m, px),
+            lambda m=model: m.fit(replay, epochs=1, verbose=0),
             None,
         )
     )
@@ -169,7 +208,7 @@ def bench_throughput(
     return rows, base / steps, floor / steps
 
 
-def table_only(x, batch, steps, capacity, repeats=3):
+def table_only(x, batch, steps, capacity, repeats=3, table=None):
     """ms/step of the 26 ``lookup_or_insert`` calls alone (no fit running).
 
     Fresh tables of the model's kind; one warm-up pass over the data (like
@@ -179,7 +218,9 @@ def table_only(x, batch, steps, capacity, repeats=3):
     from keras_sparse.table import HashTable
 
     keys = [np.asarray(x[f"cat_{f}"]) for f in range(FIELDS)]
-    tables = [HashTable(capacity, eviction="lru") for _ in range(FIELDS)]
+    kind = {k: v for k, v in (table or {}).items() if k in ("eviction", "admit_after")}
+    kind.setdefault("eviction", "lru")
+    tables = [HashTable(capacity, **kind) for _ in range(FIELDS)]
 
     def one_pass():
         t0 = time.perf_counter()
@@ -269,7 +310,7 @@ def main():
     parser.add_argument("--light-batch", type=int, default=65536)
     parser.add_argument("--light-steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", default=None, help="'A' or 'B': one config")
+    parser.add_argument("--only", default=None, help="'A', 'B' or 'C': one config")
     parser.add_argument("--skip-routing", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -294,6 +335,14 @@ def main():
             dict(batch=args.light_batch, steps=args.light_steps,
                  capacity=args.capacity, dim=8, hidden=16, scale=1.0),
         ),
+        (
+            "C. input-heavy: 26 fields, dim 4, Dense(8), SGD, full-size "
+            "vocabularies, admission after 2 sightings, LFU eviction, batch "
+            f"{args.light_batch}",
+            dict(batch=args.light_batch, steps=args.light_steps,
+                 capacity=args.capacity, dim=4, hidden=8, scale=1.0,
+                 table=dict(optimizer="sgd", admit_after=2, eviction="lfu")),
+        ),
     ]  # fmt: skip
     for title, cfg in configs:
         if args.only and not title.startswith(args.only):
@@ -301,10 +350,13 @@ def main():
         rows, base_step, floor_step = bench_throughput(
             cfg["batch"], cfg["steps"], cfg["capacity"], threads_list,
             dim=cfg["dim"], hidden=cfg["hidden"], scale=cfg["scale"],
+            table=cfg.get("table"),
             repeats=args.repeats,
         )  # fmt: skip
         x, _ = criteo_data(cfg["batch"] * cfg["steps"], scale=cfg["scale"])
-        alone = table_only(x, cfg["batch"], cfg["steps"], cfg["capacity"])
+        alone = table_only(
+            x, cfg["batch"], cfg["steps"], cfg["capacity"], table=cfg.get("table")
+        )
         print(f"### fit throughput, config {title}\n")
         print(
             markdown(

@@ -1,11 +1,14 @@
-"""Sparse-update step time with each segment algorithm, next to keras Embedding.
+"""Sparse-update step time per segment algorithm, next to keras Embedding.
 
-`keras_sparse.ops.row_updates.dedup_and_sum` finds, for every looked-up id,
-its segment among the batch's distinct ids either by binary search
-(``searchsorted``) or through an argsort of the ids. The library picks per
-device (search on CPU, argsort on GPU under JAX); this benchmark times both
-side by side in one run, interleaved twice, on whatever device the backend
-uses. Model: 26 tables of 100,000 x 16 rows (one Zipf id per table per
+`keras_sparse.ops.row_updates.find_segments` finds, for every looked-up id,
+its segment among the batch's distinct ids by binary search
+(``searchsorted``), through an argsort of the ids, or with one sort of
+``id << bits | position`` ("packed"); the optimizer then runs on the
+smallest of n/32, n/8, n/2, n rows that holds the distinct ids ("sized"),
+or on n rows. The library picks per device (packed + sized on CPU when the
+bits fit, argsort on n rows on GPUs under JAX); this benchmark times the
+variants side by side in one run, interleaved twice, on whatever device the
+backend uses. Model: 26 tables of 100,000 x 16 rows (one Zipf id per table per
 sample), Concatenate -> Dense(64) -> Dense(1), Adagrad; the keras row uses
 `keras.layers.Embedding` with the model's Adagrad (dense update).
 
@@ -23,6 +26,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_sparse as ks  # noqa: E402
+from keras_sparse.ops import count_buckets  # noqa: E402
 from keras_sparse.ops import row_updates  # noqa: E402
 
 TABLES, ROWS, DIM = 26, 100_000, 16
@@ -57,7 +61,9 @@ def build(kind):
 
 
 def step_ms(kind, force, x, y, batch):
-    row_updates.FORCE_ARGSORT = force
+    algorithm, sized = force or (None, None)
+    row_updates.FORCE_SEGMENT_ALGORITHM = algorithm
+    count_buckets.FORCE_SIZED = sized
     try:
         model = build(kind)
         model.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, verbose=0)
@@ -65,7 +71,8 @@ def step_ms(kind, force, x, y, batch):
         model.fit(x, y, batch_size=batch, verbose=0, shuffle=False, callbacks=[timer])
         return 1e3 * statistics.median(timer.gaps)
     finally:
-        row_updates.FORCE_ARGSORT = None
+        row_updates.FORCE_SEGMENT_ALGORITHM = None
+        count_buckets.FORCE_SIZED = None
         keras.backend.clear_session()
 
 
@@ -82,8 +89,12 @@ def main():
     y = rng.normal(size=(n, 1)).astype("float32")
     variants = [
         ("keras.layers.Embedding (dense Adagrad)", "keras", None),
-        ("AllToAllDenseEmbedding, searchsorted", "sparse", False),
-        ("AllToAllDenseEmbedding, argsort", "sparse", True),
+        ("AllToAllDenseEmbedding, search, n rows", "sparse", ("search", False)),
+        ("AllToAllDenseEmbedding, argsort, n rows", "sparse", ("argsort", False)),
+        ("AllToAllDenseEmbedding, packed, n rows", "sparse", ("packed", False)),
+        ("AllToAllDenseEmbedding, search, sized", "sparse", ("search", True)),
+        ("AllToAllDenseEmbedding, packed, sized", "sparse", ("packed", True)),
+        ("AllToAllDenseEmbedding, library's choice", "sparse", None),
     ]
     times = {name: [] for name, _, _ in variants}
     for _ in range(2):

@@ -115,6 +115,47 @@ def test_fit_bit_identical_under_eviction(threads, capacity):
     assert not _wait_no_workers()
 
 
+def test_step_uses_the_stage_segments_and_works_without_them(monkeypatch):
+    import sys
+
+    prefetch_module = sys.modules["keras_sparse.data.prefetch"]
+    ref = _reference(capacity=64)
+    x, y = _data()
+    model = _model(capacity=64)
+    with prefetch((x, y), model, batch_size=BATCH, dedup=False) as stage:
+        model.fit(stage, epochs=2, verbose=0)
+    _assert_same(ref, _state(model))  # codes alone: the step sorts
+    # Wrong segments (every position in one) must change the training: the
+    # step takes the stage's segments instead of sorting.
+    monkeypatch.setattr(
+        prefetch_module,
+        "host_segments",
+        lambda codes, scratch=None: np.zeros(np.shape(codes), np.int32),
+    )
+    model = _model(capacity=64)
+    with prefetch((x, y), model, batch_size=BATCH) as stage:
+        model.fit(stage, epochs=2, verbose=0)
+    changed = _state(model)
+    assert any(
+        not np.array_equal(ref[k], changed[k])
+        for k in ref
+        if not isinstance(ref[k], tuple)
+    )
+
+
+def test_stages_with_different_layouts_cannot_share_a_layer():
+    x, y = _data()
+    model = _model()
+    with prefetch((x, y), model, batch_size=BATCH):
+        with pytest.raises(ValueError, match="laid out differently"):
+            prefetch((x, y), model, batch_size=BATCH, dedup=False, training=False)
+        assert model.get_layer("ea")._prepared_inputs == 1  # untouched
+        with prefetch((x, y), model, batch_size=BATCH, training=False) as val:
+            assert val.stats()["batches"] == 0
+    assert model.get_layer("ea")._prepared_inputs == 0
+    assert model.get_layer("ea")._prepared_layout is None
+
+
 def _wide_model(fields=5, capacity=32):
     """``fields`` single-key hash layers (own tables) + dense features."""
     keras.utils.set_random_seed(11)

@@ -12,6 +12,8 @@ from keras_sparse.data.routing import exchanged_bytes
 from keras_sparse.data.routing import locality_assignment
 from keras_sparse.data.routing import remote_id_bytes
 from keras_sparse.layers import DistributedHashEmbedding
+from keras_sparse.layers.prepared_inputs import host_segments
+from keras_sparse.layers.prepared_inputs import unpack_prepared
 
 
 @pytest.mark.backend_independent
@@ -84,13 +86,22 @@ def test_labels_and_weights_move_with_samples_and_bytes_drop():
         seen_users = []
         for _ in range(len(stage)):
             bx, by, bsw = stage[0]
-            assert bx["user"].shape == (128,) and by.shape == (128, 1)
+            # Codes and segments travel stacked (no distribution: 1 replica).
+            assert bx["user"].shape == (256,) and by.shape == (128, 1)
+            codes, segments = (
+                keras.ops.convert_to_numpy(t)
+                for t in unpack_prepared(keras.ops.convert_to_tensor(bx["user"]), 1)
+            )
+            # The segments moved with their samples: they split the positions
+            # exactly as the codes' rows do.
+            want = host_segments(codes)
+            pairs = set(zip(segments.tolist(), want.tolist()))
+            assert len(pairs) == len(set(want.tolist())) == len(set(segments.tolist()))
             # Labels/weights were computed from the raw ids: recover each
             # sample's user id from the table and check they still match.
             table = model.get_layer("user_emb").table
             keys, rows, _ = table.export()
             row_to_key = dict(zip(rows.tolist(), keys.tolist()))
-            codes = bx["user"]
             rows_b = np.where(codes <= -2, -2 - codes, codes)
             users = np.array([row_to_key[r] for r in rows_b.tolist()])
             np.testing.assert_array_equal(by[:, 0], (users % 7).astype(np.float32))

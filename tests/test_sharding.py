@@ -171,6 +171,23 @@ def test_row_exchange_below_table_all_gather():
     assert got["total"] < jax_sharded_lookup.table_all_gather_bytes(big, DIM, 8)
 
 
+def test_update_keeps_n_rows_under_a_distribution():
+    import jax
+
+    from keras_sparse.ops import count_buckets
+
+    assert count_buckets.sized_by_count(under_distribution=False)  # CPU
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices()[:8])
+    )
+    try:
+        assert not count_buckets.sized_by_count(under_distribution=False)
+        assert count_buckets.sized_by_count()  # fresh-row draws keep sizing
+    finally:
+        keras.distribution.set_distribution(previous)
+
+
 def test_no_distribution_means_no_routing():
     layer = ks.AllToAllDenseEmbedding(ROWS, DIM, sharding="row")
     assert sharding.keras_integration.route(layer) is None
@@ -180,9 +197,15 @@ def test_no_distribution_means_no_routing():
     "strategy,spec",
     [("row", ("model", None)), ("column", (None, "model")), ("data", (None, None))],
 )
-def test_reported_bytes_match_compiled_collectives(strategy, spec):
+def test_reported_bytes_match_compiled_collectives(strategy, spec, monkeypatch):
     """exchange_bytes() equals what the compiled program puts into collectives."""
     import jax
+
+    from keras_sparse.ops import count_buckets
+
+    # No keras.distribution is set here; under one (as in real use, see
+    # test_update_keeps_n_rows_under_a_distribution) the update is not sized.
+    monkeypatch.setattr(count_buckets, "FORCE_SIZED", False)
     from jax.sharding import Mesh
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

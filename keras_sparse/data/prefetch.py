@@ -19,6 +19,13 @@ Prepared-input encoding (int32, the keys' shape):
 - ``-1``: no row (not admitted yet, weight 0 / padding, or an unknown key in
   inference). Reads zeros and trains nothing.
 
+With ``dedup=True`` (the default) the workers also number each batch's
+distinct rows per layer (the "segments": unique rows + inverse, computed
+with NumPy) and hand them over stacked with the codes along the batch axis
+(`keras_sparse.layers.prepared_inputs`); the step's sparse update then
+takes them instead of sorting the ids itself. The numbers are those the
+step's own sort would give, so results do not change.
+
 While a stage is open, its hash layers are in "prepared inputs" mode (a
 per-layer counter; the model's cached train/test/predict functions are reset
 so they retrace) and *only* prepared inputs may reach them; ``close()`` (or
@@ -90,6 +97,9 @@ from keras import tree
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
+from keras_sparse.layers.prepared_inputs import host_segments
+from keras_sparse.layers.prepared_inputs import pack_prepared
+from keras_sparse.layers.prepared_inputs import segment_scratch
 
 __all__ = ["PrefetchError", "PrefetchStage", "prefetch"]
 
@@ -277,6 +287,10 @@ class _Engine:
         self._pass = None
         self._pass_count = 0
         self.copy_batch = None  # host -> device copy (`transfer.batch_copier`)
+        # Replicas of the codes+segments layout (`prepared_inputs`), or None
+        # when the stage hands over codes alone.
+        self.layout = None
+        self.scratch = {}  # feed index -> `segment_scratch` array
 
     # ---------------------------------------------------------------- passes
     def start_pass(self):
@@ -347,9 +361,10 @@ class _Engine:
     def table_call(self, f_idx, job):
         """Layer ``f_idx``'s table call for one batch (caller holds its turn).
 
-        Returns ``(codes, fresh_keys)``: the prepared int32 codes (the keys'
-        shape) and the keys that got a fresh row (None when there are none),
-        which a rollback erases if the batch is never trained.
+        Returns ``(codes, fresh_keys, segments)``: the prepared int32 codes
+        (the keys' shape), the keys that got a fresh row (None when there are
+        none), which a rollback erases if the batch is never trained, and the
+        codes' segments (`host_segments`; None without dedup).
         """
         keys, w = job
         feed = self.feeds[f_idx]
@@ -367,9 +382,16 @@ class _Engine:
             from keras_sparse.layers.hash_embedding import _host_keys
 
             fresh_keys = _host_keys(k)[fresh]
-        return codes.reshape(keys.shape), fresh_keys
+        codes = codes.reshape(keys.shape)
+        segments = None
+        if self.layout is not None:
+            # The caller holds this layer's turn: its scratch is ours alone.
+            if f_idx not in self.scratch:
+                self.scratch[f_idx] = segment_scratch(layer.num_rows)
+            segments = host_segments(codes, self.scratch[f_idx])
+        return codes, fresh_keys, segments
 
-    def finish(self, parts, codes):
+    def finish(self, parts, codes, segments):
         (x, y, sw), jobs = parts
         for feed, c in zip(self.feeds, codes):
             if c is not None:
@@ -390,6 +412,11 @@ class _Engine:
             x = tree.map_structure(take, x)
             y = tree.map_structure(take, y) if y is not None else None
             sw = tree.map_structure(take, sw) if sw is not None else None
+            segments = [None if g is None else take(g) for g in segments]
+        for feed, g in zip(self.feeds, segments):
+            if g is not None:
+                c = _get(x, feed.key_path)
+                x = _set(x, feed.key_path, pack_prepared(c, g, self.layout))
         if self.copy_batch is not None:
             x, y, sw = self.copy_batch((x, y, sw))
         return x, y, sw
@@ -452,6 +479,7 @@ class _Batch:
         self.todo = todo  # hash feed indices whose table call has not started
         self.running = 0  # table calls in progress
         self.codes = None if parts is None else [None] * len(parts[1])
+        self.segments = None if parts is None else [None] * len(parts[1])
         self.finishing = False
 
 
@@ -642,14 +670,15 @@ class _Pass:
 
     def _run_table(self, b, f):
         t0 = time.perf_counter()
-        codes = fresh = err = None
+        codes = fresh = segments = err = None
         try:
-            codes, fresh = self.e.table_call(f, b.parts[1][f])
+            codes, fresh, segments = self.e.table_call(f, b.parts[1][f])
         except BaseException as exc:  # noqa: BLE001
             err = exc
         dt = time.perf_counter() - t0
         with self.cond:
             b.codes[f] = codes
+            b.segments[f] = segments
             if fresh is not None:
                 self.pending.setdefault(b.seq, {})[f] = fresh
             if err is not None and b.err is None:
@@ -670,7 +699,7 @@ class _Pass:
             err = RuntimeError("an earlier batch failed")
         if err is None:
             try:
-                out = self.e.finish(b.parts, b.codes)
+                out = self.e.finish(b.parts, b.codes, b.segments)
             except BaseException as exc:  # noqa: BLE001
                 err = exc
         with self.cond:
@@ -753,10 +782,22 @@ class PrefetchStage(keras.utils.PyDataset):
 
     # ------------------------------------------------------------ lifecycle
     def _activate(self):
+        layout = self._engine.layout
+        for layer in self._layers:
+            if getattr(layer, "_prepared_inputs", 0) and (
+                getattr(layer, "_prepared_layout", None) != layout
+            ):
+                raise ValueError(
+                    f"prefetch: layer '{layer.name}' is fed by another open "
+                    "stage whose prepared inputs are laid out differently "
+                    f"(dedup / replicas); close it first, or create both "
+                    "stages with the same `dedup`."
+                )
         flipped = False
         for layer in self._layers:
             count = getattr(layer, "_prepared_inputs", 0)
             layer._prepared_inputs = count + 1
+            layer._prepared_layout = layout
             flipped |= count == 0
         self._active = True
         if flipped:
@@ -899,6 +940,8 @@ def _finalize(engine, layers, model_ref):
     for layer in layers:
         count = getattr(layer, "_prepared_inputs", 0)
         layer._prepared_inputs = max(0, count - 1)
+        if count <= 1:
+            layer._prepared_layout = None
         flipped |= count == 1
     if flipped:
         _reset_model_functions(model_ref())
@@ -915,6 +958,24 @@ def _default_replicas():
     if axis in tuple(mesh.axis_names):
         return int(mesh.shape[list(mesh.axis_names).index(axis)])
     return int(np.prod(mesh.shape))
+
+
+def _segment_layout(dedup):
+    """Replicas of the codes+segments layout, or None for codes alone.
+
+    The segments number a batch's distinct rows over the whole batch the
+    step sees; a multi-process JAX run assembles its global batch from
+    per-process parts, whose segments would be local, so it gets none.
+    """
+    if not dedup:
+        return None
+    if keras.backend.backend() != "jax":
+        return 1
+    import jax
+
+    if jax.process_count() > 1:
+        return None
+    return _default_replicas() or 1
 
 
 def prefetch(
@@ -936,6 +997,7 @@ def prefetch(
     seed=None,
     passes=None,
     transfer="auto",
+    dedup=True,
 ):
     """Wraps ``source`` into a prefetching input stage for ``model``.
 
@@ -965,6 +1027,10 @@ def prefetch(
         transfer: copy prepared batches to the device in the workers (JAX
             without a distribution, PyTorch; see `keras_sparse.data.transfer`).
             ``"auto"``: only when the default device is an accelerator.
+        dedup: also number each batch's distinct rows per layer in the
+            workers (unique rows + inverse), so the step's sparse update
+            skips its sort (see `keras_sparse.layers.prepared_inputs`).
+            Results are identical either way. Off in multi-process JAX runs.
 
     Returns:
         A `PrefetchStage` (a `keras.utils.PyDataset`); call ``stats()`` for
@@ -1017,4 +1083,5 @@ def prefetch(
         feeds, src, int(threads), int(capacity), insert, ordered, route, replicas
     )
     engine.copy_batch = copy_batch
+    engine.layout = _segment_layout(dedup)
     return PrefetchStage(engine, model, hash_layers, passes)

@@ -22,8 +22,8 @@ import math
 import keras
 from keras import ops
 
-# Fractions of the batch's positions a step can draw for (largest last).
-DRAW_FRACTIONS = (32, 8, 2, 1)
+from keras_sparse.ops import count_buckets
+from keras_sparse.ops import take_rows
 
 
 class DrawnSeed(keras.random.SeedGenerator):
@@ -43,27 +43,12 @@ class DrawnSeed(keras.random.SeedGenerator):
 
 def sized_draws():
     """Whether to size the draw to the fresh count (CPU) or draw ``n`` rows."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return jax.default_backend() == "cpu"
-    if backend == "torch":
-        import torch
-
-        return not torch.cuda.is_available()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return not tf.config.list_logical_devices("GPU")
-    return True
+    return count_buckets.sized_by_count()
 
 
 def draw_sizes(n):
     """Ascending draw sizes for a batch of ``n`` positions (int or tensor)."""
-    if isinstance(n, int):
-        return [max(1, -(-n // d)) for d in DRAW_FRACTIONS]
-    return [ops.maximum((n + d - 1) // d, 1) for d in DRAW_FRACTIONS]
+    return count_buckets.bucket_sizes(n)
 
 
 def draw(initializer, shape, dtype, seed, fans=None):
@@ -113,12 +98,8 @@ def fresh_row_values(initializer, fresh, dim, dtype, seed_generator, fans=None):
     def branch(size):
         def values():
             drawn = draw(initializer, (size, dim), dtype, seed, fans)
-            return ops.take(drawn, ops.clip(rank, 0, size - 1), axis=0)
+            return take_rows(drawn, ops.clip(rank, 0, size - 1))
 
         return values
 
-    if not sized_draws():
-        return branch(sizes[-1])()
-    # Equal sizes (small n) select equal draws, so no deduplication needed.
-    index = sum(ops.cast(ops.greater(count, s), "int32") for s in sizes[:-1])
-    return ops.switch(index, [branch(s) for s in sizes])
+    return count_buckets.switch_on_count(count, sizes, branch, sized_draws())

@@ -11,6 +11,7 @@ from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers.fresh_rows import fresh_row_values
+from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
@@ -431,9 +432,16 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         without a row (not admitted, padding, or absent in inference). The
         stage already did the table lookup in batch order, so no host callback
         runs here; the fresh-row draw and the sparse-update counter advance
-        exactly as in the slow path.
+        exactly as in the slow path. With a segment layout set by the stage
+        (``self._prepared_layout``, see `unpack_prepared`), ``codes`` also
+        carry each position's segment among the batch's distinct rows, and
+        the sparse update uses them instead of sorting.
         """
         codes = ops.cast(ops.convert_to_tensor(codes), "int32")
+        segments = None
+        layout = getattr(self, "_prepared_layout", None)
+        if layout is not None:
+            codes, segments = unpack_prepared(codes, layout)
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
             if "float" not in str(weights.dtype):
@@ -449,11 +457,11 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         rows = ops.where(fresh, -2 - flat, flat)
         valid = ops.greater_equal(rows, 0)
         insert = bool(training) and self.trainable
-        return self._vectors_out(rows, valid, fresh, weights, shape, insert)
+        return self._vectors_out(rows, valid, fresh, weights, shape, insert, segments)
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) end
 
-    def _train_lookup(self, rows, valid, fresh):
+    def _train_lookup(self, rows, valid, fresh, segments=None):
         """`lookup_rows` in training, re-initializing the fresh rows first."""
         init = fresh_row_values(
             self.embeddings_initializer,
@@ -463,12 +471,14 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             self.seed_generator,
             fans=(self.num_rows, self.output_dim),
         )
-        return self.lookup_rows(rows, valid, True, reset=(fresh, init))
+        return self.lookup_rows(
+            rows, valid, True, reset=(fresh, init), segments=segments
+        )
 
-    def _vectors_out(self, rows, valid, fresh, weights, shape, insert):
+    def _vectors_out(self, rows, valid, fresh, weights, shape, insert, segments=None):
         """Looks up flat ``rows`` and pools/reshapes them to the output."""
         if insert:
-            vectors = self._train_lookup(rows, valid, fresh)
+            vectors = self._train_lookup(rows, valid, fresh, segments)
         else:
             vectors = self.lookup_rows(rows, valid, False)
         vectors = ops.reshape(vectors, shape + (self.output_dim,))

@@ -111,7 +111,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             )
 
     # ---------------------------------------------------------------- lookup
-    def lookup_rows(self, ids, valid, training, reset=None):
+    def lookup_rows(self, ids, valid, training, reset=None, segments=None):
         """Gathers ``[..., dim]`` rows; invalid positions read zeros.
 
         In training with a sparse optimizer the backward pass updates the
@@ -119,6 +119,9 @@ class SparseEmbeddingBase(keras.layers.Layer):
         ``reset=(mask, values)`` (training only) first re-initializes the rows
         at the flat positions ``mask`` to ``values`` with fresh optimizer
         slots, as the dynamic-vocabulary layer needs for newly assigned rows.
+        ``segments``: optional segment index of each (flat) position among
+        the distinct ids, computed ahead of the step by the input stage; the
+        sparse update then skips its sort (unsharded lookups only).
         """
         flat_ids = ops.reshape(ids, (-1,))
         flat_valid = ops.reshape(valid, (-1,))
@@ -135,6 +138,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             sparse_step(self, training),
             routing,
             reset,
+            segments,
         )
         out_shape = tuple(ops.shape(ids)) + (self.output_dim,)
         return ops.reshape(rows, out_shape)
@@ -239,7 +243,16 @@ def sparse_step(layer, training):
 
 
 def lookup_flat_rows(
-    layer, table, slots, flat_ids, flat_valid, training, iterations, routing, reset=None
+    layer,
+    table,
+    slots,
+    flat_ids,
+    flat_valid,
+    training,
+    iterations,
+    routing,
+    reset=None,
+    segments=None,
 ):
     """``[N, dim]`` rows of ``table`` (a variable of ``layer``) at ``flat_ids``.
 
@@ -248,8 +261,10 @@ def lookup_flat_rows(
     ``layer.sparse_optimizer`` to the touched rows of ``table`` and ``slots``;
     otherwise a plain (dense-gradient) gather. ``routing`` (from
     `keras_sparse.sharding.keras_integration.route`) selects the sharded
-    primitive. The layer supplies ``sparse_optimizer``, ``sparse_anchor``,
-    ``embeddings_constraint``, ``embeddings_regularizer`` and ``add_loss``.
+    primitive. ``segments`` (see `SparseEmbeddingBase.lookup_rows`) reach
+    the unsharded primitive only. The layer supplies ``sparse_optimizer``,
+    ``sparse_anchor``, ``embeddings_constraint``, ``embeddings_regularizer``
+    and ``add_loss``.
     """
     on_jax = keras.backend.backend() == "jax"
     if iterations is not None:
@@ -257,6 +272,8 @@ def lookup_flat_rows(
         kwargs = {"apply_update": update} if on_jax else {}
         if reset is not None:
             kwargs["reset"] = reset
+        if segments is not None and update and routing is None:
+            kwargs["segments"] = ops.reshape(segments, (-1,))
         lookup = backend_module().lookup_with_sparse_update
         if routing is not None:  # sharding hook
             lookup = _sharding.routed_lookup(routing)

@@ -28,3 +28,16 @@ def lookup_with_sparse_update(*args, **kwargs):
     See the per-backend modules for how each framework is wired.
     """
     return backend_module().lookup_with_sparse_update(*args, **kwargs)
+
+
+def take_rows(table, ids):
+    """``table[ids]`` along axis 0 for ids known to be in range.
+
+    On JAX this is a bare XLA gather (``mode="clip"``); ``keras.ops.take``
+    adds a bounds test and a select over the result there.
+    """
+    if keras.backend.backend() == "jax":
+        import jax.numpy as jnp
+
+        return jnp.take(table, ids, axis=0, mode="clip")
+    return keras.ops.take(table, ids, axis=0)

@@ -11,35 +11,37 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from keras_sparse.ops import take_rows
 from keras_sparse.ops.row_updates import compute_row_updates
 
 
 def gather_valid(table, ids, valid):
-    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
+    rows = take_rows(table, jnp.where(valid, ids, 0))
     return jnp.where(valid[:, None], rows, jnp.zeros((), table.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lookup(config, table, slots, ids, valid, iterations):
+def _lookup(config, table, slots, ids, valid, iterations, segments):
     return gather_valid(table, ids, valid)
 
 
-def _forward(config, table, slots, ids, valid, iterations):
-    return gather_valid(table, ids, valid), (table, slots, ids, valid, iterations)
+def _forward(config, table, slots, ids, valid, iterations, segments):
+    residuals = (table, slots, ids, valid, iterations, segments)
+    return gather_valid(table, ids, valid), residuals
 
 
 def _backward(config, residuals, grads):
-    table, slots, ids, valid, iterations = residuals
+    table, slots, ids, valid, iterations, segments = residuals
     optimizer, constraint, apply_update = config
     if not apply_update:
         # Inference call inside a gradient computation: hand the state back
         # unchanged, since the optimizer assigns whatever is returned.
-        return table, dict(slots), None, None, None
+        return table, dict(slots), None, None, None, None
     state = {"table": table, **slots}
     num_rows = table.shape[0]
     unique_ids, is_real, new_values = compute_row_updates(
         optimizer,
-        lambda name, rows: jnp.take(state[name], rows, axis=0),
+        lambda name, rows: take_rows(state[name], rows),
         tuple(slots),
         ids,
         valid,
@@ -47,6 +49,7 @@ def _backward(config, residuals, grads):
         iterations,
         num_rows,
         constraint,
+        segments,
     )
     target = jnp.where(is_real, unique_ids, num_rows)  # out of range: dropped
     updated = {
@@ -56,7 +59,7 @@ def _backward(config, residuals, grads):
         for name in state
     }
     table_out = updated.pop("table")
-    return table_out, updated, None, None, None
+    return table_out, updated, None, None, None, None
 
 
 _lookup.defvjp(_forward, _backward)
@@ -126,8 +129,12 @@ def lookup_with_sparse_update(
     constraint=None,
     reset=None,
     apply_update=True,
+    segments=None,
 ):
     """See the module docstring; ``reset=(mask, values)`` re-initializes rows.
+
+    ``segments``: optional ``[N]`` segment index per position computed ahead
+    of the step (`keras_sparse.ops.row_updates.segments_from_positions`).
 
     With ``reset``, the rows ``ids[mask]`` get ``values[mask]`` (``[N, dim]``)
     and their optimizer slots their initial values before the gather (done
@@ -160,4 +167,5 @@ def lookup_with_sparse_update(
         ids,
         jnp.asarray(valid, bool),
         jnp.asarray(iterations, jnp.int32),
+        None if segments is None else jnp.asarray(segments, jnp.int32),
     )

@@ -51,8 +51,12 @@ def lookup_with_sparse_update(
     iterations,
     constraint=None,
     reset=None,
+    segments=None,
 ):
-    """``reset=(mask, values)``: see `reset_rows` (applied before the gather)."""
+    """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
+
+    ``segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
+    """
     state = {"table": _tf_variable(table_var)}
     state.update({name: _tf_variable(v) for name, v in slot_vars.items()})
     ids = tf.cast(ids, tf.int32)
@@ -79,6 +83,7 @@ def lookup_with_sparse_update(
                 iterations,
                 num_rows,
                 constraint,
+                segments,
             )
             old_first = {
                 name: tf.gather(state[name], tf.zeros((1,), tf.int32)) for name in state

@@ -39,6 +39,7 @@ class _SparseLookup(torch.autograd.Function):
                 context["iterations"],
                 state["table"].shape[0],
                 context["constraint"],
+                context["segments"],
             )
             old_first = {name: state[name][:1] for name in state}
             indices, filled = fill_unused_entries(
@@ -71,8 +72,12 @@ def lookup_with_sparse_update(
     iterations,
     constraint=None,
     reset=None,
+    segments=None,
 ):
-    """``reset=(mask, values)``: see `reset_rows` (applied before the gather)."""
+    """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
+
+    ``segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
+    """
     state = {"table": table_var.value}
     state.update({name: var.value for name, var in slot_vars.items()})
     if reset is not None:
@@ -82,5 +87,6 @@ def lookup_with_sparse_update(
         "optimizer": optimizer,
         "iterations": iterations,
         "constraint": constraint,
+        "segments": segments,
     }
     return _SparseLookup.apply(anchor_var.value, ids.long(), valid.bool(), context)

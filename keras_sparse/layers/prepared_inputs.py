@@ -1,0 +1,85 @@
+"""How a prefetch stage hands a hash layer its codes and segments in one array.
+
+The stage (`keras_sparse.data.prefetch`) maps keys to int32 codes (see
+`DistributedHashEmbedding._call_prepared`) and also numbers each position's
+row among the batch's distinct rows (its *segment*), so the sparse update in
+the step needs no sort. Both must reach the layer through the model's one
+input for the keys, so they travel stacked along the batch axis: a batch of
+``B`` samples becomes ``2B`` "samples", laid out per data-parallel replica
+as ``[replicas, 2, B / replicas, ...]`` (codes then segments) and flattened,
+so that splitting the batch axis over ``replicas`` devices gives each device
+its own codes and segments with no exchange. The layer undoes the layout.
+"""
+
+import numpy as np
+from keras import ops
+
+# Segment key of positions without a row: sorts after every row.
+_NO_ROW = np.iinfo(np.int32).max
+# Largest table (rows) whose segments use a row-indexed scratch array.
+SCRATCH_MAX_ROWS = 1 << 26
+
+
+def host_segments(codes, scratch=None):
+    """int32 segment of each position of ``codes`` (any shape), row-major.
+
+    Positions with the same row share a segment, and so do positions without
+    a row (code ``-1``); segments number them densely from 0. Without
+    ``scratch`` they are numbered in ascending row order via ``np.unique``
+    (a sort). With ``scratch`` (an int array longer than every row + 1,
+    reused across calls, contents irrelevant) the numbering takes O(n)
+    vectorized passes and no sort: each row's last position claims a scratch
+    slot, every position reads its row's claimant, and claimants are numbered
+    in position order. Any dense numbering gives the step the same result.
+    """
+    codes = np.asarray(codes)
+    rows = np.where(codes <= -2, -2 - codes, codes).reshape(-1)
+    if scratch is None:
+        keys = np.where(rows >= 0, rows, _NO_ROW)
+        _, inverse = np.unique(keys, return_inverse=True)
+        return inverse.astype(np.int32).reshape(codes.shape)
+    slot = np.where(rows >= 0, rows, scratch.shape[0] - 1)
+    positions = np.arange(slot.shape[0], dtype=scratch.dtype)
+    scratch[slot] = positions  # duplicates: one position wins per row
+    claimant = scratch[slot]
+    is_claimant = claimant == positions
+    number = np.cumsum(is_claimant, dtype=np.int32) - 1
+    return number[claimant].reshape(codes.shape)
+
+
+def segment_scratch(num_rows):
+    """A scratch array for `host_segments`, or None for very large tables."""
+    if num_rows > SCRATCH_MAX_ROWS:
+        return None
+    return np.empty(num_rows + 2, np.int32)
+
+
+def pack_prepared(codes, segments, replicas):
+    """``[2B, ...]`` array holding ``codes`` and ``segments`` (both ``[B, ...]``)."""
+    codes, segments = np.asarray(codes), np.asarray(segments)
+    b = codes.shape[0]
+    if b % replicas:
+        raise ValueError(
+            f"prefetch: a batch of {b} samples does not split evenly over "
+            f"{replicas} data-parallel replicas."
+        )
+    rest = codes.shape[1:]
+    both = np.stack(
+        [
+            codes.reshape((replicas, b // replicas) + rest),
+            segments.reshape((replicas, b // replicas) + rest),
+        ],
+        axis=1,
+    )
+    return both.reshape((2 * b,) + rest)
+
+
+def unpack_prepared(x, replicas):
+    """``(codes, segments)`` from `pack_prepared`'s array (a tensor)."""
+    rest = tuple(x.shape[1:])
+    if None in rest:
+        rest = tuple(ops.shape(x)[1:])
+    both = ops.reshape(x, (replicas, 2, -1) + rest)
+    codes = ops.reshape(both[:, 0], (-1,) + rest)
+    segments = ops.reshape(both[:, 1], (-1,) + rest)
+    return codes, segments
