@@ -41,7 +41,7 @@ items, Zipf(1.05) ids, dim 64; 3 small context fields, dim 16) and (b) the
 (forward: id out, vector back; backward: id and gradient).
 
     python benchmarks/prefetch.py [--quick] [--steps 8] [--batch 16384]
-        [--light-batch 65536] [--light-steps 6] [--repeats 3] [--only A|B|C]
+        [--light-batch 65536] [--light-steps 6] [--repeats 3] [--only ABC]
         [--skip-routing]
 
 Run it alone on the machine: on 2 cores, concurrent processes distort the
@@ -310,7 +310,9 @@ def main():
     parser.add_argument("--light-batch", type=int, default=65536)
     parser.add_argument("--light-steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", default=None, help="'A', 'B' or 'C': one config")
+    parser.add_argument(
+        "--only", default=None, help="configs to run, e.g. 'C' or 'AC' (default: all)"
+    )
     parser.add_argument("--skip-routing", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -345,7 +347,7 @@ def main():
         ),
     ]  # fmt: skip
     for title, cfg in configs:
-        if args.only and not title.startswith(args.only):
+        if args.only and title[0] not in args.only.upper():
             continue
         rows, base_step, floor_step = bench_throughput(
             cfg["batch"], cfg["steps"], cfg["capacity"], threads_list,

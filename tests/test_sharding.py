@@ -177,6 +177,7 @@ def test_update_keeps_n_rows_under_a_distribution():
     from keras_sparse.ops import count_buckets
 
     assert count_buckets.sized_by_count(under_distribution=False)  # CPU
+    assert not count_buckets.sized_by_count(n=count_buckets.MIN_SIZED_POSITIONS - 1)
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=jax.devices()[:8])

@@ -21,17 +21,26 @@ FRACTIONS = (32, 8, 2, 1)
 FORCE_SIZED = None
 
 
-def sized_by_count(under_distribution=True):
+# Below this many positions a sized branch saves little and still costs its
+# compile time (one copy of the work per size), see `sized_by_count`.
+MIN_SIZED_POSITIONS = 8192
+
+
+def sized_by_count(under_distribution=True, n=None):
     """Whether to size work to its count (CPU) or always use ``n``.
 
     ``under_distribution=False``: also ``n`` while a `keras.distribution` is
     active on JAX. The step is then partitioned over devices, and a branch on
     a global count makes XLA gather or reduce the branch's operands (extra
     collectives per step); use it for work whose values do not depend on the
-    size chosen.
+    size chosen. ``n`` (the positions, when known): below
+    `MIN_SIZED_POSITIONS` also ``n``, since every size compiles its own copy
+    of the work.
     """
     if FORCE_SIZED is not None:
         return bool(FORCE_SIZED)
+    if isinstance(n, int) and n < MIN_SIZED_POSITIONS:
+        return False
     backend = keras.backend.backend()
     if backend == "jax":
         import jax

@@ -187,8 +187,8 @@ def compute_row_updates(
     The gradient sums, the row and slot gathers and the optimizer math run on
     the smallest of ``n/32, n/8, n/2, n`` rows that holds the batch's
     distinct ids (`keras_sparse.ops.count_buckets`; always ``n`` rows on
-    accelerators and under a JAX distribution); the results are padded back
-    to ``n`` entries.
+    accelerators, under a JAX distribution and for fewer than 8192 ids); the
+    results are padded back to ``n`` entries.
 
     Args:
         optimizer: a `keras_sparse.optimizers.SparseOptimizer`.
@@ -240,7 +240,7 @@ def compute_row_updates(
         seg.num_unique,
         count_buckets.bucket_sizes(n),
         branch,
-        count_buckets.sized_by_count(under_distribution=False),
+        count_buckets.sized_by_count(under_distribution=False, n=n),
     )
 
 
