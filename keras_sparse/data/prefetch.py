@@ -45,12 +45,13 @@ runs in parallel too. Batches are handed to Keras in order
 (``deterministic=True``). Embedding values are read inside the step, so a
 row evicted by batch ``i + k`` and handed to another key is only
 re-initialized when step ``i + k`` runs, after step ``i`` has read (and
-updated) it for its previous key. The fresh-row draw uses the layer's seed
-generator with the batch's full ``[n, dim]`` shape in both paths (one draw
-per training step), and ``sparse_iterations`` advances once per step in
-both, so the seed generator, every table (same calls, same order, same LRU
-clock) and the variables evolve identically: training with the stage is
-bit-identical to training without it, whatever the number of threads.
+updated) it for its previous key. The fresh-row draw takes one seed from
+the layer's generator per training step and is sized by the same rule in
+both paths (`keras_sparse.layers.fresh_rows`), and ``sparse_iterations``
+advances once per step in both, so the seed generator, every table (same
+calls, same order, same LRU clock) and the variables evolve identically:
+training with the stage is bit-identical to training without it, whatever
+the number of threads.
 On a GPU, XLA's scatter-adds (the gradient sums) are not deterministic by
 default, so two runs of either path differ by float rounding; with
 ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` the stage is bit-identical
