@@ -21,13 +21,14 @@ def _setup():
     return jax, mesh, ks.optimizers.get("adagrad", "test")
 
 
-def _step_fn(jax, mesh, opt, slack):
+def _step_fn(jax, mesh, opt, slack, host_slots=False):
     from keras_sparse.sharding import jax_sharded_lookup as jsl
 
-    def step(table, slots, ids, valid, grads):
+    def step(table, slots, ids, valid, grads, *given):
+        options = {"slack": slack, "exchange_slot": given[0] if host_slots else None}
         out, vjp = jax.vjp(
             lambda t, s: jsl.sharded_lookup_with_sparse_update(
-                "row", mesh, "model", t, s, opt, ids, valid, 0, slack=slack
+                "row", mesh, "model", t, s, opt, ids, valid, 0, **options
             ),
             table,
             slots,
@@ -67,6 +68,65 @@ def test_compact_matches_full_buffers():
     compact = _step_fn(jax, mesh, opt, 4.0)(*args)  # 16 of 32 slots
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(compact)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _python_slots(rows, devices, shard_rows):
+    """Reference numbering: per device, count earlier ids per owner."""
+    out = []
+    for local in np.asarray(rows).reshape(devices, -1):
+        seen = {}
+        for r in local.tolist():
+            if r < 0:
+                out.append(0)
+                continue
+            owner = r // shard_rows
+            out.append(seen.get(owner, 0))
+            seen[owner] = seen.get(owner, 0) + 1
+    return np.array(out)
+
+
+@pytest.mark.backend_independent
+def test_host_exchange_slots_match_a_python_reference():
+    from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
+    from keras_sparse.sharding.exchange_buckets import exchange_slots
+
+    rng = np.random.default_rng(5)
+    rows = rng.integers(-1, ROWS, (16, 16))  # 256 ids, 32 per device
+    rows[:, 3] = 9  # a hot row
+    want = _python_slots(rows, D, ROWS // D)
+    got = exchange_slots(rows, D, ROWS // D, capacity=32)
+    assert got.shape == rows.shape and got.dtype == np.int32
+    np.testing.assert_array_equal(got.reshape(-1), want)
+    worst = int(want.max()) + 1
+    exchange_slots(rows, D, ROWS // D, capacity=worst)  # just fits
+    with pytest.raises(ExchangeOverflowError, match="'emb'.*device \\d+ had"):
+        exchange_slots(rows, D, ROWS // D, capacity=worst - 1, name="layer 'emb'")
+    with pytest.raises(ValueError, match="split evenly over 8 devices"):
+        exchange_slots(rows[:, :3].reshape(-1)[:45], D, ROWS // D, 32)
+
+
+def test_step_takes_host_slots_without_the_in_step_check():
+    from keras_sparse.sharding import jax_sharded_lookup as jsl
+    from keras_sparse.sharding.exchange_buckets import exchange_slots
+
+    jax, mesh, opt = _setup()
+    ids = np.random.default_rng(1).integers(0, ROWS, N)
+    ids[::5] = 9
+    args = _args(jax, mesh, ids)
+    rows = np.where(np.asarray(args[3]), ids, -1)
+    slots = exchange_slots(rows, D, ROWS // D, jsl.row_capacity(N // D, D, 4.0))
+    put = jax.device_put(
+        slots, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
+    )
+    in_step = _step_fn(jax, mesh, opt, 4.0)(*args)
+    given = _step_fn(jax, mesh, opt, 4.0, host_slots=True)
+    for a, b in zip(jax.tree.leaves(in_step), jax.tree.leaves(given(*args, put))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hlo = given.lower(*args, put).compile().as_text()
+    measured = jsl.hlo_collective_bytes(hlo, D)
+    assert "all-reduce" not in measured  # no overflow pmax in the step
+    assert "callback" not in hlo.lower()  # (the in-step check has one)
+    assert measured["total"] == D * 16 * (4 + 2 * DIM * 4)
 
 
 def test_overflow_raises_instead_of_dropping():

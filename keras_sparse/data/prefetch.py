@@ -24,7 +24,13 @@ distinct rows per layer (the "segments": unique rows + inverse, computed
 with NumPy) and hand them over stacked with the codes along the batch axis
 (`keras_sparse.layers.prepared_inputs`); the step's sparse update then
 takes them instead of sorting the ids itself. The numbers are those the
-step's own sort would give, so results do not change.
+step's own sort would give, so results do not change. For a layer
+row-sharded under the active distribution with compact exchange buffers
+(``row_exchange_slack``), the workers instead bucket its ids by owning
+shard (``bucket=True``, `keras_sparse.sharding.exchange_buckets`): each
+id's slot in its owner's send buffer travels with the codes, the step skips
+its packing, all-reduce and overflow callback, and a batch that would
+overflow a buffer raises in the worker, naming the layer, before its step.
 
 While a stage is open, its hash layers are in "prepared inputs" mode (a
 per-layer counter; the model's cached train/test/predict functions are reset
@@ -288,9 +294,10 @@ class _Engine:
         self._pass = None
         self._pass_count = 0
         self.copy_batch = None  # host -> device copy (`transfer.batch_copier`)
-        # Replicas of the codes+segments layout (`prepared_inputs`), or None
-        # when the stage hands over codes alone.
-        self.layout = None
+        # Per feed: None (codes alone) or ``(replicas, channel)``, what the
+        # codes travel with (`prepared_inputs`): "segments" or the
+        # `ExchangeBuckets` of a row-sharded layer. See `_feed_layout`.
+        self.layouts = [None] * len(feeds)
         self.scratch = {}  # feed index -> `segment_scratch` array
 
     # ---------------------------------------------------------------- passes
@@ -385,7 +392,8 @@ class _Engine:
             fresh_keys = _host_keys(k)[fresh]
         codes = codes.reshape(keys.shape)
         segments = None
-        if self.layout is not None:
+        layout = self.layouts[f_idx]
+        if layout is not None and layout[1] == "segments":
             # The caller holds this layer's turn: its scratch is ours alone.
             if f_idx not in self.scratch:
                 self.scratch[f_idx] = segment_scratch(layer.num_rows)
@@ -414,10 +422,16 @@ class _Engine:
             y = tree.map_structure(take, y) if y is not None else None
             sw = tree.map_structure(take, sw) if sw is not None else None
             segments = [None if g is None else take(g) for g in segments]
-        for feed, g in zip(self.feeds, segments):
-            if g is not None:
-                c = _get(x, feed.key_path)
-                x = _set(x, feed.key_path, pack_prepared(c, g, self.layout))
+        for feed, layout, g in zip(self.feeds, self.layouts, segments):
+            if layout is None:
+                continue
+            replicas, channel = layout
+            c = np.asarray(_get(x, feed.key_path))
+            if channel != "segments":
+                # After routing: a slot depends on which device holds the id.
+                rows = np.where(c <= -2, -2 - c, c)
+                g = channel.slots(rows, f"prefetch: layer '{feed.layer.name}'")
+            x = _set(x, feed.key_path, pack_prepared(c, g, replicas))
         if self.copy_batch is not None:
             x, y, sw = self.copy_batch((x, y, sw))
         return x, y, sw
@@ -783,22 +797,25 @@ class PrefetchStage(keras.utils.PyDataset):
 
     # ------------------------------------------------------------ lifecycle
     def _activate(self):
-        layout = self._engine.layout
+        layouts = {
+            id(f.layer): layout
+            for f, layout in zip(self._engine.feeds, self._engine.layouts)
+        }
         for layer in self._layers:
             if getattr(layer, "_prepared_inputs", 0) and (
-                getattr(layer, "_prepared_layout", None) != layout
+                getattr(layer, "_prepared_layout", None) != layouts[id(layer)]
             ):
                 raise ValueError(
                     f"prefetch: layer '{layer.name}' is fed by another open "
                     "stage whose prepared inputs are laid out differently "
-                    f"(dedup / replicas); close it first, or create both "
-                    "stages with the same `dedup`."
+                    f"(dedup / bucket / replicas); close it first, or create "
+                    "both stages with the same `dedup` and `bucket`."
                 )
         flipped = False
         for layer in self._layers:
             count = getattr(layer, "_prepared_inputs", 0)
             layer._prepared_inputs = count + 1
-            layer._prepared_layout = layout
+            layer._prepared_layout = layouts[id(layer)]
             flipped |= count == 0
         self._active = True
         if flipped:
@@ -961,22 +978,32 @@ def _default_replicas():
     return int(np.prod(mesh.shape))
 
 
-def _segment_layout(dedup):
-    """Replicas of the codes+segments layout, or None for codes alone.
+def _feed_layout(layer, dedup, bucket):
+    """What a hash layer's codes travel with: None or ``(replicas, channel)``.
 
-    The segments number a batch's distinct rows over the whole batch the
-    step sees; a multi-process JAX run assembles its global batch from
-    per-process parts, whose segments would be local, so it gets none.
+    A row-sharded layer with compact exchange buffers gets its ids' exchange
+    slots (``bucket``; channel: its `ExchangeBuckets`). Other sharded layers
+    get nothing: their lookups do not use segments, and full-size buffers or
+    column sharding need no packing. Unsharded layers get their segments
+    (``dedup``; channel "segments"), which number a batch's distinct rows
+    over the whole batch the step sees; a multi-process JAX run assembles its
+    global batch from per-process parts, whose numbers would be local, so it
+    gets none.
     """
-    if not dedup:
-        return None
     if keras.backend.backend() != "jax":
-        return 1
+        return (1, "segments") if dedup else None
     import jax
+
+    from keras_sparse.sharding import keras_integration
 
     if jax.process_count() > 1:
         return None
-    return _default_replicas() or 1
+    buckets = keras_integration.exchange_buckets(layer)
+    if buckets is not None:
+        return (buckets.devices, buckets) if bucket else None
+    if keras_integration.route(layer) is not None or not dedup:
+        return None
+    return (_default_replicas() or 1, "segments")
 
 
 def prefetch(
@@ -999,6 +1026,7 @@ def prefetch(
     passes=None,
     transfer="auto",
     dedup=True,
+    bucket=True,
 ):
     """Wraps ``source`` into a prefetching input stage for ``model``.
 
@@ -1032,6 +1060,12 @@ def prefetch(
             workers (unique rows + inverse), so the step's sparse update
             skips its sort (see `keras_sparse.layers.prepared_inputs`).
             Results are identical either way. Off in multi-process JAX runs.
+        bucket: for a row-sharded layer with compact exchange buffers (a
+            ``row_exchange_slack``), pack its ids into their owners' buffers
+            in the workers (`keras_sparse.sharding.exchange_buckets`), so the
+            step skips the packing and its overflow check; an overflowing
+            buffer raises in the worker, before the step. Results are
+            identical either way.
 
     Returns:
         A `PrefetchStage` (a `keras.utils.PyDataset`); call ``stats()`` for
@@ -1084,5 +1118,8 @@ def prefetch(
         feeds, src, int(threads), int(capacity), insert, ordered, route, replicas
     )
     engine.copy_batch = copy_batch
-    engine.layout = _segment_layout(dedup)
+    engine.layouts = [
+        _feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None
+        for f in feeds
+    ]
     return PrefetchStage(engine, model, hash_layers, passes)

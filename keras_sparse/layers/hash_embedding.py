@@ -432,16 +432,25 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         without a row (not admitted, padding, or absent in inference). The
         stage already did the table lookup in batch order, so no host callback
         runs here; the fresh-row draw and the sparse-update counter advance
-        exactly as in the slow path. With a segment layout set by the stage
-        (``self._prepared_layout``, see `unpack_prepared`), ``codes`` also
-        carry each position's segment among the batch's distinct rows, and
-        the sparse update uses them instead of sorting.
+        exactly as in the slow path. With a layout set by the stage
+        (``self._prepared_layout = (replicas, channel)``, see
+        `unpack_prepared`), ``codes`` also carry a second int32 per position:
+        its segment among the batch's distinct rows (``channel ==
+        "segments"``; the sparse update uses them instead of sorting) or its
+        slot in its owner's row-exchange buffer (``channel`` an
+        `ExchangeBuckets`; the sharded lookup skips its own packing).
         """
         codes = ops.cast(ops.convert_to_tensor(codes), "int32")
-        segments = None
+        segments = exchange_slot = None
         layout = getattr(self, "_prepared_layout", None)
         if layout is not None:
-            codes, segments = unpack_prepared(codes, layout)
+            replicas, channel = layout
+            codes, extra = unpack_prepared(codes, replicas)
+            if channel == "segments":
+                segments = extra
+            else:
+                self._check_exchange_buckets(channel)
+                exchange_slot = extra
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
             if "float" not in str(weights.dtype):
@@ -457,11 +466,23 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         rows = ops.where(fresh, -2 - flat, flat)
         valid = ops.greater_equal(rows, 0)
         insert = bool(training) and self.trainable
-        return self._vectors_out(rows, valid, fresh, weights, shape, insert, segments)
+        prepared = {"segments": segments, "exchange_slot": exchange_slot}
+        return self._vectors_out(rows, valid, fresh, weights, shape, insert, prepared)
+
+    def _check_exchange_buckets(self, buckets):
+        from keras_sparse.sharding.keras_integration import exchange_buckets
+
+        now = exchange_buckets(self)
+        if now != buckets:
+            raise ValueError(
+                f"Layer '{self.name}': the prefetch stage bucketed its ids for "
+                f"{buckets}, but the active distribution gives {now}. Create "
+                "the stage under the distribution the model runs with."
+            )
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) end
 
-    def _train_lookup(self, rows, valid, fresh, segments=None):
+    def _train_lookup(self, rows, valid, fresh, prepared=None):
         """`lookup_rows` in training, re-initializing the fresh rows first."""
         init = fresh_row_values(
             self.embeddings_initializer,
@@ -472,15 +493,21 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             fans=(self.num_rows, self.output_dim),
         )
         return self.lookup_rows(
-            rows, valid, True, reset=(fresh, init), segments=segments
+            rows, valid, True, reset=(fresh, init), **(prepared or {})
         )
 
-    def _vectors_out(self, rows, valid, fresh, weights, shape, insert, segments=None):
-        """Looks up flat ``rows`` and pools/reshapes them to the output."""
+    def _vectors_out(self, rows, valid, fresh, weights, shape, insert, prepared=None):
+        """Looks up flat ``rows`` and pools/reshapes them to the output.
+
+        ``prepared``: the stage's ``segments`` / ``exchange_slot`` (see
+        `_call_prepared`), passed on to `lookup_rows`.
+        """
+        prepared = prepared or {}
         if insert:
-            vectors = self._train_lookup(rows, valid, fresh, segments)
+            vectors = self._train_lookup(rows, valid, fresh, prepared)
         else:
-            vectors = self.lookup_rows(rows, valid, False)
+            slot = prepared.get("exchange_slot")
+            vectors = self.lookup_rows(rows, valid, False, exchange_slot=slot)
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))
         return ops.cast(out, self.compute_dtype)

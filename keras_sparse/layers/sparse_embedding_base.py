@@ -111,7 +111,9 @@ class SparseEmbeddingBase(keras.layers.Layer):
             )
 
     # ---------------------------------------------------------------- lookup
-    def lookup_rows(self, ids, valid, training, reset=None, segments=None):
+    def lookup_rows(
+        self, ids, valid, training, reset=None, segments=None, exchange_slot=None
+    ):
         """Gathers ``[..., dim]`` rows; invalid positions read zeros.
 
         In training with a sparse optimizer the backward pass updates the
@@ -122,6 +124,10 @@ class SparseEmbeddingBase(keras.layers.Layer):
         ``segments``: optional segment index of each (flat) position among
         the distinct ids, computed ahead of the step by the input stage; the
         sparse update then skips its sort (unsharded lookups only).
+        ``exchange_slot``: optional slot of each position in its owner's
+        row-exchange buffer, computed ahead of the step by the input stage
+        (row-sharded lookups with compact buffers only, see
+        `keras_sparse.sharding.exchange_buckets`).
         """
         flat_ids = ops.reshape(ids, (-1,))
         flat_valid = ops.reshape(valid, (-1,))
@@ -139,6 +145,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             routing,
             reset,
             segments,
+            exchange_slot,
         )
         out_shape = tuple(ops.shape(ids)) + (self.output_dim,)
         return ops.reshape(rows, out_shape)
@@ -253,6 +260,7 @@ def lookup_flat_rows(
     routing,
     reset=None,
     segments=None,
+    exchange_slot=None,
 ):
     """``[N, dim]`` rows of ``table`` (a variable of ``layer``) at ``flat_ids``.
 
@@ -262,9 +270,9 @@ def lookup_flat_rows(
     otherwise a plain (dense-gradient) gather. ``routing`` (from
     `keras_sparse.sharding.keras_integration.route`) selects the sharded
     primitive. ``segments`` (see `SparseEmbeddingBase.lookup_rows`) reach
-    the unsharded primitive only. The layer supplies ``sparse_optimizer``,
-    ``sparse_anchor``, ``embeddings_constraint``, ``embeddings_regularizer``
-    and ``add_loss``.
+    the unsharded primitive only, ``exchange_slot`` the sharded one only.
+    The layer supplies ``sparse_optimizer``, ``sparse_anchor``,
+    ``embeddings_constraint``, ``embeddings_regularizer`` and ``add_loss``.
     """
     on_jax = keras.backend.backend() == "jax"
     if iterations is not None:
@@ -274,6 +282,8 @@ def lookup_flat_rows(
             kwargs["reset"] = reset
         if segments is not None and update and routing is None:
             kwargs["segments"] = ops.reshape(segments, (-1,))
+        if exchange_slot is not None and routing is not None:
+            kwargs["exchange_slot"] = ops.reshape(exchange_slot, (-1,))
         lookup = backend_module().lookup_with_sparse_update
         if routing is not None:  # sharding hook
             lookup = _sharding.routed_lookup(routing)
@@ -298,7 +308,11 @@ def lookup_flat_rows(
             layer.add_loss(loss)
         return rows
     if routing is not None:  # sharding hook
-        return _sharding.routed_gather(routing, table, flat_ids, flat_valid)
+        if exchange_slot is not None:
+            exchange_slot = ops.reshape(exchange_slot, (-1,))
+        return _sharding.routed_gather(
+            routing, table, flat_ids, flat_valid, exchange_slot
+        )
     safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))
     rows = ops.take(table, safe, axis=0)
     return ops.where(ops.expand_dims(flat_valid, -1), rows, 0)

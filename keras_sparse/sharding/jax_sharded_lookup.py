@@ -14,7 +14,11 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
            ``ceil(n / D * slack)`` with an ``exchange slack`` (compact: about
            ``slack / D`` of the bytes); ids are packed into their owner's
            bucket in local order, and a bucket overflow raises an error when
-           the step runs (never silently drops an id). Backward: the row
+           the step runs (never silently drops an id). An input stage may
+           compute that packing on the host ahead of the step and pass it as
+           ``exchange_slot`` (`exchange_buckets.exchange_slots`, which also
+           checks the fill there); the step then skips the packing and the
+           overflow check. Backward: the row
            gradients travel the same way to the owners, which dedup + sum
            them and apply the sparse optimizer to their shard
            (``compute_row_updates``); the updated table and slot shards come
@@ -50,6 +54,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from keras_sparse.ops.row_updates import compute_row_updates
+from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
+from keras_sparse.sharding.exchange_buckets import overflow_message
 
 try:  # jax >= 0.6
     _shard_map = jax.shard_map
@@ -155,21 +161,13 @@ def row_capacity(ids_per_device, num_devices, slack=None):
     return max(1, min(n, math.ceil(n / num_devices * slack)))
 
 
-class ExchangeOverflowError(RuntimeError):
-    """A row-exchange bucket got more ids than its capacity."""
+__all__ = ["ExchangeOverflowError"]  # re-exported: raised by the step
 
 
 def _raise_overflow(count, capacity, me):
     if int(count) <= int(capacity):  # pragma: no cover - only called on overflow
         return np.zeros((), np.int32)
-    raise ExchangeOverflowError(
-        f"keras_sparse row sharding: device {int(me)} had {int(count)} ids for "
-        f"one owner shard, more than the {int(capacity)} exchange slots per "
-        "destination (capacity = ceil(ids_per_device / devices * slack)). No "
-        "id was dropped: the step was aborted. Raise `row_exchange_slack` in "
-        "keras_sparse.sharding.distribution(...) or set it to None (full-size "
-        "buffers, never overflow)."
-    )
+    raise ExchangeOverflowError(overflow_message(count, capacity, me))
 
 
 def _check_capacity(axis, pos, valid, capacity):
@@ -189,8 +187,12 @@ def _check_capacity(axis, pos, valid, capacity):
     return jax.lax.cond(worst > capacity, fail, lambda: jnp.zeros((), jnp.int32))
 
 
-def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity):
-    """Local half: [n] ids -> (owner [n], slot [n], received ids [D, C])."""
+def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None):
+    """Local half: [n] ids -> (owner [n], slot [n], received ids [D, C]).
+
+    ``given_slot``: the packing computed ahead of the step (and checked for
+    overflow there), or None to compute it here.
+    """
     n = ids.shape[0]
     owner = jnp.where(valid, ids // shard_rows, -1)
     if capacity >= n:
@@ -199,6 +201,9 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity):
         guard = None
         dest = jnp.arange(d, dtype=owner.dtype)[:, None]
         send = jnp.where(owner[None, :] == dest, ids[None, :], -1)  # [D, n]
+    elif given_slot is not None:
+        slot = jnp.where(valid, given_slot.astype(owner.dtype), 0)
+        guard = None
     else:
         # Pack each destination's ids (in local order) into its C slots.
         hit = (owner[None, :] == jnp.arange(d, dtype=owner.dtype)[:, None]).astype(
@@ -207,6 +212,7 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity):
         before = jnp.cumsum(hit, axis=1) - hit  # [D, n]
         slot = jnp.where(valid, before[jnp.clip(owner, 0, d - 1), jnp.arange(n)], 0)
         guard = _check_capacity(axis, slot, valid, capacity)
+    if capacity < n:
         target = jnp.where(valid & (slot < capacity), owner, d)  # d: dropped
         send = (
             jnp.full((d, capacity), -1, ids.dtype)
@@ -217,10 +223,10 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity):
     return owner, slot, recv, guard
 
 
-def _row_forward_local(axis, d, table, ids, valid, capacity):
+def _row_forward_local(axis, d, table, ids, valid, capacity, given_slot=None):
     shard_rows = table.shape[0]
     owner, slot, recv, guard = _row_exchange_ids(
-        axis, d, shard_rows, ids, valid, capacity
+        axis, d, shard_rows, ids, valid, capacity, given_slot
     )
     me = jax.lax.axis_index(axis)
     recv_valid = recv >= 0
@@ -235,49 +241,43 @@ def _row_forward_local(axis, d, table, ids, valid, capacity):
     return rows, owner, slot, recv
 
 
-def row_gather(mesh, axis, table, ids, valid, slack=None):
-    """Row-sharded gather, differentiable by JAX (dense table gradient)."""
+def _row_forward(mesh, axis, table, ids, valid, slack, given_slot, outputs):
+    """Runs `_row_forward_local` on every device; its first ``outputs`` results."""
     d = mesh.shape[axis]
     _check_divisible("table rows", table.shape[0], d)
     _check_divisible("number of ids", ids.shape[0], d)
     capacity = row_capacity(ids.shape[0] // d, d, slack)
+    args, specs = (table, ids, valid), (P(axis, None), P(axis), P(axis))
+    if given_slot is not None:
+        args, specs = args + (given_slot,), specs + (P(axis),)
 
-    def local(table, ids, valid):
-        return _row_forward_local(axis, d, table, ids, valid, capacity)[0]
+    def local(*args):
+        return _row_forward_local(axis, d, *args[:3], capacity, *args[3:])[:outputs]
 
-    return _smap(local, mesh, (P(axis, None), P(axis), P(axis)), P(axis))(
-        table, ids, valid
-    )
+    return _smap(local, mesh, specs, (P(axis),) * outputs)(*args)
+
+
+def row_gather(mesh, axis, table, ids, valid, slack=None, exchange_slot=None):
+    """Row-sharded gather, differentiable by JAX (dense table gradient)."""
+    return _row_forward(mesh, axis, table, ids, valid, slack, exchange_slot, 1)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _row_lookup(cfg, table, slots, ids, valid, iterations):
-    return row_gather(cfg.mesh, cfg.axis, table, ids, valid, cfg.slack)
+def _row_lookup(cfg, table, slots, ids, valid, iterations, exchange_slot):
+    return row_gather(cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot)
 
 
-def _row_fwd(cfg, table, slots, ids, valid, iterations):
-    d = cfg.num_shards
-    _check_divisible("table rows", table.shape[0], d)
-    _check_divisible("number of ids", ids.shape[0], d)
-
-    capacity = row_capacity(ids.shape[0] // d, d, cfg.slack)
-
-    def local(table, ids, valid):
-        return _row_forward_local(cfg.axis, d, table, ids, valid, capacity)
-
-    rows, owner, slot, recv = _smap(
-        local,
-        cfg.mesh,
-        (P(cfg.axis, None), P(cfg.axis), P(cfg.axis)),
-        (P(cfg.axis), P(cfg.axis), P(cfg.axis), P(cfg.axis)),
-    )(table, ids, valid)
+def _row_fwd(cfg, table, slots, ids, valid, iterations, exchange_slot):
+    rows, owner, slot, recv = _row_forward(
+        cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot, 4
+    )
     return rows, (table, slots, owner, slot, recv, iterations)
 
 
 def _row_bwd(cfg, residuals, grads):
     table, slots, owner, slot, recv, iterations = residuals
     if not cfg.apply_update:  # inference under a gradient: state unchanged
-        return table, dict(slots), None, None, None
+        return table, dict(slots), None, None, None, None
     axis, d = cfg.axis, cfg.num_shards
     slot_names = tuple(slots)
 
@@ -333,7 +333,7 @@ def _row_bwd(cfg, residuals, grads):
         grads,
         iterations,
     )
-    return new_table, dict(zip(slot_names, new_slots)), None, None, None
+    return new_table, dict(zip(slot_names, new_slots)), None, None, None, None
 
 
 _row_lookup.defvjp(_row_fwd, _row_bwd)
@@ -568,12 +568,15 @@ def sharded_lookup_with_sparse_update(
     constraint=None,
     apply_update=True,
     slack=None,
+    exchange_slot=None,
 ):
     """Lookup whose backward applies the sparse optimizer on the owning shards.
 
     Returns ``[N, dim]`` rows; the "gradients" of ``table`` and ``slots`` are
     their updated values (for ``overwrite_with_gradient`` variables).
-    ``slack`` sizes the row exchange buffers (`row_capacity`).
+    ``slack`` sizes the row exchange buffers (`row_capacity`);
+    ``exchange_slot`` (row only, with a slack): each id's slot in its
+    owner's buffer, from `exchange_buckets.exchange_slots`.
     """
     cfg = ShardConfig(mesh, axis, optimizer, constraint, apply_update, slack)
     args = (
@@ -584,7 +587,7 @@ def sharded_lookup_with_sparse_update(
         jnp.asarray(iterations, jnp.int32),
     )
     if strategy == "row":
-        return _row_lookup(cfg, *args)
+        return _row_lookup(cfg, *args, _slot_or_none(exchange_slot))
     if strategy == "column":
         if constraint is not None:
             raise ValueError(
@@ -600,12 +603,19 @@ def sharded_lookup_with_sparse_update(
     raise NotImplementedError(f"sharded lookup for strategy {strategy!r}")
 
 
-def sharded_gather(strategy, mesh, axis, table, ids, valid, slack=None):
+def _slot_or_none(exchange_slot):
+    return None if exchange_slot is None else jnp.asarray(exchange_slot, jnp.int32)
+
+
+def sharded_gather(
+    strategy, mesh, axis, table, ids, valid, slack=None, exchange_slot=None
+):
     """Forward-only / dense-gradient sharded gather."""
     ids = jnp.asarray(ids, jnp.int32)
     valid = jnp.asarray(valid, bool)
     if strategy == "row":
-        return row_gather(mesh, axis, table, ids, valid, slack)
+        slot = _slot_or_none(exchange_slot)
+        return row_gather(mesh, axis, table, ids, valid, slack, slot)
     if strategy == "column":
         return column_gather(mesh, axis, table, ids, valid)
     raise NotImplementedError(f"sharded gather for strategy {strategy!r}")

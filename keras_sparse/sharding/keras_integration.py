@@ -480,6 +480,7 @@ def routed_lookup(routing):
         constraint=None,
         apply_update=True,
         reset=None,
+        exchange_slot=None,
     ):
         del anchor_var  # the table itself carries the update on JAX
         table = table_var.value
@@ -501,6 +502,7 @@ def routed_lookup(routing):
             constraint,
             apply_update=apply_update,
             slack=slack,
+            exchange_slot=exchange_slot,
         )
 
     return lookup
@@ -538,13 +540,72 @@ def _routed_reset(routing, table_var, slot_vars, optimizer, table, slots, ids, r
     return table, state
 
 
-def routed_gather(routing, table_var, ids, valid):
+def routed_gather(routing, table_var, ids, valid, exchange_slot=None):
     from keras_sparse.sharding import jax_sharded_lookup
 
     strategy, mesh, axis, slack = routing
     return jax_sharded_lookup.sharded_gather(
-        strategy, mesh, axis, table_var.value, ids, valid, slack
+        strategy, mesh, axis, table_var.value, ids, valid, slack, exchange_slot
     )
+
+
+class ExchangeBuckets:
+    """How an input stage buckets a row-sharded layer's ids (hashable).
+
+    ``devices`` (the batch and the table are split over), ``shard_rows``
+    (rows per device) and ``slack`` (`jax_sharded_lookup.row_capacity`).
+    """
+
+    def __init__(self, devices, shard_rows, slack):
+        self.devices = int(devices)
+        self.shard_rows = int(shard_rows)
+        self.slack = float(slack)
+
+    def _key(self):
+        return (self.devices, self.shard_rows, self.slack)
+
+    def __eq__(self, other):
+        return isinstance(other, ExchangeBuckets) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return "ExchangeBuckets(devices={}, shard_rows={}, slack={})".format(
+            *self._key()
+        )
+
+    def capacity(self, num_ids):
+        from keras_sparse.sharding.jax_sharded_lookup import row_capacity
+
+        return row_capacity(num_ids // self.devices, self.devices, self.slack)
+
+    def slots(self, rows, name):
+        """`exchange_buckets.exchange_slots` of one batch's ``rows``."""
+        import numpy as np
+
+        from keras_sparse.sharding.exchange_buckets import exchange_slots
+
+        rows = np.asarray(rows)
+        return exchange_slots(
+            rows, self.devices, self.shard_rows, self.capacity(rows.size), name
+        )
+
+
+def exchange_buckets(layer):
+    """An `ExchangeBuckets` when ``layer``'s lookup packs ids into compact
+    row-exchange buffers under the active distribution (row sharding with a
+    ``row_exchange_slack``), else None: full-size buffers need no packing
+    and column sharding all-gathers the ids."""
+    routing = route(layer)
+    if routing is None:
+        return None
+    strategy, mesh, axis, slack = routing
+    if strategy != "row" or slack is None:
+        return None
+    devices = mesh.shape[axis]
+    rows = int(layer.embeddings.shape[0]) if layer.built else variable_rows(layer)
+    return ExchangeBuckets(devices, rows // devices, slack)
 
 
 # ------------------------------------------------------ collection stacks
