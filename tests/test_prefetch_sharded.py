@@ -65,6 +65,7 @@ def _weights(model):
 
 
 def _under(strategy, slack, body):
+    keras.utils.set_random_seed(21)  # the same initial model every time
     layers = _layers(strategy)
     dist = sharding.distribution(layers, devices=D, row_exchange_slack=slack)
     keras.distribution.set_distribution(dist)
@@ -128,6 +129,29 @@ def test_row_sharded_stage_buckets_and_trains_identically(monkeypatch):
     assert not calls
     for a, b in zip(want, plain):
         np.testing.assert_array_equal(a, b)
+
+
+def test_inference_stages_with_buckets_match_the_raw_path():
+    x, y = _data()
+
+    def run(staged):
+        def body(model):
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            if not staged:
+                loss = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+                return loss, model.predict(x, batch_size=BATCH, verbose=0)
+            with prefetch((x, y), model, batch_size=BATCH, training=False) as st:
+                layout = model.get_layer("hashed")._prepared_layout
+                assert isinstance(layout[1], keras_integration.ExchangeBuckets)
+                loss = model.evaluate(st, verbose=0)
+            with prefetch(x, model, batch_size=BATCH, training=False) as st:
+                return loss, model.predict(st, verbose=0)
+
+        return body
+
+    want, got = _under("row", SLACK, run(False)), _under("row", SLACK, run(True))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-7)
 
 
 def test_overflowing_bucket_fails_in_the_worker_and_rolls_back():

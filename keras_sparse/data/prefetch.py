@@ -90,6 +90,10 @@ Caveats:
   random initializer the routed run draws fresh rows' initial values at
   other batch positions, so it equals the unrouted run only up to those draws
   and float summation order (bit-identical with a constant initializer).
+  Routing gathers each device's ids on its own shard, and those ids pass
+  through the exchange block a device sends to itself: with compact row
+  buffers (``row_exchange_slack``) routed batches need a slack near the
+  device count, else the bucketing reports an overflow before the step.
 """
 
 import collections
