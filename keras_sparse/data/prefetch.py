@@ -110,6 +110,7 @@ from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
 from keras_sparse.layers.prepared_inputs import host_segments
 from keras_sparse.layers.prepared_inputs import pack_prepared
+from keras_sparse.layers.prepared_inputs import rows_of_codes
 from keras_sparse.layers.prepared_inputs import segment_scratch
 
 __all__ = ["PrefetchError", "PrefetchStage", "prefetch"]
@@ -433,7 +434,7 @@ class _Engine:
             c = np.asarray(_get(x, feed.key_path))
             if channel != "segments":
                 # After routing: a slot depends on which device holds the id.
-                rows = np.where(c <= -2, -2 - c, c)
+                rows = rows_of_codes(c)
                 g = channel.slots(rows, f"prefetch: layer '{feed.layer.name}'")
             x = _set(x, feed.key_path, pack_prepared(c, g, replicas))
         if self.copy_batch is not None:
@@ -445,7 +446,7 @@ class _Engine:
         r = self.replicas
         for feed, (keys, w), c in zip(self.feeds, jobs, codes):
             layer = feed.layer
-            rows = keys if c is None else np.where(c <= -2, -2 - c, c)
+            rows = keys if c is None else rows_of_codes(c)
             rows = np.asarray(rows).astype(np.int64)
             ok = (rows >= 0) & (rows < layer.num_rows)
             if w is not None:

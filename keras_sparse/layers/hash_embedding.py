@@ -482,7 +482,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) end
 
-    def _train_lookup(self, rows, valid, fresh, prepared=None):
+    def _train_lookup(self, rows, valid, fresh, prepared):
         """`lookup_rows` in training, re-initializing the fresh rows first."""
         init = fresh_row_values(
             self.embeddings_initializer,
@@ -492,22 +492,20 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             self.seed_generator,
             fans=(self.num_rows, self.output_dim),
         )
-        return self.lookup_rows(
-            rows, valid, True, reset=(fresh, init), **(prepared or {})
-        )
+        return self.lookup_rows(rows, valid, True, reset=(fresh, init), **prepared)
 
     def _vectors_out(self, rows, valid, fresh, weights, shape, insert, prepared=None):
         """Looks up flat ``rows`` and pools/reshapes them to the output.
 
         ``prepared``: the stage's ``segments`` / ``exchange_slot`` (see
-        `_call_prepared`), passed on to `lookup_rows`.
+        `_call_prepared`), passed on to `lookup_rows` (which uses segments
+        only in training).
         """
         prepared = prepared or {}
         if insert:
             vectors = self._train_lookup(rows, valid, fresh, prepared)
         else:
-            slot = prepared.get("exchange_slot")
-            vectors = self.lookup_rows(rows, valid, False, exchange_slot=slot)
+            vectors = self.lookup_rows(rows, valid, False, **prepared)
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))
         return ops.cast(out, self.compute_dtype)

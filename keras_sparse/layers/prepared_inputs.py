@@ -20,6 +20,13 @@ _NO_ROW = np.iinfo(np.int32).max
 SCRATCH_MAX_ROWS = 1 << 26
 
 
+def rows_of_codes(codes):
+    """Row of each prepared code (NumPy): ``-2 - code`` for fresh rows
+    (``code <= -2``), the code itself otherwise (``-1``: no row)."""
+    codes = np.asarray(codes)
+    return np.where(codes <= -2, -2 - codes, codes)
+
+
 def host_segments(codes, scratch=None):
     """int32 segment of each position of ``codes`` (any shape), row-major.
 
@@ -33,7 +40,7 @@ def host_segments(codes, scratch=None):
     in position order. Any dense numbering gives the step the same result.
     """
     codes = np.asarray(codes)
-    rows = np.where(codes <= -2, -2 - codes, codes).reshape(-1)
+    rows = rows_of_codes(codes).reshape(-1)
     if scratch is None:
         keys = np.where(rows >= 0, rows, _NO_ROW)
         _, inverse = np.unique(keys, return_inverse=True)

@@ -275,6 +275,8 @@ def lookup_flat_rows(
     ``embeddings_constraint``, ``embeddings_regularizer`` and ``add_loss``.
     """
     on_jax = keras.backend.backend() == "jax"
+    if exchange_slot is not None:
+        exchange_slot = ops.reshape(exchange_slot, (-1,))
     if iterations is not None:
         update = layer.uses_sparse_update and layer.trainable and bool(training)
         kwargs = {"apply_update": update} if on_jax else {}
@@ -283,7 +285,7 @@ def lookup_flat_rows(
         if segments is not None and update and routing is None:
             kwargs["segments"] = ops.reshape(segments, (-1,))
         if exchange_slot is not None and routing is not None:
-            kwargs["exchange_slot"] = ops.reshape(exchange_slot, (-1,))
+            kwargs["exchange_slot"] = exchange_slot
         lookup = backend_module().lookup_with_sparse_update
         if routing is not None:  # sharding hook
             lookup = _sharding.routed_lookup(routing)
@@ -308,8 +310,6 @@ def lookup_flat_rows(
             layer.add_loss(loss)
         return rows
     if routing is not None:  # sharding hook
-        if exchange_slot is not None:
-            exchange_slot = ops.reshape(exchange_slot, (-1,))
         return _sharding.routed_gather(
             routing, table, flat_ids, flat_valid, exchange_slot
         )

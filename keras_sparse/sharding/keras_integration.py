@@ -50,6 +50,7 @@ pinning it raises. The collection saves per table (unpadded, unstacked
 arrays), so checkpoints load under any device count, grouping or strategy.
 """
 
+import dataclasses
 import re
 
 import keras
@@ -549,6 +550,7 @@ def routed_gather(routing, table_var, ids, valid, exchange_slot=None):
     )
 
 
+@dataclasses.dataclass(frozen=True)
 class ExchangeBuckets:
     """How an input stage buckets a row-sharded layer's ids (hashable).
 
@@ -556,24 +558,9 @@ class ExchangeBuckets:
     (rows per device) and ``slack`` (`jax_sharded_lookup.row_capacity`).
     """
 
-    def __init__(self, devices, shard_rows, slack):
-        self.devices = int(devices)
-        self.shard_rows = int(shard_rows)
-        self.slack = float(slack)
-
-    def _key(self):
-        return (self.devices, self.shard_rows, self.slack)
-
-    def __eq__(self, other):
-        return isinstance(other, ExchangeBuckets) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __repr__(self):
-        return "ExchangeBuckets(devices={}, shard_rows={}, slack={})".format(
-            *self._key()
-        )
+    devices: int
+    shard_rows: int
+    slack: float
 
     def capacity(self, num_ids):
         from keras_sparse.sharding.jax_sharded_lookup import row_capacity
@@ -603,9 +590,9 @@ def exchange_buckets(layer):
     strategy, mesh, axis, slack = routing
     if strategy != "row" or slack is None:
         return None
-    devices = mesh.shape[axis]
+    devices = int(mesh.shape[axis])
     rows = int(layer.embeddings.shape[0]) if layer.built else variable_rows(layer)
-    return ExchangeBuckets(devices, rows // devices, slack)
+    return ExchangeBuckets(devices, rows // devices, float(slack))
 
 
 # ------------------------------------------------------ collection stacks
