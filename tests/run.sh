@@ -36,7 +36,7 @@ for backend in jax tensorflow torch; do
     marker="not backend_independent" extra=(--ignore=tests/gpu)
   fi
   KERAS_BACKEND=$backend python -m pytest tests ${extra[@]+"${extra[@]}"} -q -rfEs \
-    -p no:cacheprovider -m "$marker" "$@" 2>&1 | tee "$log"
+    -p no:cacheprovider --durations=20 -m "$marker" "$@" 2>&1 | tee "$log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   tally
 done

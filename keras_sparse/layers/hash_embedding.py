@@ -10,6 +10,7 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers import jax_step_mapping
 from keras_sparse.layers.fresh_rows import fresh_row_values
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
@@ -75,17 +76,25 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
     In inference (``training=False``, or a frozen layer) the table is only
     read: unknown keys read zeros and nothing is inserted.
 
-    How compiled steps reach the table: the table lives in host memory.
-    Eagerly the layer calls it directly. In a compiled JAX step the key->row
-    mapping is a `jax.experimental.io_callback` (ordered); in a TensorFlow
-    graph it is a `tf.numpy_function`. Every step therefore does one
-    device->host->device round trip of the keys and rows. XLA cannot run
-    host callbacks inside TensorFlow graphs, so on TensorFlow the layer sets
-    ``supports_jit = False``: ``compile(jit_compile=True)`` warns and compiles
-    the whole step as a plain tf.function without XLA (``"auto"`` picks that
-    silently). On PyTorch the layer also reports ``supports_jit = False``
+    How compiled steps reach the table: the table is Python state (NumPy,
+    or CuPy with ``table_device="gpu"``). Eagerly the layer calls it
+    directly. In a compiled JAX step on one device (no Keras distribution)
+    the key->row mapping is an in-place ``jax.experimental.buffer_callback``:
+    a CPU table reads the step's key buffer and writes the rows into its
+    output buffers without copies. Under a distribution, and for a GPU
+    table, it is an ordered ``jax.experimental.io_callback`` (see
+    `keras_sparse.layers.jax_step_mapping`). In a TensorFlow graph it is a
+    `tf.numpy_function`. XLA cannot run host callbacks inside TensorFlow
+    graphs, so on TensorFlow the layer sets ``supports_jit = False``:
+    ``compile(jit_compile=True)`` warns and compiles the whole step as a
+    plain tf.function without XLA (``"auto"`` picks that silently). On
+    PyTorch the layer also reports ``supports_jit = False``
     (``jit_compile=True`` falls back to eager steps). On JAX the whole step
-    stays under ``jax.jit``.
+    stays under ``jax.jit``. An error raised by the table inside a compiled
+    step (a full table with ``eviction=None``) leaves the table as the last
+    good step left it, but aborts the step, and Keras has donated that
+    step's model variables: restore from a checkpoint. The prefetch stage
+    (`keras_sparse.data.prefetch`) raises such errors before the step.
 
     Args:
         output_dim: embedding width.
@@ -257,6 +266,17 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         return self.table.capacity
 
     # ---------------------------------------------------------------- mapping
+    def _lookup_or_insert(self, keys):
+        try:
+            return self.table.lookup_or_insert(keys)
+        except TableFullError as e:
+            raise TableFullError(
+                f"Layer '{self.name}': the hash table is full (capacity="
+                f"{self.table.capacity}, size={self.table.size}) and "
+                f"eviction=None; nothing was changed. Use eviction='lru'/"
+                f"'lfu' or a larger capacity. ({e})"
+            ) from None
+
     def _map_on_host(self, keys, use, insert):
         """keys (any shape), use (bool) -> (rows int32, fresh bool), flat."""
         flat = _host_keys(keys)
@@ -267,15 +287,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         fresh = np.zeros(flat.shape[0], bool)
         selected = flat[use]
         if insert:
-            try:
-                res = self.table.lookup_or_insert(selected)
-            except TableFullError as e:
-                raise TableFullError(
-                    f"Layer '{self.name}': the hash table is full (capacity="
-                    f"{self.table.capacity}, size={self.table.size}) and "
-                    f"eviction=None; nothing was changed. Use eviction='lru'/"
-                    f"'lfu' or a larger capacity. ({e})"
-                ) from None
+            res = self._lookup_or_insert(selected)
             got = _to_numpy(res.rows).astype(np.int32)
             new_rows = _to_numpy(res.new_rows)
             rows[use] = got
@@ -284,32 +296,45 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             rows[use] = _to_numpy(self.table.lookup(selected)).astype(np.int32)
         return rows, fresh
 
-    def _map_on_gpu(self, keys, use, insert):
-        """GPU table, eager call: keys and rows stay on the device via DLPack.
+    def _gpu_rows(self, keys, use, insert):
+        """GPU table: CuPy-readable keys and use -> CuPy (rows int32, fresh
+        bool), flat, on the current CuPy stream; no host copy of the keys.
 
-        Checked by ``tests/gpu`` (needs a CUDA device). Compiled steps go
-        through the host callbacks instead (or ``keras_sparse.data.prefetch``).
+        Checked by ``tests/gpu`` (needs a CUDA device). The one exception:
+        int32 keys of a JAX step without x64 whose full 64-bit keys the input
+        pipeline queued (`keras_sparse.layers.jax_full_keys`) are replaced by
+        those host keys, which came from the host anyway.
         """
         import cupy as cp
 
         from keras_sparse.table.keys import to_cupy_keys
 
         flat, _ = to_cupy_keys(keys)  # zero-copy for CUDA tensors
-        use = cp.asarray(ops.convert_to_numpy(use)).reshape(-1).astype(bool)
+        if jax_full_keys.has_queued(self):
+            flat = cp.asarray(jax_full_keys.restore(self, flat.get()))
+        use = cp.asarray(use).reshape(-1).astype(bool)
         rows = cp.full(flat.shape[0], -1, cp.int32)
         fresh = cp.zeros(flat.shape[0], bool)
         selected = flat[use]
         if insert:
-            res = self.table.lookup_or_insert(selected)
+            res = self._lookup_or_insert(selected)
             got = cp.asarray(res.rows).astype(cp.int32)
             rows[use] = got
             fresh[use] = cp.isin(got, cp.asarray(res.new_rows)) & (got >= 0)
         else:
             rows[use] = cp.asarray(self.table.lookup(selected)).astype(cp.int32)
+        return rows, fresh
+
+    def _map_on_gpu(self, keys, use, insert):
+        """GPU table, eager call: keys and rows stay on the device via DLPack."""
+        import cupy as cp
+
+        use = cp.asarray(ops.convert_to_numpy(use))
+        rows, fresh = self._gpu_rows(keys, use, insert)
         return _from_dlpack(rows), _from_dlpack(fresh)
 
     def _full_keys(self, keys):
-        """Host keys with the high 32 bits JAX dropped restored (see
+        """Keys with the high 32 bits JAX dropped restored (see
         `keras_sparse.layers.jax_full_keys`); other keys pass through."""
         if keras.backend.backend() != "jax" or _string_kind(keys):
             return keys
@@ -327,29 +352,16 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             )
             return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh)
         n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
-
-        def callback(k, u):
-            return self._map_on_host(self._full_keys(k), u, insert)
-
         if backend == "jax":
-            import jax
-            from jax.experimental import io_callback
-
-            return io_callback(
-                callback,
-                (
-                    jax.ShapeDtypeStruct((n,), np.int32),
-                    jax.ShapeDtypeStruct((n,), np.bool_),
-                ),
-                keys,
-                use,
-                ordered=True,
-            )
+            return jax_step_mapping.map_in_step(self, keys, use, insert, n)
         if backend == "tensorflow":
             import tensorflow as tf
 
             rows, fresh = tf.numpy_function(
-                callback, [keys, use], [tf.int32, tf.bool], stateful=True
+                lambda k, u: self._map_on_host(self._full_keys(k), u, insert),
+                [keys, use],
+                [tf.int32, tf.bool],
+                stateful=True,
             )
             rows.set_shape((n,))
             fresh.set_shape((n,))

@@ -96,6 +96,11 @@ def key_queue(layer):
     return q
 
 
+def has_queued(layer):
+    """True when the input pipeline queued full keys for ``layer``."""
+    return bool(layer.__dict__.get("_ks_full_key_queue"))
+
+
 def restore(layer, keys):
     """``keys`` (flat int64 NumPy) with their high 32 bits restored.
 

@@ -1,45 +1,19 @@
 """DistributedHashEmbedding with its table on the GPU (CuPy), JAX backend."""
 
-import os
-
 import numpy as np
-import pytest
 
-cp = pytest.importorskip("cupy", reason="CuPy is not installed; GPU tests skipped")
-try:
-    _n_gpus = cp.cuda.runtime.getDeviceCount()
-except Exception:  # CUDA driver missing
-    _n_gpus = 0
-if _n_gpus == 0:
-    pytest.skip("CuPy sees no CUDA device", allow_module_level=True)
-if os.environ.get("KERAS_BACKEND", "jax") != "jax":
-    pytest.skip("GPU layer tests run on the JAX backend", allow_module_level=True)
+from tests.gpu.gpu_layers import hashed_model
+from tests.gpu.gpu_layers import keys_and_targets
+from tests.gpu.gpu_layers import require_cuda_and_jax
+
+cp = require_cuda_and_jax()
 
 import keras  # noqa: E402
 
 import keras_sparse as ks  # noqa: E402
 
-
-def _model(table_device):
-    ids = keras.Input((3,), dtype="int32")
-    layer = ks.DistributedHashEmbedding(
-        8,
-        capacity=256,
-        combiner="sum",
-        optimizer="adagrad",
-        embeddings_initializer=keras.initializers.Constant(0.1),
-        table_device=table_device,
-        name="hashed",
-    )
-    model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
-    model.compile("sgd", "mse")
-    return model, layer
-
-
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 400, size=(256, 3)).astype("int32")
-    return x, rng.normal(size=(256, 1)).astype("float32")
+_model = hashed_model
+_data = keys_and_targets
 
 
 def test_gpu_table_trains_like_the_cpu_table():

@@ -1,0 +1,132 @@
+"""How a compiled JAX step reaches a `DistributedHashEmbedding`'s hash table.
+
+The key->row map is Python state (a NumPy or CuPy `HashTable`), so inside
+``jax.jit`` it is reached through a callback that returns ``(rows, fresh)``.
+
+* In-place buffer callback (``jax.experimental.buffer_callback``), used when
+  the step runs on one device (no Keras distribution active): XLA hands the
+  callback its own key buffer and the output buffers. On a CPU table with the
+  step on the CPU the keys are read and the rows written in place, without
+  the host copies and the token ordering of ``io_callback``, and XLA may run
+  the callbacks of different layers concurrently. On a GPU table
+  with the step on the same GPU the buffers are wrapped as CuPy arrays and
+  the table runs on XLA's stream, so the keys stay on the device (see
+  `GPU_BUFFERS_IN_STEP`).
+* Ordered ``io_callback`` otherwise: under a distribution the step is
+  partitioned across devices and a side-effecting custom call needs a
+  placement, which only ``io_callback`` gives (it runs once, on one device,
+  with the batch gathered); for a CPU table feeding a GPU step; and for a
+  layer a functional model calls more than once (its calls keep their
+  order).
+
+Steps run in order either way: each training step consumes the state the
+previous one produced, and each callback belongs to one layer's table.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+# False forces the io_callback route everywhere: the escape hatch for a step
+# that is partitioned across devices without a Keras distribution (a
+# hand-written ``jax.jit`` with shardings), which the in-place route cannot
+# detect and XLA then refuses ("Side-effect HLO must have sharding").
+IN_PLACE_CALLBACKS = True
+
+# The GPU-buffer variant of the in-step callback (CuPy table on XLA's stream).
+# Checked by tests/gpu/test_step_mapping_gpu.py, which needs a CUDA device;
+# until that suite has passed on one, GPU tables inside compiled steps keep
+# the io_callback route (keys through the host), and the tests turn this on.
+GPU_BUFFERS_IN_STEP = False
+
+
+def _buffer_callback():
+    try:
+        from jax.experimental.buffer_callback import buffer_callback
+    except ImportError:  # jax < 0.7: no in-place callbacks
+        return None
+    return buffer_callback
+
+
+def _single_device_step():
+    """True when the traced step runs on one device (no Keras distribution)."""
+    return keras.distribution.distribution() is None
+
+
+def _step_platform():
+    import jax
+
+    return jax.default_backend()
+
+
+def _called_once(layer):
+    """False for a layer shared by several inputs of a functional model."""
+    return len(getattr(layer, "_inbound_nodes", ())) <= 1
+
+
+def choose_route(layer):
+    """``"cpu_buffers"``, ``"gpu_buffers"`` or ``"io_callback"`` for ``layer``."""
+    if (
+        not IN_PLACE_CALLBACKS
+        or _buffer_callback() is None
+        or not _single_device_step()
+        # In-place callbacks are unordered (XLA may run those of different
+        # layers concurrently); two calls of one table in a step must keep
+        # their program order, which the ordered io_callback guarantees.
+        or not _called_once(layer)
+    ):
+        return "io_callback"
+    platform = _step_platform()
+    if layer.table.device == "cpu" and platform == "cpu":
+        return "cpu_buffers"
+    if layer.table.device == "gpu" and platform == "gpu" and GPU_BUFFERS_IN_STEP:
+        return "gpu_buffers"
+    return "io_callback"
+
+
+def map_in_step(layer, keys, use, insert, n):
+    """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``.
+
+    ``layer`` provides ``_full_keys(keys)`` (host keys with the high bits
+    JAX dropped restored), ``_map_on_host(keys, use, insert)`` (NumPy in and
+    out) and ``_gpu_rows(keys, use, insert)`` (CuPy in and out).
+    """
+    import jax
+
+    out = (
+        jax.ShapeDtypeStruct((n,), np.int32),
+        jax.ShapeDtypeStruct((n,), np.bool_),
+    )
+    route = choose_route(layer)
+    if route == "io_callback":
+        from jax.experimental import io_callback
+
+        def host_callback(k, u):
+            return layer._map_on_host(layer._full_keys(k), u, insert)
+
+        return io_callback(host_callback, out, keys, use, ordered=True)
+
+    if route == "cpu_buffers":
+
+        def callback(ctx, outputs, k, u):
+            keys = layer._full_keys(np.asarray(k))
+            rows, fresh = layer._map_on_host(keys, np.asarray(u), insert)
+            np.asarray(outputs[0])[...] = rows
+            np.asarray(outputs[1])[...] = fresh
+
+    else:
+
+        def callback(ctx, outputs, k, u):
+            import cupy as cp
+
+            # CuPy work (kernels, copies, the few size reads) goes on the
+            # stream XLA runs this step on, so it sees the keys written
+            # before and finishes before the rows are read.
+            with cp.cuda.ExternalStream(ctx.stream):
+                rows, fresh = layer._gpu_rows(cp.asarray(k), cp.asarray(u), insert)
+                cp.asarray(outputs[0])[...] = rows
+                cp.asarray(outputs[1])[...] = fresh
+
+    mapper = _buffer_callback()(callback, out, has_side_effect=True)
+    return mapper(keys, use)
