@@ -207,12 +207,6 @@ def collision_stats(keys, bins, capacity):
     }
 
 
-def _step_platform():
-    import jax
-
-    return jax.default_backend()
-
-
 def epoch_on_arrays(model, x, y, batch):
     """A callable fitting one epoch over in-memory arrays, in order."""
     return lambda: model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
@@ -318,7 +312,7 @@ def main():
                      short="DistributedHash\nEmbedding", sps=n / t_hash,
                      t=t_hash, ts=ts, loss=loss))  # fmt: skip
 
-    if keras.backend.backend() == "jax" and _step_platform() == "cpu":
+    if keras.backend.backend() == "jax" and device_description().startswith("jax cpu"):
         # 1b) CPU tables, raw int64 keys straight into fit: the compiled step
         # reaches the tables through its callbacks, both routes side by side.
         for in_place in (True, False):

@@ -277,28 +277,44 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
                 f"'lfu' or a larger capacity. ({e})"
             ) from None
 
-    def _map_on_host(self, keys, use, insert):
-        """keys (any shape), use (bool) -> (rows int32, fresh bool), flat."""
-        flat = _host_keys(keys)
-        use = np.asarray(use, dtype=bool).reshape(-1)
-        if use.all():  # no padding: skip the mask copies and scatters
+    def _table_rows(self, flat, use, insert, xp, out=None):
+        """Flat int64 keys and bool ``use``, both NumPy (``xp=np``) or both
+        CuPy -> ``(rows int32, fresh bool)`` of ``xp``, rows -1 where absent
+        or unused; written into ``out`` (two arrays) when given."""
+        n = flat.shape[0]
+        rows, fresh = (
+            out if out is not None else (xp.empty(n, xp.int32), xp.empty(n, bool))
+        )
+        rows[...] = -1
+        fresh[...] = False
+        # No padding: skip the mask copies and scatters (on CuPy the check
+        # itself would be a host sync).
+        if xp is np and use.all():
             use = slice(None)
-        rows = np.full(flat.shape[0], -1, np.int32)
-        fresh = np.zeros(flat.shape[0], bool)
+        as_xp = _to_numpy if xp is np else xp.asarray
         selected = flat[use]
         if insert:
             res = self._lookup_or_insert(selected)
-            got = _to_numpy(res.rows).astype(np.int32)
-            new_rows = _to_numpy(res.new_rows)
+            got = as_xp(res.rows).astype(xp.int32)
             rows[use] = got
-            fresh[use] = np.isin(got, new_rows) & (got >= 0)
+            fresh[use] = xp.isin(got, as_xp(res.new_rows)) & (got >= 0)
         else:
-            rows[use] = _to_numpy(self.table.lookup(selected)).astype(np.int32)
+            rows[use] = as_xp(self.table.lookup(selected)).astype(xp.int32)
         return rows, fresh
 
-    def _gpu_rows(self, keys, use, insert):
-        """GPU table: CuPy-readable keys and use -> CuPy (rows int32, fresh
-        bool), flat, on the current CuPy stream; no host copy of the keys.
+    def _map_on_host(self, keys, use, insert, out=None):
+        """Host keys (any shape), use (bool) -> flat NumPy (rows, fresh)."""
+        use = np.asarray(use, dtype=bool).reshape(-1)
+        return self._table_rows(_host_keys(keys), use, insert, np, out)
+
+    def _map_step_keys(self, keys, use, insert, out=None):
+        """`_map_on_host` of the keys a compiled step received: the high 32
+        bits JAX dropped are restored first."""
+        return self._map_on_host(self._full_keys(keys), use, insert, out)
+
+    def _gpu_rows(self, keys, use, insert, out=None):
+        """GPU table: CuPy-readable keys and use -> flat CuPy (rows, fresh),
+        on the current CuPy stream; no host copy of the keys.
 
         Checked by ``tests/gpu`` (needs a CUDA device). The one exception:
         int32 keys of a JAX step without x64 whose full 64-bit keys the input
@@ -313,17 +329,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         if jax_full_keys.has_queued(self):
             flat = cp.asarray(jax_full_keys.restore(self, flat.get()))
         use = cp.asarray(use).reshape(-1).astype(bool)
-        rows = cp.full(flat.shape[0], -1, cp.int32)
-        fresh = cp.zeros(flat.shape[0], bool)
-        selected = flat[use]
-        if insert:
-            res = self._lookup_or_insert(selected)
-            got = cp.asarray(res.rows).astype(cp.int32)
-            rows[use] = got
-            fresh[use] = cp.isin(got, cp.asarray(res.new_rows)) & (got >= 0)
-        else:
-            rows[use] = cp.asarray(self.table.lookup(selected)).astype(cp.int32)
-        return rows, fresh
+        return self._table_rows(flat, use, insert, cp, out)
 
     def _map_on_gpu(self, keys, use, insert):
         """GPU table, eager call: keys and rows stay on the device via DLPack."""
@@ -347,9 +353,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         if not symbolic:
             if self.table.device == "gpu" and not _string_kind(keys):
                 return self._map_on_gpu(keys, use, insert)
-            rows, fresh = self._map_on_host(
-                self._full_keys(keys), ops.convert_to_numpy(use), insert
-            )
+            rows, fresh = self._map_step_keys(keys, ops.convert_to_numpy(use), insert)
             return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh)
         n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
         if backend == "jax":
@@ -358,7 +362,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             import tensorflow as tf
 
             rows, fresh = tf.numpy_function(
-                lambda k, u: self._map_on_host(self._full_keys(k), u, insert),
+                lambda k, u: self._map_step_keys(k, u, insert),
                 [keys, use],
                 [tf.int32, tf.bool],
                 stateful=True,

@@ -88,13 +88,13 @@ def choose_route(layer):
 def map_in_step(layer, keys, use, insert, n):
     """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``.
 
-    ``layer`` provides ``_full_keys(keys)`` (host keys with the high bits
-    JAX dropped restored), ``_map_on_host(keys, use, insert)`` (NumPy in and
-    out) and ``_gpu_rows(keys, use, insert)`` (CuPy in and out).
+    ``layer`` provides ``_map_step_keys(keys, use, insert, out=None)``
+    (NumPy, the high bits JAX dropped restored) and ``_gpu_rows(keys, use,
+    insert, out=None)`` (CuPy); both write into ``out`` when given.
     """
     import jax
 
-    out = (
+    result_types = (
         jax.ShapeDtypeStruct((n,), np.int32),
         jax.ShapeDtypeStruct((n,), np.bool_),
     )
@@ -103,17 +103,15 @@ def map_in_step(layer, keys, use, insert, n):
         from jax.experimental import io_callback
 
         def host_callback(k, u):
-            return layer._map_on_host(layer._full_keys(k), u, insert)
+            return layer._map_step_keys(k, u, insert)
 
-        return io_callback(host_callback, out, keys, use, ordered=True)
+        return io_callback(host_callback, result_types, keys, use, ordered=True)
 
     if route == "cpu_buffers":
 
         def callback(ctx, outputs, k, u):
-            keys = layer._full_keys(np.asarray(k))
-            rows, fresh = layer._map_on_host(keys, np.asarray(u), insert)
-            np.asarray(outputs[0])[...] = rows
-            np.asarray(outputs[1])[...] = fresh
+            out = (np.asarray(outputs[0]), np.asarray(outputs[1]))
+            layer._map_step_keys(np.asarray(k), np.asarray(u), insert, out)
 
     else:
 
@@ -124,9 +122,8 @@ def map_in_step(layer, keys, use, insert, n):
             # stream XLA runs this step on, so it sees the keys written
             # before and finishes before the rows are read.
             with cp.cuda.ExternalStream(ctx.stream):
-                rows, fresh = layer._gpu_rows(cp.asarray(k), cp.asarray(u), insert)
-                cp.asarray(outputs[0])[...] = rows
-                cp.asarray(outputs[1])[...] = fresh
+                out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
+                layer._gpu_rows(cp.asarray(k), cp.asarray(u), insert, out)
 
-    mapper = _buffer_callback()(callback, out, has_side_effect=True)
+    mapper = _buffer_callback()(callback, result_types, has_side_effect=True)
     return mapper(keys, use)
