@@ -60,6 +60,11 @@ def _step_platform():
     return jax.default_backend()
 
 
+def _xla_stream(ctx):
+    """The CUDA stream XLA runs the step on (a seam for the CUDA emulation)."""
+    return ctx.stream
+
+
 def _called_once(layer):
     """False for a layer shared by several inputs of a functional model."""
     return len(getattr(layer, "_inbound_nodes", ())) <= 1
@@ -121,7 +126,7 @@ def map_in_step(layer, keys, use, insert, n):
             # CuPy work (kernels, copies, the few size reads) goes on the
             # stream XLA runs this step on, so it sees the keys written
             # before and finishes before the rows are read.
-            with cp.cuda.ExternalStream(ctx.stream):
+            with cp.cuda.ExternalStream(_xla_stream(ctx)):
                 out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
                 layer._gpu_rows(cp.asarray(k), cp.asarray(u), insert, out)
 

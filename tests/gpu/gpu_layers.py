@@ -6,8 +6,22 @@ import numpy as np
 import pytest
 
 
+def emulated():
+    """True when ``cupy`` is the CPU stand-in of ``tests/cuda_emulation``."""
+    import sys
+
+    return getattr(sys.modules.get("cupy"), "EMULATED", False)
+
+
+def require_real_gpu(what):
+    """Skips a test that needs real CUDA memory (e.g. a JAX GPU device)."""
+    if emulated():
+        pytest.skip(f"{what} needs a real GPU (CUDA is emulated here)")
+
+
 def require_cuda_and_jax():
-    """Skips the calling test module unless CuPy sees a GPU and Keras runs JAX."""
+    """Skips the calling test module unless CuPy sees a GPU (or the CPU
+    emulation of one) and Keras runs JAX."""
     cp = pytest.importorskip("cupy", reason="CuPy is not installed; GPU tests skipped")
     try:
         n_gpus = cp.cuda.runtime.getDeviceCount()

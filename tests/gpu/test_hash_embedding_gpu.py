@@ -5,6 +5,7 @@ import numpy as np
 from tests.gpu.gpu_layers import hashed_model
 from tests.gpu.gpu_layers import keys_and_targets
 from tests.gpu.gpu_layers import require_cuda_and_jax
+from tests.gpu.gpu_layers import require_real_gpu
 
 cp = require_cuda_and_jax()
 
@@ -35,6 +36,7 @@ def test_gpu_table_trains_like_the_cpu_table():
 def test_eager_call_keeps_device_keys_on_the_gpu():
     import jax
 
+    require_real_gpu("a JAX array on the GPU")
     _, layer = _model("gpu")
     keys = jax.device_put(np.array([[5, 6, 7]], np.int32), jax.devices("gpu")[0])
     out = layer(keys, training=True)

@@ -1,0 +1,230 @@
+// Runs kernels/*.cu on the host, for tests on machines without a GPU.
+//
+// Included ahead of the unchanged CUDA source (g++ -include).  Every thread of
+// a block is a fiber (ucontext) on one OS thread; fibers run until they exit
+// or reach a collective (__ballot_sync, __syncthreads), where the scheduler
+// resolves the collective once every live thread of the warp (block) has
+// arrived.  A warp whose lanes disagree (some exited, some at a ballot, or at
+// different collectives) is reported as divergence, which is undefined on a
+// GPU.  Fibers interleave only at collectives, so races are not exercised:
+// this checks a kernel's logic, indexing and warp-level protocol, not its
+// memory ordering.
+#pragma once
+
+#include <ucontext.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+struct dim3 {
+  unsigned int x = 1, y = 1, z = 1;
+};
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+
+namespace ks_emu {
+
+enum State { kRunnable, kAtBallot, kAtSync, kDone };
+
+struct Lane {
+  ucontext_t context;
+  dim3 tid;
+  State state = kRunnable;
+  unsigned int mask = 0;
+  bool predicate = false;
+  unsigned int result = 0;
+};
+
+constexpr size_t kStackBytes = 64 * 1024;
+
+struct Launch {
+  dim3 grid, block, bid;
+  std::vector<Lane> lanes;
+  std::vector<std::vector<char>>* stacks;
+  std::function<void()> body;
+  ucontext_t scheduler;
+  int current = 0;
+};
+
+// One launch at a time per OS thread; several Python threads may launch.
+inline thread_local Launch* active = nullptr;
+
+inline Lane& lane() { return active->lanes[active->current]; }
+
+inline void yield_to_scheduler() {
+  swapcontext(&lane().context, &active->scheduler);
+}
+
+inline void lane_entry() {
+  active->body();
+  lane().state = kDone;  // uc_link returns to the scheduler
+}
+
+// Resolves the collectives of one block whose live lanes all wait.
+// Returns false with `error` set when they cannot all proceed.
+inline bool resolve(Launch& L, std::string& error) {
+  const int n = static_cast<int>(L.lanes.size());
+  bool any_sync = false, all_sync = true;
+  for (const Lane& x : L.lanes) {
+    if (x.state == kAtSync) any_sync = true;
+    if (x.state == kAtBallot) all_sync = false;
+  }
+  if (any_sync) {
+    if (!all_sync) {
+      error = "lanes of one block wait at different collectives "
+              "(__syncthreads vs __ballot_sync)";
+      return false;
+    }
+    for (Lane& x : L.lanes)
+      if (x.state == kAtSync) x.state = kRunnable;
+    return true;
+  }
+  for (int w = 0; w < n; w += 32) {
+    const int end = w + 32 < n ? w + 32 : n;
+    unsigned int present = 0, waiting = 0, votes = 0;
+    for (int i = w; i < end; ++i) {
+      const unsigned int bit = 1u << (i - w);
+      present |= bit;
+      if (L.lanes[i].state == kAtBallot) {
+        waiting |= bit;
+        if (L.lanes[i].predicate) votes |= bit;
+      }
+    }
+    if (waiting == 0) continue;
+    for (int i = w; i < end; ++i) {
+      const Lane& x = L.lanes[i];
+      if (x.state != kAtBallot) continue;
+      const unsigned int needed = x.mask & present;
+      if ((needed & waiting) != needed) {
+        char buf[200];
+        snprintf(buf, sizeof buf,
+                 "divergent __ballot_sync in block (%u,%u,%u), warp %d: mask "
+                 "0x%08x names lanes that exited (waiting lanes 0x%08x)",
+                 L.bid.x, L.bid.y, L.bid.z, w / 32, x.mask, waiting);
+        error = buf;
+        return false;
+      }
+    }
+    for (int i = w; i < end; ++i) {
+      Lane& x = L.lanes[i];
+      if (x.state != kAtBallot) continue;
+      x.result = votes & x.mask;
+      x.state = kRunnable;
+    }
+  }
+  return true;
+}
+
+inline int run_block(Launch& L, std::string& error) {
+  const int n = static_cast<int>(L.lanes.size());
+  for (int i = 0; i < n; ++i) {
+    Lane& x = L.lanes[i];
+    x.state = kRunnable;
+    x.tid.x = i % L.block.x;
+    x.tid.y = (i / L.block.x) % L.block.y;
+    x.tid.z = i / (L.block.x * L.block.y);
+    getcontext(&x.context);
+    x.context.uc_stack.ss_sp = (*L.stacks)[i].data();
+    x.context.uc_stack.ss_size = kStackBytes;
+    x.context.uc_link = &L.scheduler;
+    makecontext(&x.context, lane_entry, 0);
+  }
+  for (;;) {
+    bool live = false;
+    for (int i = 0; i < n; ++i) {
+      if (L.lanes[i].state != kRunnable) continue;
+      L.current = i;
+      swapcontext(&L.scheduler, &L.lanes[i].context);
+    }
+    for (const Lane& x : L.lanes) live = live || x.state != kDone;
+    if (!live) return 0;
+    if (!resolve(L, error)) return 1;
+  }
+}
+
+// Runs `body` once per thread of the grid; returns 0, or 1 with `err` set.
+inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* err,
+                  int err_len) {
+  Launch L;
+  L.grid = grid;
+  L.block = block;
+  L.body = std::move(body);
+  const size_t n = static_cast<size_t>(block.x) * block.y * block.z;
+  L.lanes.resize(n);
+  // Reused across launches: allocating fresh stacks dominated small launches.
+  static thread_local std::vector<std::vector<char>> stack_pool;
+  Launch* outer = active;
+  // A launch from inside a kernel (none today) must not share its stacks.
+  std::vector<std::vector<char>> own_stacks;
+  L.stacks = outer ? &own_stacks : &stack_pool;
+  while (L.stacks->size() < n) L.stacks->emplace_back(kStackBytes);
+  active = &L;
+  std::string error;
+  int status = 0;
+  for (unsigned int z = 0; z < grid.z && !status; ++z)
+    for (unsigned int y = 0; y < grid.y && !status; ++y)
+      for (unsigned int x = 0; x < grid.x && !status; ++x) {
+        L.bid.x = x;
+        L.bid.y = y;
+        L.bid.z = z;
+        status = run_block(L, error);
+      }
+  active = outer;
+  if (status) snprintf(err, err_len, "%s", error.c_str());
+  return status;
+}
+
+}  // namespace ks_emu
+
+#define threadIdx (ks_emu::lane().tid)
+#define blockIdx (ks_emu::active->bid)
+#define blockDim (ks_emu::active->block)
+#define gridDim (ks_emu::active->grid)
+
+inline unsigned int __ballot_sync(unsigned int mask, bool predicate) {
+  ks_emu::Lane& x = ks_emu::lane();
+  x.mask = mask;
+  x.predicate = predicate;
+  x.state = ks_emu::kAtBallot;
+  ks_emu::yield_to_scheduler();
+  return ks_emu::lane().result;
+}
+
+inline void __syncthreads() {
+  ks_emu::lane().state = ks_emu::kAtSync;
+  ks_emu::yield_to_scheduler();
+}
+
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+
+// Fibers switch only at collectives, so a plain read-modify-write is atomic.
+template <typename T>
+inline T atomicAdd(T* address, T value) {
+  T old = *address;
+  *address = old + value;
+  return old;
+}
+
+template <typename T>
+inline T atomicCAS(T* address, T compare, T value) {
+  T old = *address;
+  if (old == compare) *address = value;
+  return old;
+}
+
+template <typename T>
+inline T atomicExch(T* address, T value) {
+  T old = *address;
+  *address = value;
+  return old;
+}
