@@ -174,3 +174,72 @@ extern "C" __global__ void ks_add_u32(unsigned int* arr, const i64* __restrict__
   if (i >= n) return;
   atomicAdd(&arr[idx[i]], val[i]);
 }
+
+// Every eviction round of one lookup_or_insert in one launch (one block), so
+// the host pays one launch instead of a dozen CuPy operations and host syncs
+// per round.  Same result as repeating ArrayTable._evict_round on the keys
+// pend[0..m) (indices into ak/dg/b1/b2, in arrival order): per round, each
+// pending key takes the first lowest-score slot of [its first bucket's
+// lanes, its second's], protected slots counting as INT64_MAX; a key whose
+// pick is protected overflows; of the keys picking one slot the earliest
+// wins, and the others try again next round (the slot is protected now).
+// All keys picking a bucket pick that bucket's one minimum slot, so bids are
+// kept per bucket (claim[], all KS_NO_BID between rounds).
+// won_round[i]: -1 pending, -2 overflowed, else the round key i won in.
+#define KS_NO_BID 0x7FFFFFFFFFFFFFFFLL
+
+extern "C" __global__ void ks_evict_rounds(
+    const i64* __restrict__ pend, i64 m, int S, int rounds, const i64* __restrict__ b1,
+    const i64* __restrict__ b2, const i64* __restrict__ ak,
+    const unsigned char* __restrict__ dg, const i64* __restrict__ new_score,
+    int score_per_key, unsigned char* __restrict__ prot, i64* __restrict__ tkeys,
+    unsigned char* __restrict__ tdig, i64* __restrict__ tscore, i64* __restrict__ claim,
+    i64* __restrict__ victim, int* __restrict__ won_round, i64* __restrict__ ev_key,
+    i64* __restrict__ res, i64* __restrict__ overflows) {
+  __shared__ int bidders;
+  for (int r = 0; r < rounds; ++r) {
+    if (threadIdx.x == 0) bidders = 0;
+    __syncthreads();
+    for (i64 i = threadIdx.x; i < m; i += blockDim.x) {
+      if (won_round[i] != -1) continue;
+      const i64 u = pend[i];
+      i64 best = KS_NO_BID, slot = -1;
+      for (int c = 0; c < 2; ++c) {
+        const i64 base = (c == 0 ? b1[u] : b2[u]) * (i64)S;
+        for (int j = 0; j < S; ++j) {
+          const i64 sc = prot[base + j] ? KS_NO_BID : tscore[base + j];
+          if (slot < 0 || sc < best) {
+            best = sc;
+            slot = base + j;
+          }
+        }
+      }
+      if (prot[slot]) {  // both buckets hold only keys of this call
+        won_round[i] = -2;
+        atomicAdd((u64*)overflows, 1ULL);
+        continue;
+      }
+      victim[i] = slot;
+      atomicMin(&claim[slot / S], i);
+      atomicAdd(&bidders, 1);
+    }
+    __syncthreads();
+    if (bidders == 0) break;  // read by every thread before the next reset
+    for (i64 i = threadIdx.x; i < m; i += blockDim.x) {
+      if (won_round[i] != -1 || claim[victim[i] / S] != i) continue;
+      const i64 s = victim[i], u = pend[i];
+      ev_key[i] = tkeys[s];
+      tkeys[s] = ak[u];
+      tdig[s] = dg[u];
+      tscore[s] = score_per_key ? new_score[u] : new_score[0];
+      prot[s] = 1;
+      res[u] = s;
+      won_round[i] = r;
+    }
+    __syncthreads();
+    for (i64 i = threadIdx.x; i < m; i += blockDim.x) {
+      if (won_round[i] == -1 || won_round[i] == r) claim[victim[i] / S] = KS_NO_BID;
+    }
+    __syncthreads();
+  }
+}

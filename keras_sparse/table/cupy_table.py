@@ -14,8 +14,13 @@ Kernel path vs fallback:
   writes the keys whose chosen bucket is compact (no holes from erase/import_)
   after one ``cupy.sort`` of (bucket, arrival) words; a round that touches a
   holey bucket uses ``ArrayTable._claim_write`` on CuPy arrays instead.
-* dedup of the batch, admission, load-balanced bucket choice, eviction rounds
-  (LRU/LFU victims, protection of this call's keys) and overflow stay in the
+* eviction, once every pending key's buckets are full (a full table: from
+  the first round): ``ks_evict_rounds`` runs all rounds in one launch of one
+  block (victims, earliest-bidder-wins, protection of this call's keys), so
+  the call pays one launch and one host read instead of a dozen CuPy
+  operations and several host syncs per round.
+* dedup of the batch, admission, load-balanced bucket choice, the first
+  eviction round of a batch that also has free room, and overflow stay in the
   shared host-orchestrated CuPy code, so rows equal the CPU twin's exactly.
   (A concurrent atomicCAS insert would pick slots in a nondeterministic order
   and break that equality, so it is deliberately not used.)
@@ -58,6 +63,8 @@ def _launch(name, n, args, lanes=1):
 
 
 _TILE = 16  # lanes per key in ks_find (KS_TILE in the .cu file)
+_EVICT_BLOCK = 1024  # ks_evict_rounds runs as one block (rounds need a barrier)
+_NO_BID = np.iinfo(np.int64).max  # KS_NO_BID in the .cu file
 
 
 class CupyTable(ArrayTable):
@@ -158,3 +165,49 @@ class CupyTable(ArrayTable):
             ),
         )
         return a[ok], slots[ok], a[~ok]
+
+    def _evict_rounds(self, keys_idx, b1, b2, ak, d, new_score, res, prot, rounds):
+        """Kernel version of ``ArrayTable._evict_rounds`` (see ks_evict_rounds)."""
+        m = int(keys_idx.shape[0])
+        if m == 0 or rounds <= 0:
+            return keys_idx, [], []
+        if getattr(self, "_bids", None) is None:
+            self._bids = cp.full(self.num_buckets, _NO_BID, dtype=cp.int64)
+        won_round = cp.full(m, -1, dtype=cp.int32)
+        victim = cp.empty(m, dtype=cp.int64)
+        ev_key = cp.empty(m, dtype=cp.int64)
+        overflows = cp.zeros(1, dtype=cp.int64)
+        per_key = int(new_score.ndim > 0)
+        score = cp.ascontiguousarray(new_score, dtype=cp.int64).reshape(-1)
+        _module().get_function("ks_evict_rounds")(
+            (1,),
+            (_EVICT_BLOCK,),
+            (
+                cp.ascontiguousarray(keys_idx, dtype=cp.int64),
+                np.int64(m),
+                np.int32(self.bucket_size),
+                np.int32(rounds),
+                b1,
+                b2,
+                cp.ascontiguousarray(ak, dtype=cp.int64),
+                cp.ascontiguousarray(d, dtype=cp.uint8),
+                score,
+                np.int32(per_key),
+                prot,
+                self.keys,
+                self.digest,
+                self.score,
+                self._bids,
+                victim,
+                won_round,
+                ev_key,
+                res,
+                overflows,
+            ),
+        )
+        self.counters["overflows"] += int(overflows[0])
+        # Evicted (key, row) pairs in round order, then arrival order.
+        winners = cp.flatnonzero(won_round >= 0)
+        winners = winners[cp.argsort(won_round[winners])]  # stable
+        pending = keys_idx[won_round == -1]
+        return pending, [ev_key[winners]], [victim[winners]]

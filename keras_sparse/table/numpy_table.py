@@ -515,9 +515,8 @@ class ArrayTable:
         # score_prot: protected slots are those with score == step (hits
         # already touched, and every slot written here gets score step)
         prot = step if score_prot else None
-        for _ in range(
-            4 * S + 8
-        ):  # each round places or retires >= 1 key per contended slot
+        max_rounds = 4 * S + 8  # each round places or retires >= 1 key per slot
+        for round_ in range(max_rounds):
             if not pending.shape[0]:
                 break
             everyone = pending is all_keys  # first round: pending == arange(m)
@@ -565,6 +564,15 @@ class ArrayTable:
                         prot[f] = True
                     for r in ev_r:
                         prot[r] = True
+                if not n_roomy:
+                    # Eviction frees no slot, so every later round evicts too.
+                    pending, ek, er = self._evict_rounds(
+                        full_keys, b1, b2, ak, d, new_score, res, prot,
+                        max_rounds - round_,
+                    )  # fmt: skip
+                    ev_k += ek
+                    ev_r += er
+                    break
                 lost, ek, er = self._evict_round(
                     full_keys, b1, b2, ak, d, new_score, res, prot
                 )
@@ -629,6 +637,24 @@ class ArrayTable:
         lost = a[xp.sort(order[~ok])]
         self._write(slots, ak[won], d[won], _score_of(new_score, won))
         return won, slots, lost
+
+    def _evict_rounds(self, keys_idx, b1, b2, ak, d, new_score, res, prot, rounds):
+        """Up to ``rounds`` eviction rounds of keys whose buckets are all full.
+
+        Returns (indices still pending, [evicted keys], [their rows]), the
+        lists in round order.
+        """
+        ev_k, ev_r = [], []
+        for _ in range(rounds):
+            if not keys_idx.shape[0]:
+                break
+            keys_idx, ek, er = self._evict_round(
+                keys_idx, b1, b2, ak, d, new_score, res, prot
+            )
+            if ek.shape[0]:
+                ev_k.append(ek)
+                ev_r.append(er)
+        return keys_idx, ev_k, ev_r
 
     def _evict_round(self, keys_idx, b1, b2, ak, d, new_score, res, prot):
         """One eviction round; returns (indices still pending, evicted keys, rows)."""

@@ -30,6 +30,8 @@ struct alignas(16) uint4 {
 #define __device__
 #define __host__
 #define __forceinline__ inline
+// One block runs at a time on an OS thread: its fibers share these.
+#define __shared__ static thread_local
 
 namespace ks_emu {
 
@@ -212,6 +214,13 @@ template <typename T>
 inline T atomicAdd(T* address, T value) {
   T old = *address;
   *address = old + value;
+  return old;
+}
+
+template <typename T>
+inline T atomicMin(T* address, T value) {
+  T old = *address;
+  if (value < old) *address = value;
   return old;
 }
 

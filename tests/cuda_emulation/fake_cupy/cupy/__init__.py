@@ -13,9 +13,12 @@ type that behaves like CuPy's where a GPU program would go wrong:
 * indexing one element returns a 0-d device array, not a host scalar;
 * kernel arguments are checked for dtype, layout and constness.
 
-``stats`` counts the host synchronizations a real GPU would pay (reads of a
-device value on the host: ``int()``, ``bool()``, ``.get()``, ``.item()``,
-boolean-mask indexing whose size the host must learn).
+``stats`` counts what costs time on a real GPU but not here: ``syncs``, the
+host synchronizations (reads of a device value on the host: ``int()``,
+``bool()``, ``.get()``, ``.item()``, and operations whose result size the
+host must learn: boolean-mask indexing, ``unique``, ``flatnonzero``...);
+``ops``, device operations (each at least one kernel launch); ``kernels``,
+launches of RawModule kernels.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from . import random  # noqa: F401
 __version__ = "0.0-emulated"
 EMULATED = True
 
-stats = {"syncs": 0, "host_to_device": 0, "kernels": 0}
+stats = {"syncs": 0, "ops": 0, "kernels": 0, "host_to_device": 0}
 
 _HOST_ALLOWED = {"asarray", "array", "asanyarray", "ascontiguousarray"}
+# Their result size is data-dependent: CuPy reads a count back to the host.
+_SIZE_DEPENDENT = {"unique", "flatnonzero", "nonzero", "argwhere", "extract"}
 
 
 class _HostArrayError(TypeError):
@@ -74,6 +79,12 @@ def _sync():
     stats["syncs"] += 1
 
 
+def _op(name=""):
+    stats["ops"] += 1
+    if name in _SIZE_DEPENDENT:
+        _sync()
+
+
 class ndarray:
     """A device array: a NumPy array that only device operations may touch."""
 
@@ -88,6 +99,7 @@ class ndarray:
     # -- NumPy protocols (NEP 13/18), as CuPy implements them
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         where = f"cupy.{ufunc.__name__}"
+        _op()
         args = _unwrap(inputs, where)
         if "out" in kwargs:
             kwargs["out"] = _unwrap(kwargs["out"], where)
@@ -95,6 +107,7 @@ class ndarray:
 
     def __array_function__(self, func, types, args, kwargs):
         where = f"cupy.{func.__name__}"
+        _op(func.__name__)
         return _wrap(func(*_unwrap(args, where), **_unwrap(kwargs, where)))
 
     def __array__(self, dtype=None, copy=None):
@@ -169,12 +182,16 @@ class ndarray:
         key = _unwrap(key, "cupy indexing", allow_host=True)
         if _is_mask(key):
             _sync()  # the result's size is read back on a GPU
-        return _wrap(self._a[key])
+        result = self._a[key]
+        if not _np.may_share_memory(result, self._a):
+            _op()  # a gather (a basic-slice view launches nothing)
+        return _wrap(result)
 
     def __setitem__(self, key, value):
         key = _unwrap(key, "cupy indexing", allow_host=True)
         if _is_mask(key):
             _sync()
+        _op()
         self._a[key] = _unwrap(value, "cupy setitem", allow_host=True)
 
     def argsort(self, axis=-1):
@@ -187,6 +204,7 @@ class ndarray:
 
         def method(*args, **kwargs):
             where = f"cupy.ndarray.{name}"
+            _op(name)
             out = attr(*_unwrap(args, where), **_unwrap(kwargs, where))
             return _wrap(out)
 
@@ -201,6 +219,7 @@ def _is_mask(key):
 def _binary(op, reflected=False):
     def method(self, other):
         other = _unwrap(other, f"cupy operator {op.__name__}")
+        _op()
         return _wrap(op(other, self._a) if reflected else op(self._a, other))
 
     return method
@@ -208,6 +227,7 @@ def _binary(op, reflected=False):
 
 def _inplace(op):
     def method(self, other):
+        _op()
         op(self._a, _unwrap(other, f"cupy operator {op.__name__}"))
         return self
 
@@ -218,10 +238,10 @@ for _name in (
     "add sub mul truediv floordiv mod pow lshift rshift and or xor "
     "lt le eq ne gt ge matmul"
 ).split():
-    _op = getattr(operator, _name if _name not in ("and", "or") else _name + "_")
-    setattr(ndarray, f"__{_name}__", _binary(_op))
+    _operator = getattr(operator, _name if _name not in ("and", "or") else _name + "_")
+    setattr(ndarray, f"__{_name}__", _binary(_operator))
     if _name not in ("lt", "le", "eq", "ne", "gt", "ge"):
-        setattr(ndarray, f"__r{_name}__", _binary(_op, reflected=True))
+        setattr(ndarray, f"__r{_name}__", _binary(_operator, reflected=True))
         setattr(ndarray, f"__i{_name}__", _inplace(getattr(operator, f"i{_name}")))
 for _name in ("neg", "pos", "invert", "abs"):
     setattr(
@@ -257,6 +277,7 @@ def ascontiguousarray(a, dtype=None):
 
 def argsort(a, axis=-1):
     """CuPy sorts with a stable radix sort; NumPy's default is not stable."""
+    _op()
     return _wrap(_np.argsort(_unwrap(a, "cupy.argsort"), axis=axis, kind="stable"))
 
 
@@ -330,6 +351,7 @@ def __getattr__(name):
 
     def function(*args, **kwargs):
         where = f"cupy.{name}"
+        _op(name)
         allow = name in _HOST_ALLOWED
         return _wrap(
             target(*_unwrap(args, where, allow), **_unwrap(kwargs, where, allow))
