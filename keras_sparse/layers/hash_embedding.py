@@ -316,10 +316,10 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         """GPU table: CuPy-readable keys and use -> flat CuPy (rows, fresh),
         on the current CuPy stream; no host copy of the keys.
 
-        Checked by ``tests/gpu`` (needs a CUDA device). The one exception:
-        int32 keys of a JAX step without x64 whose full 64-bit keys the input
-        pipeline queued (`keras_sparse.layers.jax_full_keys`) are replaced by
-        those host keys, which came from the host anyway.
+        Checked by ``tests/gpu`` (on a GPU, and on emulated CUDA in CI). The
+        one exception: int32 keys of a JAX step without x64 whose full 64-bit
+        keys the input pipeline queued (`keras_sparse.layers.jax_full_keys`)
+        are replaced by those host keys, which came from the host anyway.
         """
         import cupy as cp
 
@@ -653,7 +653,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
 
 
 def _from_dlpack(x):
-    """A CuPy array as a tensor of the active backend, on the GPU (untested)."""
+    """A CuPy array as a tensor of the active backend, on the GPU."""
     backend = keras.backend.backend()
     if backend == "jax":
         import jax.dlpack
@@ -669,7 +669,7 @@ def _from_dlpack(x):
 
 
 def _to_numpy(x):
-    # GPU tables return CuPy arrays (untested path: no GPU in CI).
+    # GPU tables return CuPy arrays.
     if hasattr(x, "get") and not isinstance(x, np.ndarray):
         return x.get()
     return np.asarray(x)

@@ -11,7 +11,7 @@ The key->row map is Python state (a NumPy or CuPy `HashTable`), so inside
   the callbacks of different layers concurrently. On a GPU table
   with the step on the same GPU the buffers are wrapped as CuPy arrays and
   the table runs on XLA's stream, so the keys stay on the device (see
-  `GPU_BUFFERS_IN_STEP`).
+  `GPU_BUFFERS_IN_STEP` and `gpu_buffers_work`).
 * Ordered ``io_callback`` otherwise: under a distribution the step is
   partitioned across devices and a side-effecting custom call needs a
   placement, which only ``io_callback`` gives (it runs once, on one device,
@@ -25,6 +25,9 @@ previous one produced, and each callback belongs to one layer's table.
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import keras
 import numpy as np
 
@@ -34,11 +37,14 @@ import numpy as np
 # detect and XLA then refuses ("Side-effect HLO must have sharding").
 IN_PLACE_CALLBACKS = True
 
-# The GPU-buffer variant of the in-step callback (CuPy table on XLA's stream).
-# Checked by tests/gpu/test_step_mapping_gpu.py, which needs a CUDA device;
-# until that suite has passed on one, GPU tables inside compiled steps keep
-# the io_callback route (keys through the host), and the tests turn this on.
-GPU_BUFFERS_IN_STEP = False
+# The GPU-buffer variant of the in-step callback (CuPy table on XLA's stream),
+# used where a one-time probe (`gpu_buffers_work`) shows that CuPy can read
+# and write XLA's buffers on its stream in this process; False keeps GPU
+# tables on the io_callback route (keys through the host).
+GPU_BUFFERS_IN_STEP = True
+
+_PROBE = {}  # "result": the probe's verdict in this process
+_PROBE_LOCK = threading.Lock()
 
 
 def _buffer_callback():
@@ -86,8 +92,55 @@ def choose_route(layer):
     if layer.table.device == "cpu" and platform == "cpu":
         return "cpu_buffers"
     if layer.table.device == "gpu" and platform == "gpu" and GPU_BUFFERS_IN_STEP:
-        return "gpu_buffers"
+        if gpu_buffers_work():
+            return "gpu_buffers"
     return "io_callback"
+
+
+def _probe_gpu_buffers():
+    """A compiled step whose callback reads its input and writes its output
+    through CuPy on XLA's stream, with a host read in between (as a table
+    call has); True when the step sees the right values."""
+    import cupy as cp
+    import jax
+
+    def callback(ctx, out, x):
+        with cp.cuda.ExternalStream(_xla_stream(ctx)):
+            keys = cp.asarray(x)
+            live = int((keys > 0).sum())  # waits for the step's earlier work
+            cp.asarray(out)[...] = keys * 2 + live
+
+    step = _buffer_callback()(
+        callback, jax.ShapeDtypeStruct((8,), np.int32), has_side_effect=True
+    )
+    x = np.arange(-3, 5, dtype=np.int32)
+    # Evaluated now even when called while a step is being traced.
+    with jax.ensure_compile_time_eval():
+        got = np.asarray(jax.jit(lambda v: step(v + 1) - 1)(x))
+    return bool(np.array_equal(got, (x + 1) * 2 + int((x + 1 > 0).sum()) - 1))
+
+
+def gpu_buffers_work():
+    """Whether the GPU-buffer route works here (probed once per process).
+
+    On failure GPU tables keep the io_callback route and a warning says why.
+    """
+    with _PROBE_LOCK:
+        if "result" not in _PROBE:
+            try:
+                ok, why = _probe_gpu_buffers(), "it computed wrong values"
+            except Exception as e:  # noqa: BLE001  (any failure: fall back)
+                ok, why = False, f"{type(e).__name__}: {e}"
+            if not ok:
+                warnings.warn(
+                    "keras_sparse: GPU hash tables cannot use XLA's buffers "
+                    f"in compiled JAX steps here ({why}); they use the "
+                    "io_callback route instead (keys through the host).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            _PROBE["result"] = ok
+        return _PROBE["result"]
 
 
 def map_in_step(layer, keys, use, insert, n):

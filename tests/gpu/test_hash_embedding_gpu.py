@@ -64,3 +64,20 @@ def test_prefetch_with_gpu_tables_trains_like_the_slow_cpu_path():
     oa, ob = np.argsort(a["keys"]), np.argsort(b["keys"])
     np.testing.assert_array_equal(a["keys"][oa], b["keys"][ob])
     np.testing.assert_allclose(a["values"][oa], b["values"][ob], rtol=1e-5)
+
+
+def test_eager_calls_match_the_cpu_table():
+    """Eager calls (host keys in, rows back through DLPack): the GPU table
+    gives the CPU table's vectors and counters, inserting and not."""
+    keys = np.array([[5, 6, 7], [7, 8, 5]], np.int64) * (2**40 + 1)
+    outs = {}
+    for device in ("cpu", "gpu"):
+        keras.utils.set_random_seed(0)
+        _, layer = _model(device)
+        trained = layer(keys, training=True)
+        unseen = layer(keys + 1, training=False)  # unknown keys read zeros
+        outs[device] = (np.asarray(trained), np.asarray(unseen), layer.stats())
+    np.testing.assert_array_equal(outs["cpu"][0], outs["gpu"][0])
+    np.testing.assert_array_equal(outs["gpu"][1], 0.0)
+    assert outs["cpu"][2] == outs["gpu"][2]
+    assert outs["gpu"][2]["size"] == 4

@@ -21,6 +21,7 @@ from keras_sparse.layers.hash_embedding import DistributedHashEmbedding  # noqa:
 @pytest.fixture
 def gpu_buffers(monkeypatch):
     monkeypatch.setattr(jax_step_mapping, "GPU_BUFFERS_IN_STEP", True)
+    monkeypatch.setattr(jax_step_mapping, "_PROBE", {})  # probe again
     if emulated():
         # The emulated device is the host: the CPU step's buffers stand in
         # for the GPU step's, and the GPU route's callback runs on them.
@@ -79,3 +80,44 @@ def test_gpu_buffer_route_full_table_error_names_the_layer(gpu_buffers):
         for start in range(0, keys.shape[0], 16):
             model.train_on_batch(keys[start : start + 16], y[start : start + 16])
     assert 0 < layer.table.size <= 256
+
+
+def test_probe_finds_the_gpu_buffer_route_working(gpu_buffers):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warning would fail here
+        assert jax_step_mapping.gpu_buffers_work()
+    assert jax_step_mapping._PROBE == {"result": True}
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong values"])
+def test_failed_probe_falls_back_to_io_callback_and_trains(
+    gpu_buffers, monkeypatch, failure
+):
+    """Where CuPy cannot use XLA's buffers the GPU table keeps the
+    io_callback route, says so once, and training is unaffected."""
+
+    def broken_probe():
+        if failure == "raises":
+            raise RuntimeError("no CUDA array interface")
+        return False
+
+    monkeypatch.setattr(jax_step_mapping, "_probe_gpu_buffers", broken_probe)
+    x, y = keys_and_targets()
+    keras.utils.set_random_seed(0)
+    model, layer = _model("gpu")
+    with pytest.warns(RuntimeWarning, match="io_callback route"):
+        assert jax_step_mapping.choose_route(layer) == "io_callback"
+    hist = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()
+    assert layer.stats()["inserts"] > 0
+    assert jax_step_mapping._PROBE == {"result": False}
+
+
+def test_probe_fails_when_writes_miss_xla_buffers(gpu_buffers, monkeypatch):
+    """If CuPy wrapped XLA's buffers by copying them, the table's rows would
+    never reach the step: the probe sees the step's output unchanged."""
+    original = cp.asarray
+    monkeypatch.setattr(cp, "asarray", lambda a, *args, **kw: original(a).copy())
+    assert jax_step_mapping._probe_gpu_buffers() is False
