@@ -184,7 +184,9 @@ extern "C" __global__ void ks_add_u32(unsigned int* arr, const i64* __restrict__
 // pick is protected overflows; of the keys picking one slot the earliest
 // wins, and the others try again next round (the slot is protected now).
 // All keys picking a bucket pick that bucket's one minimum slot, so bids are
-// kept per bucket (claim[], all KS_NO_BID between rounds).
+// kept per bucket (claim[], all KS_NO_BID between rounds).  Protected: slots
+// this call touched, marked in prot[] or, with prot_is_step (LRU), holding
+// score == step (winners get score step, so they are protected at once).
 // won_round[i]: -1 pending, -2 overflowed, else the round key i won in.
 #define KS_NO_BID 0x7FFFFFFFFFFFFFFFLL
 
@@ -192,7 +194,8 @@ extern "C" __global__ void ks_evict_rounds(
     const i64* __restrict__ pend, i64 m, int S, int rounds, const i64* __restrict__ b1,
     const i64* __restrict__ b2, const i64* __restrict__ ak,
     const unsigned char* __restrict__ dg, const i64* __restrict__ new_score,
-    int score_per_key, unsigned char* __restrict__ prot, i64* __restrict__ tkeys,
+    int score_per_key, i64 step, int prot_is_step, unsigned char* __restrict__ prot,
+    i64* __restrict__ tkeys,
     unsigned char* __restrict__ tdig, i64* __restrict__ tscore, i64* __restrict__ claim,
     i64* __restrict__ victim, int* __restrict__ won_round, i64* __restrict__ ev_key,
     i64* __restrict__ res, i64* __restrict__ overflows) {
@@ -207,14 +210,17 @@ extern "C" __global__ void ks_evict_rounds(
       for (int c = 0; c < 2; ++c) {
         const i64 base = (c == 0 ? b1[u] : b2[u]) * (i64)S;
         for (int j = 0; j < S; ++j) {
-          const i64 sc = prot[base + j] ? KS_NO_BID : tscore[base + j];
+          const i64 t = tscore[base + j];
+          const bool p = prot_is_step ? t == step : prot[base + j] != 0;
+          const i64 sc = p ? KS_NO_BID : t;
           if (slot < 0 || sc < best) {
             best = sc;
             slot = base + j;
           }
         }
       }
-      if (prot[slot]) {  // both buckets hold only keys of this call
+      if (prot_is_step ? tscore[slot] == step : prot[slot] != 0) {
+        // both buckets hold only keys of this call
         won_round[i] = -2;
         atomicAdd((u64*)overflows, 1ULL);
         continue;
@@ -232,7 +238,7 @@ extern "C" __global__ void ks_evict_rounds(
       tkeys[s] = ak[u];
       tdig[s] = dg[u];
       tscore[s] = score_per_key ? new_score[u] : new_score[0];
-      prot[s] = 1;
+      if (!prot_is_step) prot[s] = 1;
       res[u] = s;
       won_round[i] = r;
     }

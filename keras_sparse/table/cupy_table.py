@@ -18,7 +18,9 @@ Kernel path vs fallback:
   the first round): ``ks_evict_rounds`` runs all rounds in one launch of one
   block (victims, earliest-bidder-wins, protection of this call's keys), so
   the call pays one launch and one host read instead of a dozen CuPy
-  operations and several host syncs per round.
+  operations and several host syncs per round.  With LRU this call's slots
+  are protected by ``score == step`` (as on the CPU twin), so an evicting
+  call allocates nothing of the table's size.
 * dedup of the batch, admission, load-balanced bucket choice, the first
   eviction round of a batch that also has free room, and overflow stay in the
   shared host-orchestrated CuPy code, so rows equal the CPU twin's exactly.
@@ -72,6 +74,8 @@ class CupyTable(ArrayTable):
 
     xp = cp
     device = "gpu"
+    # LRU marks this call's slots by score == step: no capacity-sized mask
+    _score_protect = True
 
     def _add_at(self, arr, idx, val):
         idx = cp.ascontiguousarray(idx, dtype=cp.int64)
@@ -179,6 +183,10 @@ class CupyTable(ArrayTable):
         overflows = cp.zeros(1, dtype=cp.int64)
         per_key = int(new_score.ndim > 0)
         score = cp.ascontiguousarray(new_score, dtype=cp.int64).reshape(-1)
+        by_step = isinstance(prot, int)  # LRU: protected == score is the step
+        step = prot if by_step else 0
+        if by_step:
+            prot = cp.zeros(1, dtype=cp.bool_)  # unread
         _module().get_function("ks_evict_rounds")(
             (1,),
             (_EVICT_BLOCK,),
@@ -193,6 +201,8 @@ class CupyTable(ArrayTable):
                 cp.ascontiguousarray(d, dtype=cp.uint8),
                 score,
                 np.int32(per_key),
+                np.int64(step),
+                np.int32(by_step),
                 prot,
                 self.keys,
                 self.digest,
