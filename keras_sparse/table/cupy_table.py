@@ -18,7 +18,9 @@ Kernel path vs fallback:
   the first round): ``ks_evict_rounds`` runs all rounds in one launch of one
   block (victims, earliest-bidder-wins, protection of this call's keys), so
   the call pays one launch and one host read instead of a dozen CuPy
-  operations and several host syncs per round.  With LRU this call's slots
+  operations and several host syncs per round (batches of more than
+  ``_FUSED_EVICT_MAX`` evicting keys keep the per-round CuPy code, which
+  spreads each round over the whole GPU).  With LRU this call's slots
   are protected by ``score == step`` (as on the CPU twin), so an evicting
   call allocates nothing of the table's size.
 * dedup of the batch, admission, load-balanced bucket choice, the first
@@ -66,6 +68,10 @@ def _launch(name, n, args, lanes=1):
 
 _TILE = 16  # lanes per key in ks_find (KS_TILE in the .cu file)
 _EVICT_BLOCK = 1024  # ks_evict_rounds runs as one block (rounds need a barrier)
+# One block serves a batch's evicting keys well while launches and syncs
+# dominate (embedding batches); far larger batches (1M-key bulk inserts) keep
+# the whole GPU busy with one CuPy round at a time instead.
+_FUSED_EVICT_MAX = 1 << 16
 _NO_BID = np.iinfo(np.int64).max  # KS_NO_BID in the .cu file
 
 
@@ -175,6 +181,10 @@ class CupyTable(ArrayTable):
         m = int(keys_idx.shape[0])
         if m == 0 or rounds <= 0:
             return keys_idx, [], []
+        if m > _FUSED_EVICT_MAX:
+            return super()._evict_rounds(
+                keys_idx, b1, b2, ak, d, new_score, res, prot, rounds
+            )
         if getattr(self, "_bids", None) is None:
             self._bids = cp.full(self.num_buckets, _NO_BID, dtype=cp.int64)
         won_round = cp.full(m, -1, dtype=cp.int32)

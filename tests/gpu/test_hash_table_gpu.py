@@ -44,17 +44,30 @@ def test_gpu_matches_cpu_rows():
     np.testing.assert_array_equal(cpu.lookup(keys), gpu.lookup(keys).get())
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one_launch", "per_round"])
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("admit_after", [1, 2])
-def test_gpu_matches_cpu_under_eviction(eviction, admit_after):
+def test_gpu_matches_cpu_under_eviction(eviction, admit_after, fused, monkeypatch):
     """A full table taking large Zipf batches (duplicates, many eviction
     rounds per call, some overflows): the CUDA table's rows, new rows,
     evicted keys and rows (in order), counters and stored state equal the
-    CPU twin's call by call. Covers ks_evict_rounds (all rounds in one
-    launch) against the NumPy rounds."""
+    CPU twin's call by call, with the rounds in one ks_evict_rounds launch
+    and with the per-round CuPy code (used for very large batches)."""
     import numpy as np
 
     from keras_sparse.table import HashTable
+    from keras_sparse.table import cupy_table
+    from keras_sparse.table.numpy_table import ArrayTable
+
+    monkeypatch.setattr(cupy_table, "_FUSED_EVICT_MAX", 1 << 16 if fused else 0)
+    per_round_calls = []
+    generic = ArrayTable._evict_rounds
+
+    def spy(self, *args):
+        per_round_calls.append(type(self).__name__)
+        return generic(self, *args)
+
+    monkeypatch.setattr(ArrayTable, "_evict_rounds", spy)
 
     rng = np.random.default_rng(7)
     kw = dict(eviction=eviction, admit_after=admit_after, bucket_size=8)
@@ -74,5 +87,8 @@ def test_gpu_matches_cpu_under_eviction(eviction, admit_after):
         assert cpu.stats() == gpu.stats(), step
     assert cpu.stats()["evictions"] > 400
     assert cpu.stats()["overflows"] > 10
+    # The CPU twin always runs the rounds in NumPy; the CUDA table only when
+    # its one-launch kernel is off.
+    assert ("CupyTable" in per_round_calls) == (not fused)
     for x, y in zip(cpu.export(), gpu.export()):
         np.testing.assert_array_equal(x, y.get())
