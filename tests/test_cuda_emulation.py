@@ -188,3 +188,20 @@ def test_emulator_rejects_arguments_a_gpu_would_misread(kernels):
         find((1,), (128,), good + (read_only,))
     with pytest.raises(emu.KernelArgumentError, match="non-contiguous"):
         find((1,), (128,), (np.arange(16, dtype=np.int64)[::2],) + good[1:] + (rows,))
+
+
+_ORDER_DEPENDENT = r"""
+extern "C" __global__ void last_writer(int* out) {
+  out[0] = threadIdx.x;  // every thread writes one cell: the survivor is any
+}
+"""
+
+
+def test_emulator_runs_threads_out_of_order():
+    """Threads of a block do not run in index order (a GPU promises none),
+    so a result that depends on the order does not look deterministic."""
+    out = np.zeros(1, np.int32)
+    emu.compile_module(_ORDER_DEPENDENT).get_function("last_writer")(
+        (1,), (256,), (out,)
+    )
+    assert out[0] != 255

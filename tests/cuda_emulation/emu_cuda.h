@@ -6,9 +6,12 @@
 // resolves the collective once every live thread of the warp (block) has
 // arrived.  A warp whose lanes disagree (some exited, some at a ballot, or at
 // different collectives) is reported as divergence, which is undefined on a
-// GPU.  Fibers interleave only at collectives, so races are not exercised:
-// this checks a kernel's logic, indexing and warp-level protocol, not its
-// memory ordering.
+// GPU.  Between collectives the threads of a block run one after another in
+// a shuffled order (fixed per block), as a GPU promises no order either, so a
+// kernel whose result depends on thread order shows it.  Fibers interleave
+// only at collectives, so data races within a phase are not exercised: this
+// checks a kernel's logic, indexing and warp-level protocol, not its memory
+// ordering.
 #pragma once
 
 #include <ucontext.h>
@@ -140,9 +143,20 @@ inline int run_block(Launch& L, std::string& error) {
     x.context.uc_link = &L.scheduler;
     makecontext(&x.context, lane_entry, 0);
   }
+  // Fisher-Yates with a per-block LCG: reproducible, but not lane order.
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  unsigned long long state = 0x9E3779B97F4A7C15ULL ^ (L.bid.x + 131ULL * L.bid.y);
+  for (int i = n - 1; i > 0; --i) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    const int j = static_cast<int>((state >> 33) % static_cast<unsigned>(i + 1));
+    const int t = order[i];
+    order[i] = order[j];
+    order[j] = t;
+  }
   for (;;) {
     bool live = false;
-    for (int i = 0; i < n; ++i) {
+    for (int i : order) {
       if (L.lanes[i].state != kRunnable) continue;
       L.current = i;
       swapcontext(&L.scheduler, &L.lanes[i].context);
