@@ -339,14 +339,21 @@ def main():
         rows.append(dict(name="DistributedHashEmbedding (prefetch, GPU tables)",
                          short="DistributedHash\n(prefetch, GPU)", sps=n / t_p,
                          t=t_p, ts=ts, loss=loss))  # fmt: skip
-        # 1d) Tables on the GPU (CuPy), raw int64 keys straight into fit.
-        gmodel = hash_model(cap, table_device="gpu", key_dtype="int64")
-        t_gpu, ts, loss = timed_fits(
-            epoch_on_arrays(gmodel, keys, labels, batch), args.repeats
-        )
-        rows.append(dict(name="DistributedHashEmbedding (GPU tables, raw keys)",
-                         short="DistributedHash\n(GPU tables)", sps=n / t_gpu,
-                         t=t_gpu, ts=ts, loss=loss))  # fmt: skip
+        # 1d) Tables on the GPU (CuPy), raw int64 keys straight into fit,
+        # through both routes: the in-place GPU-buffer callback (keys and
+        # rows stay on the GPU, the CuPy table runs on XLA's stream) and the
+        # io_callback (keys through the host).
+        for in_step in (True, False):
+            jax_step_mapping.GPU_BUFFERS_IN_STEP = in_step
+            gmodel = hash_model(cap, table_device="gpu", key_dtype="int64")
+            t_gpu, ts, loss = timed_fits(
+                epoch_on_arrays(gmodel, keys, labels, batch), args.repeats
+            )
+            route = jax_step_mapping.choose_route(gmodel.get_layer("hash_emb_0"))
+            name = f"DistributedHashEmbedding (GPU tables, raw keys, {route})"
+            rows.append(dict(name=name, short=f"DistributedHash\n(GPU, {route})",
+                             sps=n / t_gpu, t=t_gpu, ts=ts, loss=loss))  # fmt: skip
+        jax_step_mapping.GPU_BUFFERS_IN_STEP = True
 
     # 2) Hashing (host, excluded) + Embedding.
     bmodel = baseline_model(cap)

@@ -10,7 +10,9 @@
 # one after the other instead.
 set -u
 cd "$(dirname "$0")/.."
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
+# Deterministic GPU reductions: the GPU suite compares GPU and CPU tables
+# bit for bit (a no-op on CPUs).
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true"
 export TF_CPP_MIN_LOG_LEVEL=2
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT

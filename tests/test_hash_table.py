@@ -602,6 +602,31 @@ def test_new_keys_placed_in_first_occurrence_order(device):
     assert rows.tolist() == [want[k] for k in keys.tolist()]
 
 
+@pytest.mark.parametrize("eviction,admit_after", [("lru", 1), ("lfu", 2)])
+def test_fresh_flags_mark_keys_given_a_new_row(device, eviction, admit_after):
+    """``lookup_or_insert_fresh`` flags exactly the positions whose row is one
+    of the call's ``new_rows`` (duplicates, hits, evictions, admission),
+    and the rows equal those of ``lookup_or_insert`` on a twin table."""
+    rng = np.random.default_rng(7)
+    a = make(device, 64, eviction=eviction, admit_after=admit_after, seed=1)
+    b = make(device, 64, eviction=eviction, admit_after=admit_after, seed=1)
+    seen_fresh = seen_hit = 0
+    for _ in range(30):
+        keys = rng.zipf(1.3, size=(6, 5)).astype(np.int64) % 300
+        res, fresh = a.lookup_or_insert_fresh(keys)
+        twin = b.lookup_or_insert(keys)
+        rows, fresh = host(res.rows), host(fresh)
+        np.testing.assert_array_equal(rows, host(twin.rows))
+        np.testing.assert_array_equal(host(res.new_rows), host(twin.new_rows))
+        assert fresh.shape == keys.shape and fresh.dtype == bool
+        want = np.isin(rows, host(res.new_rows)) & (rows >= 0)
+        np.testing.assert_array_equal(fresh, want)
+        seen_fresh += int(fresh.sum())
+        seen_hit += int(((rows >= 0) & ~fresh).sum())
+    assert seen_fresh and seen_hit
+    assert a.stats() == b.stats() and a.stats()["evictions"] > 0
+
+
 def test_find_for_insert_matches_find():
     """The CPU split (hits, misses, their hashes) agrees with find + hash."""
     from keras_sparse.table.numpy_table import ArrayTable

@@ -20,12 +20,12 @@ IN_PLACE_TARGET = "xla_buffer_python_cpu_callback"
 
 def _layer(**kwargs):
     kwargs.setdefault("optimizer", "adagrad")
+    kwargs.setdefault("name", "hashed")
     return DistributedHashEmbedding(
         DIM,
         capacity=64,
         combiner="sum",
         embeddings_initializer=keras.initializers.RandomUniform(seed=3),
-        name="hashed",
         **kwargs,
     )
 
@@ -132,3 +132,26 @@ def test_full_table_in_a_compiled_step_raises_before_the_table_changes():
     for b, a in zip(before, after):
         np.testing.assert_array_equal(b, a)
     assert layer.stats() == stats
+
+
+def test_a_failed_step_callback_stops_later_ones_of_the_layer():
+    """After one compiled step's table call failed, the steps queued behind
+    it (on a GPU they may run before the error is read) fail without
+    calling the table; other layers are unaffected."""
+    calls = []
+
+    def table_call(*args):
+        calls.append(args)
+        if args[0] == "full":
+            raise ValueError("table full")
+        return "rows"
+
+    layer, other = _layer(), _layer(name="other")
+    guarded = jax_step_mapping._failing_once(layer, table_call)
+    assert guarded("a") == "rows"
+    with pytest.raises(ValueError, match="table full"):
+        guarded("full")
+    with pytest.raises(RuntimeError, match=r"'hashed'.*ValueError: table full"):
+        guarded("b")
+    assert calls == [("a",), ("full",)]
+    assert jax_step_mapping._failing_once(other, table_call)("c") == "rows"

@@ -267,8 +267,10 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
 
     # ---------------------------------------------------------------- mapping
     def _lookup_or_insert(self, keys):
+        """``(rows, fresh)`` of flat keys (NumPy or CuPy, as the table gives)."""
         try:
-            return self.table.lookup_or_insert(keys)
+            res, fresh = self.table.lookup_or_insert_fresh(keys)
+            return res.rows, fresh
         except TableFullError as e:
             raise TableFullError(
                 f"Layer '{self.name}': the hash table is full (capacity="
@@ -285,21 +287,21 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         rows, fresh = (
             out if out is not None else (xp.empty(n, xp.int32), xp.empty(n, bool))
         )
-        rows[...] = -1
-        fresh[...] = False
-        # No padding: skip the mask copies and scatters (on CuPy the check
-        # itself would be a host sync).
-        if xp is np and use.all():
+        # No padding (the usual case): no mask copies and scatters. On CuPy
+        # the check is one host sync, cheaper than the syncs of mask indexing.
+        if bool(use.all()):
             use = slice(None)
+        else:
+            rows[...] = -1
+            fresh[...] = False
         as_xp = _to_numpy if xp is np else xp.asarray
         selected = flat[use]
         if insert:
-            res = self._lookup_or_insert(selected)
-            got = as_xp(res.rows).astype(xp.int32)
-            rows[use] = got
-            fresh[use] = xp.isin(got, as_xp(res.new_rows)) & (got >= 0)
+            got, new = self._lookup_or_insert(selected)
+            rows[use] = as_xp(got)
+            fresh[use] = as_xp(new)
         else:
-            rows[use] = as_xp(self.table.lookup(selected)).astype(xp.int32)
+            rows[use] = as_xp(self.table.lookup(selected))
         return rows, fresh
 
     def _map_on_host(self, keys, use, insert, out=None):
@@ -316,10 +318,11 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         """GPU table: CuPy-readable keys and use -> flat CuPy (rows, fresh),
         on the current CuPy stream; no host copy of the keys.
 
-        Checked by ``tests/gpu`` (on a GPU, and on emulated CUDA in CI). The
-        one exception: int32 keys of a JAX step without x64 whose full 64-bit
-        keys the input pipeline queued (`keras_sparse.layers.jax_full_keys`)
-        are replaced by those host keys, which came from the host anyway.
+        Checked by ``tests/gpu`` (on a GPU, and on emulated CUDA in CI).
+        int32 keys of a JAX step without x64 whose full 64-bit keys the input
+        pipeline queued (`keras_sparse.layers.jax_full_keys`) are replaced by
+        those keys, copied from the host (where they came from) and checked
+        against the step's keys on the device.
         """
         import cupy as cp
 
@@ -327,7 +330,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
 
         flat, _ = to_cupy_keys(keys)  # zero-copy for CUDA tensors
         if jax_full_keys.has_queued(self):
-            flat = cp.asarray(jax_full_keys.restore(self, flat.get()))
+            flat = jax_full_keys.restore(self, flat, cp)
         use = cp.asarray(use).reshape(-1).astype(bool)
         return self._table_rows(flat, use, insert, cp, out)
 

@@ -69,21 +69,25 @@ class _KeyQueue:
         with self._lock:
             self._items.clear()
 
-    def take_match(self, keys):
+    def take_match(self, keys, xp=np):
         """Removes and returns the oldest entry whose low 32 bits are ``keys``'.
 
         Usually the head. Entries before it stay: they belong to batches of
         another iterator still to run (e.g. a training look-ahead batch queued
-        before the validation batches of the same epoch).
+        before the validation batches of the same epoch). With ``xp=cupy``
+        ``keys`` are device keys: each candidate is copied to the device and
+        compared there (the step's keys never come to the host), and the
+        match is returned as a device array.
         """
-        low = keys.astype(np.int32)
+        low = keys.astype(xp.int32)
         with self._lock:
             for i, full in enumerate(self._items):
-                if full.shape == low.shape and np.array_equal(
-                    full.astype(np.int32), low
-                ):
+                if full.shape != low.shape:
+                    continue
+                candidate = full if xp is np else xp.asarray(full)
+                if bool((candidate.astype(xp.int32) == low).all()):
                     del self._items[i]
-                    return full
+                    return candidate
         return None
 
 
@@ -101,8 +105,9 @@ def has_queued(layer):
     return bool(layer.__dict__.get("_ks_full_key_queue"))
 
 
-def restore(layer, keys):
-    """``keys`` (flat int64 NumPy) with their high 32 bits restored.
+def restore(layer, keys, xp=np):
+    """``keys`` (flat int64, NumPy or with ``xp=cupy`` CuPy) with their high
+    32 bits restored.
 
     Returns ``keys`` unchanged when the layer has no queued full keys (direct
     calls outside ``fit``/``evaluate``/``predict``, x64 mode).
@@ -110,7 +115,7 @@ def restore(layer, keys):
     q = layer.__dict__.get("_ks_full_key_queue")
     if not q:
         return keys
-    full = q.take_match(keys)
+    full = q.take_match(keys, xp)
     if full is not None:
         return full
     raise KeyMismatchError(

@@ -71,6 +71,41 @@ def _xla_stream(ctx):
     return ctx.stream
 
 
+class _StreamHandle:
+    """A raw stream pointer offered through the CUDA stream protocol."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_STREAMS = {}  # XLA's stream pointer -> the CuPy stream wrapping it
+
+
+def _cupy_stream(ctx):
+    """XLA's stream of this step as a CuPy stream (one object per pointer).
+
+    ``Stream.from_external`` where CuPy has it (CuPy 14 deprecates
+    ``ExternalStream``, and a deprecation raised inside a callback would
+    abort the step under ``-W error``), else ``ExternalStream``.
+    """
+    import cupy as cp
+
+    ptr = int(_xla_stream(ctx))
+    stream = _STREAMS.get(ptr)
+    if stream is None:
+        try:
+            stream = cp.cuda.Stream.from_external(_StreamHandle(ptr))
+        except (AttributeError, TypeError):  # CuPy < 14
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cp.cuda.ExternalStream(ptr)
+        _STREAMS[ptr] = stream
+    return stream
+
+
 def _called_once(layer):
     """False for a layer shared by several inputs of a functional model."""
     return len(getattr(layer, "_inbound_nodes", ())) <= 1
@@ -105,7 +140,7 @@ def _probe_gpu_buffers():
     import jax
 
     def callback(ctx, out, x):
-        with cp.cuda.ExternalStream(_xla_stream(ctx)):
+        with _cupy_stream(ctx):
             keys = cp.asarray(x)
             live = int((keys > 0).sum())  # waits for the step's earlier work
             cp.asarray(out)[...] = keys * 2 + live
@@ -143,6 +178,35 @@ def gpu_buffers_work():
         return _PROBE["result"]
 
 
+def _failing_once(layer, callback):
+    """``callback`` made final on its first failure: once a step's table call
+    raised, later steps of ``layer`` raise the same error without touching
+    the table.
+
+    The failed step's model state is lost (Keras donates it), and on a GPU
+    JAX reports the error only when a result is read, by which time the
+    steps queued after it may have run their callbacks; this keeps the table
+    as the last good step left it.
+    """
+
+    def guarded(*args):
+        failure = layer.__dict__.get("_ks_step_failure")
+        if failure is not None:
+            raise RuntimeError(
+                f"Layer '{layer.name}': an earlier compiled step failed in its "
+                f"table call and the model's state from that step on is lost; "
+                f"the table was left as the last good step had it. First "
+                f"error: {failure}"
+            )
+        try:
+            return callback(*args)
+        except Exception as e:
+            layer.__dict__["_ks_step_failure"] = f"{type(e).__name__}: {e}"
+            raise
+
+    return guarded
+
+
 def map_in_step(layer, keys, use, insert, n):
     """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``.
 
@@ -163,7 +227,9 @@ def map_in_step(layer, keys, use, insert, n):
         def host_callback(k, u):
             return layer._map_step_keys(k, u, insert)
 
-        return io_callback(host_callback, result_types, keys, use, ordered=True)
+        return io_callback(
+            _failing_once(layer, host_callback), result_types, keys, use, ordered=True
+        )
 
     if route == "cpu_buffers":
 
@@ -179,9 +245,11 @@ def map_in_step(layer, keys, use, insert, n):
             # CuPy work (kernels, copies, the few size reads) goes on the
             # stream XLA runs this step on, so it sees the keys written
             # before and finishes before the rows are read.
-            with cp.cuda.ExternalStream(_xla_stream(ctx)):
+            with _cupy_stream(ctx):
                 out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
                 layer._gpu_rows(cp.asarray(k), cp.asarray(u), insert, out)
 
-    mapper = _buffer_callback()(callback, result_types, has_side_effect=True)
+    mapper = _buffer_callback()(
+        _failing_once(layer, callback), result_types, has_side_effect=True
+    )
     return mapper(keys, use)

@@ -178,6 +178,23 @@ class HashTable:
             res = self._impl.lookup_or_insert(k, step)
         return res._replace(rows=res.rows.reshape(shape))
 
+    def lookup_or_insert_fresh(self, keys, step=None):
+        """``(result, fresh)``: `lookup_or_insert` plus a bool array of the
+        keys' shape, True where the key got a new row in this call (the
+        embedding rows to re-initialize, per position).
+
+        Example:
+          >>> table = HashTable(64, device="cpu")
+          >>> _ = table.lookup_or_insert([5])
+          >>> res, fresh = table.lookup_or_insert_fresh([5, 6, 6])
+          >>> fresh.tolist()
+          [False, True, True]
+        """
+        k, shape = self._convert(keys, "keys")
+        with self._lock:
+            res, fresh = self._impl.lookup_or_insert(k, step, with_fresh=True)
+        return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
+
     def erase(self, keys) -> int:
         """Remove ``keys`` (absent ones are ignored); returns how many were live."""
         k, _ = self._convert(keys, "keys")

@@ -269,7 +269,9 @@ class ArrayTable:
         inv[order] = rank[xp.cumsum(is_first) - 1]
         return first[by_arrival], counts[by_arrival], inv
 
-    def lookup_or_insert(self, k, step=None):
+    def lookup_or_insert(self, k, step=None, with_fresh=False):
+        """``InsertResult``; with ``with_fresh`` also ``fresh`` (bool per key:
+        the key got a new row in this call), as ``(result, fresh)``."""
         xp = self.xp
         clock0 = self.clock
         step = self._next_step(step)
@@ -339,7 +341,15 @@ class ArrayTable:
         c["rejected_admissions"] += rejected
         c["inserts"] += int(placed_rows.shape[0])
         c["evictions"] += int(ev_keys.shape[0])
-        return InsertResult(rows, placed_rows, ev_keys, ev_rows)
+        result = InsertResult(rows, placed_rows, ev_keys, ev_rows)
+        if not with_fresh:
+            return result
+        # A key missing before this call with a row now got a new row (the
+        # call never evicts its own hits), so no search of ``new_rows``.
+        fresh = xp.zeros(n, dtype=bool)
+        if n_miss:
+            fresh[miss_idx] = rows[miss_idx] >= 0
+        return result, fresh
 
     def erase(self, k) -> int:
         xp, S = self.xp, self.bucket_size
