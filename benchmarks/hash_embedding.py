@@ -70,6 +70,10 @@ from keras_sparse.layers import jax_step_mapping  # noqa: E402
 
 FIELDS = 26
 DIM = 16
+# prefetch: CPU tables through ks.data.prefetch; raw: CPU tables, raw int64
+# keys into fit; prefetch-gpu / raw-gpu: the same with GPU tables (with
+# --gpu-table); baseline: keras Hashing + Embedding.
+VARIANTS = ("prefetch", "raw", "prefetch-gpu", "raw-gpu", "baseline")
 OUT_DIR = pathlib.Path(__file__).resolve().parent / "out"
 
 
@@ -270,6 +274,9 @@ def main():
     parser.add_argument("--gpu-table", action="store_true",
                         help="add a row with the tables on the GPU (CuPy)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="",
+                        help="a comma-separated subset of: " + ",".join(VARIANTS),
+                        )  # fmt: skip
     args = parser.parse_args()
     quick = dict(samples=1 << 15, batch_size=4096, capacity_per_field=1 << 12,
                  repeats=2)  # fmt: skip
@@ -298,24 +305,30 @@ def main():
     print(f"baseline hashing: {hasher}")
     coll = collision_stats(keys, bins, cap)
 
-    rows = []
+    on_cpu = device_description().startswith("jax cpu")
+    wanted = set(args.only.split(",")) if args.only else set(VARIANTS)
+    if not args.gpu_table:
+        wanted -= {"prefetch-gpu", "raw-gpu"}
+    rows, stats = [], None
     # 1) DistributedHashEmbedding through the prefetch stage.
-    hmodel = hash_model(cap)
-    with prefetch(
-        (keys, labels), hmodel, batch_size=batch, threads=args.threads, capacity=4
-    ) as stage:
-        t_hash, ts, loss = timed_fits(
-            lambda: hmodel.fit(stage, epochs=1, verbose=0), args.repeats
-        )
-        stats = stage.stats()
-    rows.append(dict(name="DistributedHashEmbedding (prefetch, 64-bit keys)",
-                     short="DistributedHash\nEmbedding", sps=n / t_hash,
-                     t=t_hash, ts=ts, loss=loss))  # fmt: skip
+    if "prefetch" in wanted:
+        hmodel = hash_model(cap)
+        with prefetch(
+            (keys, labels), hmodel, batch_size=batch, threads=args.threads, capacity=4
+        ) as stage:
+            t_hash, ts, loss = timed_fits(
+                lambda: hmodel.fit(stage, epochs=1, verbose=0), args.repeats
+            )
+            stats = stage.stats()
+        rows.append(dict(name="DistributedHashEmbedding (prefetch, 64-bit keys)",
+                         short="DistributedHash\nEmbedding", sps=n / t_hash,
+                         t=t_hash, ts=ts, loss=loss))  # fmt: skip
 
-    if keras.backend.backend() == "jax" and device_description().startswith("jax cpu"):
+    if "raw" in wanted and keras.backend.backend() == "jax":
         # 1b) CPU tables, raw int64 keys straight into fit: the compiled step
-        # reaches the tables through its callbacks, both routes side by side.
-        for in_place in (True, False):
+        # reaches the tables through its callbacks, both routes side by side
+        # on a CPU; a GPU step reaches CPU tables through io_callback only.
+        for in_place in (True, False) if on_cpu else (False,):
             jax_step_mapping.IN_PLACE_CALLBACKS = in_place
             rmodel = hash_model(cap, key_dtype="int64")
             t_raw, ts, loss = timed_fits(
@@ -327,7 +340,7 @@ def main():
                              sps=n / t_raw, t=t_raw, ts=ts, loss=loss))  # fmt: skip
         jax_step_mapping.IN_PLACE_CALLBACKS = True
 
-    if args.gpu_table:
+    if "prefetch-gpu" in wanted:
         # 1c) Tables on the GPU (CuPy), driven by the prefetch workers.
         pmodel = hash_model(cap, table_device="gpu")
         with prefetch(
@@ -339,6 +352,7 @@ def main():
         rows.append(dict(name="DistributedHashEmbedding (prefetch, GPU tables)",
                          short="DistributedHash\n(prefetch, GPU)", sps=n / t_p,
                          t=t_p, ts=ts, loss=loss))  # fmt: skip
+    if "raw-gpu" in wanted:
         # 1d) Tables on the GPU (CuPy), raw int64 keys straight into fit,
         # through both routes: the in-place GPU-buffer callback (keys and
         # rows stay on the GPU, the CuPy table runs on XLA's stream) and the
@@ -356,17 +370,18 @@ def main():
         jax_step_mapping.GPU_BUFFERS_IN_STEP = True
 
     # 2) Hashing (host, excluded) + Embedding.
-    bmodel = baseline_model(cap)
-    t_base, ts, loss = timed_fits(
-        epoch_on_arrays(bmodel, bins, labels, batch), args.repeats
-    )
-    rows.append(dict(name="Hashing + Embedding (host hashing excluded)",
-                     short="Hashing+Embedding\n(hashing excl.)", sps=n / t_base,
-                     t=t_base, ts=ts, loss=loss))  # fmt: skip
-    rows.append(dict(name="Hashing + Embedding (host hashing added back)",
-                     short="Hashing+Embedding\n(hashing incl.)",
-                     sps=n / (t_base + hash_s), t=t_base + hash_s, ts=None,
-                     loss=loss))  # fmt: skip
+    if "baseline" in wanted:
+        bmodel = baseline_model(cap)
+        t_base, ts, loss = timed_fits(
+            epoch_on_arrays(bmodel, bins, labels, batch), args.repeats
+        )
+        rows.append(dict(name="Hashing + Embedding (host hashing excluded)",
+                         short="Hashing+Embedding\n(hashing excl.)", sps=n / t_base,
+                         t=t_base, ts=ts, loss=loss))  # fmt: skip
+        rows.append(dict(name="Hashing + Embedding (host hashing added back)",
+                         short="Hashing+Embedding\n(hashing incl.)",
+                         sps=n / (t_base + hash_s), t=t_base + hash_s, ts=None,
+                         loss=loss))  # fmt: skip
 
     print("### model.fit throughput, equal table rows\n")
     print(
@@ -374,7 +389,7 @@ def main():
             [
                 "variant",
                 "samples/s",
-                "vs hash layer",
+                "vs first row",
                 "epoch s (median)",
                 "timed epochs s",
                 "last loss",
@@ -417,11 +432,16 @@ def main():
         "JAX-traced model, so the baseline hashes on the host before fit "
         f"({hash_s:.2f} s for all {n:,} x {FIELDS} keys, excluded from the "
         "'excluded' row, added once per epoch in the 'added back' row). "
-        "The hash layer gets its 64-bit keys through keras_sparse.data.prefetch "
-        f"({args.threads} worker threads; table work "
-        f"{stats['table_s']:.2f} s in the workers over all "
-        f"{stats['batches']} batches incl. warm-up, main thread waited "
-        f"{stats['wait_s']:.2f} s); jax_enable_x64 is not enabled. "
+        + (
+            "The hash layer gets its 64-bit keys through keras_sparse.data."
+            f"prefetch ({args.threads} worker threads; table work "
+            f"{stats['table_s']:.2f} s in the workers over all "
+            f"{stats['batches']} batches incl. warm-up, main thread waited "
+            f"{stats['wait_s']:.2f} s). "
+            if stats
+            else ""
+        )
+        + "jax_enable_x64 is not enabled. "
         f"{coll['fields_over']} of {FIELDS} fields have more distinct keys than "
         f"{cap:,} rows: there the hash layer evicts (LRU) instead of colliding. "
         "The hash layer additionally keeps a "

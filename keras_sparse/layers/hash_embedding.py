@@ -80,9 +80,11 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
     or CuPy with ``table_device="gpu"``). Eagerly the layer calls it
     directly. In a compiled JAX step on one device (no Keras distribution)
     the key->row mapping is an in-place ``jax.experimental.buffer_callback``:
-    a CPU table reads the step's key buffer and writes the rows into its
-    output buffers without copies. Under a distribution, and for a GPU
-    table, it is an ordered ``jax.experimental.io_callback`` (see
+    a CPU table in a CPU step reads the step's key buffer and writes the rows
+    into its output buffers without copies; a GPU table in a step on the same
+    GPU does the same with CuPy on XLA's stream, so keys and rows stay on the
+    device. Under a distribution, and for a CPU table in a GPU step, it is an
+    ordered ``jax.experimental.io_callback`` (see
     `keras_sparse.layers.jax_step_mapping`). In a TensorFlow graph it is a
     `tf.numpy_function`. XLA cannot run host callbacks inside TensorFlow
     graphs, so on TensorFlow the layer sets ``supports_jit = False``:
@@ -131,7 +133,10 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             single-process run (any number of local devices); with more
             than one process they raise a ValueError.
         table_device: "cpu" (default), "gpu" or "auto": where the hash
-            table's key->row map lives (see `HashTable`).
+            table's key->row map lives (see `HashTable`). With the model on
+            a GPU, "gpu" keeps keys and rows on the device inside compiled
+            JAX steps; "cpu" fed through `keras_sparse.data.prefetch` was
+            the faster setup for many small fields (BENCHMARKS.md).
         table_seed: salt of the table's hash functions.
 
     Call arguments:
