@@ -336,7 +336,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         flat, _ = to_cupy_keys(keys)  # zero-copy for CUDA tensors
         if jax_full_keys.has_queued(self):
             flat = jax_full_keys.restore(self, flat, cp)
-        use = cp.asarray(use).reshape(-1).astype(bool)
+        use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
         return self._table_rows(flat, use, insert, cp, out)
 
     def _map_on_gpu(self, keys, use, insert):

@@ -192,7 +192,7 @@ class HashTable:
         """
         k, shape = self._convert(keys, "keys")
         with self._lock:
-            res, fresh = self._impl.lookup_or_insert(k, step, with_fresh=True)
+            res, fresh = self._impl.lookup_or_insert_fresh(k, step)
         return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
 
     def erase(self, keys) -> int:

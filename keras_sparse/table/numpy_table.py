@@ -269,9 +269,22 @@ class ArrayTable:
         inv[order] = rank[xp.cumsum(is_first) - 1]
         return first[by_arrival], counts[by_arrival], inv
 
-    def lookup_or_insert(self, k, step=None, with_fresh=False):
-        """``InsertResult``; with ``with_fresh`` also ``fresh`` (bool per key:
-        the key got a new row in this call), as ``(result, fresh)``."""
+    def lookup_or_insert(self, k, step=None):
+        return self._insert_call(k, step)[0]
+
+    def lookup_or_insert_fresh(self, k, step=None):
+        """``(InsertResult, fresh)``, ``fresh`` True where the key got a new
+        row in this call."""
+        result, miss_idx = self._insert_call(k, step)
+        # A key missing before this call with a row now got a new row (the
+        # call never evicts its own hits), so no search of ``new_rows``.
+        fresh = self.xp.zeros(int(k.shape[0]), dtype=bool)
+        fresh[miss_idx] = result.rows[miss_idx] >= 0
+        return result, fresh
+
+    def _insert_call(self, k, step):
+        """``(InsertResult, miss_idx)``: the call, and the positions of the
+        keys it did not find."""
         xp = self.xp
         clock0 = self.clock
         step = self._next_step(step)
@@ -341,15 +354,7 @@ class ArrayTable:
         c["rejected_admissions"] += rejected
         c["inserts"] += int(placed_rows.shape[0])
         c["evictions"] += int(ev_keys.shape[0])
-        result = InsertResult(rows, placed_rows, ev_keys, ev_rows)
-        if not with_fresh:
-            return result
-        # A key missing before this call with a row now got a new row (the
-        # call never evicts its own hits), so no search of ``new_rows``.
-        fresh = xp.zeros(n, dtype=bool)
-        if n_miss:
-            fresh[miss_idx] = rows[miss_idx] >= 0
-        return result, fresh
+        return InsertResult(rows, placed_rows, ev_keys, ev_rows), miss_idx
 
     def erase(self, k) -> int:
         xp, S = self.xp, self.bucket_size

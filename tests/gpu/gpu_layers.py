@@ -34,19 +34,20 @@ def require_cuda_and_jax():
     return cp
 
 
-def hashed_model(table_device, jit_compile="auto", **kwargs):
-    """``(model, layer)``: a 3-key sum-pooled DistributedHashEmbedding + Dense."""
+def hashed_model(table_device, jit_compile="auto", key_dtype="int32", **kwargs):
+    """``(model, layer)``: a 3-key sum-pooled DistributedHashEmbedding + Dense
+    (rows initialized to 0.1 unless ``embeddings_initializer`` is given)."""
     import keras
 
     import keras_sparse as ks
 
-    ids = keras.Input((3,), dtype="int32")
+    kwargs.setdefault("embeddings_initializer", keras.initializers.Constant(0.1))
+    ids = keras.Input((3,), dtype=key_dtype)
     layer = ks.DistributedHashEmbedding(
         8,
         capacity=256,
         combiner="sum",
         optimizer="adagrad",
-        embeddings_initializer=keras.initializers.Constant(0.1),
         table_device=table_device,
         name="hashed",
         **kwargs,

@@ -36,6 +36,13 @@ def _model(table_device, **kwargs):
     return hashed_model(table_device, jit_compile=True, **kwargs)
 
 
+def _forbid_host_mapping(monkeypatch):
+    def no_host_keys(*args, **kwargs):
+        raise AssertionError("keys went through the host mapping")
+
+    monkeypatch.setattr(DistributedHashEmbedding, "_map_on_host", no_host_keys)
+
+
 def test_route_is_the_gpu_buffer_callback(gpu_buffers):
     import jax
 
@@ -57,10 +64,7 @@ def test_gpu_buffer_route_trains_like_the_cpu_table_without_host_keys(
     hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     cpu = (hist.history["loss"], layer.export(), layer.stats())
 
-    def no_host_keys(*args, **kwargs):
-        raise AssertionError("keys went through the host mapping")
-
-    monkeypatch.setattr(DistributedHashEmbedding, "_map_on_host", no_host_keys)
+    _forbid_host_mapping(monkeypatch)
     keras.utils.set_random_seed(0)
     model, layer = _model("gpu")
     hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
@@ -89,25 +93,13 @@ def test_gpu_buffer_route_keeps_wide_keys_apart_without_host_copies(
 
     def fit(table_device):
         keras.utils.set_random_seed(0)
-        ids = keras.Input((3,), dtype="int64")
-        layer = DistributedHashEmbedding(
-            8,
-            capacity=256,
-            combiner="sum",
-            optimizer="adagrad",
-            table_device=table_device,
-            name="hashed",
+        model, layer = _model(
+            table_device, key_dtype="int64", embeddings_initializer="uniform"
         )
-        model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
-        model.compile("sgd", "mse", jit_compile=True)
         hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         return hist.history["loss"], sorted_records(layer.export()), layer.stats()
 
     cpu = fit("cpu")
-
-    def no_host_keys(*args, **kwargs):
-        raise AssertionError("keys went through the host mapping")
-
     # The step's keys reach the full-key check as device arrays.
     checked = []
     restore = jax_full_keys.restore
@@ -116,7 +108,7 @@ def test_gpu_buffer_route_keeps_wide_keys_apart_without_host_copies(
         checked.append(isinstance(keys, cp.ndarray) and xp is cp)
         return restore(layer, keys, xp)
 
-    monkeypatch.setattr(DistributedHashEmbedding, "_map_on_host", no_host_keys)
+    _forbid_host_mapping(monkeypatch)
     monkeypatch.setattr(jax_full_keys, "restore", restore_on_device)
     gpu = fit("gpu")
     assert checked and all(checked)
