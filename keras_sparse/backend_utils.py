@@ -27,3 +27,20 @@ def is_tf_ragged_or_sparse(x):
     import tensorflow as tf
 
     return isinstance(x, (tf.RaggedTensor, tf.SparseTensor))
+
+
+def is_tf_ragged(x):
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return isinstance(x, tf.RaggedTensor)
+
+
+def is_jax_sparse(x):
+    """True for a `jax.experimental.sparse.BCOO` (Keras's JAX sparse form)."""
+    if keras.backend.backend() != "jax":
+        return False
+    from jax.experimental import sparse as jax_sparse
+
+    return isinstance(x, jax_sparse.BCOO)

@@ -97,10 +97,17 @@ def test_padding_is_not_updated_by_sparse_optimizer():
     assert changed == [1, 3, 4, 5, 6]
 
 
-def test_float_ids_raise_type_error():
-    layer = ks.AllToAllDenseEmbedding(10, 2, name="emb_f")
-    with pytest.raises(TypeError, match="emb_f.*integer"):
-        layer(np.array([[1.0, 2.0]]))
+def test_float_ids_cast_like_keras_and_non_integral_ones_raise():
+    table = _table()
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, name="emb_f")
+    reference = keras.layers.Embedding(12, 3, weights=table)
+    ids = np.array([[1.0, 2.0], [11.0, 0.0]], "float32")
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(layer(ids)),
+        keras.ops.convert_to_numpy(reference(ids)),
+    )
+    with pytest.raises(ValueError, match=r"emb_f.*2\.5.*not an integer"):
+        layer(np.array([[1.0, 2.5]]))
 
 
 def test_out_of_range_eager_raises_and_leaves_state():
@@ -136,9 +143,29 @@ def test_argument_errors_list_choices():
         ks.AllToAllDenseEmbedding(10, 2, combiner="avg")
     with pytest.raises(ValueError, match="input_dim"):
         ks.AllToAllDenseEmbedding(0, 2)
-    with pytest.raises(ValueError, match="lora_rank"):
-        ks.AllToAllDenseEmbedding(10, 2, lora_rank=4)
+    with pytest.raises(ValueError, match="emb_l.*`lora_rank`=4 needs optimizer=None"):
+        ks.AllToAllDenseEmbedding(10, 2, lora_rank=4, optimizer="sgd", name="emb_l")
+    layer = ks.AllToAllDenseEmbedding(10, 2, optimizer="adam", name="emb_q")
+    layer.build()
+    with pytest.raises(ValueError, match="emb_q.*`quantize`='int8' needs"):
+        layer.quantize("int8")
+    with pytest.raises(ValueError, match="emb_q.*`lora_rank`=2 needs"):
+        layer.enable_lora(2)
     with pytest.raises(ValueError, match="sharding"):
         ks.AllToAllDenseEmbedding(10, 2, sharding="rows")
     with pytest.raises(ValueError, match="weights"):
         ks.AllToAllDenseEmbedding(10, 2, weights=np.zeros((3, 2)))
+
+
+def test_wide_int64_ids_raise_with_the_id_as_passed():
+    """int64 ids past int32 raise before any conversion (JAX would wrap
+    2**32 + 5 to row 5) and leave the table alone."""
+    layer = ks.AllToAllDenseEmbedding(10, 2, name="emb_w", optimizer="sgd")
+    layer.build()
+    before = ops.convert_to_numpy(layer.embeddings).copy()
+    wide = 2**32 + 5
+    with pytest.raises(ValueError, match=rf"emb_w.*id {wide} is out of range"):
+        layer(np.array([[1, wide]], "int64"), training=True)
+    with pytest.raises(ValueError, match=rf"id {2**63 + 3} is out of range"):
+        layer(np.array([[1, 2**63 + 3]], "uint64"))
+    np.testing.assert_array_equal(ops.convert_to_numpy(layer.embeddings), before)

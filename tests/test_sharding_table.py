@@ -241,8 +241,10 @@ def test_plan_lists_collection_tables_and_refuses_what_cannot_run():
         assert f"features/{n}" in text
     # A standalone layer cannot be placed table-wise: the error names the
     # table and points to EmbeddingCollection.
-    alone = ks.AllToAllDenseEmbedding(10, DIM, optimizer="sgd", sharding="table")
-    with pytest.raises(ValueError, match=r"all_to_all_dense_embedding.*Collection"):
+    alone = ks.AllToAllDenseEmbedding(
+        10, DIM, optimizer="sgd", sharding="table", name="standalone"
+    )
+    with pytest.raises(ValueError, match=r"standalone.*Collection"):
         ks.plan([alone], devices=8)
     auto = ks.AllToAllDenseEmbedding(10, DIM, optimizer="sgd", name="alone")
     plan = ks.plan([auto], devices=8, strategies=("table", "row"))

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_sparse.backend_utils import is_tf_ragged
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.sharding import keras_integration as _sharding
@@ -21,19 +22,39 @@ def _check_positive_int(layer_name, name, value):
         )
 
 
+def _refuse_with_sparse_optimizer(layer_name, argument, value):
+    raise ValueError(
+        f"Layer '{layer_name}': `{argument}`={value!r} needs optimizer=None. "
+        "LoRA and quantized tables are Keras Embedding features whose "
+        "variables the model's optimizer trains (or nothing trains); a "
+        "sparse optimizer updates the table's rows itself. Pass "
+        "optimizer=None, or drop the argument."
+    )
+
+
 @keras.saving.register_keras_serializable(package="keras_sparse")
-class AllToAllDenseEmbedding(SparseEmbeddingBase):
+class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     """Fixed-vocabulary embedding with combiners and sparse optimizers.
 
-    Same constructor as `keras.layers.Embedding`, plus keyword-only extras:
+    A subclass of `keras.layers.Embedding` with the same constructor, plus
+    keyword-only extras. With the extras left at their defaults it is a Keras
+    Embedding (LoRA, int8/int4 quantization, masking, weight files that load
+    both ways, float ids cast to int32), except that in eager calls a
+    non-integral float id or an id outside ``[0, input_dim)`` raises, and
+    that in compiled steps an out-of-range id reads zeros (Keras: NaN on
+    JAX, an error on CPU for TensorFlow and PyTorch). The class is named
+    ``Embedding`` (so Keras files place its weights where they place
+    `keras.layers.Embedding`'s); ``AllToAllDenseEmbedding`` is its public name.
 
     Args:
         input_dim: vocabulary size; ids must be in ``[0, input_dim)``.
         output_dim: embedding width.
         embeddings_initializer, embeddings_regularizer, embeddings_constraint,
-        mask_zero, weights: as in `keras.layers.Embedding`. With a sparse
-            optimizer the regularizer applies to the rows looked up in the
-            batch and the constraint to the rows just updated.
+        mask_zero, weights, lora_rank, lora_alpha, quantization_config: as in
+            `keras.layers.Embedding`. With a sparse optimizer the regularizer
+            applies to the rows looked up in the batch and the constraint to
+            the rows just updated; LoRA and quantization need
+            ``optimizer=None``.
         combiner: None returns one vector per id (like Keras); "sum", "mean"
             or "sqrtn" pool the last axis (the bag) of the ids, so
             ``[batch, bag] -> [batch, output_dim]``. Padding (``mask_zero`` ids
@@ -49,8 +70,9 @@ class AllToAllDenseEmbedding(SparseEmbeddingBase):
             "table", "row", "column").
 
     Call arguments:
-        inputs: integer ids of any rank, or (TensorFlow) a tf.RaggedTensor or
-            tf.SparseTensor.
+        inputs: integer ids of any rank, a JAX BCOO or (TensorFlow) a
+            tf.RaggedTensor or tf.SparseTensor. Ragged ids with
+            ``combiner=None`` give a ragged output, as Keras does.
         weights: optional per-id weights of the ids' shape; weight 0 marks
             padding (see `keras_sparse.ragged_to_padded`).
 
@@ -80,63 +102,226 @@ class AllToAllDenseEmbedding(SparseEmbeddingBase):
         sharding="auto",
         **kwargs,
     ):
-        name = kwargs.get("name") or "all_to_all_dense_embedding"
+        name = kwargs.get("name") or "embedding"
         _check_positive_int(name, "input_dim", input_dim)
         _check_positive_int(name, "output_dim", output_dim)
-        for arg, value in (
-            ("lora_rank", lora_rank),
-            ("lora_alpha", lora_alpha),
-            ("quantization_config", quantization_config),
-        ):
-            if value is not None:
-                raise ValueError(
-                    f"Layer '{name}': `{arg}` is not supported by "
-                    "AllToAllDenseEmbedding; pass None (LoRA and quantized "
-                    "tables are not available for sparse embeddings yet)."
-                )
-        super().__init__(
+        if optimizer is not None:
+            for arg, value in (
+                ("lora_rank", lora_rank),
+                ("quantization_config", quantization_config),
+            ):
+                if value is not None:
+                    _refuse_with_sparse_optimizer(name, arg, value)
+        keras.layers.Embedding.__init__(
+            self,
             int(input_dim),
             int(output_dim),
             embeddings_initializer,
             embeddings_regularizer,
             embeddings_constraint,
-            combiner=combiner,
-            optimizer=optimizer,
-            sharding=sharding,
+            mask_zero=bool(mask_zero),
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            quantization_config=quantization_config,
             **kwargs,
         )
-        self.input_dim = int(input_dim)
-        self.mask_zero = bool(mask_zero)
-        self.supports_masking = self.mask_zero
+        self._init_sparse(combiner, optimizer, sharding)
+        if self.uses_sparse_update and self.quantization_mode:
+            _refuse_with_sparse_optimizer(self.name, "dtype", self.dtype_policy.name)
+        self.num_rows = self.input_dim
         if weights is not None:
-            self.build()
-            if isinstance(weights, (list, tuple)) and len(weights) == 1:
-                weights = weights[0]
-            weights = np.asarray(weights)
-            if weights.shape != (self.input_dim, self.output_dim):
-                raise ValueError(
-                    f"Layer '{self.name}': `weights` must have shape "
-                    f"{(self.input_dim, self.output_dim)}; received {weights.shape}."
-                )
-            # Padded to the variable's rows when a distribution pads the table.
-            self.embeddings.assign(
-                _sharding.padded_value(self, self.embeddings, weights)
+            self._set_initial_weights(weights)
+
+    def _set_initial_weights(self, weights):
+        self.build()
+        if isinstance(weights, (list, tuple)) and len(weights) == 1:
+            weights = weights[0]
+        weights = np.asarray(weights)
+        if weights.shape != (self.input_dim, self.output_dim):
+            raise ValueError(
+                f"Layer '{self.name}': `weights` must have shape "
+                f"{(self.input_dim, self.output_dim)}; received {weights.shape}."
             )
+        if self.quantization_mode:
+            raise ValueError(
+                f"Layer '{self.name}': `weights` cannot initialize a quantized "
+                "table; build the float layer, set its weights, then quantize."
+            )
+        # Padded to the variable's rows when a distribution pads the table.
+        self._embeddings.assign(_sharding.padded_value(self, self._embeddings, weights))
+
+    # ----------------------------------------------------------------- build
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        if self.quantization_mode:  # Keras's int8/int4 variables
+            keras.layers.Embedding.build(self, input_shape)
+            return
+        sparse = self.uses_sparse_update
+        # On JAX the updated table travels back as the table's "gradient" and
+        # the Keras optimizer assigns it (overwrite_with_gradient); elsewhere
+        # the backward pass writes the variables itself.
+        on_jax = keras.backend.backend() == "jax"
+        # --- keras_sparse.sharding hook: row-sharded tables whose rows do not
+        # divide by the device count get zero padding rows (never looked up).
+        rows = _sharding.variable_rows(self)
+        self._embeddings = self.add_weight(
+            shape=(rows, self.output_dim),
+            initializer=_sharding.table_initializer(self, rows),
+            regularizer=None if sparse else self.embeddings_regularizer,
+            constraint=None if sparse else self.embeddings_constraint,
+            trainable=(not sparse) or on_jax,
+            autocast=False,
+            name="embeddings",
+        )
+        if sparse:
+            self._build_sparse_state(on_jax, rows, self._embeddings)
+        self.built = True
+        if self.lora_rank:
+            self.enable_lora(self.lora_rank, self.lora_alpha)
+
+    def enable_lora(
+        self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
+    ):
+        if self.uses_sparse_update:
+            _refuse_with_sparse_optimizer(self.name, "lora_rank", rank)
+        keras.layers.Embedding.enable_lora(
+            self, rank, lora_alpha, a_initializer, b_initializer
+        )
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        # As Keras does for its own subclasses: a subclass of this layer may
+        # have state the quantized variables would not cover.
+        if type_check and type(self) is not Embedding:
+            raise self._not_implemented_error(self.quantize)
+        if self.uses_sparse_update:
+            _refuse_with_sparse_optimizer(self.name, "quantize", mode)
+        keras.layers.Embedding.quantize(self, mode, type_check=False, config=config)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, inputs, *args, **kwargs):
+        input_forms.check_host_ids(self.name, inputs, self.input_dim)
+        return super().__call__(inputs, *args, **kwargs)
 
     def call(self, inputs, weights=None, training=None):
+        if is_tf_ragged(inputs) and self.combiner is None:
+            # Ragged in, ragged out (as Keras): look up the flat values.
+            flat_weights = None
+            if weights is not None:
+                flat_weights = getattr(weights, "flat_values", weights)
+            out = self._embed(inputs.flat_values, flat_weights, training)
+            return inputs.with_flat_values(out)
+        return self._embed(inputs, weights, training)
+
+    def _embed(self, inputs, weights, training):
         ids, weights, valid = input_forms.fixed_vocabulary_ids(
-            self.name, inputs, weights, self.input_dim, self.combiner, self.mask_zero
+            self.name,
+            inputs,
+            weights,
+            self.input_dim,
+            self.combiner,
+            self.mask_zero,
+            cast=True,
         )
         rows = self.lookup_rows(ids, valid, training)
         out = self.combine(rows, weights, valid)
         return ops.cast(out, self.compute_dtype)
+
+    def quantized_call(self, inputs, weights=None, training=None):
+        """Keras's int8/int4 lookups, with combiners and per-id weights."""
+        keras_call = keras.layers.Embedding.quantized_call
+        if (
+            self.combiner is None
+            and weights is None
+            and not input_forms.is_ragged_or_sparse(inputs)
+        ):
+            return keras_call(self, inputs, training=training)
+        ids, weights, valid = input_forms.fixed_vocabulary_ids(
+            self.name,
+            inputs,
+            weights,
+            self.input_dim,
+            self.combiner,
+            self.mask_zero,
+            cast=True,
+        )
+        safe = ops.where(valid, ids, ops.zeros_like(ids))
+        rows = keras_call(self, safe, training=training)
+        rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
+        return ops.cast(self.combine(rows, weights, valid), self.compute_dtype)
 
     def compute_mask(self, inputs, mask=None):
         if not self.mask_zero or self.combiner is not None:
             return None
         return ops.not_equal(inputs, 0)
 
+    def compute_output_spec(self, inputs, weights=None, training=None):
+        ragged = getattr(inputs, "ragged", False) and self.combiner is None
+        shape = self.compute_output_shape(inputs.shape)
+        return keras.KerasTensor(shape, dtype=self.compute_dtype, ragged=ragged)
+
+    # ----------------------------------------------------------------- state
+    def _keras_state(self):
+        """True where Keras's own save/load applies (quantized or LoRA)."""
+        return bool(self.quantization_mode) or self.lora_enabled
+
+    def _named_variables(self):
+        # The table under Keras's key "0", so weight files move both ways
+        # between this layer and keras.layers.Embedding.
+        named = {"0": self._embeddings}
+        if self.uses_sparse_update:
+            named.update({f"slot_{k}": v for k, v in self.slots.items()})
+            named["sparse_iterations"] = self.sparse_iterations
+        return named
+
+    def save_own_variables(self, store):
+        if not self.built:
+            return
+        if self._keras_state():
+            keras.layers.Embedding.save_own_variables(self, store)
+            return
+        # Unpadded arrays (sharding hook), so checkpoints load on any mesh.
+        for name, variable in self._named_variables().items():
+            store[name] = _sharding.unpadded_value(self, variable)
+
+    def load_own_variables(self, store):
+        if self._keras_state():
+            keras.layers.Embedding.load_own_variables(self, store)
+            return
+        named = self._named_variables()
+        keys = set(store.keys())
+        if "0" not in keys and "embeddings" in keys:  # files of keras_sparse 0.1
+            named["embeddings"] = named.pop("0")
+        missing = [name for name in named if name not in keys]
+        if missing:
+            raise ValueError(
+                f"Layer '{self.name}': the saved state has no {missing} "
+                f"(it holds {sorted(keys)}); nothing was loaded. A table saved "
+                "without a sparse optimizer cannot restore one's slots: "
+                "build the layer as it was saved, load, then change it."
+            )
+        values = {}
+        for name, variable in named.items():
+            value = np.asarray(_sharding.padded_value(self, variable, store[name]))
+            if value.shape != tuple(variable.shape):
+                raise ValueError(
+                    f"Layer '{self.name}': saved '{name}' has shape "
+                    f"{value.shape}, the layer's variable {tuple(variable.shape)}"
+                    "; nothing was loaded."
+                )
+            values[name] = value
+        for name, variable in named.items():
+            variable.assign(values[name])
+
     def get_config(self):
         config = super().get_config()
         config.update({"input_dim": self.input_dim, "mask_zero": self.mask_zero})
         return config
+
+
+# The public name. The class itself is named ``Embedding`` because Keras
+# files place a layer's weights under its class name: a model keeps the
+# same weight paths whether it uses keras.layers.Embedding or this layer.
+AllToAllDenseEmbedding = Embedding
+# Configs saved while the class was registered under its public name.
+keras.saving.get_custom_objects()["keras_sparse>AllToAllDenseEmbedding"] = Embedding

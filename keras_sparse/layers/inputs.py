@@ -1,13 +1,15 @@
 """Normalizes every accepted id format to padded ids + weights + validity.
 
 Accepted: integer arrays of any rank; on TensorFlow also tf.RaggedTensor and
-tf.SparseTensor; on every backend the padded form ``(ids, weights)`` where a
-weight of 0 marks padding (see `keras_sparse.ragged_to_padded`).
+tf.SparseTensor, on JAX a `jax.experimental.sparse.BCOO`; on every backend
+the padded form ``(ids, weights)`` where a weight of 0 marks padding (see
+`keras_sparse.ragged_to_padded`).
 """
 
 import numpy as np
 from keras import ops
 
+from keras_sparse.backend_utils import is_jax_sparse
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 
@@ -50,11 +52,30 @@ def _densify_tf(x, weights):
     return x.to_tensor(default_value=tf.zeros((), x.dtype)), weights, present
 
 
+def _densify_bcoo(x, weights):
+    """A BCOO's dense ids and a mask of its stored entries (gaps: absent)."""
+    from jax.experimental import sparse as jax_sparse
+
+    # Counts, not bools: densifying sums duplicate entries.
+    marks = jax_sparse.BCOO((ops.ones_like(x.data, "int32"), x.indices), shape=x.shape)
+    if weights is not None and is_jax_sparse(weights):
+        weights = weights.todense()
+    return x.todense(), weights, marks.todense() > 0
+
+
+def is_ragged_or_sparse(x):
+    """True for the ragged/sparse forms `normalize` densifies."""
+    return is_tf_ragged_or_sparse(x) or is_jax_sparse(x)
+
+
 def normalize(layer_name, inputs, weights):
     """Returns `LookupInputs` for any accepted input format."""
     if is_tf_ragged_or_sparse(inputs):
         check_integer_dtype(layer_name, inputs)
         ids, weights, present = _densify_tf(inputs, weights)
+    elif is_jax_sparse(inputs):
+        check_integer_dtype(layer_name, inputs)
+        ids, weights, present = _densify_bcoo(inputs, weights)
     else:
         if not hasattr(inputs, "dtype"):
             inputs = np.asarray(inputs)
@@ -73,9 +94,21 @@ def normalize(layer_name, inputs, weights):
     return LookupInputs(ids, weights, present)
 
 
+def check_host_ids(layer_name, ids, high):
+    """Range check of NumPy ids as passed, before Keras converts them.
+
+    JAX without x64 wraps int64 ids to their low 32 bits on conversion:
+    ``2**32 + 5`` would read (and train) row 5, and a later range error
+    would print the wrapped id.
+    """
+    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
+        return
+    check_range_eagerly(layer_name, ids, None, 0, high)
+
+
 def check_range_eagerly(layer_name, ids, present, low, high):
     """Raises ValueError on the first id outside ``[low, high)`` (eager only)."""
-    if is_symbolic(ids):
+    if not isinstance(ids, np.ndarray) and is_symbolic(ids):
         return
     values = ops.convert_to_numpy(ids)
     bad = (values < low) | (values >= high)
@@ -90,15 +123,40 @@ def check_range_eagerly(layer_name, ids, present, low, high):
         )
 
 
+def cast_float_ids(layer_name, ids):
+    """Float ids as int32, as `keras.layers.Embedding` casts them.
+
+    A functional model whose Input is float32 (``keras.Sequential`` without
+    an Input, for one) hands the layer float ids. Eagerly, a non-integral
+    id raises instead of being truncated.
+    """
+    dtype = str(getattr(ids, "dtype", ""))
+    if "float" not in dtype or is_ragged_or_sparse(ids):
+        return ids
+    if not is_symbolic(ids):
+        values = ops.convert_to_numpy(ids)
+        bad = values != np.trunc(values)
+        if bad.any():
+            raise ValueError(
+                f"Layer '{layer_name}': id {values[bad].reshape(-1)[0]!r} is not "
+                "an integer; float ids are cast to int32 only when integral. "
+                f"{int(bad.sum())} such id(s) in this batch."
+            )
+    return ops.cast(ids, "int32")
+
+
 def fixed_vocabulary_ids(
-    layer_name, inputs, weights, input_dim, combiner, mask_zero=False
+    layer_name, inputs, weights, input_dim, combiner, mask_zero=False, cast=False
 ):
     """``(ids, weights, valid)`` of a fixed-vocabulary lookup of any input form.
 
     With a combiner, rank-1 ids become bags of one. Invalid positions:
     out-of-range ids (raising `check_range_eagerly` in eager calls), ragged
     or sparse gaps, weight 0 and, with a combiner and ``mask_zero``, id 0.
+    ``cast``: integral float ids are accepted (`cast_float_ids`).
     """
+    if cast:
+        inputs = cast_float_ids(layer_name, inputs)
     form = normalize(layer_name, inputs, weights)
     ids, weights, present = form.ids, form.weights, form.present
     if combiner is not None and len(ids.shape) == 1:

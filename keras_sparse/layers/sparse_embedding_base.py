@@ -41,13 +41,17 @@ class SparseEmbeddingBase(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        pooling.check_combiner(self.name, combiner)
-        check_sharding(self.name, sharding)
         self.num_rows = num_rows
         self.output_dim = output_dim
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
         self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
+        self._init_sparse(combiner, optimizer, sharding)
+
+    def _init_sparse(self, combiner, optimizer, sharding):
+        """Validates and stores the keras_sparse extras (after Layer init)."""
+        pooling.check_combiner(self.name, combiner)
+        check_sharding(self.name, sharding)
         self.combiner = combiner
         self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
         self.sharding = sharding
@@ -79,11 +83,12 @@ class SparseEmbeddingBase(keras.layers.Layer):
             name="embeddings",
         )
         if sparse:
-            self._build_sparse_state(on_jax, rows)
+            self._build_sparse_state(on_jax, rows, self.embeddings)
         self.built = True
 
-    def _build_sparse_state(self, on_jax, rows):
-        self.embeddings.overwrite_with_gradient = on_jax
+    def _build_sparse_state(self, on_jax, rows, table):
+        """Slots, step counter (and off JAX an anchor) beside ``table``."""
+        table.overwrite_with_gradient = on_jax
         for spec in self.sparse_optimizer.slot_specs():
             slot = self.add_weight(
                 shape=spec.shape(rows, self.output_dim),
@@ -159,28 +164,6 @@ class SparseEmbeddingBase(keras.layers.Layer):
         if self.combiner is not None and len(shape) >= 2:
             shape = shape[:-1]
         return shape + (self.output_dim,)
-
-    # ----------------------------------------------------------------- state
-    def _named_variables(self):
-        named = {"embeddings": self.embeddings}
-        if self.uses_sparse_update:
-            named.update({f"slot_{k}": v for k, v in self.slots.items()})
-            named["sparse_iterations"] = self.sparse_iterations
-        return named
-
-    def save_own_variables(self, store):
-        # Unpadded arrays (sharding hook), so checkpoints load on any mesh.
-        for name, variable in self._named_variables().items():
-            store[name] = _sharding.unpadded_value(self, variable)
-
-    def load_own_variables(self, store):
-        for name, variable in self._named_variables().items():
-            if name in store:
-                variable.assign(_sharding.padded_value(self, variable, store[name]))
-            elif name == "embeddings":
-                raise ValueError(
-                    f"Layer '{self.name}': the saved state has no 'embeddings'."
-                )
 
     def quantize(self, mode=None, **kwargs):
         raise NotImplementedError(
