@@ -193,3 +193,27 @@ def test_regularizer_adds_loss_with_sparse_optimizer():
     layer.build()
     layer(np.array([[1, 2]]), training=True)
     assert len(layer.losses) == 1
+
+
+def test_checkpoint_missing_a_variable_is_refused(tmp_path):
+    """A weights file without the slots / step counter the layer needs is
+    refused, naming what is missing, and nothing is loaded."""
+
+    def model(optimizer):
+        ids = keras.Input((2,), dtype="int32")
+        emb = ks.AllToAllDenseEmbedding(20, 4, optimizer=optimizer, name="emb")
+        return keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
+
+    plain = model(None)
+    path = str(tmp_path / "plain.weights.h5")
+    plain.save_weights(path)
+    sparse = model("adagrad")
+    sparse.build((None, 2))
+    emb = sparse.get_layer("emb")
+    before = [np.array(w) for w in emb.get_weights()]
+    with pytest.raises(
+        ValueError, match=r"emb.*no \['slot_accumulator', 'sparse_iterations'\]"
+    ):
+        sparse.load_weights(path)
+    for old, new in zip(before, emb.get_weights(), strict=True):
+        np.testing.assert_array_equal(old, new)

@@ -80,6 +80,44 @@ def test_tf_ragged_and_sparse_inputs(combiner):
     )
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.RaggedTensor")
+@pytest.mark.parametrize("optimizer", [None, "sgd"])
+def test_tf_ragged_without_combiner_stays_ragged(optimizer):
+    import tensorflow as tf
+
+    table = _table()
+    bags = [[3, 1], [], [4, 1, 5]]
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, optimizer=optimizer)
+    ragged = tf.ragged.constant(bags, dtype=tf.int64)
+    weights = tf.ragged.constant([[2.0, 1.0], [], [1.0, 0.5, 3.0]])
+    out = layer(ragged, weights=weights)
+    assert isinstance(out, tf.RaggedTensor)
+    np.testing.assert_array_equal(out.row_lengths().numpy(), [2, 0, 3])
+    flat_w = np.array([2.0, 1.0, 1.0, 0.5, 3.0], "float32")[:, None]
+    np.testing.assert_allclose(
+        out.flat_values.numpy(), table[[3, 1, 4, 1, 5]] * flat_w, atol=1e-6
+    )
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.experimental.sparse.BCOO")
+@pytest.mark.parametrize("combiner", [None, "sum", "mean", "sqrtn"])
+def test_jax_bcoo_ids_with_every_combiner(combiner):
+    from jax.experimental import sparse as jax_sparse
+
+    table = _table()
+    bags = [[3, 1], [], [4, 1, 5]]
+    ids, weights = ks.ragged_to_padded(np.array([3, 1, 4, 1, 5]), [2, 0, 3])
+    coords = np.argwhere(weights > 0)
+    bcoo = jax_sparse.BCOO((ids[weights > 0], coords), shape=ids.shape)
+    layer = ks.AllToAllDenseEmbedding(12, 3, weights=table, combiner=combiner)
+    out = ops.convert_to_numpy(layer(bcoo))
+    if combiner is None:  # gaps read zeros, as keras.layers.Embedding
+        expected = table[ids] * weights[..., None]
+    else:
+        expected = _numpy_pool(table, bags, combiner)
+    np.testing.assert_allclose(out, expected, atol=1e-6)
+
+
 def test_padding_is_not_updated_by_sparse_optimizer():
     table = _table()
     layer = ks.AllToAllDenseEmbedding(
