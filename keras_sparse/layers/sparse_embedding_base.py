@@ -288,6 +288,11 @@ def lookup_flat_rows(
             loss = _zero_that_reaches(rows)
         if update and layer.embeddings_regularizer is not None:
             penalty = layer.embeddings_regularizer(rows)
+            if not on_jax:
+                # The penalty covers this replica's rows only, but Keras
+                # divides added losses by the replica count (tf.distribute)
+                # and DDP averages gradients: scale it to the global batch's.
+                penalty = penalty * backend_module().replica_count()
             loss = penalty if loss is None else penalty + loss
         if loss is not None:
             layer.add_loss(loss)

@@ -3,13 +3,19 @@
 Table and slots are non-trainable variables. A scalar trainable "anchor"
 variable is the function's only differentiable input, so the tape calls the
 gradient function, which scatter-updates the touched rows in place and
-returns a zero gradient for the anchor.
+returns a zero gradient for the anchor. Under tf.distribute.MirroredStrategy
+every replica applies the update of the global batch (see
+`keras_sparse.ops.tf_replicas`).
 """
 
 import tensorflow as tf
 
+from keras_sparse.ops import tf_replicas
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
+
+# Scales a layer's row-regularizer penalty (see `tf_replicas.replica_count`).
+replica_count = tf_replicas.replica_count
 
 
 def _tf_variable(var):
@@ -57,6 +63,9 @@ def lookup_with_sparse_update(
 
     ``segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
     """
+    replicas = tf_replicas.replica_context(table_var, reset)
+    if replicas is not None:
+        segments = None  # they number one replica's ids, not the gathered ones
     state = {"table": _tf_variable(table_var)}
     state.update({name: _tf_variable(v) for name, v in slot_vars.items()})
     ids = tf.cast(ids, tf.int32)
@@ -73,13 +82,18 @@ def lookup_with_sparse_update(
             def gather(name, rows):
                 return tf.gather(state[name], rows)
 
+            step_ids, step_valid, grads = ids, valid, tf.convert_to_tensor(upstream)
+            if replicas is not None:
+                step_ids, step_valid, grads = tf_replicas.gather_batch(
+                    replicas, ids, valid, grads
+                )
             unique_ids, is_real, new_values = compute_row_updates(
                 optimizer,
                 gather,
                 tuple(slot_vars),
-                ids,
-                valid,
-                tf.convert_to_tensor(upstream),
+                step_ids,
+                step_valid,
+                grads,
                 iterations,
                 num_rows,
                 constraint,

@@ -3,12 +3,18 @@
 Table and slots are parameters without gradients. A scalar trainable
 "anchor" is the function's only differentiable input; its backward updates
 the touched rows in place under no_grad and returns a zero anchor gradient.
+Inside a DistributedDataParallel forward every process applies the update
+of the global batch (see `keras_sparse.ops.torch_distributed`).
 """
 
 import torch
 
+from keras_sparse.ops import torch_distributed
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
+
+# Scales a layer's row-regularizer penalty (see `torch_distributed.replica_count`).
+replica_count = torch_distributed.replica_count
 
 
 def gather_valid(table, ids, valid):
@@ -29,13 +35,18 @@ class _SparseLookup(torch.autograd.Function):
         context = ctx.context
         state = context["state"]
         with torch.no_grad():
+            grads = upstream
+            if context["group"] is not None:
+                ids, valid, grads = torch_distributed.gather_batch(
+                    context["group"], ids, valid, upstream
+                )
             unique_ids, is_real, new_values = compute_row_updates(
                 context["optimizer"],
                 lambda name, rows: state[name][rows],
                 tuple(n for n in state if n != "table"),
                 ids,
                 valid,
-                upstream,
+                grads,
                 context["iterations"],
                 state["table"].shape[0],
                 context["constraint"],
@@ -78,6 +89,9 @@ def lookup_with_sparse_update(
 
     ``segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
     """
+    group = torch_distributed.replica_group(table_var, reset)
+    if group is not None:
+        segments = None  # they number this process's ids, not the gathered ones
     state = {"table": table_var.value}
     state.update({name: var.value for name, var in slot_vars.items()})
     if reset is not None:
@@ -88,5 +102,6 @@ def lookup_with_sparse_update(
         "iterations": iterations,
         "constraint": constraint,
         "segments": segments,
+        "group": group,
     }
     return _SparseLookup.apply(anchor_var.value, ids.long(), valid.bool(), context)
