@@ -94,3 +94,27 @@ def test_mismatched_queue_is_an_error_not_a_silent_collision():
     with pytest.raises(jax_full_keys.KeyMismatchError, match=layer.name):
         jax_full_keys.restore(layer, np.array([1, 2], np.int64))
     jax_full_keys.key_queue(layer).clear()
+
+
+@pytest.mark.parametrize(
+    "inputs, data",
+    [
+        (lambda ids: [ids], lambda x: x),  # a bare array for a one-element list
+        (lambda ids: [ids], lambda x: [x]),
+        (lambda ids: {"ids": ids}, lambda x: {"ids": x}),
+        (lambda ids: ids, lambda x: {"ids": x}),  # dict data keyed by name
+        (lambda ids: {"g": [ids]}, lambda x: {"g": [x]}),
+    ],
+    ids=["list-bare", "list-list", "dict", "bare-by-name", "nested"],
+)
+def test_queues_the_keys_of_the_input_feeding_the_layer(inputs, data):
+    layer = _layer()
+    ids = keras.Input((2,), dtype="int64", name="ids")
+    model = keras.Model(inputs(ids), keras.layers.Dense(1)(layer(ids)))
+    x = np.array([[7 + HIGH, 8], [9, 10 + 2 * HIGH]], np.int64)
+    jax_full_keys.note_batch(model, (data(x), np.zeros((2, 1))))
+    assert _queued(layer) == 1
+    step_keys = x.reshape(-1).astype(np.int32).astype(np.int64)  # as truncated
+    np.testing.assert_array_equal(
+        jax_full_keys.restore(layer, step_keys), x.reshape(-1)
+    )

@@ -207,3 +207,40 @@ def test_wide_int64_ids_raise_with_the_id_as_passed():
     with pytest.raises(ValueError, match=rf"id {2**63 + 3} is out of range"):
         layer(np.array([[1, 2**63 + 3]], "uint64"))
     np.testing.assert_array_equal(ops.convert_to_numpy(layer.embeddings), before)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX without x64 wraps int64 ids")
+@pytest.mark.parametrize("kind", ["layer", "collection"])
+def test_wide_int64_ids_never_train_a_wrapped_row_in_fit(kind):
+    """fit/predict refuse int64 ids past int32 before any step: JAX would
+    hand the step 2**32 + 5 as 5 and train row 5."""
+    ids = keras.Input((2,), dtype="int64", name="ids")
+    if kind == "layer":
+        emb = ks.AllToAllDenseEmbedding(10, 2, optimizer="sgd", name="emb_w")
+        out = emb(ids)
+    else:
+        emb = ks.EmbeddingCollection(
+            {"t": ks.TableConfig(10, 2)}, optimizer="sgd", name="emb_w"
+        )
+        out = emb({"t": ids})["t"]
+    model = keras.Model(ids, keras.layers.Flatten()(out))
+    model.compile("sgd", "mse")
+    model.build((None, 2))
+    before = [np.array(w) for w in model.get_weights()]
+    x = np.array([[1, 2**32 + 5], [3, 4]], "int64")
+    y = np.ones((2, 4), "float32")
+    with pytest.raises(ValueError, match=rf"id {2**32 + 5}.*wrap it to 5.*emb_w"):
+        model.fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match=rf"id {2**32 + 5}"):
+        model.fit(
+            _batches(x, y), steps_per_epoch=1, verbose=0
+        )  # batches from a generator are checked one by one
+    for old, new in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(old, new)
+    # In range, int64 ids train as usual.
+    model.fit(np.array([[1, 2], [3, 4]], "int64"), y, verbose=0)
+
+
+def _batches(x, y):
+    while True:
+        yield x, y

@@ -280,6 +280,59 @@ def test_fit_identical_with_admission_and_lfu():
     _assert_same(ref, _state(model))
 
 
+def _zipf_model():
+    keras.utils.set_random_seed(1)
+    ids = keras.Input((4,), dtype="int32")
+    emb = DistributedHashEmbedding(
+        8, capacity=256, combiner="mean", optimizer="adagrad", name="zipf"
+    )(ids)
+    model = keras.Model(ids, keras.layers.Dense(1)(emb))
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+def _zipf_data(n=256):
+    # Skewed ids: every batch repeats new keys at many positions.
+    rng = np.random.default_rng(0)
+    x = (rng.zipf(1.3, (n, 4)) % 1000).astype(np.int32)
+    return x, rng.normal(size=(n, 1)).astype(np.float32)
+
+
+def test_a_new_row_is_flagged_fresh_once_per_batch():
+    """Duplicates of a new key share its row and reset it from one position:
+    several drawn vectors scattered onto one row leave it to the scatter's
+    unspecified order (PyTorch's varies from run to run)."""
+    x, y = _zipf_data()
+    model = _zipf_model()
+    with prefetch((x, y), model, batch_size=128, dedup=False) as stage:
+        stage.on_epoch_begin()
+        codes = np.asarray(keras.ops.convert_to_numpy(stage[0][0])).reshape(-1)
+        stage.on_epoch_end()
+    fresh_rows = -2 - codes[codes <= -2]
+    keys = x[:128].reshape(-1)
+    assert len(fresh_rows) == len(np.unique(keys))  # an empty table before
+    assert len(np.unique(fresh_rows)) == len(fresh_rows)
+    assert len(fresh_rows) < len(keys)  # the batch does repeat new keys
+    first = np.sort(np.unique(keys, return_index=True)[1])
+    np.testing.assert_array_equal(np.flatnonzero(codes <= -2), first)
+
+
+def test_staged_fit_is_reproducible_run_after_run():
+    """The same staged fit, repeated, equals plain fit every time (PyTorch:
+    20 runs per thread count; its scatter order varies under load)."""
+    x, y = _zipf_data()
+    ref = _zipf_model()
+    ref.fit(x, y, batch_size=128, shuffle=False, verbose=0)
+    want = _state(ref)
+    runs = 20 if keras.backend.backend() == "torch" else 1
+    for threads in (1, 4):
+        for _ in range(runs):
+            model = _zipf_model()
+            with prefetch((x, y), model, batch_size=128, threads=threads) as stage:
+                model.fit(stage, verbose=0)
+            _assert_same(want, _state(model))
+
+
 def test_raw_path_restored_and_inference_stage_matches():
     x, y = _data()
     model = _model(capacity=128)
@@ -485,6 +538,86 @@ def test_early_stopping_and_no_leaks_across_fits():
     assert stage.closed and model.get_layer("ea")._prepared_inputs == 0
     assert not _wait_no_workers()
     assert threading.active_count() <= baseline + 1
+
+
+def _new_stage_threads(before):
+    return [t for t in _worker_threads() if t not in before]
+
+
+def _gone_within(before, seconds):
+    end = time.perf_counter() + seconds
+    while _new_stage_threads(before) and time.perf_counter() < end:
+        time.sleep(0.01)
+    return _new_stage_threads(before)
+
+
+@pytest.mark.parametrize("how", ["event", "queue"])
+def test_close_returns_promptly_while_the_source_blocks(how):
+    import queue
+
+    if how == "event":
+        gate = threading.Event()
+        block, release = gate.wait, gate.set
+    else:
+        gate = queue.Queue()
+        block, release = gate.get, lambda: gate.put(None)
+    x, y = _data()
+    batch = _batches(x, y)[0]
+    entered, finished = threading.Event(), threading.Event()
+
+    def blocking():
+        try:
+            yield batch
+            entered.set()
+            block()  # inside the stage's next(): Python cannot interrupt it
+            yield batch
+        finally:
+            finished.set()
+
+    before = set(threading.enumerate())
+    stage = prefetch(blocking, _model(capacity=128), steps=4, threads=2)
+    stage.on_epoch_begin()
+    stage[0]
+    assert entered.wait(10.0)
+    start = time.perf_counter()
+    stage.close()
+    assert time.perf_counter() - start < 1.0
+    # Workers are gone; the feeder, stuck in the source, is a daemon (it
+    # cannot keep the process alive) and the only thread left.
+    left = _new_stage_threads(before)
+    assert [t.name for t in left] == ["ks-prefetch-feeder"]
+    assert left[0].daemon
+    release()
+    assert not _gone_within(before, 1.0)
+    assert finished.wait(1.0)  # the feeder closed the source's generator
+
+
+@pytest.mark.parametrize("closed_by", ["with", "nothing"])
+@pytest.mark.parametrize("failing", ["source", "worker"])
+def test_threads_end_within_a_second_after_a_failed_fit(failing, closed_by):
+    x, y = _data()
+    batches = _batches(x, y)
+    bad_x = dict(batches[2][0], a=batches[2][0]["a"].astype(np.float32))
+
+    def broken():
+        yield from batches[:2]
+        if failing == "source":
+            raise ZeroDivisionError("boom in the source")
+        yield bad_x, batches[2][1]  # float keys: the table call raises
+        yield from batches[3:]
+
+    model = _model(capacity=128)
+    before = set(threading.enumerate())
+    stage = prefetch(broken, model, steps=len(batches), threads=3)
+    match = "boom in the source" if failing == "source" else "keys must be"
+    with pytest.raises(Exception, match=match):
+        if closed_by == "with":
+            with stage:
+                model.fit(stage, epochs=1, verbose=0)
+        else:
+            model.fit(stage, epochs=1, verbose=0)
+    assert not _gone_within(before, 1.0)
+    stage.close()
 
 
 def test_garbage_collection_closes():

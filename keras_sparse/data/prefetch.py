@@ -53,11 +53,13 @@ row evicted by batch ``i + k`` and handed to another key is only
 re-initialized when step ``i + k`` runs, after step ``i`` has read (and
 updated) it for its previous key. The fresh-row draw takes one seed from
 the layer's generator per training step and is sized by the same rule in
-both paths (`keras_sparse.layers.fresh_rows`), and ``sparse_iterations``
-advances once per step in both, so the seed generator, every table (same
-calls, same order, same LRU clock) and the variables evolve identically:
-training with the stage is bit-identical to training without it, whatever
-the number of threads.
+both paths (`keras_sparse.layers.fresh_rows`), a new row is flagged fresh
+at its first position in the batch only (so each is reset from one drawn
+vector, whatever order a backend's scatter writes duplicates in: PyTorch's
+varies from run to run), and ``sparse_iterations`` advances once per step in
+both, so the seed generator, every table (same calls, same order, same LRU
+clock) and the variables evolve identically: training with the stage is
+bit-identical to training without it, whatever the number of threads.
 On a GPU, XLA's scatter-adds (the gradient sums) are not deterministic by
 default, so two runs of either path differ by float rounding; with
 ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` the stage is bit-identical
@@ -83,8 +85,23 @@ Caveats:
 - Subclassed models: the stage cannot see which input feeds which layer;
   pass ``feature_map={layer_name: input_key}`` (``input_key``: a dict key of
   ``x``, an int position in a tuple/list ``x``, or None for a single array
-  ``x``). Functional models are walked automatically; a layer must be fed
-  directly by a model input, and called once.
+  ``x``). Functional models are walked automatically (inputs as one tensor,
+  a list, a dict or nested; the data in any structure Keras accepts for
+  them, `keras_sparse.layers.model_feeds`); a layer must be fed directly by a model
+  input, and called once.
+- One model input may feed several hash layers: the stage stacks each
+  layer's codes (and segments) along the batch axis of that input and each
+  layer takes its own (`keras_sparse.layers.prepared_inputs.take_blocks`).
+  An input that feeds a hash layer and any other layer is refused (the
+  other layer would read row codes as keys).
+- Shutdown: ``close()`` returns once the workers have finished their
+  current unit (a table call, a conversion: milliseconds), so no table call
+  runs after it. The thread reading the source may be blocked inside the
+  source's ``next()``, which Python cannot interrupt: ``close()`` does not
+  wait for it; it is a daemon thread (it never keeps the process alive),
+  drops what ``next()`` returns, closes the source's iterator and exits.
+  When the source raises, the error reaches the step and every thread of
+  the pass ends.
 - ``route="locality"`` permutes samples within a batch; for ``predict`` that
   would permute the outputs, so it is refused for inference stages. With a
   random initializer the routed run draws fresh rows' initial values at
@@ -108,8 +125,14 @@ from keras import tree
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
+from keras_sparse.layers.model_feeds import array_at
+from keras_sparse.layers.model_feeds import check_sole_readers
+from keras_sparse.layers.model_feeds import input_groups
+from keras_sparse.layers.model_feeds import plan
+from keras_sparse.layers.model_feeds import replace_at
+from keras_sparse.layers.model_feeds import split_batch
 from keras_sparse.layers.prepared_inputs import host_segments
-from keras_sparse.layers.prepared_inputs import pack_prepared
+from keras_sparse.layers.prepared_inputs import pack_blocks
 from keras_sparse.layers.prepared_inputs import rows_of_codes
 from keras_sparse.layers.prepared_inputs import segment_scratch
 
@@ -127,151 +150,6 @@ class PrefetchError(RuntimeError):
     """
 
     original = None
-
-
-# ------------------------------------------------------------------ planning
-class _Feed:
-    """One keras_sparse layer and where its inputs sit in a batch's ``x``."""
-
-    def __init__(self, layer, key_path, weight_path, kind):
-        self.layer = layer
-        self.key_path = key_path
-        self.weight_path = weight_path
-        self.kind = kind  # "hash" or "dense"
-
-
-def _input_paths(model):
-    """{id(KerasTensor): path} for the model's inputs."""
-    struct = getattr(model, "_inputs_struct", None)
-    if struct is None:
-        inputs = getattr(model, "inputs", None) or []
-        struct = inputs[0] if len(inputs) == 1 else list(inputs)
-    paths = {}
-    if isinstance(struct, dict):
-        for k, t in struct.items():
-            paths[id(t)] = ("key", k, getattr(t, "name", None))
-    elif isinstance(struct, (list, tuple)):
-        for i, t in enumerate(struct):
-            paths[id(t)] = ("index", i, getattr(t, "name", None))
-    else:
-        paths[id(struct)] = ("single", None, getattr(struct, "name", None))
-    return paths
-
-
-def _sparse_layers(model):
-    from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
-
-    seen, out = set(), []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, SparseEmbeddingBase) and id(layer) not in seen:
-            seen.add(id(layer))
-            out.append(layer)
-    return out
-
-
-def _plan(model, feature_map):
-    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
-
-    feeds = []
-    paths = None
-    for layer in _sparse_layers(model):
-        kind = "hash" if isinstance(layer, DistributedHashEmbedding) else "dense"
-        if feature_map is not None:
-            if layer.name not in feature_map:
-                continue
-            key = feature_map[layer.name]
-            path = (
-                ("single", None, None)
-                if key is None
-                else ("index" if isinstance(key, int) else "key", key, None)
-            )
-            feeds.append(_Feed(layer, path, None, kind))
-            continue
-        if paths is None:
-            paths = _input_paths(model)
-        own = [
-            n
-            for n in getattr(layer, "_inbound_nodes", [])
-            if n.arguments.args and id(n.arguments.args[0]) in paths
-        ]
-        if len(own) != 1:
-            if kind == "dense":
-                continue  # routing only; skipped when not fed by an input
-            raise ValueError(
-                f"prefetch: cannot tell which model input feeds layer "
-                f"'{layer.name}' (it must be called once, directly on a model "
-                "input, in a functional model). Pass "
-                "`feature_map={layer_name: input_key}`."
-            )
-        node = own[0]
-        args, kwargs = node.arguments.args, node.arguments.kwargs
-        w = kwargs.get("weights", args[1] if len(args) > 1 else None)
-        weight_path = None
-        if w is not None:
-            if id(w) not in paths:
-                raise ValueError(
-                    f"prefetch: the `weights` of layer '{layer.name}' do not "
-                    "come directly from a model input."
-                )
-            weight_path = paths[id(w)]
-        feeds.append(_Feed(layer, paths[id(args[0])], weight_path, kind))
-    return feeds
-
-
-def _get(x, path):
-    how, key, name = path
-    if how == "single":
-        if isinstance(x, dict):
-            if len(x) == 1:
-                return next(iter(x.values()))
-            return x[name]
-        if isinstance(x, (list, tuple)) and len(x) == 1:
-            return x[0]
-        return x
-    if isinstance(x, dict):
-        return x[key] if key in x or how == "key" else x[name]
-    return x[key]
-
-
-def _set(x, path, value):
-    """Returns ``x`` with the leaf at ``path`` replaced (copies containers)."""
-    how, key, name = path
-    if how == "single" and not isinstance(x, (dict, list, tuple)):
-        return value
-    if isinstance(x, dict):
-        x = dict(x)
-        if how == "single":
-            k = next(iter(x)) if len(x) == 1 else name
-        else:
-            k = key if (key in x or how == "key") else name
-        x[k] = value
-        return x
-    x = list(x)
-    x[0 if how == "single" else key] = value
-    return tuple(x)
-
-
-def _split_batch(batch):
-    if isinstance(batch, dict):
-        return batch, None, None
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    if not isinstance(batch, tuple):
-        return batch, None, None
-    x = batch[0]
-    y = batch[1] if len(batch) > 1 else None
-    sw = batch[2] if len(batch) > 2 else None
-    return x, y, sw
-
-
-def _join_batch(x, y, sw, like):
-    if not isinstance(like, (tuple, list)):
-        return (x,)
-    if len(like) == 1:
-        return (x,)
-    if len(like) == 2:
-        return (x, y)
-    return (x, y, sw)
 
 
 # ------------------------------------------------------------------- engine
@@ -303,6 +181,12 @@ class _Engine:
         # codes travel with (`prepared_inputs`): "segments" or the
         # `ExchangeBuckets` of a row-sharded layer. See `_feed_layout`.
         self.layouts = [None] * len(feeds)
+        # Per feed: None, or ``(replicas, start, count, blocks)`` when its
+        # model input feeds other hash layers too (`_shares`).
+        self.shares = [None] * len(feeds)
+        # Hash feeds per model input, and the replicas its blocks are packed
+        # for (`_shares`).
+        self.groups = []
         self.scratch = {}  # feed index -> `segment_scratch` array
 
     # ---------------------------------------------------------------- passes
@@ -361,13 +245,13 @@ class _Engine:
 
     # ----------------------------------------------------------- preparation
     def prepare_parallel(self, batch):
-        x, y, sw = _split_batch(batch)
+        x, y, sw = split_batch(batch)
         jobs = []
         for feed in self.feeds:
-            keys = np.asarray(_get(x, feed.key_path))
+            keys = np.asarray(_feed_array(x, feed.keys, feed))
             w = None
-            if feed.weight_path is not None:
-                w = np.asarray(_get(x, feed.weight_path))
+            if feed.weights is not None:
+                w = np.asarray(_feed_array(x, feed.weights, feed))
             jobs.append((keys, w))
         return (x, y, sw), jobs
 
@@ -392,7 +276,7 @@ class _Engine:
         codes = np.where(fresh, -2 - rows, rows).astype(np.int32, copy=False)
         fresh_keys = None
         if insert and fresh.any():
-            from keras_sparse.layers.hash_embedding import _host_keys
+            from keras_sparse.layers.host_keys import host_keys as _host_keys
 
             fresh_keys = _host_keys(k)[fresh]
         codes = codes.reshape(keys.shape)
@@ -406,40 +290,38 @@ class _Engine:
         return codes, fresh_keys, segments
 
     def finish(self, parts, codes, segments):
+        """The batch handed to Keras: each hash layer's input replaced by its
+        codes (with what they travel with), routed, copied to the device."""
         (x, y, sw), jobs = parts
-        for feed, c in zip(self.feeds, codes):
-            if c is not None:
-                x = _set(x, feed.key_path, c)
-        perm = None
         if self.route == "locality":
             t0 = time.perf_counter()
             perm = self._route(jobs, codes)
             self._add("route_s", time.perf_counter() - t0)
-        if perm is not None:
-
-            def take(a):
-                a = np.asarray(a) if a is not None else a
-                if a is None or a.ndim == 0 or a.shape[0] != perm.shape[0]:
-                    return a
-                return a[perm]
-
-            x = tree.map_structure(take, x)
-            y = tree.map_structure(take, y) if y is not None else None
-            sw = tree.map_structure(take, sw) if sw is not None else None
-            segments = [None if g is None else take(g) for g in segments]
-        for feed, layout, g in zip(self.feeds, self.layouts, segments):
-            if layout is None:
-                continue
-            replicas, channel = layout
-            c = np.asarray(_get(x, feed.key_path))
-            if channel != "segments":
-                # After routing: a slot depends on which device holds the id.
-                rows = rows_of_codes(c)
-                g = channel.slots(rows, f"prefetch: layer '{feed.layer.name}'")
-            x = _set(x, feed.key_path, pack_prepared(c, g, replicas))
+            if perm is not None:
+                x, y, sw, codes, segments = _permuted(perm, x, y, sw, codes, segments)
+        for group, replicas in self.groups:
+            blocks = [b for f in group for b in self._blocks(f, codes, segments)]
+            path = self.feeds[group[0]].keys.find(x)
+            if len(blocks) == 1:
+                x = replace_at(x, path, blocks[0])
+            else:
+                x = replace_at(x, path, pack_blocks(blocks, replicas))
         if self.copy_batch is not None:
             x, y, sw = self.copy_batch((x, y, sw))
         return x, y, sw
+
+    def _blocks(self, f_idx, codes, segments):
+        """Feed ``f_idx``'s arrays: its codes, then what they travel with."""
+        c = codes[f_idx]
+        layout = self.layouts[f_idx]
+        if layout is None:
+            return [c]
+        channel = layout[1]
+        if channel == "segments":
+            return [c, segments[f_idx]]
+        # After routing: a slot depends on which device holds the id.
+        name = f"prefetch: layer '{self.feeds[f_idx].layer.name}'"
+        return [c, channel.slots(rows_of_codes(c), name)]
 
     def _route(self, jobs, codes):
         owners, cost = [], []
@@ -468,6 +350,41 @@ class _Engine:
     def _add(self, name, value):
         with self.cond:
             self.stats[name] += value
+
+
+def _feed_array(x, place, feed):
+    """The array of ``x`` at a feed's `ModelInput`; errors name the layer."""
+    try:
+        return array_at(x, place.find(x))
+    except ValueError as e:
+        raise ValueError(f"prefetch: layer '{feed.layer.name}': {e}") from None
+
+
+def _permuted(perm, x, y, sw, codes, segments):
+    """The batch's samples (and codes, segments) in the order ``perm``."""
+
+    def take(a):
+        a = np.asarray(a) if a is not None else a
+        if a is None or a.ndim == 0 or a.shape[0] != perm.shape[0]:
+            return a
+        return a[perm]
+
+    x = tree.map_structure(take, x)
+    y = tree.map_structure(take, y) if y is not None else None
+    sw = tree.map_structure(take, sw) if sw is not None else None
+    codes = [None if c is None else take(c) for c in codes]
+    segments = [None if g is None else take(g) for g in segments]
+    return x, y, sw, codes, segments
+
+
+def _close_quietly(iterator):
+    """Closes a stopped pass's iterator (a generator runs its ``finally``)."""
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - the pass is over either way
+            pass
 
 
 def _lanes(feeds):
@@ -559,28 +476,42 @@ class _Pass:
         return total is not None and self.next >= total
 
     def stop(self):
+        """Stops the pass's threads; returns once no worker runs a unit.
+
+        The feeder may be blocked inside the source's ``next()``, which
+        Python cannot interrupt: it is a daemon thread and is not waited
+        for; it drops the batch, closes the source's iterator and exits as
+        soon as ``next()`` returns.
+        """
         with self.cond:
             self.stop_flag = True
             self.cond.notify_all()
         for _ in range(self.e.threads + 1):
             self.slots.release()
-        for t in self.workers:
-            if t is not threading.current_thread():
+        if not self.workers:
+            return
+        me = threading.current_thread()
+        feeder, workers = self.workers[0], self.workers[1:]
+        # Workers finish their current unit (a table call, a conversion)
+        # first, so that a rollback after `stop` sees every table call. The
+        # timeout only guards against a finalizer run by a thread that holds
+        # the lock they wait for.
+        for t in workers:
+            if t is not me:
                 t.join(timeout=10.0)
-        close = getattr(self.iterator, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception:  # noqa: BLE001
-                pass
+        if feeder is not me:
+            feeder.join(timeout=2 * _POLL)
+            if not feeder.is_alive():
+                _close_quietly(self.iterator)
 
     # ---------------------------------------------------------------- feeder
     def _feed(self):
         n = 0
+        it = None
         try:
             limit = self.num_batches
             it = iter(self.iterator)
-            while not self.stop_flag and (limit is None or n < limit):
+            while self._keep_feeding() and (limit is None or n < limit):
                 while not self.slots.acquire(timeout=_POLL):
                     if self.stop_flag:
                         return
@@ -592,6 +523,8 @@ class _Pass:
                     self.slots.release()
                     break
                 with self.cond:
+                    if self.stop_flag:
+                        return
                     self.inq.append((n, batch))
                     self.cond.notify_all()
                 n += 1
@@ -607,6 +540,13 @@ class _Pass:
                     self.total = n
                 self.fed_all = True
                 self.cond.notify_all()
+            if self.stop_flag:
+                _close_quietly(it if it is not None else self.iterator)
+
+    def _keep_feeding(self):
+        # Batches after a failed one are never served: stop reading, so that
+        # the pass's threads end even if nobody closes the stage.
+        return not self.stop_flag and self.failed_seq == float("inf")
 
     # ---------------------------------------------------------------- worker
     def _work(self):
@@ -802,25 +742,27 @@ class PrefetchStage(keras.utils.PyDataset):
 
     # ------------------------------------------------------------ lifecycle
     def _activate(self):
+        engine = self._engine
         layouts = {
-            id(f.layer): layout
-            for f, layout in zip(self._engine.feeds, self._engine.layouts)
+            id(f.layer): (layout, share)
+            for f, layout, share in zip(engine.feeds, engine.layouts, engine.shares)
         }
         for layer in self._layers:
             if getattr(layer, "_prepared_inputs", 0) and (
-                getattr(layer, "_prepared_layout", None) != layouts[id(layer)]
+                _prepared_form(layer) != layouts[id(layer)]
             ):
                 raise ValueError(
                     f"prefetch: layer '{layer.name}' is fed by another open "
                     "stage whose prepared inputs are laid out differently "
-                    f"(dedup / bucket / replicas); close it first, or create "
-                    "both stages with the same `dedup` and `bucket`."
+                    f"(dedup / bucket / replicas / shared inputs); close it "
+                    "first, or create both stages with the same `dedup`, "
+                    "`bucket` and `feature_map`."
                 )
         flipped = False
         for layer in self._layers:
             count = getattr(layer, "_prepared_inputs", 0)
             layer._prepared_inputs = count + 1
-            layer._prepared_layout = layouts[id(layer)]
+            layer._prepared_layout, layer._prepared_share = layouts[id(layer)]
             flipped |= count == 0
         self._active = True
         if flipped:
@@ -934,6 +876,14 @@ class PrefetchStage(keras.utils.PyDataset):
         return s
 
 
+def _prepared_form(layer):
+    """What a layer's prepared inputs look like: ``(layout, share)``."""
+    return (
+        getattr(layer, "_prepared_layout", None),
+        getattr(layer, "_prepared_share", None),
+    )
+
+
 def _called_from_reset():
     """True when Keras' `EpochIterator.reset` ends the epoch (Keras 3 detail)."""
     import sys
@@ -964,7 +914,7 @@ def _finalize(engine, layers, model_ref):
         count = getattr(layer, "_prepared_inputs", 0)
         layer._prepared_inputs = max(0, count - 1)
         if count <= 1:
-            layer._prepared_layout = None
+            layer._prepared_layout = layer._prepared_share = None
         flipped |= count == 1
     if flipped:
         _reset_model_functions(model_ref())
@@ -1009,6 +959,48 @@ def _feed_layout(layer, dedup, bucket):
     if keras_integration.route(layer) is not None or not dedup:
         return None
     return (_default_replicas() or 1, "segments")
+
+
+def _shares(feeds, layouts):
+    """``(groups, shares)``: how hash layers reading one model input share it.
+
+    ``groups``: ``(feed indices, replicas)`` per model input feeding hash
+    layers, ``replicas`` what its blocks are packed for. ``shares``: per
+    feed, None when the layer reads its input alone, else the
+    ``(replicas, start, count, blocks)`` of `take_blocks`: the layer's
+    ``count`` blocks (codes, or codes and segments) from ``start`` among the
+    input's ``blocks``. Every layer of a group must use one replica count.
+    """
+    groups, shares = [], [None] * len(feeds)
+    for group in input_groups(feeds):
+        counts = [1 if layouts[i] is None else 2 for i in group]
+        replicas = {layouts[i][0] for i in group if layouts[i] is not None}
+        if len(replicas) > 1:
+            names = ", ".join(f"'{feeds[i].layer.name}'" for i in group)
+            raise ValueError(
+                f"prefetch: layers {names} read one model input but their "
+                f"prepared inputs split over different replica counts "
+                f"{sorted(replicas)}; give them separate inputs."
+            )
+        local = replicas.pop() if replicas else 1
+        groups.append((group, local))
+        if len(group) == 1:
+            continue
+        # Each process packs its own batch; JAX joins them process-major.
+        total = local * _process_count()
+        start = 0
+        for i, count in zip(group, counts):
+            shares[i] = (total, start, count, sum(counts))
+            start += count
+    return groups, shares
+
+
+def _process_count():
+    if keras.backend.backend() != "jax":
+        return 1
+    import jax
+
+    return jax.process_count()
 
 
 def prefetch(
@@ -1111,7 +1103,9 @@ def prefetch(
         source, y=y, sample_weight=sample_weight, batch_size=batch_size,
         steps=steps, shuffle=shuffle, seed=seed,
     )  # fmt: skip
-    feeds = _plan(model, feature_map)
+    feeds = plan(model, feature_map)
+    if feature_map is None:
+        check_sole_readers(model, feeds)
     hash_layers = [f.layer for f in feeds if f.kind == "hash"]
     for layer in hash_layers:
         if not layer.built:
@@ -1127,4 +1121,5 @@ def prefetch(
         _feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None
         for f in feeds
     ]
+    engine.groups, engine.shares = _shares(feeds, engine.layouts)
     return PrefetchStage(engine, model, hash_layers, passes)

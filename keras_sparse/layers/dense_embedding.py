@@ -6,6 +6,7 @@ from keras import ops
 
 from keras_sparse.backend_utils import is_tf_ragged
 from keras_sparse.layers import inputs as input_forms
+from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.sharding import keras_integration as _sharding
 
@@ -129,6 +130,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if self.uses_sparse_update and self.quantization_mode:
             _refuse_with_sparse_optimizer(self.name, "dtype", self.dtype_policy.name)
         self.num_rows = self.input_dim
+        # JAX without x64 wraps int64 ids in fit/evaluate/predict batches;
+        # the trainer hook refuses those beyond int32 before the step.
+        jax_full_keys.install()
         if weights is not None:
             self._set_initial_weights(weights)
 

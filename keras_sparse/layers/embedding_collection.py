@@ -17,6 +17,7 @@ from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.layers import inputs as input_forms
+from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import pooling
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
@@ -230,6 +231,8 @@ class EmbeddingCollection(keras.layers.Layer):
         self.stacks = []
         self._stack_tables = {}
         self._stack_slots = {}
+        # JAX without x64: int64 ids beyond int32 are refused before a step.
+        jax_full_keys.install()
 
     # ------------------------------------------------------------- helpers
     @property

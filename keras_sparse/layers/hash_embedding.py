@@ -1,7 +1,5 @@
 """DistributedHashEmbedding: an embedding for an open-ended set of int64 keys."""
 
-import warnings
-
 import keras
 import numpy as np
 from keras import ops
@@ -12,48 +10,36 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import jax_step_mapping
 from keras_sparse.layers.fresh_rows import fresh_row_values
+from keras_sparse.layers.hash_records import HashRecords
+from keras_sparse.layers.host_keys import host_keys as _host_keys
+from keras_sparse.layers.host_keys import string_kind as _string_kind
+from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
-from keras_sparse.table import hash_strings
 
 
-def _string_kind(x):
-    """True for NumPy/list string data and TF string tensors."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    if "string" in str(dtype):
-        return True
-    try:
-        return np.dtype(dtype).kind in "USO"
-    except TypeError:
-        return False
+def _first_fresh_only(rows, fresh, xp):
+    """Clears ``fresh`` (in place) except at each new row's first position.
 
-
-def _host_keys(keys):
-    """Flat int64 NumPy keys from host data of any framework (strings hashed)."""
-    if hasattr(keys, "numpy") and callable(keys.numpy):  # tf eager
-        keys = keys.numpy()
-    elif hasattr(keys, "detach"):  # torch
-        keys = keys.detach().cpu().numpy()
-    keys = np.asarray(keys)
-    if keys.dtype.kind in "USO":
-        if keys.dtype.kind == "O":
-            keys = keys.astype("S") if keys.size else keys.astype("S1")
-        return hash_strings(keys).reshape(-1)
-    if keys.dtype.kind not in "iu":
-        raise TypeError(
-            f"keys must be integers or strings; received dtype {keys.dtype}"
-        )
-    if keys.dtype == np.uint64:
-        return keys.reshape(-1).view(np.int64)
-    return keys.astype(np.int64).reshape(-1)
+    Duplicates of a new key share its row. Flagged at every position, the
+    step would scatter several drawn vectors onto that one row, and which one
+    a scatter keeps is unspecified (PyTorch's CPU ``index_put_`` varies from
+    run to run): training would not be reproducible.
+    """
+    at = xp.flatnonzero(fresh)
+    if at.size < 2:
+        return
+    _, first = xp.unique(rows[at], return_index=True)
+    if first.size < at.size:
+        fresh[at] = False
+        fresh[at[first]] = True
 
 
 @keras.saving.register_keras_serializable(package="keras_sparse")
-class DistributedHashEmbedding(SparseEmbeddingBase):
+class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     """Embedding for an unbounded key space backed by a `keras_sparse.table.HashTable`.
 
     Keys (int64 ids such as user or item ids, or strings) are mapped to rows
@@ -157,13 +143,19 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             padding (never inserted, never trained).
         training: see above.
 
-    Saving: the ``.keras`` file stores (key, vector, optimizer slots, score)
-    records rather than the raw table, so a model loads into a layer with a
-    different capacity, plus the admission sketch's counters (re-binned when
-    the capacity changes, never under-counting, so a key half-way to admission
-    stays half-way or closer). The hit/miss counters are not saved.
-    ``layer.export()`` / ``layer.import_(keys, values)`` do the same for
-    serving and warm starts; ``layer.stats()`` returns the table's counters.
+    Saving: the ``.keras`` file stores (key, row, vector, optimizer slots,
+    score) records rather than the raw table, the table's capacity, bucket
+    size, seed and LRU clock, ``sparse_iterations``, the fresh-row seed and
+    the admission sketch's counters (re-binned when the capacity changes,
+    never under-counting, so a key half-way to admission stays half-way or
+    closer). Loaded into a table of the same capacity and seed, every key
+    returns to its row with its exact state; into another table, keys are
+    placed hottest first and any that find no row are dropped with a warning
+    saying how many and why. A file missing an entry the layer needs raises
+    a ValueError before anything changes. The hit/miss counters are not
+    saved. ``layer.export()`` / ``layer.import_(keys, values, ...)`` do the
+    same for serving and warm starts; ``layer.stats()`` returns the table's
+    counters.
 
     Example:
 
@@ -287,7 +279,8 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
     def _table_rows(self, flat, use, insert, xp, out=None):
         """Flat int64 keys and bool ``use``, both NumPy (``xp=np``) or both
         CuPy -> ``(rows int32, fresh bool)`` of ``xp``, rows -1 where absent
-        or unused; written into ``out`` (two arrays) when given."""
+        or unused, fresh at the first position of each newly assigned row;
+        written into ``out`` (two arrays) when given."""
         n = flat.shape[0]
         rows, fresh = (
             out if out is not None else (xp.empty(n, xp.int32), xp.empty(n, bool))
@@ -305,6 +298,7 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
             got, new = self._lookup_or_insert(selected)
             rows[use] = as_xp(got)
             fresh[use] = as_xp(new)
+            _first_fresh_only(rows, fresh, xp)
         else:
             rows[use] = as_xp(self.table.lookup(selected))
         return rows, fresh
@@ -462,9 +456,15 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         its segment among the batch's distinct rows (``channel ==
         "segments"``; the sparse update uses them instead of sorting) or its
         slot in its owner's row-exchange buffer (``channel`` an
-        `ExchangeBuckets`; the sharded lookup skips its own packing).
+        `ExchangeBuckets`; the sharded lookup skips its own packing). When
+        the model input also feeds other hash layers, ``codes`` holds every
+        such layer's blocks and ``self._prepared_share`` says which are this
+        layer's (`take_blocks`).
         """
         codes = ops.cast(ops.convert_to_tensor(codes), "int32")
+        share = getattr(self, "_prepared_share", None)
+        if share is not None:  # the input feeds other hash layers too
+            codes = take_blocks(codes, *share)
         segments = exchange_slot = None
         layout = getattr(self, "_prepared_layout", None)
         if layout is not None:
@@ -534,114 +534,9 @@ class DistributedHashEmbedding(SparseEmbeddingBase):
         out = self.combine(vectors, weights, ops.reshape(valid, shape))
         return ops.cast(out, self.compute_dtype)
 
-    # ----------------------------------------------------------------- state
-    def _host_state(self):
-        """NumPy copies of the table and slots keyed "table"/slot name."""
-        state = {"table": ops.convert_to_numpy(self.embeddings)}
-        state.update({k: ops.convert_to_numpy(v) for k, v in self.slots.items()})
-        return state
-
-    def export(self):
-        """Live records: dict(keys, values, <slot name>..., scores) as NumPy."""
-        if not self.built:
-            self.build()
-        keys, rows, scores = (_to_numpy(x) for x in self.table.export())
-        state = self._host_state()
-        out = {"keys": keys, "values": state.pop("table")[rows]}
-        out.update({name: value[rows] for name, value in state.items()})
-        out["scores"] = scores
-        return out
-
-    def import_(self, keys, values, slots=None, scores=None):
-        """Inserts ``keys`` (admission bypassed) with their vectors.
-
-        Slots default to their initial values (a warm start). Keys are
-        inserted hottest-first (by ``scores`` when given); a key that finds no
-        row (more keys than capacity) is dropped. Returns the number of keys
-        stored.
-        """
-        if not self.built:
-            self.build()
-        keys = _host_keys(keys)
-        values = np.asarray(values).reshape(len(keys), self.output_dim)
-        slots = dict(slots or {})
-        if scores is not None:
-            scores = np.asarray(scores, np.int64).reshape(-1)
-            order = np.argsort(-scores, kind="stable")
-        else:
-            order = np.arange(len(keys))
-        order = order[: self.table.capacity]
-        res = self.table.import_(
-            keys[order], scores=None if scores is None else scores[order]
-        )
-        rows = _to_numpy(res.rows)
-        ok = rows >= 0
-        target, source = rows[ok], order[ok]
-        state = self._host_state()
-        state["table"][target] = values[source]
-        for spec in self.sparse_optimizer.slot_specs():
-            if spec.name in slots:
-                width = state[spec.name].shape[1]
-                saved = np.asarray(slots[spec.name]).reshape(len(keys), width)
-                state[spec.name][target] = saved[source]
-            else:
-                state[spec.name][target] = spec.initial_value
-        self.embeddings.assign(state["table"])
-        for name, var in self.slots.items():
-            var.assign(state[name])
-        return int(ok.sum())
-
     def stats(self):
         """The hash table's counters, size, capacity and load factor."""
         return self.table.stats()
-
-    def save_own_variables(self, store):
-        records = self.export()
-        for name, value in records.items():
-            store[f"record_{name}"] = value
-        store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
-        store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
-        sketch = self._admission_sketch()
-        if sketch is not None:
-            with self.table._lock:
-                store["admission_counts"] = sketch.state()
-            store["admission_seed"] = np.int64(sketch.seed)
-
-    def load_own_variables(self, store):
-        if "record_keys" not in store:
-            raise ValueError(
-                f"Layer '{self.name}': the saved state has no hash-table records."
-            )
-        self.table.clear()
-        names = [spec.name for spec in self.sparse_optimizer.slot_specs()]
-        slots = {n: store[f"record_{n}"][...] for n in names if f"record_{n}" in store}
-        self.import_(
-            store["record_keys"][...],
-            store["record_values"][...],
-            slots=slots,
-            scores=store["record_scores"][...],
-        )
-        self.sparse_iterations.assign(store["sparse_iterations"][...])
-        if "seed_state" in store:
-            self.seed_generator.state.assign(store["seed_state"][...])
-        sketch = self._admission_sketch()
-        if sketch is not None and "admission_counts" in store:
-            try:
-                with self.table._lock:
-                    sketch.load_state(
-                        store["admission_counts"][...],
-                        int(store["admission_seed"][...]),
-                    )
-            except ValueError as e:
-                warnings.warn(
-                    f"Layer '{self.name}': admission counts not restored ({e}); "
-                    "keys start counting their sightings from zero.",
-                    stacklevel=2,
-                )
-
-    def _admission_sketch(self):
-        """The table's count-min sketch, or None (``admit_after=1``)."""
-        return getattr(self.table._impl, "sketch", None)
 
     def get_config(self):
         config = super().get_config()
@@ -674,10 +569,3 @@ def _from_dlpack(x):
     import tensorflow as tf
 
     return tf.experimental.dlpack.from_dlpack(x.toDlpack())
-
-
-def _to_numpy(x):
-    # GPU tables return CuPy arrays.
-    if hasattr(x, "get") and not isinstance(x, np.ndarray):
-        return x.get()
-    return np.asarray(x)

@@ -32,6 +32,7 @@ import contextvars
 import functools
 import threading
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -133,23 +134,33 @@ def _needs_full_keys():
     return not jax.config.jax_enable_x64
 
 
-def _feeds(model):
-    """``(hash feeds, problem, has_hash_layers)`` for ``model`` (cached).
+class _ModelFeeds(NamedTuple):
+    hash_feeds: list  # feeds of the hash layers whose keys get queued
+    problem: str  # why the hash layers' inputs cannot be found, or None
+    has_hash: bool
+    fixed_layers: list  # names of fixed-vocabulary layers (ids < 2**31)
 
-    ``problem`` is why the feeding inputs cannot be found, or None.
-    """
+    @property
+    def active(self):
+        return self.has_hash or bool(self.fixed_layers)
+
+
+def _feeds(model):
+    """The `_ModelFeeds` of ``model`` (cached)."""
     cached = _feeds_cache.get(model)
     if cached is not None:
         return cached
-    from keras_sparse.data.prefetch import _plan
+    from keras_sparse.layers.model_feeds import plan
 
     try:
-        feeds = [f for f in _plan(model, None) if f.kind == "hash"]
+        feeds = [f for f in plan(model) if f.kind == "hash"]
         problem = None
     except ValueError as e:
         feeds, problem = [], str(e)
     has_hash = _has_hash_layers(model)
-    result = (feeds, problem if has_hash else None, has_hash)
+    result = _ModelFeeds(
+        feeds, problem if has_hash else None, has_hash, _fixed_layers(model)
+    )
     _feeds_cache[model] = result
     return result
 
@@ -161,6 +172,44 @@ def _has_hash_layers(model):
         isinstance(layer, DistributedHashEmbedding)
         for layer in model._flatten_layers(include_self=False, recursive=True)
     )
+
+
+def _fixed_layers(model):
+    from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
+    from keras_sparse.layers.embedding_collection import EmbeddingCollection
+
+    kinds = (AllToAllDenseEmbedding, EmbeddingCollection)
+    return [
+        layer.name
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, kinds)
+    ]
+
+
+def _check_ids_fit(model, x, fixed_layers, exempt=()):
+    """Refuses int64 ids beyond int32 in a batch of a model with
+    fixed-vocabulary layers: the step would see them wrapped to 32 bits
+    (``2**32 + 5`` as 5) and train that row. ``exempt``: ids of the arrays
+    that are hash keys (queued whole for their layers)."""
+    from keras import tree
+
+    for a in tree.flatten(x):
+        if not _is_wide(a) or not a.size or id(a) in exempt:
+            continue
+        bad = a > _INT32.max
+        if a.dtype != np.uint64:
+            bad |= a < _INT32.min
+        if bad.any():
+            first = int(a[bad].reshape(-1)[0])
+            wrapped = (first + 2**31) % 2**32 - 2**31
+            raise ValueError(
+                f"Model '{model.name}': id {first} ({a.dtype}) is beyond the "
+                "int32 range. JAX without `jax_enable_x64` would wrap it to "
+                f"{wrapped} in the compiled "
+                f"step, where layer(s) {fixed_layers} would read and train "
+                "that row. Ids of AllToAllDenseEmbedding / EmbeddingCollection "
+                "must lie in [0, input_dim); nothing was trained."
+            )
 
 
 def _is_wide(a):
@@ -186,27 +235,38 @@ def _check_fits_int32(model, x, problem):
 
 
 def note_batch(model, batch):
-    """Queues the full keys of one batch (``(x, ...)`` as Keras yields it)."""
-    from keras_sparse.data.prefetch import _get
-    from keras_sparse.data.prefetch import _split_batch
+    """Queues the full keys of one batch (``(x, ...)`` as Keras yields it)
+    and refuses ids that fixed-vocabulary layers would see wrapped."""
+    from keras_sparse.layers.model_feeds import array_at
+    from keras_sparse.layers.model_feeds import split_batch
 
-    feeds, problem, has_hash = _feeds(model)
-    if not has_hash:
+    model_feeds = _feeds(model)
+    if not model_feeds.active:
         return
-    x, _, _ = _split_batch(batch)
-    if problem is not None:
-        _check_fits_int32(model, x, problem)
+    x, _, _ = split_batch(batch)
+    if model_feeds.problem is not None:
+        _check_fits_int32(model, x, model_feeds.problem)
         return
-    for feed in feeds:
+    queued = set()
+    for feed in model_feeds.hash_feeds:
         if getattr(feed.layer, "_prepared_inputs", 0):
             continue  # a prefetch stage already mapped these keys
-        keys = _get(x, feed.key_path)
+        try:
+            keys = array_at(x, feed.keys.find(x))
+        except ValueError as e:
+            # Without queued keys the layer would map truncated ones: refuse
+            # wide keys, as for models whose feeding inputs are unknown.
+            _check_fits_int32(model, x, f"layer '{feed.layer.name}': {e}")
+            continue
         if _is_wide(keys):
+            queued.add(id(keys))
             key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
+    if model_feeds.fixed_layers:
+        _check_ids_fit(model, x, model_feeds.fixed_layers, queued)
 
 
 def _clear_queues(model):
-    for feed in _feeds(model)[0]:
+    for feed in _feeds(model).hash_feeds:
         key_queue(feed.layer).clear()
 
 
@@ -219,7 +279,7 @@ def _noting(model, iterator):
 @contextlib.contextmanager
 def _active(model):
     """Marks ``model`` as the one whose batches are noted (nests safely)."""
-    if not _needs_full_keys() or not _feeds(model)[2]:
+    if not _needs_full_keys() or not _feeds(model).active:
         yield
         return
     outer = _ACTIVE.get()
@@ -242,14 +302,16 @@ def _precheck(model, args, kwargs):
     would leave the model's variables detached; arrays given directly can be
     checked up front. Other sources are checked batch by batch.
     """
-    feeds, problem, _ = _feeds(model)
-    if problem is None:
-        return
+    model_feeds = _feeds(model)
     x = args[0] if args else kwargs.get("x")
     validation = kwargs.get("validation_data")
     for data in (x, validation[0] if isinstance(validation, tuple) else None):
-        if isinstance(data, (np.ndarray, dict, list, tuple)):
-            _check_fits_int32(model, data, problem)
+        if not isinstance(data, (np.ndarray, dict, list, tuple)):
+            continue
+        if model_feeds.problem is not None:
+            _check_fits_int32(model, data, model_feeds.problem)
+        elif model_feeds.fixed_layers and not model_feeds.has_hash:
+            _check_ids_fit(model, data, model_feeds.fixed_layers)
 
 
 def _wrap_method(cls, name):

@@ -9,6 +9,11 @@ input for the keys, so they travel stacked along the batch axis: a batch of
 as ``[replicas, 2, B / replicas, ...]`` (codes then segments) and flattened,
 so that splitting the batch axis over ``replicas`` devices gives each device
 its own codes and segments with no exchange. The layer undoes the layout.
+
+One model input may feed several hash layers; the stage then stacks every
+layer's blocks (codes, or codes and segments) into that input the same way,
+``[replicas, blocks, B / replicas, ...]``, and each layer takes its own
+(`take_blocks`, ``layer._prepared_share``).
 """
 
 import numpy as np
@@ -61,32 +66,55 @@ def segment_scratch(num_rows):
     return np.empty(num_rows + 2, np.int32)
 
 
-def pack_prepared(codes, segments, replicas):
-    """``[2B, ...]`` array holding ``codes`` and ``segments`` (both ``[B, ...]``)."""
-    codes, segments = np.asarray(codes), np.asarray(segments)
-    b = codes.shape[0]
+def pack_blocks(arrays, replicas):
+    """``[k B, ...]`` array holding the ``k`` ``arrays`` (each ``[B, ...]``).
+
+    Laid out per data-parallel replica as ``[replicas, k, B / replicas, ...]``
+    and flattened, so that each replica's share of the batch axis holds its
+    samples of every array.
+    """
+    arrays = [np.asarray(a) for a in arrays]
+    b = arrays[0].shape[0]
     if b % replicas:
         raise ValueError(
             f"prefetch: a batch of {b} samples does not split evenly over "
             f"{replicas} data-parallel replicas."
         )
-    rest = codes.shape[1:]
-    both = np.stack(
-        [
-            codes.reshape((replicas, b // replicas) + rest),
-            segments.reshape((replicas, b // replicas) + rest),
-        ],
-        axis=1,
-    )
-    return both.reshape((2 * b,) + rest)
+    rest = arrays[0].shape[1:]
+    per_replica = [a.reshape((replicas, b // replicas) + rest) for a in arrays]
+    return np.stack(per_replica, axis=1).reshape((len(arrays) * b,) + rest)
+
+
+def pack_prepared(codes, segments, replicas):
+    """``[2B, ...]`` array holding ``codes`` and ``segments`` (both ``[B, ...]``)."""
+    return pack_blocks([codes, segments], replicas)
+
+
+def take_blocks(x, replicas, start, count, blocks):
+    """Blocks ``start : start + count`` of a `pack_blocks` array of
+    ``blocks`` blocks (a tensor), laid out as `pack_blocks` would lay out
+    those blocks alone.
+
+    Several hash layers reading one model input each take their own blocks
+    (codes, or codes and segments) of the array the stage packed for them.
+    """
+    rest = _rest_shape(x)
+    per_replica = ops.reshape(x, (replicas, blocks, -1) + rest)
+    return ops.reshape(per_replica[:, start : start + count], (-1,) + rest)
 
 
 def unpack_prepared(x, replicas):
     """``(codes, segments)`` from `pack_prepared`'s array (a tensor)."""
-    rest = tuple(x.shape[1:])
-    if None in rest:
-        rest = tuple(ops.shape(x)[1:])
+    rest = _rest_shape(x)
     both = ops.reshape(x, (replicas, 2, -1) + rest)
     codes = ops.reshape(both[:, 0], (-1,) + rest)
     segments = ops.reshape(both[:, 1], (-1,) + rest)
     return codes, segments
+
+
+def _rest_shape(x):
+    """The shape of ``x`` after the batch axis (dynamic where unknown)."""
+    rest = tuple(x.shape[1:])
+    if None in rest:
+        rest = tuple(ops.shape(x)[1:])
+    return rest

@@ -418,7 +418,8 @@ class ArrayTable:
         self._add_at(
             self.load, newly // S, xp.ones(int(newly.shape[0]), dtype=xp.int64)
         )
-        self.holey[newly // S] = True
+        if newly.shape[0]:
+            self._recheck_holes(newly // S)
         self.size += int(newly.shape[0])
         self.counters["inserts"] += int(newly.shape[0])
         empty = xp.zeros(0, dtype=xp.int64)
@@ -447,6 +448,19 @@ class ArrayTable:
         occupied = occupant != self.bucket_sentinel[bucket]
         if bool((occupied & (occupant != k)).any()):
             raise ValueError("import_: a row is already used by a different live key")
+
+    def _recheck_holes(self, buckets):
+        """Recomputes ``holey`` for ``buckets`` after writes at given rows.
+
+        A checkpoint restored at its saved rows is usually compact; marking
+        every touched bucket holey would put all later inserts on the slower
+        path that reads keys to find free slots.
+        """
+        xp, S = self.xp, self.bucket_size
+        ub = xp.unique(buckets)
+        live = self.keys.reshape(-1, S)[ub] != self.bucket_sentinel[ub][:, None]
+        prefix = xp.arange(S, dtype=xp.int64)[None, :] < self.load[ub][:, None]
+        self.holey[ub] = (live != prefix).any(axis=1)
 
     def clear(self):
         xp = self.xp

@@ -1,0 +1,527 @@
+"""Per-key records of a `DistributedHashEmbedding`: export, import, checkpoints.
+
+A record is a key with its row, vector, optimizer slots and score. Saving
+stores records plus what fixes a key's candidate buckets (capacity, bucket
+size, seed), the LRU clock and the admission counts, so a load into the same
+geometry puts every key back at its row, and a load elsewhere re-places keys
+hottest first and says what it dropped. Every argument is validated before
+anything changes.
+"""
+
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+from keras import ops
+
+from keras_sparse.layers.host_keys import host_array
+from keras_sparse.layers.host_keys import host_keys as _host_keys
+from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.table import TableFullError
+
+
+class HashRecords:
+    """Mixin of `DistributedHashEmbedding`: its records and checkpoints."""
+
+    # ----------------------------------------------------------------- state
+    def _host_state(self):
+        """NumPy copies of the table and slots keyed "table"/slot name."""
+        state = {"table": ops.convert_to_numpy(self.embeddings)}
+        state.update({k: ops.convert_to_numpy(v) for k, v in self.slots.items()})
+        return state
+
+    def export(self, include_rows=False):
+        """Live records as NumPy, in row order: dict(keys, values, <slot
+        name>..., scores), plus each key's ``rows`` with ``include_rows=True``
+        (for `import_` into a table of the same capacity and seed)."""
+        if not self.built:
+            self.build()
+        keys, rows, scores = (_to_numpy(x) for x in self.table.export())
+        state = self._host_state()
+        out = {"keys": keys, "values": state.pop("table")[rows]}
+        out.update({name: value[rows] for name, value in state.items()})
+        out["scores"] = scores
+        if include_rows:
+            out["rows"] = rows
+        return out
+
+    def import_(self, keys, values, slots=None, scores=None, rows=None):
+        """Inserts ``keys`` (admission bypassed) with their vectors.
+
+        ``slots`` maps slot names to ``[num_keys, ...]`` arrays; slots left
+        out start at their initial values (a warm start). ``scores`` (LRU
+        step or LFU count per key) default to those of a fresh key. With
+        ``rows`` (see ``export(include_rows=True)``) every key goes to exactly
+        its row, which must lie in one of its two candidate buckets (a table
+        of the same capacity and seed). Without, keys are placed hottest
+        first (by ``scores``) and may evict colder keys already stored; keys
+        that find no row are dropped, with a warning saying how many and why.
+
+        Every argument is checked before anything changes: on an error
+        (ValueError, TypeError, or `TableFullError` when ``eviction=None``
+        leaves no free row) the table and the variables are as before.
+        Returns the number of keys stored.
+        """
+        if not self.built:
+            self.build()
+        records = self._checked_records(keys, values, slots, scores, rows)
+        stored = self._store_records(records)
+        dropped = len(records.keys) - stored
+        if dropped:
+            warnings.warn(
+                f"Layer '{self.name}': import_ stored {stored} of "
+                f"{len(records.keys)} keys. "
+                f"{_import_drop_reason(self, len(records.keys), stored)}",
+                stacklevel=2,
+            )
+        return stored
+
+    def _checked_records(self, keys, values, slots, scores, rows, saved=False):
+        """Validated `_Records`; raises naming the layer and the argument.
+
+        ``saved``: the arrays come from a checkpoint, so errors name its
+        entries and non-finite numbers are restored as they were saved.
+        """
+
+        def label(name):
+            return f"record_{name}" if saved else name
+
+        keys = _checked_keys(self.name, label("keys"), keys)
+        n = len(keys)
+        values = _checked_numbers(
+            self.name,
+            label("values"),
+            values,
+            (n, self.output_dim),
+            "(num_keys, output_dim)",
+            finite=not saved,
+        )
+        slots = self._checked_slots(slots, n, saved)
+        if scores is not None:
+            scores = _checked_ints(self.name, label("scores"), scores, n, 0)
+        if rows is not None:
+            capacity = self.table.capacity
+            rows = _checked_ints(self.name, label("rows"), rows, n, 0, capacity)
+            _check_distinct(self.name, label("rows"), rows)
+        return _Records(keys, values, slots, scores, rows)
+
+    def _checked_slots(self, slots, n, saved):
+        """``{slot name: array}`` validated against the layer's optimizer."""
+        if slots is None:
+            return {}
+        if not hasattr(slots, "items"):
+            raise TypeError(
+                f"Layer '{self.name}': `slots` must be a dict {{slot name: "
+                f"array}}; received {type(slots).__name__}."
+            )
+        specs = {spec.name: spec for spec in self.sparse_optimizer.slot_specs()}
+        unknown = sorted(set(slots) - set(specs))
+        if unknown:
+            raise ValueError(
+                f"Layer '{self.name}': unknown `slots` {unknown}; the layer's "
+                f"optimizer ({type(self.sparse_optimizer).__name__}) keeps "
+                f"{sorted(specs) or 'no slots'}."
+            )
+        checked = {}
+        for name, value in slots.items():
+            checked[name] = _checked_numbers(
+                self.name,
+                f"record_{name}" if saved else f"slots['{name}']",
+                value,
+                specs[name].shape(n, self.output_dim),
+                "(num_keys, width)",
+                finite=not saved,
+            )
+        return checked
+
+    def _store_records(self, records):
+        """Writes validated records into the table and the variables;
+        returns how many keys were stored."""
+        if records.rows is not None:
+            self._table_import(records.keys, records.rows, records.scores)
+            target, source = records.rows, np.arange(len(records.keys))
+        else:
+            target, source = self._place_records(records.keys, records.scores)
+        state = self._host_state()
+        state["table"][target] = records.values[source]
+        for spec in self.sparse_optimizer.slot_specs():
+            given = records.slots.get(spec.name)
+            state[spec.name][target] = (
+                spec.initial_value if given is None else given[source]
+            )
+        self.embeddings.assign(state["table"])
+        for name, var in self.slots.items():
+            var.assign(state[name])
+        return len(target)
+
+    def _place_records(self, keys, scores):
+        """Inserts keys hottest first through the table's own placement;
+        ``(rows, indices into keys)`` of the keys that got a row."""
+        # At most `capacity` keys: the table refuses larger batches.
+        order = _hottest_first(scores, len(keys))[: self.table.capacity]
+        res = self._table_import(
+            keys[order], None, None if scores is None else scores[order]
+        )
+        rows = _to_numpy(res.rows)
+        ok = rows >= 0
+        return rows[ok], order[ok]
+
+    def _table_import(self, keys, rows, scores):
+        """`HashTable.import_`, its errors naming the layer (the table is
+        unchanged when it raises)."""
+        try:
+            return self.table.import_(keys, rows=rows, scores=scores)
+        except TableFullError as e:
+            raise TableFullError(
+                f"Layer '{self.name}': the hash table has no free row for "
+                f"some of the {len(keys)} keys to import (capacity="
+                f"{self.table.capacity}, size={self.table.size}) and "
+                "eviction=None; nothing was changed. Use eviction='lru'/'lfu' "
+                f"or a larger capacity. ({e})"
+            ) from None
+        except ValueError as e:
+            raise ValueError(
+                f"Layer '{self.name}': `rows` do not fit this table (capacity="
+                f"{self.table.capacity}, seed={self.table.seed}); nothing was "
+                f"changed. ({e})"
+            ) from None
+
+    # ----------------------------------------------------------- checkpoints
+    def _geometry(self):
+        """What fixes a key's candidate buckets, hence whether rows transfer."""
+        return (self.table.capacity, self.table.bucket_size, self.table.seed)
+
+    def _table_clock(self, value=None):
+        """The table's LRU step counter; sets it when ``value`` is given."""
+        with self.table._lock:
+            if value is not None:
+                self.table._impl.clock = int(value)
+            return self.table._impl.clock
+
+    def save_own_variables(self, store):
+        for name, value in self.export(include_rows=True).items():
+            store[f"record_{name}"] = value
+        for name, value in zip(_GEOMETRY_ENTRIES, self._geometry()):
+            store[name] = np.int64(value)
+        store["table_clock"] = np.int64(self._table_clock())
+        store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
+        store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
+        sketch = self._admission_sketch()
+        if sketch is not None:
+            with self.table._lock:
+                store["admission_counts"] = sketch.state()
+            store["admission_seed"] = np.int64(sketch.seed)
+
+    def load_own_variables(self, store):
+        """Restores a checkpoint written by `save_own_variables`.
+
+        Same capacity, bucket size and seed: every key returns to its saved
+        row. Otherwise keys are placed hottest first and those that find no
+        row are dropped with a warning. Missing entries raise ValueError
+        before anything changes.
+        """
+        if not self.built:
+            self.build()
+        saved = self._read_checkpoint(store)
+        records = saved.records
+        rows = self._rows_for_load(records, saved.geometry)
+        kept = rows >= 0
+        self.table.clear()
+        self._table_clock(saved.clock)
+        self._store_records(_subset(records, kept)._replace(rows=rows[kept]))
+        self.sparse_iterations.assign(saved.iterations)
+        self.seed_generator.state.assign(saved.seed_state)
+        self._load_admission(saved.admission)
+        if not kept.all():
+            warnings.warn(
+                _load_drop_message(self, saved.geometry, len(rows), int(kept.sum())),
+                stacklevel=2,
+            )
+
+    def _read_checkpoint(self, store):
+        """`_Checkpoint` of ``store``, all of it checked before any change."""
+        names = set(store.keys())
+        self._check_entries(names)
+        geometry = None
+        if all(name in names for name in _GEOMETRY_ENTRIES):
+            geometry = tuple(int(store[name][...]) for name in _GEOMETRY_ENTRIES)
+        slot_names = [spec.name for spec in self.sparse_optimizer.slot_specs()]
+        # Saved rows only mean something in a table with the same buckets.
+        with_rows = "record_rows" in names and geometry == self._geometry()
+        records = self._checked_records(
+            store["record_keys"][...],
+            store["record_values"][...],
+            {n: store[f"record_{n}"][...] for n in slot_names},
+            store["record_scores"][...],
+            store["record_rows"][...] if with_rows else None,
+            saved=True,
+        )
+        scalars = {}
+        for name, variable, meaning in (
+            ("sparse_iterations", self.sparse_iterations, "(a scalar)"),
+            ("seed_state", self.seed_generator.state, "(the seed generator's)"),
+        ):
+            scalars[name] = _checked_numbers(
+                self.name, name, store[name][...], variable.shape, meaning, False
+            )
+        admission = None
+        if self._admission_sketch() is not None:
+            seed = int(store["admission_seed"][...])
+            admission = (store["admission_counts"][...], seed)
+        return _Checkpoint(
+            records,
+            geometry,
+            self._saved_clock(store, names, records),
+            scalars["sparse_iterations"],
+            scalars["seed_state"],
+            admission,
+        )
+
+    def _check_entries(self, names):
+        """Raises for a checkpoint missing an entry this layer would
+        otherwise reset silently, or holding another optimizer's slots."""
+        slot_names = [spec.name for spec in self.sparse_optimizer.slot_specs()]
+        required = ["record_keys", "record_values", "record_scores"]
+        required += [f"record_{n}" for n in slot_names]
+        required += ["sparse_iterations", "seed_state"]
+        if self._admission_sketch() is not None:
+            required += ["admission_counts", "admission_seed"]
+        missing = [name for name in required if name not in names]
+        if missing:
+            raise ValueError(
+                f"Layer '{self.name}': the saved state lacks {missing}, so "
+                f"loading it would reset them; nothing was loaded. The layer "
+                f"(optimizer {type(self.sparse_optimizer).__name__}, "
+                f"admit_after={self.admit_after}) needs {required}; the saved "
+                f"state has {sorted(names)}."
+            )
+        known = {"keys", "values", "scores", "rows", *slot_names}
+        foreign = sorted(
+            n for n in names if n.startswith("record_") and n[7:] not in known
+        )
+        if foreign:
+            raise ValueError(
+                f"Layer '{self.name}': the saved state holds optimizer slots "
+                f"{foreign} that this layer's optimizer "
+                f"({type(self.sparse_optimizer).__name__}, slots {slot_names}) "
+                "does not keep; nothing was loaded. Use `layer.import_` to "
+                "carry vectors over to another optimizer."
+            )
+
+    def _saved_clock(self, store, names, records):
+        """The saved LRU step counter; older checkpoints lack it, and then the
+        newest saved step keeps restored keys from looking recent."""
+        if "table_clock" in names:
+            return int(store["table_clock"][...])
+        if self.eviction == "lru" and len(records.scores):
+            return int(records.scores.max())
+        return 0
+
+    def _rows_for_load(self, records, geometry):
+        """Row per saved key in the cleared table, -1 for keys that find none:
+        the saved rows where they fit, else hottest-first placement."""
+        b1, b2 = (_to_numpy(b) for b in self.table.candidate_buckets(records.keys))
+        # Same geometry but other buckets: hash functions changed since saving.
+        if records.rows is not None and geometry == self._geometry():
+            bucket = records.rows // self.table.bucket_size
+            if bool(((bucket == b1) | (bucket == b2)).all()):
+                return records.rows
+        return _greedy_rows(
+            b1,
+            b2,
+            _hottest_first(records.scores, len(records.keys)),
+            self.table.num_buckets,
+            self.table.bucket_size,
+        )
+
+    def _load_admission(self, admission):
+        """Restores the sketch's counters; another seed or depth (another
+        table) cannot map them, which is warned about, not fatal."""
+        sketch = self._admission_sketch()
+        if sketch is None or admission is None:
+            return
+        try:
+            with self.table._lock:
+                sketch.load_state(*admission)
+        except ValueError as e:
+            warnings.warn(
+                f"Layer '{self.name}': admission counts not restored ({e}); "
+                "keys start counting their sightings from zero.",
+                stacklevel=3,
+            )
+
+    def _admission_sketch(self):
+        """The table's count-min sketch, or None (``admit_after=1``)."""
+        return getattr(self.table._impl, "sketch", None)
+
+
+_GEOMETRY_ENTRIES = ("table_capacity", "table_bucket_size", "table_seed")
+
+
+class _Records(NamedTuple):
+    """Validated host arrays of `import_` or a checkpoint, one entry per key."""
+
+    keys: np.ndarray  # int64 [n]
+    values: np.ndarray  # [n, output_dim]
+    slots: dict  # slot name -> [n, width]; slots left out start fresh
+    scores: object  # int64 [n], or None (a fresh key's score)
+    rows: object  # int64 [n], or None (placed by the table)
+
+
+class _Checkpoint(NamedTuple):
+    """A layer's saved state, checked before the layer changes."""
+
+    records: _Records
+    geometry: object  # (capacity, bucket_size, seed) of the saving table, or None
+    clock: int
+    iterations: np.ndarray
+    seed_state: np.ndarray
+    admission: object  # (counts, seed) or None
+
+
+def _subset(records, mask):
+    """``records`` restricted to the keys where ``mask`` is True."""
+
+    def pick(a):
+        return None if a is None else a[mask]
+
+    return _Records(
+        records.keys[mask],
+        records.values[mask],
+        {name: value[mask] for name, value in records.slots.items()},
+        pick(records.scores),
+        pick(records.rows),
+    )
+
+
+def _hottest_first(scores, n):
+    """Indices by descending score (ties keep their order); ``arange(n)``
+    without scores."""
+    if scores is None:
+        return np.arange(n)
+    return np.argsort(-scores, kind="stable")
+
+
+def _greedy_rows(b1, b2, order, num_buckets, bucket_size):
+    """Rows in an empty table for keys with candidate buckets ``b1``/``b2``,
+    placed one at a time in ``order``: each takes the lowest free slot of
+    its less loaded bucket (ties: the first), or -1 when both are full.
+
+    One key at a time, so a key is dropped only when both its buckets hold
+    keys placed before it (hotter ones); rounds of vectorized claims could
+    let a colder key take the last slot a hotter one needed.
+    """
+    load = [0] * num_buckets
+    rows = [-1] * len(order)
+    b1, b2 = b1.tolist(), b2.tolist()
+    free = num_buckets * bucket_size
+    for i in order.tolist():
+        if not free:
+            break
+        bucket = b2[i] if load[b2[i]] < load[b1[i]] else b1[i]
+        if load[bucket] < bucket_size:
+            rows[i] = bucket * bucket_size + load[bucket]
+            load[bucket] += 1
+            free -= 1
+    return np.asarray(rows, dtype=np.int64)
+
+
+def _checked_keys(layer, arg, keys):
+    """Flat int64 keys, distinct; TypeError/ValueError naming the layer."""
+    try:
+        keys = _host_keys(keys)
+    except TypeError as e:
+        raise TypeError(f"Layer '{layer}': `{arg}`: {e}.") from None
+    _check_distinct(layer, arg, keys)
+    return keys
+
+
+def _check_distinct(layer, arg, values):
+    unique, counts = np.unique(values, return_counts=True)
+    if len(unique) != len(values):
+        repeated = unique[counts > 1]
+        raise ValueError(
+            f"Layer '{layer}': `{arg}` must be distinct; {len(repeated)} "
+            f"values occur more than once (e.g. {repeated[:3].tolist()})."
+        )
+
+
+def _checked_numbers(layer, arg, value, shape, meaning, finite):
+    """``value`` as a real NumPy array of exactly ``shape``; with ``finite``
+    NaN and inf are refused (they would poison the rows they reach)."""
+    a = host_array(value)
+    if a.dtype.kind not in "fiu" or a.shape != tuple(shape):
+        raise ValueError(
+            f"Layer '{layer}': `{arg}` must be a real array of shape "
+            f"{tuple(shape)} {meaning}; received dtype {a.dtype}, shape "
+            f"{a.shape}."
+        )
+    if finite and a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise ValueError(
+            f"Layer '{layer}': `{arg}` has {int((~np.isfinite(a)).sum())} "
+            "non-finite entries (NaN or inf); import_ stores finite numbers "
+            "only."
+        )
+    return a
+
+
+def _checked_ints(layer, arg, value, n, low, high=None):
+    """``value`` as int64 ``[n]`` within ``[low, high)``."""
+    a = host_array(value)
+    if a.dtype.kind not in "iu" or a.shape != (n,):
+        raise ValueError(
+            f"Layer '{layer}': `{arg}` must be an integer array of shape "
+            f"({n},), one per key; received dtype {a.dtype}, shape {a.shape}."
+        )
+    a = a.astype(np.int64)
+    if n and (a.min() < low or (high is not None and a.max() >= high)):
+        valid = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(
+            f"Layer '{layer}': `{arg}` must be {valid}; received values from "
+            f"{a.min()} to {a.max()}."
+        )
+    return a
+
+
+def _import_drop_reason(layer, n, stored):
+    """Why `import_` through the table's placement stored fewer than ``n``."""
+    capacity = layer.table.capacity
+    offered = min(n, capacity)
+    parts = []
+    if n > offered:
+        parts.append(
+            f"{n - offered} keys, the coldest by score (the last ones without "
+            f"scores), exceed the capacity of {capacity} and were not offered."
+        )
+    if offered > stored:
+        parts.append(
+            f"{offered - stored} keys found both of their candidate buckets "
+            f"({layer.table.bucket_size} rows each) full of keys imported "
+            "by this call (hotter ones first)."
+        )
+    return " ".join(parts)
+
+
+def _load_drop_message(layer, saved_geometry, n, kept):
+    """The warning of a load that could not place every saved key."""
+    table = layer.table
+    parts = [
+        f"Layer '{layer.name}': {n - kept} of {n} saved keys were dropped on "
+        f"load; {kept} were restored with their vectors, optimizer slots and "
+        "scores."
+    ]
+    if n > table.capacity:
+        parts.append(f"The table's capacity ({table.capacity}) is below {n}.")
+    parts.append(
+        f"A key can only use its two candidate buckets ({table.bucket_size} "
+        "rows each); keys were placed hottest first (by score) and each "
+        "dropped key found both of its buckets full of hotter keys."
+    )
+    if saved_geometry is None:
+        parts.append("The checkpoint has no saved rows, so keys were re-placed.")
+    else:
+        parts.append(
+            f"Saved from a table with (capacity, bucket_size, seed)="
+            f"{saved_geometry}; this one has {layer._geometry()}."
+        )
+    return " ".join(parts)
