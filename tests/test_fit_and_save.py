@@ -217,3 +217,35 @@ def test_checkpoint_missing_a_variable_is_refused(tmp_path):
         sparse.load_weights(path)
     for old, new in zip(before, emb.get_weights(), strict=True):
         np.testing.assert_array_equal(old, new)
+
+
+class AllToAllDenseEmbedding(ks.AllToAllDenseEmbedding):
+    """Saves as keras_sparse 0.1 did: Keras placed the layer's weights under
+    its class name ("all_to_all_dense_embedding") and the table was stored
+    under the key "embeddings"."""
+
+    def save_own_variables(self, store):
+        store["embeddings"] = self.embeddings.numpy()
+
+
+@pytest.mark.parametrize("file_name", ["old.weights.h5", "old.keras"])
+def test_files_of_version_0_1_still_load(tmp_path, file_name):
+    def model(cls):
+        ids = keras.Input((2,), dtype="int32")
+        first = cls(20, 4, name="first")(ids)
+        second = cls(7, 4, name="second")(ids)
+        return keras.Model(ids, keras.layers.Add()([first, second]))
+
+    old = model(AllToAllDenseEmbedding)
+    path = str(tmp_path / file_name)
+    if file_name.endswith(".keras"):
+        old.save(path)
+    else:
+        old.save_weights(path)
+    new = model(ks.AllToAllDenseEmbedding)
+    new.load_weights(path)
+    for name in ("first", "second"):
+        np.testing.assert_array_equal(
+            new.get_layer(name).embeddings.numpy(),
+            old.get_layer(name).embeddings.numpy(),
+        )

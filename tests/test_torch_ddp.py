@@ -125,15 +125,21 @@ def _hash_case(rank, world):
     emb = ks.DistributedHashEmbedding(4, capacity=64, optimizer="sgd", name="hashed")
     model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
     x, y = _data(False, BATCH * world)
-    return _caught(
+    error = _caught(
         lambda: _train(model, DistributedDataParallel(model), x, y, rank, world)
     )
+    # The refusal comes before the layer changes anything.
+    steps = int(keras.ops.convert_to_numpy(emb.sparse_iterations))
+    return f"{error} [size={emb.table.size} steps={steps}]"
 
 
 def _no_ddp_case(rank, world):
     model = _model("sgd", None)
     x, y = _data(False, BATCH * world)
-    return _caught(lambda: _train(model, model, x, y, rank, world))
+    error = _caught(lambda: _train(model, model, x, y, rank, world))
+    layer = model.get_layer("emb")
+    steps = int(keras.ops.convert_to_numpy(layer.sparse_iterations))
+    return f"{error} [steps={steps}]"
 
 
 def _train_all(rank, world):
@@ -237,9 +243,11 @@ def test_hash_embedding_raises(runs):
     for _, errors in runs[0]:
         message = errors["hash"]
         assert "'hashed'" in message and "DistributedDataParallel" in message
+        assert message.endswith("[size=0 steps=0]"), message
 
 
 def test_training_without_ddp_raises(runs):
     for _, errors in runs[0]:
         message = errors["no_ddp"]
         assert "'emb'" in message and "DistributedDataParallel" in message
+        assert message.endswith("[steps=0]"), message

@@ -23,8 +23,8 @@ def _check_positive_int(layer_name, name, value):
         )
 
 
-def _refuse_with_sparse_optimizer(layer_name, argument, value):
-    raise ValueError(
+def _refuse_with_sparse_optimizer(layer_name, argument, value, error=ValueError):
+    raise error(
         f"Layer '{layer_name}': `{argument}`={value!r} needs optimizer=None. "
         "LoRA and quantized tables are Keras Embedding features whose "
         "variables the model's optimizer trains (or nothing trains); a "
@@ -161,28 +161,12 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if self.quantization_mode:  # Keras's int8/int4 variables
             keras.layers.Embedding.build(self, input_shape)
             return
-        sparse = self.uses_sparse_update
-        # On JAX the updated table travels back as the table's "gradient" and
-        # the Keras optimizer assigns it (overwrite_with_gradient); elsewhere
-        # the backward pass writes the variables itself.
-        on_jax = keras.backend.backend() == "jax"
-        # --- keras_sparse.sharding hook: row-sharded tables whose rows do not
-        # divide by the device count get zero padding rows (never looked up).
-        rows = _sharding.variable_rows(self)
-        self._embeddings = self.add_weight(
-            shape=(rows, self.output_dim),
-            initializer=_sharding.table_initializer(self, rows),
-            regularizer=None if sparse else self.embeddings_regularizer,
-            constraint=None if sparse else self.embeddings_constraint,
-            trainable=(not sparse) or on_jax,
-            autocast=False,
-            name="embeddings",
-        )
-        if sparse:
-            self._build_sparse_state(on_jax, rows, self._embeddings)
+        self._embeddings = self._build_table()
         self.built = True
         if self.lora_rank:
-            self.enable_lora(self.lora_rank, self.lora_alpha)
+            # As keras.layers.Embedding.build: the rank alone (so lora_alpha
+            # becomes the rank, exactly as there).
+            self.enable_lora(self.lora_rank)
 
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
@@ -199,7 +183,10 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if type_check and type(self) is not Embedding:
             raise self._not_implemented_error(self.quantize)
         if self.uses_sparse_update:
-            _refuse_with_sparse_optimizer(self.name, "quantize", mode)
+            # NotImplementedError: Model.quantize skips such layers.
+            _refuse_with_sparse_optimizer(
+                self.name, "quantize", mode, NotImplementedError
+            )
         keras.layers.Embedding.quantize(self, mode, type_check=False, config=config)
 
     # ------------------------------------------------------------------ call
@@ -217,8 +204,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             return inputs.with_flat_values(out)
         return self._embed(inputs, weights, training)
 
-    def _embed(self, inputs, weights, training):
-        ids, weights, valid = input_forms.fixed_vocabulary_ids(
+    def _ids(self, inputs, weights):
+        """``(ids, weights, valid)`` of any accepted input form."""
+        return input_forms.fixed_vocabulary_ids(
             self.name,
             inputs,
             weights,
@@ -227,6 +215,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             self.mask_zero,
             cast=True,
         )
+
+    def _embed(self, inputs, weights, training):
+        ids, weights, valid = self._ids(inputs, weights)
         rows = self.lookup_rows(ids, valid, training)
         out = self.combine(rows, weights, valid)
         return ops.cast(out, self.compute_dtype)
@@ -240,15 +231,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             and not input_forms.is_ragged_or_sparse(inputs)
         ):
             return keras_call(self, inputs, training=training)
-        ids, weights, valid = input_forms.fixed_vocabulary_ids(
-            self.name,
-            inputs,
-            weights,
-            self.input_dim,
-            self.combiner,
-            self.mask_zero,
-            cast=True,
-        )
+        ids, weights, valid = self._ids(inputs, weights)
         safe = ops.where(valid, ids, ops.zeros_like(ids))
         rows = keras_call(self, safe, training=training)
         rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
@@ -293,6 +276,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             keras.layers.Embedding.load_own_variables(self, store)
             return
         named = self._named_variables()
+        if not len(store.keys()):
+            store = _store_of_version_0_1(store)
         keys = set(store.keys())
         if "0" not in keys and "embeddings" in keys:  # files of keras_sparse 0.1
             named["embeddings"] = named.pop("0")
@@ -321,6 +306,28 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         config = super().get_config()
         config.update({"input_dim": self.input_dim, "mask_zero": self.mask_zero})
         return config
+
+
+def _store_of_version_0_1(store):
+    """The layer's entry in a Keras file of keras_sparse 0.1, else ``store``.
+
+    That version's class was named ``AllToAllDenseEmbedding``, so Keras files
+    placed its weights at ``.../all_to_all_dense_embedding[_N]`` where they
+    now place them at ``.../embedding[_N]`` (the N-th drop-in of a container
+    in both; a model mixing it with keras.layers.Embedding numbers them
+    together now). Keras's H5 store can be pointed at another path.
+    """
+    path = getattr(store, "_h5_entry_path", None)
+    if not path or not callable(getattr(store, "get", None)):
+        return store
+    head, _, last = path.rpartition("/")
+    if not last.startswith("embedding"):
+        return store
+    legacy = f"{head}/all_to_all_dense_{last}" if head else f"all_to_all_dense_{last}"
+    try:
+        return store.get(legacy)
+    except (ValueError, KeyError, OSError):
+        return store
 
 
 # The public name. The class itself is named ``Embedding`` because Keras

@@ -17,6 +17,7 @@ from keras_sparse.layers.host_keys import to_numpy as _to_numpy
 from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+from keras_sparse.ops import check_replicated_training
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
 
@@ -412,6 +413,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         return form.ids, form.weights, form.present
 
     def call(self, inputs, weights=None, training=None):
+        if training and self.trainable:
+            # Before the table changes: replicas (tf.distribute, torch DDP)
+            # would each map their own keys, so they are refused here.
+            check_replicated_training(self.name, maps_keys=True)
         # --- prepared-input fast path (keras_sparse.data.prefetch) begin
         if getattr(self, "_prepared_inputs", 0):
             return self._call_prepared(inputs, weights, training)

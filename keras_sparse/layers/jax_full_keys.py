@@ -138,7 +138,7 @@ class _ModelFeeds(NamedTuple):
     hash_feeds: list  # feeds of the hash layers whose keys get queued
     problem: str  # why the hash layers' inputs cannot be found, or None
     has_hash: bool
-    fixed_layers: list  # names of fixed-vocabulary layers (ids < 2**31)
+    fixed_layers: list  # (name, ModelInput) read by fixed-vocabulary layers
 
     @property
     def active(self):
@@ -175,26 +175,47 @@ def _has_hash_layers(model):
 
 
 def _fixed_layers(model):
+    """``[(layer name, ModelInput)]``: the model inputs that fixed-vocabulary
+    layers (ids < 2**31) read directly. Inputs reaching them through other
+    layers are not followed (those layers decide what the ids become)."""
+    from keras import tree
+
     from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
     from keras_sparse.layers.embedding_collection import EmbeddingCollection
+    from keras_sparse.layers.model_feeds import model_inputs
 
     kinds = (AllToAllDenseEmbedding, EmbeddingCollection)
-    return [
-        layer.name
+    layers = [
+        layer
         for layer in model._flatten_layers(include_self=False, recursive=True)
         if isinstance(layer, kinds)
     ]
+    if not layers:
+        return []
+    inputs = model_inputs(model)
+    fed = []
+    for layer in layers:
+        for node in getattr(layer, "_inbound_nodes", []):
+            if not node.arguments.args:
+                continue
+            for t in tree.flatten(node.arguments.args[0]):
+                if id(t) in inputs:
+                    fed.append((layer.name, inputs[id(t)]))
+    return fed
 
 
-def _check_ids_fit(model, x, fixed_layers, exempt=()):
-    """Refuses int64 ids beyond int32 in a batch of a model with
-    fixed-vocabulary layers: the step would see them wrapped to 32 bits
-    (``2**32 + 5`` as 5) and train that row. ``exempt``: ids of the arrays
-    that are hash keys (queued whole for their layers)."""
-    from keras import tree
+def _check_ids_fit(model, x, fixed_layers):
+    """Refuses int64 ids beyond int32 that fixed-vocabulary layers read: the
+    step would see them wrapped to 32 bits (``2**32 + 5`` as 5) and train
+    that row."""
+    from keras_sparse.layers.model_feeds import array_at
 
-    for a in tree.flatten(x):
-        if not _is_wide(a) or not a.size or id(a) in exempt:
+    for name, model_input in fixed_layers:
+        try:
+            a = array_at(x, model_input.find(x))
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue  # not in this batch: Keras reports that itself
+        if not _is_wide(a) or not a.size:
             continue
         bad = a > _INT32.max
         if a.dtype != np.uint64:
@@ -203,12 +224,12 @@ def _check_ids_fit(model, x, fixed_layers, exempt=()):
             first = int(a[bad].reshape(-1)[0])
             wrapped = (first + 2**31) % 2**32 - 2**31
             raise ValueError(
-                f"Model '{model.name}': id {first} ({a.dtype}) is beyond the "
-                "int32 range. JAX without `jax_enable_x64` would wrap it to "
-                f"{wrapped} in the compiled "
-                f"step, where layer(s) {fixed_layers} would read and train "
-                "that row. Ids of AllToAllDenseEmbedding / EmbeddingCollection "
-                "must lie in [0, input_dim); nothing was trained."
+                f"Model '{model.name}': id {first} ({a.dtype}) for layer "
+                f"'{name}' is beyond the int32 range. JAX without "
+                f"`jax_enable_x64` would wrap it to {wrapped} in the compiled "
+                "step and train that row, so the step is not run. Ids of "
+                "AllToAllDenseEmbedding / EmbeddingCollection must lie in "
+                "[0, input_dim)."
             )
 
 
@@ -247,7 +268,6 @@ def note_batch(model, batch):
     if model_feeds.problem is not None:
         _check_fits_int32(model, x, model_feeds.problem)
         return
-    queued = set()
     for feed in model_feeds.hash_feeds:
         if getattr(feed.layer, "_prepared_inputs", 0):
             continue  # a prefetch stage already mapped these keys
@@ -259,10 +279,9 @@ def note_batch(model, batch):
             _check_fits_int32(model, x, f"layer '{feed.layer.name}': {e}")
             continue
         if _is_wide(keys):
-            queued.add(id(keys))
             key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
     if model_feeds.fixed_layers:
-        _check_ids_fit(model, x, model_feeds.fixed_layers, queued)
+        _check_ids_fit(model, x, model_feeds.fixed_layers)
 
 
 def _clear_queues(model):
@@ -310,7 +329,9 @@ def _precheck(model, args, kwargs):
             continue
         if model_feeds.problem is not None:
             _check_fits_int32(model, data, model_feeds.problem)
-        elif model_feeds.fixed_layers and not model_feeds.has_hash:
+        elif model_feeds.fixed_layers:
+            # Up front: a batch refused inside Keras's JAX loop would leave
+            # the model's variables detached.
             _check_ids_fit(model, data, model_feeds.fixed_layers)
 
 

@@ -11,6 +11,7 @@ from keras import ops
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.layers import pooling
 from keras_sparse.ops import backend_module
+from keras_sparse.ops import check_replicated_training
 from keras_sparse.sharding import keras_integration as _sharding  # sharding hook
 
 SHARDING_CHOICES = ("auto", "data", "table", "row", "column")
@@ -65,6 +66,11 @@ class SparseEmbeddingBase(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
+        self.embeddings = self._build_table()
+        self.built = True
+
+    def _build_table(self):
+        """The table variable (plus, with a sparse optimizer, its slots)."""
         sparse = self.uses_sparse_update
         # On JAX the updated table travels back as the table's "gradient" and
         # the Keras optimizer assigns it (overwrite_with_gradient); elsewhere
@@ -73,7 +79,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
         # --- keras_sparse.sharding hook: row-sharded tables whose rows do not
         # divide by the device count get zero padding rows (never looked up).
         rows = _sharding.variable_rows(self)
-        self.embeddings = self.add_weight(
+        table = self.add_weight(
             shape=(rows, self.output_dim),
             initializer=_sharding.table_initializer(self, rows),
             regularizer=None if sparse else self.embeddings_regularizer,
@@ -83,8 +89,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
             name="embeddings",
         )
         if sparse:
-            self._build_sparse_state(on_jax, rows, self.embeddings)
-        self.built = True
+            self._build_sparse_state(on_jax, rows, table)
+        return table
 
     def _build_sparse_state(self, on_jax, rows, table):
         """Slots, step counter (and off JAX an anchor) beside ``table``."""
@@ -224,6 +230,8 @@ def sparse_step(layer, training):
         return None
     iterations = ops.convert_to_tensor(layer.sparse_iterations)
     if update:
+        # Before the counter moves: what replicas cannot train raises here.
+        check_replicated_training(layer.name)
         # A fresh tensor: on torch the assign below updates the
         # variable's storage in place before the backward pass runs.
         next_iterations = iterations + 1

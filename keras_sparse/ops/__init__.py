@@ -22,6 +22,24 @@ def backend_module():
     return importlib.import_module(_MODULES[name])
 
 
+def check_replicated_training(layer_name, maps_keys=False):
+    """Raises, before a training call changes any state, where the backend's
+    replicas (tf.distribute, torch DDP) could not train the layer exactly.
+
+    ``maps_keys``: the layer maps keys to rows on the host (a hash layer),
+    which replicas would each do on their own.
+    """
+    check = getattr(backend_module(), "check_replicated_training", None)
+    if check is not None:
+        check(layer_name, maps_keys)
+
+
+def variable_layer_name(variable):
+    """The owning layer's name, from the variable's path ("layer/embeddings")."""
+    path = getattr(variable, "path", None) or getattr(variable, "name", "?")
+    return path.rsplit("/", 1)[0]
+
+
 def lookup_with_sparse_update(*args, **kwargs):
     """Gathers rows; the backward pass applies the sparse optimizer in place.
 

@@ -16,6 +16,8 @@ from keras_sparse.ops.row_updates import fill_unused_entries
 
 # Scales a layer's row-regularizer penalty (see `tf_replicas.replica_count`).
 replica_count = tf_replicas.replica_count
+# Refuses, before any state changes, what replicas cannot train exactly.
+check_replicated_training = tf_replicas.check_replicated_training
 
 
 def _tf_variable(var):

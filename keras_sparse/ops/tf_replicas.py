@@ -14,16 +14,12 @@ sum to the one-device gradient (as tf.distribute sums dense gradients).
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from keras_sparse.ops import variable_layer_name
+
 # Strategies whose variables are plain mirrors updated per replica and whose
 # training this module is tested under; others (MultiWorkerMirroredStrategy,
 # TPUStrategy, ParameterServerStrategy) raise rather than train unverified.
 _SUPPORTED = (tf.distribute.MirroredStrategy,)
-
-
-def layer_name(table_var):
-    """The owning layer's name, from the variable's path ("layer/embeddings")."""
-    path = getattr(table_var, "path", None) or getattr(table_var, "name", "?")
-    return path.rsplit("/", 1)[0]
 
 
 def replica_count():
@@ -38,28 +34,31 @@ def replica_count():
     return tf.distribute.get_replica_context().num_replicas_in_sync
 
 
-def replica_context(table_var, reset):
-    """The replica context to gather over, or None when there is one replica.
-
-    Raises a clear error for what cannot train exactly on several replicas:
-    a strategy other than MirroredStrategy, an XLA-compiled step, and rows
-    re-initialized in the step (``reset``, the dynamic-vocabulary layer: each
-    replica maps its own keys to rows on the host, so replicas would assign
-    rows differently).
-    """
+def _multi_replica_context():
+    """The replica context when there is more than one replica, else None."""
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return None
+    return context
+
+
+def check_replicated_training(name, maps_keys):
+    """Raises a clear error for what cannot train exactly on several
+    replicas: a strategy other than MirroredStrategy, an XLA-compiled step,
+    and a layer that maps keys to rows on the host (``maps_keys``: each
+    replica would map its own keys, so the replicas' tables would differ)."""
+    context = _multi_replica_context()
+    if context is None:
+        return
     strategy = tf.distribute.get_strategy()
-    name = layer_name(table_var)
+    where = f"{type(strategy).__name__} ({context.num_replicas_in_sync} replicas)"
     if not isinstance(strategy, _SUPPORTED):
         raise NotImplementedError(
-            f"Layer '{name}': a sparse `optimizer` cannot train under "
-            f"{type(strategy).__name__} ({context.num_replicas_in_sync} "
-            "replicas); use tf.distribute.MirroredStrategy, or "
-            "`optimizer=None` for dense gradients."
+            f"Layer '{name}': a sparse `optimizer` cannot train under {where}; "
+            "use tf.distribute.MirroredStrategy, or `optimizer=None` for "
+            "dense gradients."
         )
     if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         # Seen on CPU devices: ReplicaContext.all_gather inside an XLA
@@ -67,20 +66,26 @@ def replica_context(table_var, reset):
         # wrong; on GPUs it is unverified.
         raise NotImplementedError(
             f"Layer '{name}': a sparse `optimizer` cannot train in an "
-            f"XLA-compiled step under {type(strategy).__name__} "
-            f"({context.num_replicas_in_sync} replicas): its all-gather of the "
+            f"XLA-compiled step under {where}: its all-gather of the "
             "replicas' ids and gradients needs a step without XLA. Compile "
             "the model with jit_compile=False."
         )
-    if reset is not None:
+    if maps_keys:
         raise NotImplementedError(
             f"Layer '{name}': DistributedHashEmbedding cannot train under "
-            f"{type(strategy).__name__} ({context.num_replicas_in_sync} "
-            "replicas): each replica would map its own keys to rows on the "
+            f"{where}: each replica would map its own keys to rows on the "
             "host, so the replicas' tables would differ. Train it on one "
             "device (no strategy, or tf.distribute.OneDeviceStrategy), or on "
             "the JAX backend with keras_sparse.distribution."
         )
+
+
+def replica_context(table_var, reset):
+    """The replica context to gather over, or None when there is one replica
+    (raising as `check_replicated_training` does)."""
+    context = _multi_replica_context()
+    if context is not None:
+        check_replicated_training(variable_layer_name(table_var), reset is not None)
     return context
 
 

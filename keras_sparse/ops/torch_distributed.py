@@ -15,17 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from keras_sparse.ops import variable_layer_name
+
 # torch.distributed running without DDP around the model is refused, since
 # nothing would keep the tables equal across processes. True lets each
 # process update its own tables from its own batch only (e.g. processes that
 # train independent models).
 ALLOW_LOCAL_UPDATES = False
-
-
-def layer_name(table_var):
-    """The owning layer's name, from the variable's path ("layer/embeddings")."""
-    path = getattr(table_var, "path", None) or getattr(table_var, "name", "?")
-    return path.rsplit("/", 1)[0]
 
 
 def _active_ddp():
@@ -47,23 +43,25 @@ def replica_count():
     return dist.get_world_size(ddp.process_group)
 
 
-def replica_group(table_var, reset):
-    """The DDP process group to gather over, or None for a local update.
-
-    Called in the forward pass, where DDP marks itself active. Raises a clear
-    error for what cannot train exactly on several processes: rows
-    re-initialized in the step (``reset``, the dynamic-vocabulary layer,
-    whose processes each map their own keys to rows on the host) and a
-    multi-process run without DDP (unless `ALLOW_LOCAL_UPDATES`).
-    """
+def _group_and_world():
+    """``(DDP process group or None, processes)``; world 1 when not running."""
     if not (dist.is_available() and dist.is_initialized()):
-        return None
+        return None, 1
     ddp = _active_ddp()
     group = ddp.process_group if ddp is not None else None
-    world = dist.get_world_size(group)
+    return group, dist.get_world_size(group)
+
+
+def check_replicated_training(name, maps_keys):
+    """Raises a clear error for what cannot train exactly on several
+    processes: a layer that maps keys to rows on the host (``maps_keys``:
+    each process would map its own keys) and a multi-process run without
+    DDP (unless `ALLOW_LOCAL_UPDATES`). Called before the layer changes any
+    state, and again in the lookup's forward pass."""
+    group, world = _group_and_world()
+    ddp = _active_ddp()
     if world == 1 or (ddp is None and ALLOW_LOCAL_UPDATES):
-        return None
-    name = layer_name(table_var)
+        return
     if ddp is None:
         raise RuntimeError(
             f"Layer '{name}': torch.distributed runs {world} processes, but "
@@ -73,7 +71,7 @@ def replica_group(table_var, reset):
             "set keras_sparse.ops.torch_distributed.ALLOW_LOCAL_UPDATES = "
             "True if the processes train independent tables."
         )
-    if reset is not None:
+    if maps_keys:
         raise NotImplementedError(
             f"Layer '{name}': DistributedHashEmbedding cannot train under "
             f"DistributedDataParallel ({world} processes): each process maps "
@@ -81,6 +79,15 @@ def replica_group(table_var, reset):
             "tables would differ. Train it in one process, or on the JAX "
             "backend with keras_sparse.distribution."
         )
+
+
+def replica_group(table_var, reset):
+    """The DDP process group to gather over, or None for a local update
+    (raising as `check_replicated_training` does)."""
+    check_replicated_training(variable_layer_name(table_var), reset is not None)
+    group, world = _group_and_world()
+    if world == 1 or _active_ddp() is None:
+        return None
     return group
 
 

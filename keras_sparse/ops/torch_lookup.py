@@ -15,6 +15,8 @@ from keras_sparse.ops.row_updates import fill_unused_entries
 
 # Scales a layer's row-regularizer penalty (see `torch_distributed.replica_count`).
 replica_count = torch_distributed.replica_count
+# Refuses, before any state changes, what replicas cannot train exactly.
+check_replicated_training = torch_distributed.check_replicated_training
 
 
 def gather_valid(table, ids, valid):
