@@ -43,7 +43,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     both ways, float ids cast to int32), except that in eager calls a
     non-integral float id or an id outside ``[0, input_dim)`` raises, and
     that in compiled steps an out-of-range id reads zeros (Keras: NaN on
-    JAX, an error on CPU for TensorFlow and PyTorch). The class is named
+    JAX, an error on CPU for TensorFlow and PyTorch); quantized layers look
+    ids up with Keras's own int8/int4 code and its rules. The class is named
     ``Embedding`` (so Keras files place its weights where they place
     `keras.layers.Embedding`'s); ``AllToAllDenseEmbedding`` is its public name.
 
