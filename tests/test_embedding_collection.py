@@ -167,3 +167,23 @@ def test_bad_inputs_name_layer_and_table():
         ks.EmbeddingCollection({"x/y": ks.TableConfig(3, 2)})
     with pytest.raises(ValueError, match="non-empty dict"):
         ks.EmbeddingCollection({})
+
+
+def test_checkpoint_missing_an_entry_is_refused_and_changes_nothing():
+    tables = {"a": ks.TableConfig(10, 2), "b": ks.TableConfig(6, 2)}
+    plain = ks.EmbeddingCollection(tables, name="features")
+    plain.build()
+    store = {}
+    plain.save_own_variables(store)
+    sparse = ks.EmbeddingCollection(tables, optimizer="adagrad", name="features")
+    sparse.build()
+    before = [np.array(keras.ops.convert_to_numpy(v)) for v in sparse.weights]
+    with pytest.raises(ValueError, match=r"features.*no \[.*'a:slot_accumulator'"):
+        sparse.load_own_variables(store)
+    full = {}
+    sparse.save_own_variables(full)
+    bad = dict(full, **{"b:embeddings": np.zeros((5, 2), "float32")})
+    with pytest.raises(ValueError, match=r"table 'b'.*shape \(6, 2\)"):
+        sparse.load_own_variables(bad)
+    for old, new in zip(before, sparse.weights, strict=True):
+        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(new))

@@ -467,25 +467,39 @@ class EmbeddingCollection(keras.layers.Layer):
             store["sparse_iterations"] = self.sparse_iterations.numpy()
 
     def load_own_variables(self, store):
+        # Every entry the layer needs, or nothing is loaded (as Keras refuses
+        # a file with missing variables).
+        needed = [
+            f"{name}:{var_name}"
+            for name in self.tables
+            for var_name in self._named_stack_variables(self._stack_of(name))
+        ]
+        if self.uses_sparse_update:
+            needed.append("sparse_iterations")
+        missing = [key for key in needed if key not in store]
+        if missing:
+            raise ValueError(
+                f"Layer '{self.name}': the saved state has no {missing}; "
+                "nothing was loaded. A collection saved without a sparse "
+                "optimizer cannot restore one's slots: build it as it was "
+                "saved, load, then change it."
+            )
         values = {}
         for name in self.tables:
-            if f"{name}:embeddings" not in store:
-                raise ValueError(
-                    f"Layer '{self.name}': the saved state has no table "
-                    f"'{name}' (key '{name}:embeddings')."
-                )
             stack = self._stack_of(name)
             values[name] = {
                 var_name: store[f"{name}:{var_name}"]
                 for var_name in self._named_stack_variables(stack)
-                if f"{name}:{var_name}" in store
             }
         self._assign_tables(values)
-        if self.uses_sparse_update and "sparse_iterations" in store:
+        if self.uses_sparse_update:
             self.sparse_iterations.assign(store["sparse_iterations"])
 
     def _assign_tables(self, values):
-        """``values``: ``{table: {"embeddings"|"slot_<name>": array}}``."""
+        """``values``: ``{table: {"embeddings"|"slot_<name>": array}}``.
+
+        Every shape is checked before any variable changes."""
+        updates = []
         for stack in self.stacks:
             todo = [n for n in stack.tables if n in values]
             if not todo:
@@ -506,7 +520,9 @@ class EmbeddingCollection(keras.layers.Layer):
                         )
                     start = stack.offsets[name]
                     full[start : start + want[0]] = value
-                variable.assign(full)
+                updates.append((variable, full))
+        for variable, full in updates:
+            variable.assign(full)
 
     def quantize(self, mode=None, **kwargs):
         raise NotImplementedError(
