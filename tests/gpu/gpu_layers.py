@@ -19,9 +19,9 @@ def require_real_gpu(what):
         pytest.skip(f"{what} needs a real GPU (CUDA is emulated here)")
 
 
-def require_cuda_and_jax():
-    """Skips the calling test module unless CuPy sees a GPU (or the CPU
-    emulation of one) and Keras runs JAX."""
+def require_cuda():
+    """``cupy``; skips the calling test module unless CuPy sees a GPU (or
+    the CPU emulation of one)."""
     cp = pytest.importorskip("cupy", reason="CuPy is not installed; GPU tests skipped")
     try:
         n_gpus = cp.cuda.runtime.getDeviceCount()
@@ -29,6 +29,13 @@ def require_cuda_and_jax():
         n_gpus = 0
     if n_gpus == 0:
         pytest.skip("CuPy sees no CUDA device", allow_module_level=True)
+    return cp
+
+
+def require_cuda_and_jax():
+    """Skips the calling test module unless CuPy sees a GPU (or the CPU
+    emulation of one) and Keras runs JAX."""
+    cp = require_cuda()
     if os.environ.get("KERAS_BACKEND", "jax") != "jax":
         pytest.skip("GPU layer tests run on the JAX backend", allow_module_level=True)
     return cp

@@ -5,18 +5,9 @@ import warnings
 import numpy as np
 import pytest
 
-cp = pytest.importorskip(
-    "cupy", reason="CuPy is not installed; GPU hash table tests skipped"
-)
-try:
-    _n_gpus = cp.cuda.runtime.getDeviceCount()
-except Exception:  # CUDA driver missing
-    _n_gpus = 0
-if _n_gpus == 0:
-    pytest.skip(
-        "CuPy sees no CUDA device; GPU hash table tests skipped",
-        allow_module_level=True,
-    )
+from tests.gpu.gpu_layers import require_cuda
+
+cp = require_cuda()
 
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding  # noqa: E402
 from keras_sparse.table import HashTable  # noqa: E402

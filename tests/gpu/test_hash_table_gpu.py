@@ -5,18 +5,9 @@ import sys
 
 import pytest
 
-cp = pytest.importorskip(
-    "cupy", reason="CuPy is not installed; GPU hash table tests skipped"
-)
-try:
-    _n_gpus = cp.cuda.runtime.getDeviceCount()
-except Exception:  # CUDA driver missing
-    _n_gpus = 0
-if _n_gpus == 0:
-    pytest.skip(
-        "CuPy sees no CUDA device; GPU hash table tests skipped",
-        allow_module_level=True,
-    )
+from tests.gpu.gpu_layers import require_cuda
+
+cp = require_cuda()
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from test_hash_table import *  # noqa: E402,F401,F403  (same test functions, GPU fixture below)
