@@ -15,6 +15,11 @@ Public API:
     share_gpu_memory: split each GPU between the backend and CuPy hash tables.
     data: the async prefetching input stage (`data.prefetch`) and synthetic
         Criteo-like data for examples and benchmarks.
+
+Layering: ``table <- ops <- layers <- sharding <- data``; a module never
+imports one of a higher layer (the import-linter contract in pyproject.toml,
+checked by tests/test_layering.py, lists the few sharding hooks the layers
+still call).
 """
 
 from keras_sparse import data
