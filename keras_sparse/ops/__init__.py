@@ -34,6 +34,17 @@ def check_replicated_training(layer_name, maps_keys=False):
         check(layer_name, maps_keys)
 
 
+def hash_layer_refusal(name, where, advice):
+    """The error for a hash layer on replicas that each map their own keys
+    (tf.distribute, torch DDP): the replicas' tables would differ."""
+    return NotImplementedError(
+        f"Layer '{name}': DistributedHashEmbedding cannot train under {where}: "
+        "each replica maps its own keys to rows in its own host table, so "
+        f"the replicas' tables would differ. Train it {advice}, or on the JAX "
+        "backend with keras_sparse.distribution."
+    )
+
+
 def variable_layer_name(variable):
     """The owning layer's name, from the variable's path ("layer/embeddings")."""
     path = getattr(variable, "path", None) or getattr(variable, "name", "?")

@@ -14,6 +14,7 @@ sum to the one-device gradient (as tf.distribute sums dense gradients).
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from keras_sparse.ops import hash_layer_refusal
 from keras_sparse.ops import variable_layer_name
 
 # Strategies whose variables are plain mirrors updated per replica and whose
@@ -71,12 +72,10 @@ def check_replicated_training(name, maps_keys):
             "the model with jit_compile=False."
         )
     if maps_keys:
-        raise NotImplementedError(
-            f"Layer '{name}': DistributedHashEmbedding cannot train under "
-            f"{where}: each replica would map its own keys to rows on the "
-            "host, so the replicas' tables would differ. Train it on one "
-            "device (no strategy, or tf.distribute.OneDeviceStrategy), or on "
-            "the JAX backend with keras_sparse.distribution."
+        raise hash_layer_refusal(
+            name,
+            where,
+            "on one device (no strategy, or tf.distribute.OneDeviceStrategy)",
         )
 
 

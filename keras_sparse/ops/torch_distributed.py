@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from keras_sparse.ops import hash_layer_refusal
 from keras_sparse.ops import variable_layer_name
 
 # torch.distributed running without DDP around the model is refused, since
@@ -72,13 +73,8 @@ def check_replicated_training(name, maps_keys):
             "True if the processes train independent tables."
         )
     if maps_keys:
-        raise NotImplementedError(
-            f"Layer '{name}': DistributedHashEmbedding cannot train under "
-            f"DistributedDataParallel ({world} processes): each process maps "
-            "its own keys to rows in its own host table, so the processes' "
-            "tables would differ. Train it in one process, or on the JAX "
-            "backend with keras_sparse.distribution."
-        )
+        where = f"DistributedDataParallel ({world} processes)"
+        raise hash_layer_refusal(name, where, "in one process")
 
 
 def replica_group(table_var, reset):
