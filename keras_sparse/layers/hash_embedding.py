@@ -14,12 +14,15 @@ from keras_sparse.layers.hash_records import HashRecords
 from keras_sparse.layers.host_keys import host_keys as _host_keys
 from keras_sparse.layers.host_keys import string_kind as _string_kind
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.keyed_fresh_rows import keyed_fresh_values
 from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.ops import check_replicated_training
+from keras_sparse.sharding import keras_integration as _sharding  # sharding hook
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
+from keras_sparse.table.sharded_table import key_words
 
 
 def _first_fresh_only(rows, fresh, xp):
@@ -259,9 +262,19 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         # hand the full keys to the host mapping.
         jax_full_keys.install()
 
+    # A key-owned table per device (sharding="key") is possible here only.
+    _key_shardable = True
+
     @property
     def capacity(self):
         return self.table.capacity
+
+    def build(self, input_shape=None):
+        if not self.built:
+            # --- keras_sparse.sharding hook: a table shard per device under
+            # key sharding (before the variables get their row count).
+            _sharding.place_hash_table(self)
+        super().build(input_shape)
 
     # ---------------------------------------------------------------- mapping
     def _lookup_or_insert(self, keys):
@@ -342,6 +355,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         rows, fresh = self._gpu_rows(keys, use, insert)
         return _from_dlpack(rows), _from_dlpack(fresh)
 
+    def _restore_part(self, keys, part, parts):
+        """Full int64 keys of one device's slice of a step's batch (see
+        `jax_full_keys.restore_part`)."""
+        return jax_full_keys.restore_part(self, keys, part, parts)
+
     def _full_keys(self, keys):
         """Keys with the high 32 bits JAX dropped restored (see
         `keras_sparse.layers.jax_full_keys`); other keys pass through."""
@@ -349,18 +367,38 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             return keys
         return jax_full_keys.restore(self, _host_keys(keys))
 
+    def _key_sharded(self):
+        return getattr(self.table, "num_shards", None) is not None
+
     def _map_keys(self, keys, use, insert):
-        """Flat ``(rows, fresh)`` tensors for ``keys``; rows -1 where absent."""
+        """Flat ``(rows, fresh, words)`` for ``keys``; rows -1 where absent.
+
+        ``words`` (int32 ``[n, 2]``, each key's two 32-bit halves) come with
+        a key-sharded table, whose fresh rows are drawn per key
+        (`keyed_fresh_rows`); None otherwise.
+        """
         backend = keras.backend.backend()
         symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
         if not symbolic:
             if self.table.device == "gpu" and not _string_kind(keys):
-                return self._map_on_gpu(keys, use, insert)
+                return self._map_on_gpu(keys, use, insert) + (None,)
+            words = None
+            if self._key_sharded():
+                words = ops.convert_to_tensor(key_words(self._full_keys(keys)))
             rows, fresh = self._map_step_keys(keys, ops.convert_to_numpy(use), insert)
-            return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh)
+            return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), words
         n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
         if backend == "jax":
-            return jax_step_mapping.map_in_step(self, keys, use, insert, n)
+            mapped = _sharding.map_keys_in_step(
+                self,
+                ops.reshape(keys, (-1,)),
+                use,
+                insert,
+                lambda f: jax_step_mapping._failing_once(self, f),
+            )
+            if mapped is not None:
+                return mapped
+            return jax_step_mapping.map_in_step(self, keys, use, insert, n) + (None,)
         if backend == "tensorflow":
             import tensorflow as tf
 
@@ -372,7 +410,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             )
             rows.set_shape((n,))
             fresh.set_shape((n,))
-            return rows, fresh
+            return rows, fresh, None
         raise NotImplementedError(
             f"Layer '{self.name}': compiled steps are not supported on the "
             f"{backend} backend; use jit_compile=False."
@@ -439,9 +477,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         if weights is not None:
             use = ops.logical_and(use, ops.not_equal(weights, 0))
         insert = bool(training) and self.trainable
-        rows, fresh = self._map_keys(keys, ops.reshape(use, (-1,)), insert)
+        rows, fresh, words = self._map_keys(keys, ops.reshape(use, (-1,)), insert)
         valid = rows >= 0
-        return self._vectors_out(rows, valid, fresh, weights, shape, insert)
+        prepared = None if words is None else {"words": words}
+        return self._vectors_out(rows, valid, fresh, weights, shape, insert, prepared)
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) begin
     def _call_prepared(self, codes, weights, training):
@@ -512,15 +551,19 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     # --- prepared-input fast path (keras_sparse.data.prefetch) end
 
     def _train_lookup(self, rows, valid, fresh, prepared):
-        """`lookup_rows` in training, re-initializing the fresh rows first."""
-        init = fresh_row_values(
-            self.embeddings_initializer,
-            fresh,
-            self.output_dim,
-            self.embeddings.dtype,
-            self.seed_generator,
-            fans=(self.num_rows, self.output_dim),
-        )
+        """`lookup_rows` in training, re-initializing the fresh rows first
+        (drawn per key when ``prepared`` has the keys' ``words``)."""
+        words = prepared.pop("words", None)
+        draw_args = (self.output_dim, self.embeddings.dtype, self.seed_generator)
+        fans = (self.num_rows, self.output_dim)
+        if words is None:
+            init = fresh_row_values(
+                self.embeddings_initializer, fresh, *draw_args, fans=fans
+            )
+        else:
+            init = keyed_fresh_values(
+                self.embeddings_initializer, fresh, words, *draw_args, fans
+            )
         return self.lookup_rows(rows, valid, True, reset=(fresh, init), **prepared)
 
     def _vectors_out(self, rows, valid, fresh, weights, shape, insert, prepared=None):
@@ -530,10 +573,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         `_call_prepared`), passed on to `lookup_rows` (which uses segments
         only in training).
         """
-        prepared = prepared or {}
+        prepared = dict(prepared or {})
         if insert:
             vectors = self._train_lookup(rows, valid, fresh, prepared)
         else:
+            prepared.pop("words", None)
             vectors = self.lookup_rows(rows, valid, False, **prepared)
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))

@@ -57,6 +57,7 @@ class _KeyQueue:
 
     def __init__(self):
         self._items = collections.deque()
+        self._parts = {}  # id(entry) -> parts already taken (`take_part`)
         self._lock = threading.Lock()
 
     def __len__(self):
@@ -69,6 +70,7 @@ class _KeyQueue:
     def clear(self):
         with self._lock:
             self._items.clear()
+            self._parts.clear()
 
     def take_match(self, keys, xp=np):
         """Removes and returns the oldest entry whose low 32 bits are ``keys``'.
@@ -89,6 +91,31 @@ class _KeyQueue:
                 if bool((candidate.astype(xp.int32) == low).all()):
                     del self._items[i]
                     return candidate
+        return None
+
+    def take_part(self, keys, part, parts):
+        """The full keys of ``part`` of ``parts`` equal slices of the oldest
+        entry whose slice matches ``keys``' low 32 bits.
+
+        For a step split over ``parts`` local devices, each mapping its own
+        slice (key sharding): an entry leaves the queue once every part was
+        taken. Returns None when no entry matches.
+        """
+        low = keys.astype(np.int32)
+        with self._lock:
+            for i, full in enumerate(self._items):
+                if full.size != low.size * parts:
+                    continue
+                taken = self._parts.setdefault(id(full), set())
+                if part in taken:
+                    continue
+                piece = full.reshape(parts, -1)[part]
+                if bool((piece.astype(np.int32) == low.reshape(-1)).all()):
+                    taken.add(part)
+                    if len(taken) == parts:
+                        del self._items[i]
+                        del self._parts[id(full)]
+                    return piece
         return None
 
 
@@ -124,6 +151,24 @@ def restore(layer, keys, xp=np):
         "64-bit keys queued by the input pipeline. This should not happen; "
         "enable `jax_enable_x64` or use `keras_sparse.data.prefetch` as a "
         "workaround and report the model that triggered it."
+    )
+
+
+def restore_part(layer, keys, part, parts):
+    """`restore` for the slice ``part`` of ``parts`` of a step's batch (the
+    keys one of a process's ``parts`` devices holds); flat int64 NumPy."""
+    q = layer.__dict__.get("_ks_full_key_queue")
+    keys = np.asarray(keys).reshape(-1)
+    if not q:
+        return keys.astype(np.int64)
+    full = q.take_part(keys, part, parts)
+    if full is not None:
+        return full
+    raise KeyMismatchError(
+        f"Layer '{layer.name}': the keys of device slice {part} of {parts} "
+        "match none of the full 64-bit keys queued by the input pipeline. "
+        "This should not happen; enable `jax_enable_x64` as a workaround and "
+        "report the model that triggered it."
     )
 
 

@@ -15,13 +15,15 @@ from keras_sparse.ops import check_replicated_training
 from keras_sparse.sharding import keras_integration as _sharding  # sharding hook
 
 SHARDING_CHOICES = ("auto", "data", "table", "row", "column")
+#: Hash layers may also own their keys per device.
+HASH_SHARDING_CHOICES = SHARDING_CHOICES + ("key",)
 
 
-def check_sharding(layer_name, sharding):
-    if sharding not in SHARDING_CHOICES:
+def check_sharding(layer_name, sharding, choices=SHARDING_CHOICES):
+    if sharding not in choices:
         raise ValueError(
             f"Layer '{layer_name}': unknown `sharding`={sharding!r}. Valid "
-            f"choices are {', '.join(repr(c) for c in SHARDING_CHOICES)}."
+            f"choices are {', '.join(repr(c) for c in choices)}."
         )
 
 
@@ -52,7 +54,12 @@ class SparseEmbeddingBase(keras.layers.Layer):
     def _init_sparse(self, combiner, optimizer, sharding):
         """Validates and stores the keras_sparse extras (after Layer init)."""
         pooling.check_combiner(self.name, combiner)
-        check_sharding(self.name, sharding)
+        key_shardable = getattr(self, "_key_shardable", False)
+        check_sharding(
+            self.name,
+            sharding,
+            HASH_SHARDING_CHOICES if key_shardable else SHARDING_CHOICES,
+        )
         self.combiner = combiner
         self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
         self.sharding = sharding

@@ -13,11 +13,16 @@ reaches. ``layer.num_rows`` is unchanged; ``layer.embeddings``, the slots and
 layer's saved state (``.keras`` files) is unpadded (`unpadded_value`,
 `padded_value`), so checkpoints load under any device count.
 
-Hash layers: a `DistributedHashEmbedding` keeps its key->row map on the host;
-row/column sharding splits its table and slots, and the rows it assigns in a
-step are re-initialized by `jax_sharded_lookup.sharded_reset` on the devices
-holding them, before the sharded lookup. One map per process means sharded
-hash layers need a single process (`check_hash_layer_processes`).
+Hash layers: a key-sharded `DistributedHashEmbedding` (strategy "key") gets
+a `keras_sparse.table.ShardedHashTable` with one shard per device when it is
+built (`place_hash_table`); its ``[D * B, dim]`` table and slots are laid out
+like a row-sharded table, its step maps keys on their owners
+(`map_keys_in_step`, `jax_key_mapping`) and then looks the rows up as row
+sharding does. Under "data", "row" or "column" the layer keeps one host
+table per process, which one process cannot share with another
+(`check_hash_layer_processes`). The rows a step assigns are re-initialized by
+`jax_sharded_lookup.sharded_reset` on the devices holding them, before the
+sharded lookup.
 
 Table-wise sharding: EmbeddingCollection stacks
 ------------------------------------------------
@@ -59,13 +64,14 @@ from keras_sparse.sharding import planner as planner_lib
 
 #: Strategies the Keras integration can run ("table": for the tables of an
 #: `EmbeddingCollection`).
-RUNNABLE = ("data", "table", "row", "column")
-_ROUTED = ("row", "column")
+RUNNABLE = ("data", "table", "row", "column", "key")
+_ROUTED = ("row", "column", "key")
 
 
 def _axes(strategy, axis):
     return {
         "row": (axis, None),
+        "key": (axis, None),
         "table": (axis, None),
         "column": (None, axis),
         "data": (None, None),
@@ -73,13 +79,10 @@ def _axes(strategy, axis):
 
 
 def check_hash_layer_processes(layer, strategy, process_count=None):
-    """Raises for a sharded `DistributedHashEmbedding` in a multi-process run.
-
-    Each process keeps its own key->row map, filled from the keys of its own
-    steps, so two processes would give the same row to different keys (or a
-    key different rows) and write each other's sharded rows.
-    """
-    if strategy == "data" or not planner_lib.is_hash_layer(layer):
+    """Raises for a `DistributedHashEmbedding` planned with one host key map
+    (any strategy but "key") in a multi-process run: each process would fill
+    its own map from its own keys, giving one row to different keys."""
+    if strategy == "key" or not planner_lib.is_hash_layer(layer):
         return
     if process_count is None:
         import jax
@@ -87,11 +90,12 @@ def check_hash_layer_processes(layer, strategy, process_count=None):
         process_count = jax.process_count()
     if process_count > 1:
         raise ValueError(
-            f"Layer '{layer.name}': a DistributedHashEmbedding can be "
-            f"{strategy}-sharded only in a single-process run (this run has "
-            f"{process_count} processes). Its key->row map is one host table "
-            "per process, and separate maps would assign the same rows to "
-            "different keys. Use one process with several devices."
+            f"Layer '{layer.name}': with sharding={strategy!r} a "
+            "DistributedHashEmbedding maps keys in one host table per "
+            f"process, which cannot be shared by this run's {process_count} "
+            "processes. Use sharding='key' (each device owns its keys' "
+            "table shard and rows), the planner's choice for hash layers "
+            "in multi-process runs."
         )
 
 
@@ -142,6 +146,7 @@ def distribution(
     devices = list(devices)
     if plan is None:
         plan_kwargs.setdefault("strategies", RUNNABLE)
+        plan_kwargs.setdefault("processes", _process_count())
         plan = planner_lib.plan(model_or_layers, devices=len(devices), **plan_kwargs)
     if plan.num_devices != len(devices):
         raise ValueError(
@@ -178,6 +183,8 @@ def distribution(
                 "and holds ceil(rows / devices) rows per device."
             )
         check_hash_layer_processes(layer, table.strategy)
+        if table.strategy == "key" and layer.built:
+            _check_key_shards(layer, len(devices))
         axes = _axes(table.strategy, axis)
         layer._ks_strategy = table.strategy
         layer._ks_axis = axis
@@ -212,6 +219,29 @@ def distribution(
     dist.keras_sparse_axis = axis
     dist.keras_sparse_row_exchange_slack = row_exchange_slack
     return dist
+
+
+def _process_count():
+    if keras.backend.backend() != "jax":
+        return 1
+    import jax
+
+    return jax.process_count()
+
+
+def _check_key_shards(layer, num_devices):
+    """A built hash layer can take key sharding only if its table already
+    has one shard per device (its variables cannot be re-cut in place)."""
+    table = layer.table
+    if getattr(table, "num_shards", None) == num_devices:
+        return
+    raise ValueError(
+        f"Layer '{layer.name}' is already built with a "
+        f"{type(table).__name__} of capacity {table.capacity}; key sharding "
+        f"over {num_devices} devices needs a table shard per device. Build "
+        "the model after keras.distribution.set_distribution(...), or save "
+        "it and reload it with keras_sparse.sharding.load_model(...)."
+    )
 
 
 def _embedding_layer_configs(config):
@@ -397,7 +427,7 @@ def variable_rows(layer):
     ``< num_rows``, so the padding rows are never read or updated.
     """
     routing = route(layer)
-    if routing is None or routing[0] != "row":
+    if routing is None or routing[0] not in ("row", "key"):
         return layer.num_rows
     _, mesh, axis, _ = routing
     return padded_rows(layer.num_rows, mesh.shape[axis])
@@ -463,12 +493,95 @@ def padded_value(layer, variable, value):
     return np.pad(value, pad)
 
 
+def _lookup_strategy(strategy):
+    """The lookup primitive of a strategy: a key-sharded layer's rows are
+    global rows of a row-sharded table."""
+    return "row" if strategy == "key" else strategy
+
+
+# ------------------------------------------------------------ key sharding
+def _key_shards(layer):
+    """``(D, local mesh positions, routing)`` of a key-sharded layer under
+    the active distribution, else None."""
+    routing = route(layer)
+    if routing is None or routing[0] != "key":
+        return None
+    import jax
+
+    _, mesh, axis, _ = routing
+    devices = list(mesh.devices.flat)
+    me = jax.process_index()
+    local = tuple(i for i, dev in enumerate(devices) if dev.process_index == me)
+    return int(mesh.shape[axis]), local, routing
+
+
+def place_hash_table(layer):
+    """Gives a hash layer about to be built the table its strategy needs: a
+    `ShardedHashTable` (a shard per device, this process's shards held)
+    under key sharding, else one `HashTable`. Only an empty table is
+    replaced; ``layer.num_rows`` follows the new table's capacity."""
+    from keras_sparse.table import HashTable
+    from keras_sparse.table import ShardedHashTable
+
+    shards = _key_shards(layer)
+    table = layer.table
+    if shards is None:
+        if not isinstance(table, ShardedHashTable):
+            return
+        new = HashTable(
+            layer.requested_capacity,
+            eviction=layer.eviction,
+            admit_after=layer.admit_after,
+            device=table.device,
+            seed=layer.table_seed,
+        )
+    else:
+        d, local, _ = shards
+        if getattr(table, "num_shards", None) == d and table.local == local:
+            return
+        new = ShardedHashTable(
+            layer.requested_capacity,
+            d,
+            local=local,
+            eviction=layer.eviction,
+            admit_after=layer.admit_after,
+            device=table.device,
+            seed=layer.table_seed,
+        )
+    if table.size:
+        raise ValueError(
+            f"Layer '{layer.name}': its hash table holds {table.size} keys and "
+            f"cannot be re-cut into {type(new).__name__} for the active "
+            "distribution. Save the model and reload it with "
+            "keras_sparse.sharding.load_model(...)."
+        )
+    layer.table = new
+    layer.num_rows = new.capacity
+
+
+def map_keys_in_step(layer, keys, use, insert, fail=None):
+    """``(rows, fresh, words)`` of a key-sharded hash layer's traced flat
+    ``keys``/``use`` (see `jax_key_mapping.map_keys`), or None when the
+    layer is not key-sharded under the active distribution."""
+    shards = _key_shards(layer)
+    if shards is None:
+        return None
+    from keras_sparse.sharding import jax_key_mapping
+
+    _, _, (_, mesh, axis, slack) = shards
+    routing = jax_key_mapping.KeyRouting(
+        layer.table, layer._restore_part, mesh, axis, slack, layer.name, fail
+    )
+    return jax_key_mapping.map_keys(routing, keys, use, insert)
+
+
 def routed_lookup(routing):
     """A drop-in for ``ops.jax_lookup.lookup_with_sparse_update`` that runs the
     sharded primitive for ``routing`` (from `route`)."""
     from keras_sparse.sharding import jax_sharded_lookup
 
     strategy, mesh, axis, slack = routing
+    strategy = _lookup_strategy(strategy)
 
     def lookup(
         table_var,
@@ -521,6 +634,7 @@ def _routed_reset(routing, table_var, slot_vars, optimizer, table, slots, ids, r
     from keras_sparse.sharding import jax_sharded_lookup
 
     strategy, mesh, axis, _ = routing
+    strategy = _lookup_strategy(strategy)
     mask, values = reset
     slot_inits = {spec.name: spec.initial_value for spec in optimizer.slot_specs()}
     state = jax_sharded_lookup.sharded_reset(
@@ -545,6 +659,7 @@ def routed_gather(routing, table_var, ids, valid, exchange_slot=None):
     from keras_sparse.sharding import jax_sharded_lookup
 
     strategy, mesh, axis, slack = routing
+    strategy = _lookup_strategy(strategy)
     return jax_sharded_lookup.sharded_gather(
         strategy, mesh, axis, table_var.value, ids, valid, slack, exchange_slot
     )

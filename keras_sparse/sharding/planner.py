@@ -25,6 +25,14 @@ Strategies:
            be padded too and its checkpoints would not reshard).
 ``column`` columns split evenly (needs ``dim % devices == 0`` and an
            element-wise optimizer: row-wise slots need whole rows).
+``key``    `DistributedHashEmbedding` only: every device owns the keys that
+           hash to it, with its own hash table shard and its block of rows
+           (`keras_sparse.sharding.jax_key_mapping`); the batch's distinct
+           keys travel to their owners (two int32 words and a count each)
+           and rows come back, then the lookup runs as row sharding. The
+           other strategies map a hash layer's keys in one host table per
+           process, which first gathers the global batch's keys (8 bytes
+           each) to one device, and cannot serve several processes.
 
 Table-wise memory: the tables placed table-wise are stacked, as the runtime
 does (`keras_sparse.sharding.keras_integration.collection_stacks`), one stack
@@ -53,11 +61,14 @@ over the fair share after placing the table.
 
 import math
 
-STRATEGIES = ("data", "table", "row", "column")
+STRATEGIES = ("data", "table", "row", "column", "key")
 _TIE_ORDER = {s: i for i, s in enumerate(STRATEGIES)}
 _ID_BYTES = 4
 #: Collective exchanges per training step (forward + backward).
-ROUNDS = {"data": 1, "table": 3, "row": 3, "column": 3}
+ROUNDS = {"data": 1, "table": 3, "row": 3, "column": 3, "key": 6}
+_KEY_BYTES = 8
+#: Key exchange of key sharding: two words and a count out, a row back.
+_ROUTED_KEY_BYTES = 16
 
 
 class TableSpec:
@@ -76,7 +87,10 @@ class TableSpec:
         shardable=True,
         sparse_update=True,
         collection_table=None,
+        hash_keys=False,
     ):
+        # True for a DistributedHashEmbedding (rows chosen by a key map).
+        self.hash_keys = bool(hash_keys)
         # The table's name inside its `EmbeddingCollection` (``layer``), or
         # None for a one-table layer; ``name`` is then "collection/table".
         self.collection_table = collection_table
@@ -115,6 +129,7 @@ class TableSpec:
             layer=layer,
             shardable=_is_shardable_layer(layer),
             sparse_update=opt is not None,
+            hash_keys=is_hash_layer(layer),
         )
 
     @classmethod
@@ -320,23 +335,35 @@ def comm_bytes(spec, strategy, num_devices, lookups):
     if strategy == "data":
         gather = (d - 1) * n * (_ID_BYTES + dim * b)  # all-gather (ids, grads)
         reduce = 2 * remote * spec.rows * dim * b  # ring all-reduce dense grad
-        return math.ceil(min(gather, reduce))
-    if strategy == "row":
+        return math.ceil(min(gather, reduce) + _gathered_keys(spec, d, n))
+    if strategy in ("row", "key"):
         # ids out, vectors back, grads back (remote fraction of each).
-        return math.ceil(remote * n * (_ID_BYTES + 2 * dim * b))
+        rows = remote * n * (_ID_BYTES + 2 * dim * b)
+        if strategy == "key":  # keys to their owners, rows back
+            return math.ceil(rows + remote * n * _ROUTED_KEY_BYTES)
+        return math.ceil(rows + _gathered_keys(spec, d, n))
     if strategy == "table":
         # Averaged over devices; the owner does the vector traffic.
         return math.ceil(remote * n * (_ID_BYTES + 2 * dim * b))
     if strategy == "column":
         # all-gather of ids, then column slices back and grads out.
-        return math.ceil((d - 1) * n * _ID_BYTES + remote * n * 2 * dim * b)
+        cols = (d - 1) * n * _ID_BYTES + remote * n * 2 * dim * b
+        return math.ceil(cols + _gathered_keys(spec, d, n))
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def _gathered_keys(spec, d, n):
+    """A hash layer mapped in one host table: the batch's keys gathered to
+    one device and its rows sent back (averaged over the devices)."""
+    if not spec.hash_keys:
+        return 0
+    return (d - 1) * n * (_KEY_BYTES + _ID_BYTES)
 
 
 def bytes_per_device(spec, strategy, num_devices):
     if strategy in ("data", "table"):
         return spec.total_bytes
-    if strategy == "row":  # padded to an equal block per device
+    if strategy in ("row", "key"):  # padded to an equal block per device
         return math.ceil(spec.rows / num_devices) * spec.bytes_per_row
     return math.ceil(spec.total_bytes / num_devices)
 
@@ -365,7 +392,14 @@ def is_hash_layer(layer):
     return isinstance(layer, DistributedHashEmbedding)
 
 
-def _structural_problem(spec, strategy, d):
+def _structural_problem(spec, strategy, d, processes=1):
+    if strategy == "key" and not spec.hash_keys:
+        return "key sharding is for DistributedHashEmbedding tables"
+    if spec.hash_keys and strategy != "key" and processes > 1:
+        return (
+            f"one host key map per process cannot serve {processes} processes "
+            "(key sharding gives each device its own)"
+        )
     if strategy != "data" and not spec.shardable:
         return f"{type(spec.layer).__name__} tables can only be replicated"
     in_collection = spec.collection_table is not None
@@ -424,6 +458,7 @@ def plan(
     ids_per_sample=1,
     strategies=STRATEGIES,
     collective_latency_bytes=64 * 1024,
+    processes=1,
 ):
     """Chooses a strategy per table.
 
@@ -441,6 +476,8 @@ def plan(
         strategies: strategies the planner may choose for unpinned tables.
         collective_latency_bytes: fixed cost of one collective exchange,
             expressed in bytes (latency x bandwidth).
+        processes: processes of the run (`jax.process_count`); with more
+            than one, hash layers can only be key-sharded.
 
     Returns:
         A `Plan`.
@@ -489,7 +526,7 @@ def plan(
 
     def min_footprint(spec):
         opts = [pinned[spec.name]] if spec.name in pinned else list(strategies)
-        ok = [o for o in opts if not _structural_problem(spec, o, d)]
+        ok = [o for o in opts if not _structural_problem(spec, o, d, processes)]
         if any(o != "data" for o in ok):
             return spec.total_bytes / d  # sharded, or packed whole somewhere
         return spec.total_bytes
@@ -503,7 +540,7 @@ def plan(
             tried = []
             best = best_stack = None
             for strat in options:
-                problem = _structural_problem(spec, strat, d)
+                problem = _structural_problem(spec, strat, d, processes)
                 per_dev = bytes_per_device(spec, strat, d)
                 comm = comm_bytes(spec, strat, d, lk)
                 if problem:
@@ -540,7 +577,10 @@ def plan(
                         continue
                     cost = comm
                     devs = tuple(range(d))
-                cost += ROUNDS[strat] * collective_latency_bytes
+                rounds = ROUNDS[strat]
+                if spec.hash_keys and strat != "key":
+                    rounds += 2  # keys gathered to the host table, rows back
+                cost += rounds * collective_latency_bytes
                 key = (cost, _TIE_ORDER[strat])
                 if best is None or key < best[0]:
                     best = (key, strat, devs, per_dev, comm)

@@ -4,5 +4,14 @@ from .hash_table import HashTable
 from .hash_table import InsertResult
 from .hash_table import TableFullError
 from .keys import hash_strings
+from .sharded_table import ShardedHashTable
+from .sharded_table import owner_of
 
-__all__ = ["HashTable", "InsertResult", "TableFullError", "hash_strings"]
+__all__ = [
+    "HashTable",
+    "InsertResult",
+    "ShardedHashTable",
+    "TableFullError",
+    "hash_strings",
+    "owner_of",
+]

@@ -1,0 +1,226 @@
+"""Key-sharded key->row mapping inside a compiled JAX step.
+
+A key-sharded `DistributedHashEmbedding` keeps one `HashTable` shard per
+device (`keras_sparse.table.ShardedHashTable`); device ``d`` owns the keys
+with ``owner_of(key, D) == d`` and rows ``[d * B, (d + 1) * B)`` of the
+row-sharded ``[D * B, dim]`` table. Inside ``shard_map`` every device runs:
+
+```
+local keys ─► route callback (host): full 64-bit keys, owner per key, the
+              distinct keys per owner in first-occurrence order with their
+              multiplicities ─► all_to_all(keys as two int32 words + counts)
+          ─► table callback (host) on the owner: one lookup_or_insert of the
+              received keys (source device major, each repeated by its count,
+              so admission and LFU count every sighting) ─► local rows
+          ─► all_to_all(global rows, fresh flags) back ─► row per position
+```
+
+Both callbacks are unordered ``io_callback``s: JAX runs them once per device
+with that device's shard, on the process that holds the device, so nothing
+is gathered to one place and each process touches only its own shards. The
+rows then go through the row-sharded lookup (`jax_sharded_lookup`), which
+re-initializes fresh rows on their owners and applies the sparse optimizer
+there.
+
+Exchange buffers hold ``C`` distinct keys per destination
+(`jax_sharded_lookup.row_capacity`: every local position by default, or
+``ceil(n / D * slack)`` with a ``row_exchange_slack``). A device with more
+distinct keys for one owner raises `ExchangeOverflowError` on every device
+(the worst fill is all-reduced first) before any table changes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax.sharding import PartitionSpec as P
+
+from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
+from keras_sparse.sharding.exchange_buckets import overflow_message
+from keras_sparse.sharding.jax_sharded_lookup import _smap
+from keras_sparse.sharding.jax_sharded_lookup import row_capacity
+from keras_sparse.table.sharded_table import key_words
+from keras_sparse.table.sharded_table import keys_of_words
+from keras_sparse.table.sharded_table import owner_of
+
+
+def route_keys(full, use, num_shards, capacity):
+    """Host half of the route step for one device's keys.
+
+    Returns ``(send_words [D, C, 2], send_counts [D, C], slot [n], first
+    [n], worst)``: the distinct used keys of each owner in first-occurrence
+    order with their multiplicities, each position's slot ``owner * C + j``
+    (-1 where unused), True at the first position of each distinct key, and
+    the fullest destination's count (may exceed ``C``; then the buffers hold
+    the first ``C``).
+    """
+    n = full.shape[0]
+    d, c = num_shards, capacity
+    send_words = np.zeros((d, c, 2), np.int32)
+    send_counts = np.zeros((d, c), np.int32)
+    slot = np.full(n, -1, np.int32)
+    first = np.zeros(n, bool)
+    at = np.flatnonzero(use)
+    if not at.size:
+        return send_words, send_counts, slot, first, np.int32(0)
+    keys = full[at]
+    uniq, first_at, inverse, counts = np.unique(
+        keys, return_index=True, return_inverse=True, return_counts=True
+    )
+    arrival = np.argsort(first_at, kind="stable")  # distinct keys, batch order
+    owner = owner_of(uniq[arrival], d)
+    by_owner = np.argsort(owner, kind="stable")  # owner major, arrival minor
+    fill = np.bincount(owner, minlength=d)
+    start = np.cumsum(fill) - fill
+    j = np.empty(len(uniq), np.int64)
+    j[by_owner] = np.arange(len(uniq)) - start[owner[by_owner]]
+    slot_of_arrival = owner.astype(np.int64) * c + j
+    slot_of_uniq = np.empty(len(uniq), np.int64)
+    slot_of_uniq[arrival] = slot_of_arrival
+    fits = j < c
+    words = key_words(uniq[arrival])
+    send_words[owner[fits], j[fits]] = words[fits]
+    send_counts[owner[fits], j[fits]] = counts[arrival][fits]
+    fits_of_uniq = np.empty(len(uniq), bool)
+    fits_of_uniq[arrival] = fits
+    inverse = inverse.reshape(-1)
+    slot[at] = np.where(fits_of_uniq[inverse], slot_of_uniq[inverse], -1)
+    first[at[first_at]] = True
+    return send_words, send_counts, slot, first, np.int32(fill.max())
+
+
+def map_received(table, words, counts, insert):
+    """Owner half: one table call for the received ``[D, C]`` keys.
+
+    Returns ``(rows [D, C] int32 local, fresh [D, C] bool)``: -1 / False for
+    empty entries; fresh at the first entry (source device major) of each
+    key that got a new row.
+    """
+    shape = counts.shape
+    counts = counts.reshape(-1)
+    live = np.flatnonzero(counts > 0)
+    rows = np.full(counts.shape, -1, np.int32)
+    fresh = np.zeros(counts.shape, bool)
+    keys = keys_of_words(words.reshape(-1, 2)[live])
+    reps = counts[live]
+    repeated = np.repeat(keys, reps)
+    starts = np.cumsum(reps) - reps
+    if insert:
+        res, new = table.lookup_or_insert_fresh(repeated)
+        got, new = np.asarray(res.rows)[starts], np.asarray(new)[starts]
+        # A key sent by several devices is fresh once: at its first entry.
+        _, first = np.unique(keys, return_index=True)
+        once = np.zeros(len(keys), bool)
+        once[first] = True
+        fresh[live] = new & once
+    else:
+        got = np.asarray(table.lookup(repeated))[starts]
+    rows[live] = got
+    return rows.reshape(shape), fresh.reshape(shape)
+
+
+class KeyRouting:
+    """Static description of a key-sharded layer's step mapping.
+
+    Args:
+        table: the layer's `ShardedHashTable`.
+        restore: ``(step keys, part, parts) -> full int64 keys`` (host).
+        mesh, axis: the JAX mesh and its axis (size ``D``).
+        slack: exchange slack (None: a slot per local position).
+        name: how errors name the layer.
+        fail: wraps a host callback (e.g. to remember a failure).
+    """
+
+    def __init__(self, table, restore, mesh, axis, slack, name, fail=None):
+        self.table = table
+        self.restore = restore
+        self.mesh = mesh
+        self.axis = axis
+        self.slack = slack
+        self.name = name
+        self.fail = fail or (lambda f: f)
+        devices = list(mesh.devices.flat)
+        me = jax.process_index()
+        # This process's mesh positions, in mesh order: its slice of the
+        # batch is split over them in that order.
+        self.local_positions = [
+            i for i, dev in enumerate(devices) if dev.process_index == me
+        ]
+
+    def part_of(self, position):
+        return self.local_positions.index(int(position)), len(self.local_positions)
+
+
+def map_keys(routing, keys, use, insert):
+    """``(rows int32 [N], fresh bool [N], words int32 [N, 2])`` of the
+    global, batch-sharded ``keys`` / ``use`` (rows are global, -1 where
+    absent or unused; fresh at one position per newly assigned row)."""
+    mesh, axis = routing.mesh, routing.axis
+    d = mesh.shape[axis]
+    total = keys.shape[0]
+    if total % d:
+        raise ValueError(
+            f"Layer '{routing.name}': {total} keys do not split evenly over the "
+            f"{d} devices of its key sharding; use a batch size divisible by {d}."
+        )
+    n = total // d
+    c = row_capacity(n, d, routing.slack)
+    shard_rows = routing.table.shard_rows
+
+    def route(k, u, me):
+        part, parts = routing.part_of(me)
+        full = routing.restore(np.asarray(k), part, parts)
+        return route_keys(full, np.asarray(u, bool), d, c)
+
+    def owner_call(words, counts, worst, me):
+        if int(worst) > c:
+            raise ExchangeOverflowError(
+                overflow_message(
+                    worst, c, me, f"key sharding of layer '{routing.name}'"
+                )
+            )
+        table = routing.table.shard(int(me))
+        return map_received(table, np.asarray(words), np.asarray(counts), insert)
+
+    route_types = (
+        jax.ShapeDtypeStruct((d, c, 2), jnp.int32),
+        jax.ShapeDtypeStruct((d, c), jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((n,), jnp.bool_),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    owner_types = (
+        jax.ShapeDtypeStruct((d, c), jnp.int32),
+        jax.ShapeDtypeStruct((d, c), jnp.bool_),
+    )
+
+    def local(k, u):
+        me = jax.lax.axis_index(axis)
+        words, counts, slot, first, fill = io_callback(
+            routing.fail(route), route_types, k, u, me, ordered=False
+        )
+        recv_words = jax.lax.all_to_all(words, axis, 0, 0)
+        recv_counts = jax.lax.all_to_all(counts, axis, 0, 0)
+        worst = jax.lax.pmax(fill, axis)
+        local_rows, fresh = io_callback(
+            routing.fail(owner_call),
+            owner_types,
+            recv_words,
+            recv_counts,
+            worst,
+            me,
+            ordered=False,
+        )
+        rows = jnp.where(local_rows >= 0, local_rows + me * shard_rows, -1)
+        answer = jnp.stack([rows, fresh.astype(jnp.int32)], axis=-1)
+        back = jax.lax.all_to_all(answer, axis, 0, 0).reshape(d * c, 2)
+        at = back[jnp.clip(slot, 0, d * c - 1)]
+        sent = slot >= 0
+        pos_rows = jnp.where(sent, at[:, 0], -1)
+        pos_fresh = sent & first & (at[:, 1] == 1)
+        pos_words = words.reshape(d * c, 2)[jnp.clip(slot, 0, d * c - 1)]
+        return pos_rows, pos_fresh, jnp.where(sent[:, None], pos_words, 0)
+
+    return _smap(local, mesh, (P(axis), P(axis)), (P(axis), P(axis), P(axis)))(
+        keys, use
+    )
