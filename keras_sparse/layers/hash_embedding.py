@@ -390,11 +390,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
         if backend == "jax":
             mapped = _sharding.map_keys_in_step(
-                self,
-                ops.reshape(keys, (-1,)),
-                use,
-                insert,
-                lambda f: jax_step_mapping._failing_once(self, f),
+                self, ops.reshape(keys, (-1,)), use, insert
             )
             if mapped is not None:
                 return mapped

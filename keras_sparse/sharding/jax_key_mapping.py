@@ -26,7 +26,12 @@ Exchange buffers hold ``C`` distinct keys per destination
 (`jax_sharded_lookup.row_capacity`: every local position by default, or
 ``ceil(n / D * slack)`` with a ``row_exchange_slack``). A device with more
 distinct keys for one owner raises `ExchangeOverflowError` on every device
-(the worst fill is all-reduced first) before any table changes.
+(the worst fill is all-reduced first) before any table changes. Any error
+of a callback (a full shard with ``eviction=None``, keys that do not match
+the queued full keys) is raised on every device of the step together (see
+`StepFailures`): shards that had already mapped their keys keep them (each
+shard is atomic on its own), and the step's model state is lost, as for any
+failed step: restore from a checkpoint.
 """
 
 import jax
@@ -119,6 +124,35 @@ def map_received(table, words, counts, insert):
     return rows.reshape(shape), fresh.reshape(shape)
 
 
+class StepFailures:
+    """The first error of a layer's key-sharded steps (host side).
+
+    A callback that raised on one device would leave the others waiting at
+    the next collective forever, so callbacks never raise: they record the
+    error here and return a status; the statuses are all-reduced and every
+    device raises together (`_raise_recorded`). Once a step failed, later
+    steps raise too without touching the tables: the failed step's model
+    state is lost (Keras donates it).
+    """
+
+    def __init__(self, name):
+        self.name = name
+        self.first = None
+
+    def record(self, error):
+        if self.first is None:
+            self.first = error
+        return np.int32(1)
+
+    def error(self):
+        """A fresh copy of the first error (raised on several devices)."""
+        first = self.first
+        try:
+            return type(first)(str(first))
+        except Exception:  # noqa: BLE001  (an exception type with other args)
+            return RuntimeError(f"{type(first).__name__}: {first}")
+
+
 class KeyRouting:
     """Static description of a key-sharded layer's step mapping.
 
@@ -128,17 +162,17 @@ class KeyRouting:
         mesh, axis: the JAX mesh and its axis (size ``D``).
         slack: exchange slack (None: a slot per local position).
         name: how errors name the layer.
-        fail: wraps a host callback (e.g. to remember a failure).
+        failures: the layer's `StepFailures`.
     """
 
-    def __init__(self, table, restore, mesh, axis, slack, name, fail=None):
+    def __init__(self, table, restore, mesh, axis, slack, name, failures):
         self.table = table
         self.restore = restore
         self.mesh = mesh
         self.axis = axis
         self.slack = slack
         self.name = name
-        self.fail = fail or (lambda f: f)
+        self.failures = failures
         devices = list(mesh.devices.flat)
         me = jax.process_index()
         # This process's mesh positions, in mesh order: its slice of the
@@ -149,6 +183,36 @@ class KeyRouting:
 
     def part_of(self, position):
         return self.local_positions.index(int(position)), len(self.local_positions)
+
+
+def _guarded(failures, fn, fallback):
+    """``fn`` returning ``outputs + (status,)``: status 1 and ``fallback()``
+    instead of raising, and without running once a step failed."""
+
+    def call(*args):
+        if failures.first is not None:
+            return fallback() + (np.int32(1),)
+        try:
+            return tuple(fn(*args)) + (np.int32(0),)
+        except Exception as e:  # noqa: BLE001  (raised on every device below)
+            return fallback() + (failures.record(e),)
+
+    return call
+
+
+def _raise_recorded(failures, axis, status):
+    """0, or (on every device at once) the recorded error when any device's
+    ``status`` is set."""
+    status = jax.lax.pmax(status, axis)
+
+    def fail():
+        def raise_it(_):
+            raise failures.error()
+
+        zero = jax.ShapeDtypeStruct((), jnp.int32)
+        return jax.pure_callback(raise_it, zero, status)
+
+    return jax.lax.cond(status > 0, fail, lambda: jnp.zeros((), jnp.int32))
 
 
 def map_keys(routing, keys, use, insert):
@@ -166,13 +230,25 @@ def map_keys(routing, keys, use, insert):
     n = total // d
     c = row_capacity(n, d, routing.slack)
     shard_rows = routing.table.shard_rows
+    failures = routing.failures
 
     def route(k, u, me):
         part, parts = routing.part_of(me)
         full = routing.restore(np.asarray(k), part, parts)
         return route_keys(full, np.asarray(u, bool), d, c)
 
-    def owner_call(words, counts, worst, me):
+    def empty_route():
+        return (
+            np.zeros((d, c, 2), np.int32),
+            np.zeros((d, c), np.int32),
+            np.full(n, -1, np.int32),
+            np.zeros(n, bool),
+            np.int32(0),
+        )
+
+    def owner_call(words, counts, worst, status, me):
+        if int(status):  # a device failed to route: no table changes
+            return empty_owner()
         if int(worst) > c:
             raise ExchangeOverflowError(
                 overflow_message(
@@ -182,41 +258,55 @@ def map_keys(routing, keys, use, insert):
         table = routing.table.shard(int(me))
         return map_received(table, np.asarray(words), np.asarray(counts), insert)
 
+    def empty_owner():
+        return np.full((d, c), -1, np.int32), np.zeros((d, c), bool)
+
+    i32 = jnp.int32
     route_types = (
-        jax.ShapeDtypeStruct((d, c, 2), jnp.int32),
-        jax.ShapeDtypeStruct((d, c), jnp.int32),
-        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((d, c, 2), i32),
+        jax.ShapeDtypeStruct((d, c), i32),
+        jax.ShapeDtypeStruct((n,), i32),
         jax.ShapeDtypeStruct((n,), jnp.bool_),
-        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((), i32),
+        jax.ShapeDtypeStruct((), i32),
     )
     owner_types = (
-        jax.ShapeDtypeStruct((d, c), jnp.int32),
+        jax.ShapeDtypeStruct((d, c), i32),
         jax.ShapeDtypeStruct((d, c), jnp.bool_),
+        jax.ShapeDtypeStruct((), i32),
     )
 
     def local(k, u):
         me = jax.lax.axis_index(axis)
-        words, counts, slot, first, fill = io_callback(
-            routing.fail(route), route_types, k, u, me, ordered=False
+        words, counts, slot, first, fill, failed = io_callback(
+            _guarded(failures, route, empty_route),
+            route_types,
+            k,
+            u,
+            me,
+            ordered=False,
         )
         recv_words = jax.lax.all_to_all(words, axis, 0, 0)
         recv_counts = jax.lax.all_to_all(counts, axis, 0, 0)
-        worst = jax.lax.pmax(fill, axis)
-        local_rows, fresh = io_callback(
-            routing.fail(owner_call),
+        worst, failed = jax.lax.pmax(jnp.stack([fill, failed]), axis)
+        local_rows, fresh, owner_failed = io_callback(
+            _guarded(failures, owner_call, empty_owner),
             owner_types,
             recv_words,
             recv_counts,
             worst,
+            failed,
             me,
             ordered=False,
         )
+        guard = _raise_recorded(failures, axis, jnp.maximum(failed, owner_failed))
         rows = jnp.where(local_rows >= 0, local_rows + me * shard_rows, -1)
-        answer = jnp.stack([rows, fresh.astype(jnp.int32)], axis=-1)
+        answer = jnp.stack([rows, fresh.astype(i32)], axis=-1)
         back = jax.lax.all_to_all(answer, axis, 0, 0).reshape(d * c, 2)
         at = back[jnp.clip(slot, 0, d * c - 1)]
         sent = slot >= 0
-        pos_rows = jnp.where(sent, at[:, 0], -1)
+        # The rows depend on the guard, so an error surfaces with the step.
+        pos_rows = jnp.where(sent, at[:, 0], -1) + guard
         pos_fresh = sent & first & (at[:, 1] == 1)
         pos_words = words.reshape(d * c, 2)[jnp.clip(slot, 0, d * c - 1)]
         return pos_rows, pos_fresh, jnp.where(sent[:, None], pos_words, 0)

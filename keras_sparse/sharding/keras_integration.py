@@ -559,7 +559,7 @@ def place_hash_table(layer):
     layer.num_rows = new.capacity
 
 
-def map_keys_in_step(layer, keys, use, insert, fail=None):
+def map_keys_in_step(layer, keys, use, insert):
     """``(rows, fresh, words)`` of a key-sharded hash layer's traced flat
     ``keys``/``use`` (see `jax_key_mapping.map_keys`), or None when the
     layer is not key-sharded under the active distribution."""
@@ -569,8 +569,12 @@ def map_keys_in_step(layer, keys, use, insert, fail=None):
     from keras_sparse.sharding import jax_key_mapping
 
     _, _, (_, mesh, axis, slack) = shards
+    failures = layer.__dict__.get("_ks_key_failures")
+    if failures is None:
+        failures = jax_key_mapping.StepFailures(layer.name)
+        layer.__dict__["_ks_key_failures"] = failures
     routing = jax_key_mapping.KeyRouting(
-        layer.table, layer._restore_part, mesh, axis, slack, layer.name, fail
+        layer.table, layer._restore_part, mesh, axis, slack, layer.name, failures
     )
     return jax_key_mapping.map_keys(routing, keys, use, insert)
 

@@ -16,7 +16,12 @@ keys, which any other shard count loads without under-counting.
 
 Each call reaches every local shard (with no keys if none are its), so the
 shards' LRU clocks advance together and a batch means the same step
-everywhere.
+everywhere. Each shard's part of a call is atomic, as a `HashTable` call is;
+a call refused by one shard (a full shard with ``eviction=None``, more
+distinct keys than a shard has rows, a row outside a key's buckets) raises
+naming the shard, and shards that took their keys before it keep them
+(with ``eviction=None`` and ``admit_after=1`` a full shard is detected before
+any shard changes).
 
 Example:
     >>> import numpy as np
@@ -268,7 +273,11 @@ class ShardedHashTable:
         table = self._shards[d]
         if table.eviction is not None or not len(keys):
             return
-        missing = np.unique(keys[np.asarray(table.lookup(keys)) < 0])
+        with table._lock:
+            counters = dict(table._impl.counters)
+            found = np.asarray(table.lookup(keys))
+            table._impl.counters.update(counters)  # a probe, not a lookup
+        missing = np.unique(keys[found < 0])
         free = table.capacity - table.size
         if len(missing) > free and table.admit_after == 1:
             raise TableFullError(

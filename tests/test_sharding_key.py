@@ -1,0 +1,253 @@
+"""Key-sharded DistributedHashEmbedding (JAX, 8 virtual devices).
+
+References: the same layer key-sharded on one device (a mesh of 1), the
+plain single-device layer (with a deterministic initializer, since key
+sharding draws fresh rows per key), and per-shard plain `HashTable`s fed
+the keys each owner receives (a model of the per-shard eviction semantics).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_sparse as ks
+from keras_sparse import sharding
+from keras_sparse.sharding import keras_integration
+from keras_sparse.table import HashTable
+from keras_sparse.table import ShardedHashTable
+from keras_sparse.table import owner_of
+from tests.helpers import fit_losses
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
+)
+
+DIM, BAG, BATCH, STEPS = 4, 3, 32, 6
+
+
+def _layer(**kwargs):
+    args = dict(
+        capacity=1024,
+        combiner="sum",
+        optimizer="adagrad",
+        sharding="key",
+        name="hashed",
+    )
+    args.update(kwargs)
+    return ks.DistributedHashEmbedding(DIM, **args)
+
+
+def _data(num_keys=300, seed=0, weights=False, spread=False):
+    rng = np.random.default_rng(seed)
+    n = BATCH * STEPS
+    ranks = np.minimum(rng.zipf(1.3, size=(n, BAG)), num_keys) - 1
+    if spread:  # many distinct keys: evictions in small tables
+        ranks = rng.integers(0, num_keys, size=(n, BAG))
+    # Keys beyond int32: the step sees 32 bits, the tables the full keys.
+    keys = ranks.astype(np.int64) * 7_919_993_123 + (5 << 33)
+    keys[::4, 0] = keys[0, 0]  # a hot key on every device
+    x = [keys]
+    if weights:
+        w = rng.uniform(0.5, 2.0, size=(n, BAG)).astype("float32")
+        w[::3, 1] = 0.0  # padding: never inserted, never trained
+        x.append(w)
+    return x, rng.normal(size=(n, 1)).astype("float32")
+
+
+def _model(layer, weights=False):
+    keys = keras.Input((BAG,), dtype="int64", name="keys")
+    inputs = [keys]
+    if weights:
+        w = keras.Input((BAG,), dtype="float32", name="w")
+        inputs.append(w)
+        pooled = layer(keys, weights=w)
+    else:
+        pooled = layer(keys)
+    if layer.combiner is None:
+        pooled = keras.layers.Flatten()(pooled)
+    out = keras.layers.Dense(1, kernel_initializer="ones")(pooled)
+    model = keras.Model(inputs, out)
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+def _train(devices, layer_kwargs, weights=False, data_kwargs=None):
+    """Trains on ``devices`` (None: no distribution); (losses, layer)."""
+    x, y = _data(weights=weights, **(data_kwargs or {}))
+    layer = _layer(**layer_kwargs)
+    if devices is not None:
+        dist = sharding.distribution([layer], devices=devices)
+        keras.distribution.set_distribution(dist)
+    try:
+        model = _model(layer, weights)
+        losses = fit_losses(model, x if weights else x[0], y, BATCH)
+        layer.__dict__["_test_model"] = model
+        return losses, layer
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def _by_key(layer):
+    rec = layer.export()
+    order = np.argsort(rec["keys"], kind="stable")
+    return {name: np.asarray(value)[order] for name, value in rec.items()}
+
+
+def _assert_same_records(got, want, atol=1e-6):
+    np.testing.assert_array_equal(got["keys"], want["keys"])
+    np.testing.assert_array_equal(got["scores"], want["scores"])
+    for name in want:
+        if name not in ("keys", "scores"):
+            np.testing.assert_allclose(got[name], want[name], atol=atol, err_msg=name)
+
+
+OPTIONS = {
+    "sum": {},
+    "mean": {"combiner": "mean"},
+    "sqrtn_weights": {"combiner": "sqrtn", "_weights": True},
+    "no_combiner_adam": {"combiner": None, "optimizer": "adam"},
+    "admit_after_2": {"admit_after": 2},
+    "lfu": {"eviction": "lfu"},
+    "varscaling": {"embeddings_initializer": "glorot_uniform"},
+}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_eight_devices_match_one_device_key_by_key(option):
+    kwargs = dict(OPTIONS[option])
+    weights = kwargs.pop("_weights", False)
+    ref_losses, ref = _train(1, kwargs, weights)
+    losses, got = _train(8, kwargs, weights)
+    assert isinstance(got.table, ShardedHashTable) and got.table.num_shards == 8
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    want = _by_key(ref)
+    assert len(want["keys"]) > 20
+    _assert_same_records(_by_key(got), want)
+    stats, ref_stats = got.stats(), ref.stats()
+    for name in ("inserts", "rejected_admissions", "hits", "misses"):
+        assert stats[name] == ref_stats[name], name
+    if kwargs.get("admit_after") == 2:
+        assert stats["rejected_admissions"] > 0
+
+
+def test_matches_the_plain_single_device_layer():
+    """Initial values aside (zeros here), key sharding trains exactly as the
+    unsharded layer with its one table."""
+    kwargs = {"embeddings_initializer": "zeros"}
+    ref_losses, ref = _train(None, kwargs)
+    assert isinstance(ref.table, HashTable)
+    losses, got = _train(8, kwargs)
+    assert isinstance(got.table, ShardedHashTable)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    _assert_same_records(_by_key(got), _by_key(ref))
+
+
+def _owner_batches(keys, devices):
+    """What each owner's table receives per step: per source device, its
+    distinct keys in first-occurrence order, each repeated by its count."""
+    per_step = []
+    for batch in keys.reshape(STEPS, BATCH * BAG):
+        owners = [[] for _ in range(devices)]
+        for local in batch.reshape(devices, -1):
+            uniq, first, counts = np.unique(
+                local, return_index=True, return_counts=True
+            )
+            order = np.argsort(first)
+            for key, count in zip(uniq[order], counts[order]):
+                owners[int(owner_of([key], devices)[0])] += [key] * int(count)
+        per_step.append(owners)
+    return per_step
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_eviction_under_pressure_is_per_shard(eviction):
+    """More keys than rows: each shard evicts among its own keys, exactly
+    as a plain table fed the owner's keys does."""
+    kwargs = {"capacity": 512, "eviction": eviction}
+    data = {"num_keys": 5000, "seed": 1, "spread": True}
+    _, got = _train(8, kwargs, data_kwargs=data)
+    assert got.stats()["evictions"] > 0
+    models = [
+        HashTable(got.table.shard_rows, eviction=eviction, device="cpu", seed=0)
+        for _ in range(8)
+    ]
+    keys = _data(**data)[0][0]
+    for owners in _owner_batches(keys, 8):
+        for table, owned in zip(models, owners):
+            table.lookup_or_insert(np.asarray(owned, np.int64))
+    for d, table in enumerate(models):
+        want_keys, want_rows, want_scores = table.export()
+        got_keys, got_rows, got_scores = got.table.shard(d).export()
+        order, want_order = np.argsort(got_keys), np.argsort(want_keys)
+        np.testing.assert_array_equal(got_keys[order], want_keys[want_order])
+        np.testing.assert_array_equal(got_rows[order], want_rows[want_order])
+        np.testing.assert_array_equal(got_scores[order], want_scores[want_order])
+
+
+def test_checkpoint_moves_between_device_counts(tmp_path):
+    """8 -> 4 -> 1 -> 8 devices: keys, vectors, slots, scores and admission
+    counts survive every move."""
+    kwargs = {"admit_after": 2, "optimizer": "adam"}
+    _, layer = _train(8, kwargs)
+    want = _by_key(layer)
+    sketch = layer.table._impl.sketch.state()
+    probe = want["keys"][:20]
+    path = str(tmp_path / "m8.keras")
+    layer.__dict__["_test_model"].save(path)
+    for devices in (4, 1, 8):
+        model, _ = sharding.load_model(path, devices=devices)
+        try:
+            layer = model.get_layer("hashed")
+            assert getattr(layer.table, "num_shards", 1) == devices
+            _assert_same_records(_by_key(layer), want, atol=0)
+            # Admission counts never fall: every sketch cell of the loaded
+            # table holds at least the saved count of its keys.
+            loaded = layer.table._impl.sketch
+            assert loaded.state().sum() >= sketch.sum()
+            assert (_estimates(loaded, probe) >= 1).all()
+            path = str(tmp_path / f"m{devices}.keras")
+            model.save(path)
+        finally:
+            keras.distribution.set_distribution(None)
+
+
+def _estimates(sketch, keys):
+    """Count-min estimate of each key (the smallest of its cells), the
+    largest over the shards' sketches."""
+    keys = np.asarray(keys, np.int64)
+    est = []
+    for part in getattr(sketch, "_sketches", [sketch]):
+        cells = part.counts.reshape(-1)
+        est.append(np.min([cells[c] for c in part._cells(keys)], axis=0))
+    return np.max(est, axis=0)
+
+
+def test_dense_layers_refuse_key_sharding():
+    with pytest.raises(ValueError, match="sharding.*'key'|Valid choices"):
+        ks.AllToAllDenseEmbedding(10, 4, optimizer="adagrad", sharding="key")
+
+
+def test_planner_prefers_key_sharding_for_hash_layers_across_processes():
+    layer = _layer(sharding="auto")
+    plan = sharding.plan([layer], devices=8, processes=2, strategies=sharding.RUNNABLE)
+    assert plan.strategy("hashed") == "key"
+    layer = _layer(sharding="row")
+    with pytest.raises(ValueError, match="key"):
+        keras_integration.check_hash_layer_processes(layer, "row", process_count=2)
+
+
+def test_exchange_overflow_raises_before_tables_change():
+    layer = _layer()
+    dist = sharding.distribution([layer], devices=8, row_exchange_slack=0.01)
+    keras.distribution.set_distribution(dist)
+    try:
+        model = _model(layer)
+        x, y = _data()
+        with pytest.raises(Exception, match="exchange slots"):
+            float(model.train_on_batch(x[0][:BATCH], y[:BATCH]))
+        # Later steps fail too, without touching the tables.
+        with pytest.raises(Exception, match="exchange slots"):
+            float(model.train_on_batch(x[0][:BATCH], y[:BATCH]))
+        assert layer.table.size == 0
+    finally:
+        keras.distribution.set_distribution(None)
