@@ -13,6 +13,9 @@ own half of every global batch.
     python examples/multiprocess_train.py --num-processes 1 --local-devices 8
     # add --collection: the tables in one EmbeddingCollection, plus two tables
     # placed table-wise (each whole on one device)
+    # add --hash: a key-sharded DistributedHashEmbedding (64-bit keys, LRU
+    # eviction, admission after 2 sightings) beside a row-sharded table;
+    # every process prints its own table shards' records
 
 On real hosts, pass ``--coordinator host0:PORT`` and drop ``--local-devices``
 (GPUs are found by JAX). Process 0 prints one JSON line with the per-step
@@ -49,6 +52,17 @@ def parse_args(argv=None):
         "--collection",
         action="store_true",
         help="the tables (plus two table-wise ones) in one EmbeddingCollection",
+    )
+    p.add_argument(
+        "--hash",
+        action="store_true",
+        help="a key-sharded DistributedHashEmbedding beside a row-sharded table",
+    )
+    p.add_argument(
+        "--records-out",
+        default=None,
+        help="with --hash: write this process's records to this file "
+        "(default: print them)",
     )
     p.add_argument(
         "--die-at-step",
@@ -129,7 +143,12 @@ class Watchdog(keras.callbacks.Callback):
             os.kill(os.getpid(), 9)
 
 
+HASH_CAPACITY, HASH_IDS = 512, 1200  # more admitted keys than rows
+
+
 def table_rows():
+    if ARGS.hash:
+        return {"user": TABLES["user"][0], "hashed": HASH_IDS}
     rows = {name: spec[0] for name, spec in TABLES.items()}
     if ARGS.collection:
         rows.update(TABLE_WISE)
@@ -137,6 +156,23 @@ def table_rows():
 
 
 def make_layers():
+    if ARGS.hash:
+        rows, strategy, opt = TABLES["user"]
+        return [
+            ks.AllToAllDenseEmbedding(
+                rows, DIM, combiner="sum", optimizer=opt, sharding=strategy, name="user"
+            ),
+            ks.DistributedHashEmbedding(
+                DIM,
+                capacity=HASH_CAPACITY,
+                combiner="sum",
+                optimizer="adagrad",
+                eviction="lru",
+                admit_after=2,
+                sharding="key",
+                name="hashed",
+            ),
+        ]
     if not ARGS.collection:
         return [
             ks.AllToAllDenseEmbedding(
@@ -155,7 +191,12 @@ def make_layers():
 
 def build(layers):
     names = list(table_rows())
-    inputs = [keras.Input((BAG,), dtype="int32", name=f"{n}_ids") for n in names]
+    inputs = [
+        keras.Input(
+            (BAG,), dtype="int64" if n == "hashed" else "int32", name=f"{n}_ids"
+        )
+        for n in names
+    ]
     if ARGS.collection:
         out = layers[0](dict(zip(names, inputs)))
         pooled = [out[n] for n in names]
@@ -174,6 +215,8 @@ def global_data(steps, batch):
         rng.integers(0, rows, size=(n, BAG)).astype("int32")
         for rows in table_rows().values()
     ]
+    if ARGS.hash:  # 64-bit keys: the step sees 32 bits, the tables all 64
+        x[1] = x[1].astype("int64") * 7_919_993_123 + (5 << 33)
     return x, rng.normal(size=(n, 1)).astype("float32")
 
 
@@ -211,6 +254,7 @@ def main():
         verbose=0,
         callbacks=[watchdog],
     )
+    watchdog.last = time.monotonic()  # a fresh window for the final exchange
     checksums = {}
     if ARGS.collection:
         for stack in layers[0].stacks:
@@ -219,6 +263,25 @@ def main():
             for name, start in stack.offsets.items():
                 rows = table_rows()[name]
                 checksums[name] = float(np.abs(full[start : start + rows]).sum())
+    elif ARGS.hash:
+        hashed = model.get_layer("hashed")
+        records = hashed.export()
+        line = "RECORDS " + json.dumps(
+            {
+                "process": pid,
+                "shards": list(hashed.table.local),
+                "stats": hashed.stats(),
+                **{k: np.asarray(v).tolist() for k, v in records.items()},
+            }
+        )
+        if ARGS.records_out:
+            with open(ARGS.records_out, "w") as f:
+                f.write(line + "\n")
+        else:
+            print(line, flush=True)
+        table = model.get_layer("user").embeddings.value
+        full = np.asarray(multihost_utils.process_allgather(table, tiled=True))
+        checksums["user"] = float(np.abs(full).sum())
     else:
         for name in TABLES:
             table = model.get_layer(name).embeddings.value

@@ -69,6 +69,36 @@ def _pair(port, *args):
     return [_launch(*args, *pair, "--process-id", str(i)) for i in range(2)]
 
 
+def _records(path):
+    """The key-sharded layer's records one process wrote, by key."""
+    lines = pathlib.Path(path).read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("RECORDS ")
+    rec = json.loads(lines[0][len("RECORDS ") :])
+    return rec, {
+        key: (value, acc, score)
+        for key, value, acc, score in zip(
+            rec["keys"], rec["values"], rec["accumulator"], rec["scores"]
+        )
+    }
+
+
+def _hash_runs(out_dir):
+    """A key-sharded DistributedHashEmbedding beside a row-sharded table;
+    each process writes its records to ``out_dir/<name>.json`` (files, not
+    pipes: a full pipe would block a process inside a collective)."""
+    args = ("--hash", "--steps", "6", "--batch-size", "128")
+    port = ["--num-processes", "2", "--port", str(_free_port())]
+    runs = {}
+    for name, more in (
+        ("h0", [*port, "--process-id", "0"]),
+        ("h1", [*port, "--process-id", "1"]),
+        ("href", ["--num-processes", "1", "--local-devices", "8"]),
+    ):
+        out = ["--records-out", str(out_dir / f"{name}.json")]
+        runs[name] = _launch(*args, *more, *out)
+    return runs
+
+
 def _collection_runs():
     """An EmbeddingCollection (row, column, data and two table-wise tables)."""
     c0, c1 = _pair(_free_port(), "--collection")
@@ -77,8 +107,8 @@ def _collection_runs():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """The scenarios in two waves of launches (5, then 3 processes).
+def runs(tmp_path_factory):
+    """The scenarios in waves of launches (5, then 3 and 3 processes).
 
     The dead-peer scenario times the survivor's failure, so it runs in the
     first wave, beside fewer processes competing for the cores.
@@ -104,6 +134,11 @@ def runs():
         procs.update(_collection_runs())
         for name in ("cref", "c0", "c1"):
             done[name] = _finish(procs[name])
+        out_dir = tmp_path_factory.mktemp("records")
+        procs.update(_hash_runs(out_dir))
+        for name in ("href", "h0", "h1"):
+            done[name] = _finish(procs[name])
+        done["records"] = out_dir
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -135,6 +170,33 @@ def test_collection_two_processes_match_one_process(runs):
     assert multi["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
     assert multi["checksums"] == pytest.approx(ref["checksums"], rel=1e-5)
     assert multi["losses"][-1] < multi["losses"][0]  # it trained
+
+
+def test_key_sharded_hash_layer_two_processes_match_one_key_by_key(runs):
+    """Each process holds and exports only its own devices' table shards;
+    together they hold exactly the single-process run's keys, with the same
+    vectors, optimizer slots and scores, evictions and admission included."""
+    for name in ("href", "h0", "h1"):
+        rc, out = runs[name]
+        assert rc == 0, out[-3000:]
+    ref, multi = _result(runs["href"][1]), _result(runs["h0"][1])
+    assert (multi["processes"], multi["devices"]) == (2, 8)
+    assert multi["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
+    out_dir = runs["records"]
+    ref_rec, want = _records(out_dir / "href.json")
+    (r0, got0), (r1, got1) = (_records(out_dir / f"h{i}.json") for i in (0, 1))
+    assert (r0["shards"], r1["shards"]) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert not set(got0) & set(got1)
+    got = {**got0, **got1}
+    assert set(got) == set(want) and len(want) > 100
+    for key, (value, acc, score) in want.items():
+        assert got[key][0] == pytest.approx(value, abs=1e-6), key
+        assert got[key][1] == pytest.approx(acc, abs=1e-6), key
+        assert got[key][2] == score, key
+    stats = ref_rec["stats"]
+    assert stats["evictions"] > 0 and stats["rejected_admissions"] > 0
+    for name in ("hits", "misses", "inserts", "evictions", "rejected_admissions"):
+        assert r0["stats"][name] + r1["stats"][name] == stats[name], name
 
 
 def test_killed_peer_fails_the_survivor_quickly(runs):

@@ -1110,6 +1110,14 @@ def prefetch(
     for layer in hash_layers:
         if not layer.built:
             layer.build()
+        if getattr(layer.table, "num_shards", None) is not None:
+            raise ValueError(
+                f"prefetch: layer '{layer.name}' is key-sharded (a table shard "
+                "per device, mapped inside the step on its owner); a prefetch "
+                "stage maps keys in one host table, so the two do not combine "
+                "yet. Train it without the stage, or plan the layer with "
+                "another strategy."
+            )
     copy_batch = batch_copier(transfer)
     insert = bool(training)
     ordered = bool(deterministic) or (insert and bool(hash_layers))

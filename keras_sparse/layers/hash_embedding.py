@@ -114,14 +114,16 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             `keras_sparse.table.hash_strings` (FNV-1a-64 of the UTF-8 bytes),
             so the string "a" and the int key ``hash_strings(["a"])[0]``
             share a row.
-        sharding: placement of the ``[capacity, output_dim]`` table and its
-            optimizer slots under `keras_sparse.sharding.distribution` (JAX):
-            "auto" (planner's choice), "data" (replicated), "row" or
-            "column" (element-wise optimizers only); fresh rows are
-            re-initialized on the devices holding them. The key->row map
-            stays one host table per process, so "row"/"column" need a
-            single-process run (any number of local devices); with more
-            than one process they raise a ValueError.
+        sharding: placement under `keras_sparse.sharding.distribution`
+            (JAX): "auto" (planner's choice), "key" (every device owns the
+            keys ``keras_sparse.table.owner_of`` gives it: its own hash
+            table shard, ``capacity / devices`` rows and slots, admission
+            and per-shard LRU/LFU eviction; keys travel to their owners
+            inside the step; fresh rows are drawn per key, so training on
+            any device or process count matches one device key by key), or
+            "data" (replicated), "row", "column" (element-wise optimizers
+            only): these keep one host key->row map per process that maps
+            the whole batch each step, so they need a single process.
         table_device: "cpu" (default), "gpu" or "auto": where the hash
             table's key->row map lives (see `HashTable`). With the model on
             a GPU, "gpu" keeps keys and rows on the device inside compiled

@@ -25,9 +25,14 @@ class HashRecords:
 
     # ----------------------------------------------------------------- state
     def _host_state(self):
-        """NumPy copies of the table and slots keyed "table"/slot name."""
-        state = {"table": ops.convert_to_numpy(self.embeddings)}
-        state.update({k: ops.convert_to_numpy(v) for k, v in self.slots.items()})
+        """NumPy copies of the table and slots keyed "table"/slot name.
+
+        In a multi-process run only this process's shards of a sharded
+        variable are filled (the rest are zeros): its table shards' keys
+        live in those rows.
+        """
+        state = {"table": _host_value(self.embeddings)}
+        state.update({k: _host_value(v) for k, v in self.slots.items()})
         return state
 
     def export(self, include_rows=False):
@@ -353,6 +358,16 @@ class HashRecords:
     def _admission_sketch(self):
         """The table's count-min sketch, or None (``admit_after=1``)."""
         return getattr(self.table._impl, "sketch", None)
+
+
+def _host_value(variable):
+    value = variable.value
+    if getattr(value, "is_fully_addressable", True):
+        return ops.convert_to_numpy(value)
+    out = np.zeros(value.shape, value.dtype)
+    for shard in value.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 _GEOMETRY_ENTRIES = ("table_capacity", "table_bucket_size", "table_seed")

@@ -256,7 +256,14 @@ def map_keys(routing, keys, use, insert):
                 )
             )
         table = routing.table.shard(int(me))
-        return map_received(table, np.asarray(words), np.asarray(counts), insert)
+        try:
+            return map_received(table, np.asarray(words), np.asarray(counts), insert)
+        except (ValueError, RuntimeError) as e:  # TableFullError is one
+            raise type(e)(
+                f"Layer '{routing.name}': table shard {int(me)} of {d} "
+                f"(capacity {table.capacity}, size {table.size}) refused "
+                f"this step's keys; nothing of it changed. ({e})"
+            ) from None
 
     def empty_owner():
         return np.full((d, c), -1, np.int32), np.zeros((d, c), bool)

@@ -539,6 +539,12 @@ def place_hash_table(layer):
         d, local, _ = shards
         if getattr(table, "num_shards", None) == d and table.local == local:
             return
+        if table.device == "gpu":
+            raise NotImplementedError(
+                f"Layer '{layer.name}': key sharding keeps a table shard per "
+                "device on the host for now; use table_device='cpu' (the "
+                "default) with sharding='key'."
+            )
         new = ShardedHashTable(
             layer.requested_capacity,
             d,
