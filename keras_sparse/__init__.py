@@ -8,18 +8,21 @@ Public API:
     EmbeddingCollection, TableConfig: several tables in one layer (stacked
         per width; what makes table-wise sharding possible).
     DistributedHashEmbedding: dynamic-vocabulary embedding keyed by any int64.
-    HashTable: int64 key -> row map with eviction and admission (GPU or CPU).
+    HashTable: int64 key -> row map with eviction and admission (GPU or CPU);
+        table.ShardedHashTable / table.owner_of: one shard per device.
     plan, distribution, sharding: model parallelism (JAX): a planner that picks
-        table/row/column/replicated placement per table, and the Keras distribution
-        that lays the tables out.
+        table/row/column/replicated placement per table (and key-owned
+        shards for hash layers), and the Keras distribution that lays the
+        tables out.
     share_gpu_memory: split each GPU between the backend and CuPy hash tables.
     data: the async prefetching input stage (`data.prefetch`) and synthetic
         Criteo-like data for examples and benchmarks.
 
 Layering: ``table <- ops <- layers <- sharding <- data``; a module never
-imports one of a higher layer (the import-linter contract in pyproject.toml,
-checked by tests/test_layering.py, lists the few sharding hooks the layers
-still call).
+imports one of a higher layer, and no two modules import each other
+(tests/test_layering.py: the import-linter contract in pyproject.toml and a
+cycle check on grimp's import graph). The layers reach the sharding hooks
+through ``layers.placement``, which ``sharding`` fills in when imported.
 """
 
 from keras_sparse import data

@@ -280,7 +280,6 @@ def _import_bad_row(t):  # shard 1's row is in neither of the key's buckets
         (_oversized, {}),
         (_bucket_full, {"eviction": None}),
         (_admitted_full, {"eviction": None, "admit_after": 2}),
-        (_import_bad_row, {}),
     ],
 )
 def test_refused_batch_changes_no_shard(make, kw):
@@ -289,6 +288,15 @@ def test_refused_batch_changes_no_shard(make, kw):
     before = snapshot(t)
     with pytest.raises((ValueError, TableFullError)):
         call() if callable(call) else t.lookup_or_insert(call)
+    assert snapshot(t) == before
+
+
+def test_import_with_a_row_outside_its_buckets_changes_no_shard():
+    t = ShardedHashTable(32, 2, bucket_size=4, device="cpu")
+    call = _import_bad_row(t)
+    before = snapshot(t)
+    with pytest.raises(ValueError, match="candidate"):
+        call()
     assert snapshot(t) == before
 
 

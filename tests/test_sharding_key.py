@@ -251,3 +251,29 @@ def test_exchange_overflow_raises_before_tables_change():
         assert layer.table.size == 0
     finally:
         keras.distribution.set_distribution(None)
+
+
+def test_a_process_holding_some_shards_imports_its_keys_and_refuses_to_save(
+    tmp_path,
+):
+    """A process of a multi-process run (here: a table holding shards 0-3
+    of 8) imports only the keys its shards own and never writes a
+    checkpoint missing the other processes' keys."""
+    layer = ks.DistributedHashEmbedding(
+        DIM, capacity=1024, combiner="sum", optimizer="adagrad", name="hashed"
+    )
+    layer.build()
+    layer.table = ShardedHashTable(1024, 8, local=(0, 1, 2, 3), device="cpu")
+    assert layer.table.capacity == layer.num_rows
+    keys = np.arange(200, dtype=np.int64) * 1_000_003
+    values = np.random.default_rng(0).normal(size=(200, DIM)).astype("float32")
+    mine = np.isin(owner_of(keys, 8), (0, 1, 2, 3))
+    assert 0 < mine.sum() < 200
+    assert layer.import_(keys, values) == mine.sum()
+    got = _by_key(layer)
+    np.testing.assert_array_equal(got["keys"], np.sort(keys[mine]))
+    order = np.argsort(keys[mine])
+    np.testing.assert_allclose(got["values"], values[mine][order])
+    model = keras.Sequential([keras.Input((BAG,), dtype="int32"), layer])
+    with pytest.raises(ValueError, match="shards \\[0, 1, 2, 3\\] of 8"):
+        model.save(str(tmp_path / "partial.keras"))

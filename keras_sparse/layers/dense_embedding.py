@@ -7,8 +7,8 @@ from keras import ops
 from keras_sparse.backend_utils import is_tf_ragged
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers import placement
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
-from keras_sparse.sharding import keras_integration as _sharding
 
 
 def _check_positive_int(layer_name, name, value):
@@ -153,7 +153,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 "table; build the float layer, set its weights, then quantize."
             )
         # Padded to the variable's rows when a distribution pads the table.
-        self._embeddings.assign(_sharding.padded_value(self, self._embeddings, weights))
+        self._embeddings.assign(
+            placement.provider().padded_value(self, self._embeddings, weights)
+        )
 
     # ----------------------------------------------------------------- build
     def build(self, input_shape=None):
@@ -270,7 +272,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             return
         # Unpadded arrays (sharding hook), so checkpoints load on any mesh.
         for name, variable in self._named_variables().items():
-            store[name] = _sharding.unpadded_value(self, variable)
+            store[name] = placement.provider().unpadded_value(self, variable)
 
     def load_own_variables(self, store):
         if self._keras_state():
@@ -292,7 +294,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             )
         values = {}
         for name, variable in named.items():
-            value = np.asarray(_sharding.padded_value(self, variable, store[name]))
+            value = np.asarray(
+                placement.provider().padded_value(self, variable, store[name])
+            )
             if value.shape != tuple(variable.shape):
                 raise ValueError(
                     f"Layer '{self.name}': saved '{name}' has shape "

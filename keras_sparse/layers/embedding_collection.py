@@ -18,12 +18,12 @@ from keras import ops
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
 from keras_sparse.layers.sparse_embedding_base import sparse_step
-from keras_sparse.sharding import keras_integration as _sharding
 
 
 def _check_positive_int(where, name, value):
@@ -205,6 +205,9 @@ class EmbeddingCollection(keras.layers.Layer):
     {'user': (2, 8), 'item': (2, 8), 'country': (2, 4)}
     """
 
+    #: A fixed vocabulary per table (see `SparseEmbeddingBase`).
+    keras_sparse_kind = "fixed"
+
     def __init__(self, tables, optimizer=None, sharding="auto", **kwargs):
         super().__init__(**kwargs)
         if not isinstance(tables, dict) or not tables:
@@ -260,8 +263,9 @@ class EmbeddingCollection(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
-        placement, devices = _sharding.collection_placement(self)
-        self.stacks = _sharding.collection_stacks(self.tables, placement, devices)
+        hooks = placement.provider()
+        where, devices = hooks.collection_placement(self)
+        self.stacks = hooks.collection_stacks(self.tables, where, devices)
         sparse = self.uses_sparse_update
         # As in SparseEmbeddingBase.build: on JAX the updated stack travels
         # back as its "gradient" (overwrite_with_gradient); elsewhere the
@@ -408,7 +412,7 @@ class EmbeddingCollection(keras.layers.Layer):
             flat_valid,
             training,
             iterations,
-            _sharding.route_stack(stack),
+            placement.provider().route_stack(stack),
         )
         if widths is not None:
             rows = ops.reshape(rows, (-1, sum(widths), stack.dim))

@@ -9,6 +9,7 @@ from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import jax_step_mapping
+from keras_sparse.layers import placement
 from keras_sparse.layers.fresh_rows import fresh_row_values
 from keras_sparse.layers.hash_records import HashRecords
 from keras_sparse.layers.host_keys import host_keys as _host_keys
@@ -19,7 +20,6 @@ from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.ops import check_replicated_training
-from keras_sparse.sharding import keras_integration as _sharding  # sharding hook
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
 from keras_sparse.table.sharded_table import key_words
@@ -264,6 +264,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         # hand the full keys to the host mapping.
         jax_full_keys.install()
 
+    keras_sparse_kind = "hash"
     # A key-owned table per device (sharding="key") is possible here only.
     _key_shardable = True
 
@@ -275,7 +276,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         if not self.built:
             # --- keras_sparse.sharding hook: a table shard per device under
             # key sharding (before the variables get their row count).
-            _sharding.place_hash_table(self)
+            placement.provider().place_hash_table(self)
         super().build(input_shape)
 
     # ---------------------------------------------------------------- mapping
@@ -391,7 +392,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), words
         n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
         if backend == "jax":
-            mapped = _sharding.map_keys_in_step(
+            mapped = placement.provider().map_keys_in_step(
                 self, ops.reshape(keys, (-1,)), use, insert
             )
             if mapped is not None:
@@ -536,9 +537,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         return self._vectors_out(rows, valid, fresh, weights, shape, insert, prepared)
 
     def _check_exchange_buckets(self, buckets):
-        from keras_sparse.sharding.keras_integration import exchange_buckets
-
-        now = exchange_buckets(self)
+        now = placement.provider().exchange_buckets(self)
         if now != buckets:
             raise ValueError(
                 f"Layer '{self.name}': the prefetch stage bucketed its ids for "

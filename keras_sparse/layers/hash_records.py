@@ -38,7 +38,12 @@ class HashRecords:
     def export(self, include_rows=False):
         """Live records as NumPy, in row order: dict(keys, values, <slot
         name>..., scores), plus each key's ``rows`` with ``include_rows=True``
-        (for `import_` into a table of the same capacity and seed)."""
+        (for `import_` into a table of the same capacity and seed).
+
+        Key-sharded across processes, each process exports the keys of the
+        table shards it holds; together they are the whole table, and
+        `import_` of their union places them under any layout.
+        """
         if not self.built:
             self.build()
         keys, rows, scores = (_to_numpy(x) for x in self.table.export())
@@ -70,6 +75,7 @@ class HashRecords:
         if not self.built:
             self.build()
         records = self._checked_records(keys, values, slots, scores, rows)
+        records = self._held_here(records)
         stored = self._store_records(records)
         dropped = len(records.keys) - stored
         if dropped:
@@ -80,6 +86,17 @@ class HashRecords:
                 stacklevel=2,
             )
         return stored
+
+    def _held_here(self, records):
+        """The records whose keys this process's table shards own (all of
+        them unless the layer is key-sharded over several processes)."""
+        local = getattr(self.table, "local", None)
+        if local is None or len(local) == self.table.num_shards:
+            return records
+        from keras_sparse.table.sharded_table import owner_of
+
+        mine = np.isin(owner_of(records.keys, self.table.num_shards), local)
+        return _subset(records, mine)
 
     def _checked_records(self, keys, values, slots, scores, rows, saved=False):
         """Validated `_Records`; raises naming the layer and the argument.
@@ -204,6 +221,16 @@ class HashRecords:
             return self.table._impl.clock
 
     def save_own_variables(self, store):
+        local = getattr(self.table, "local", None)
+        if local is not None and len(local) < self.table.num_shards:
+            raise ValueError(
+                f"Layer '{self.name}': this process holds table shards "
+                f"{list(local)} of {self.table.num_shards}, so a checkpoint "
+                "written here would miss the other processes' keys; nothing "
+                "was saved. Save each process's `layer.export()` records (and "
+                "`import_` them into any layout), or save from a "
+                "single-process run."
+            )
         for name, value in self.export(include_rows=True).items():
             store[f"record_{name}"] = value
         for name, value in zip(_GEOMETRY_ENTRIES, self._geometry()):

@@ -211,10 +211,10 @@ def _feeds(model):
 
 
 def _has_hash_layers(model):
-    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+    from keras_sparse.layers.model_feeds import is_hash_layer
 
     return any(
-        isinstance(layer, DistributedHashEmbedding)
+        is_hash_layer(layer)
         for layer in model._flatten_layers(include_self=False, recursive=True)
     )
 
@@ -225,15 +225,13 @@ def _fixed_layers(model):
     layers are not followed (those layers decide what the ids become)."""
     from keras import tree
 
-    from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
-    from keras_sparse.layers.embedding_collection import EmbeddingCollection
+    from keras_sparse.layers.model_feeds import is_fixed_layer
     from keras_sparse.layers.model_feeds import model_inputs
 
-    kinds = (AllToAllDenseEmbedding, EmbeddingCollection)
     layers = [
         layer
         for layer in model._flatten_layers(include_self=False, recursive=True)
-        if isinstance(layer, kinds)
+        if is_fixed_layer(layer)
     ]
     if not layers:
         return []

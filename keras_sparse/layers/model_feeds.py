@@ -167,9 +167,18 @@ def _sparse_layers(model):
 
 
 def _kind(layer):
-    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+    return "hash" if is_hash_layer(layer) else "dense"
 
-    return "hash" if isinstance(layer, DistributedHashEmbedding) else "dense"
+
+def is_hash_layer(layer):
+    """True for a `DistributedHashEmbedding` (by its kind marker, so this
+    module needs no import of the layer classes)."""
+    return getattr(layer, "keras_sparse_kind", None) == "hash"
+
+
+def is_fixed_layer(layer):
+    """True for fixed-vocabulary keras_sparse layers (ids < 2**31)."""
+    return getattr(layer, "keras_sparse_kind", None) == "fixed"
 
 
 def plan(model, feature_map=None):

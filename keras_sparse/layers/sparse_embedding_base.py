@@ -9,10 +9,10 @@ import keras
 from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
+from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
-from keras_sparse.sharding import keras_integration as _sharding  # sharding hook
 
 SHARDING_CHOICES = ("auto", "data", "table", "row", "column")
 #: Hash layers may also own their keys per device.
@@ -29,6 +29,10 @@ def check_sharding(layer_name, sharding, choices=SHARDING_CHOICES):
 
 class SparseEmbeddingBase(keras.layers.Layer):
     """Table + optional sparse optimizer + combiner. Not used directly."""
+
+    #: "fixed" (a fixed vocabulary, ids < 2**31) or "hash" (keys mapped by
+    #: a hash table); read by modules that must not import the classes.
+    keras_sparse_kind = "fixed"
 
     def __init__(
         self,
@@ -85,10 +89,10 @@ class SparseEmbeddingBase(keras.layers.Layer):
         on_jax = keras.backend.backend() == "jax"
         # --- keras_sparse.sharding hook: row-sharded tables whose rows do not
         # divide by the device count get zero padding rows (never looked up).
-        rows = _sharding.variable_rows(self)
+        rows = placement.provider().variable_rows(self)
         table = self.add_weight(
             shape=(rows, self.output_dim),
-            initializer=_sharding.table_initializer(self, rows),
+            initializer=placement.provider().table_initializer(self, rows),
             regularizer=None if sparse else self.embeddings_regularizer,
             constraint=None if sparse else self.embeddings_constraint,
             trainable=(not sparse) or on_jax,
@@ -151,7 +155,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
         flat_valid = ops.reshape(valid, (-1,))
         # --- keras_sparse.sharding hook: None unless JAX + an active
         # ModelParallel distribution + a row/column strategy for this layer.
-        routing = _sharding.route(self)
+        routing = placement.provider().route(self)
         rows = lookup_flat_rows(
             self,
             self.embeddings,
@@ -286,7 +290,7 @@ def lookup_flat_rows(
             kwargs["exchange_slot"] = exchange_slot
         lookup = backend_module().lookup_with_sparse_update
         if routing is not None:  # sharding hook
-            lookup = _sharding.routed_lookup(routing)
+            lookup = placement.provider().routed_lookup(routing)
         rows = lookup(
             table,
             slots,
@@ -313,7 +317,7 @@ def lookup_flat_rows(
             layer.add_loss(loss)
         return rows
     if routing is not None:  # sharding hook
-        return _sharding.routed_gather(
+        return placement.provider().routed_gather(
             routing, table, flat_ids, flat_valid, exchange_slot
         )
     safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))

@@ -6,6 +6,8 @@ load_model(filepath, devices=None, plan=None) -> (model, distribution)
 exchange_bytes(strategy, rows, dim, num_ids, devices) -> bytes per device
 """
 
+from keras_sparse.layers import placement as _placement
+from keras_sparse.sharding import keras_integration as _keras_integration
 from keras_sparse.sharding.keras_integration import RUNNABLE
 from keras_sparse.sharding.keras_integration import distribution
 from keras_sparse.sharding.keras_integration import load_model
@@ -14,6 +16,10 @@ from keras_sparse.sharding.planner import Plan
 from keras_sparse.sharding.planner import TablePlan
 from keras_sparse.sharding.planner import TableSpec
 from keras_sparse.sharding.planner import plan
+
+# The layers reach the sharding hooks through this seam (see
+# `keras_sparse.layers.placement`), never by importing this package.
+_placement.install(_keras_integration)
 
 
 def exchange_bytes(*args, **kwargs):

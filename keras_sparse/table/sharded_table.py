@@ -313,6 +313,17 @@ class ShardedHashTable:
                     f"{int(np.sum(wrong))} rows lie outside their keys' owner "
                     f"shards ({self.shard_rows} rows per shard)."
                 )
+            # Rows outside a key's buckets are refused before any shard
+            # changes (the shards would refuse them one after the other).
+            b1, b2 = self.candidate_buckets(k)
+            bucket = rows // self.bucket_size
+            outside = (bucket != b1) & (bucket != b2)
+            if outside.any():
+                raise ValueError(
+                    f"{int(outside.sum())} rows lie in neither candidate "
+                    "bucket of their keys (another capacity, bucket size or "
+                    "seed)."
+                )
         if scores is not None:
             scores = np.asarray(scores).reshape(-1)
         out = np.full(k.shape, -1, np.int64)
