@@ -8,7 +8,7 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
-from keras_sparse.layers import jax_step_mapping
+from keras_sparse.layers import key_mapping
 from keras_sparse.layers import placement
 from keras_sparse.layers.fresh_rows import fresh_row_values
 from keras_sparse.layers.hash_records import HashRecords
@@ -22,7 +22,6 @@ from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
-from keras_sparse.table.sharded_table import key_words
 
 
 def _first_fresh_only(rows, fresh, xp):
@@ -66,9 +65,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     In inference (``training=False``, or a frozen layer) the table is only
     read: unknown keys read zeros and nothing is inserted.
 
-    How compiled steps reach the table: the table is Python state (NumPy,
+    How compiled steps reach the table (one placement per call, see
+    `keras_sparse.layers.key_mapping`): the table is Python state (NumPy,
     or CuPy with ``table_device="gpu"``). Eagerly the layer calls it
-    directly. In a compiled JAX step on one device (no Keras distribution)
+    directly. Key-sharded (``sharding="key"``), each device maps its keys on
+    their owners' shards inside the step. In a compiled JAX step on one device (no Keras distribution)
     the key->row mapping is an in-place ``jax.experimental.buffer_callback``:
     a CPU table in a CPU step reads the step's key buffer and writes the rows
     into its output buffers without copies; a GPU table in a step on the same
@@ -370,50 +371,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             return keys
         return jax_full_keys.restore(self, _host_keys(keys))
 
-    def _key_sharded(self):
-        return getattr(self.table, "num_shards", None) is not None
-
     def _map_keys(self, keys, use, insert):
-        """Flat ``(rows, fresh, words)`` for ``keys``; rows -1 where absent.
-
-        ``words`` (int32 ``[n, 2]``, each key's two 32-bit halves) come with
-        a key-sharded table, whose fresh rows are drawn per key
-        (`keyed_fresh_rows`); None otherwise.
-        """
-        backend = keras.backend.backend()
-        symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
-        if not symbolic:
-            if self.table.device == "gpu" and not _string_kind(keys):
-                return self._map_on_gpu(keys, use, insert) + (None,)
-            words = None
-            if self._key_sharded():
-                words = ops.convert_to_tensor(key_words(self._full_keys(keys)))
-            rows, fresh = self._map_step_keys(keys, ops.convert_to_numpy(use), insert)
-            return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), words
-        n = None if None in tuple(keys.shape) else int(np.prod(keys.shape))
-        if backend == "jax":
-            mapped = placement.provider().map_keys_in_step(
-                self, ops.reshape(keys, (-1,)), use, insert
-            )
-            if mapped is not None:
-                return mapped
-            return jax_step_mapping.map_in_step(self, keys, use, insert, n) + (None,)
-        if backend == "tensorflow":
-            import tensorflow as tf
-
-            rows, fresh = tf.numpy_function(
-                lambda k, u: self._map_step_keys(k, u, insert),
-                [keys, use],
-                [tf.int32, tf.bool],
-                stateful=True,
-            )
-            rows.set_shape((n,))
-            fresh.set_shape((n,))
-            return rows, fresh, None
-        raise NotImplementedError(
-            f"Layer '{self.name}': compiled steps are not supported on the "
-            f"{backend} backend; use jit_compile=False."
-        )
+        """Flat ``(rows, fresh, words)`` for ``keys``, wherever the mapping
+        runs now (see `keras_sparse.layers.key_mapping`)."""
+        return key_mapping.map_keys(self, keys, use, insert)
 
     # ------------------------------------------------------------------ call
     def _normalize(self, inputs, weights):

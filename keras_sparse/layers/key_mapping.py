@@ -1,0 +1,121 @@
+"""Where a `DistributedHashEmbedding`'s keys become rows: one decision per call.
+
+The layer reads as one pipeline: normalize keys -> `map_keys` -> gather the
+rows (fresh ones re-initialized) -> combine. `placement_of` names where the
+key->row mapping runs, and each placement is one small function here or one
+module of its own:
+
+``"host"``         eager call, CPU table: NumPy keys, one table call.
+``"gpu"``          eager call, GPU table: keys and rows stay on the device
+                   (DLPack), see ``layer._map_on_gpu``.
+``"jax_step"``     compiled JAX step, one table per process:
+                   `keras_sparse.layers.jax_step_mapping` (in-place buffer
+                   callbacks on one device, an ordered io_callback otherwise).
+``"key_sharded"``  compiled JAX step, a table shard per device:
+                   `keras_sparse.sharding.jax_key_mapping`, reached through
+                   the sharding hooks (`keras_sparse.layers.placement`).
+``"tf_graph"``     TensorFlow graph: a ``tf.numpy_function`` into the table.
+
+Rows computed ahead of the step by `keras_sparse.data.prefetch` bypass this
+module (the layer's ``_call_prepared``). Every placement returns flat
+``(rows int32, fresh bool, words)``: rows -1 where a key has none, fresh at
+the first position of each newly assigned row, and ``words`` (int32 ``[n,
+2]``, each key's two 32-bit halves) for key-sharded tables, whose fresh rows
+are drawn per key (`keras_sparse.layers.keyed_fresh_rows`), else None.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_sparse.backend_utils import is_symbolic
+from keras_sparse.layers import jax_step_mapping
+from keras_sparse.layers import placement
+from keras_sparse.layers.host_keys import string_kind
+from keras_sparse.table.sharded_table import key_words
+
+
+def _key_sharded(layer):
+    return getattr(layer.table, "num_shards", None) is not None
+
+
+def placement_of(layer, keys):
+    """The name of the placement that maps ``keys`` for ``layer`` now."""
+    symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
+    if not symbolic:
+        if layer.table.device == "gpu" and not string_kind(keys):
+            return "gpu"
+        return "host"
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return "key_sharded" if _key_sharded(layer) else "jax_step"
+    if backend == "tensorflow":
+        return "tf_graph"
+    raise NotImplementedError(
+        f"Layer '{layer.name}': compiled steps are not supported on the "
+        f"{backend} backend; use jit_compile=False."
+    )
+
+
+def _host(layer, keys, use, insert):
+    words = None
+    if _key_sharded(layer):
+        words = ops.convert_to_tensor(key_words(layer._full_keys(keys)))
+    rows, fresh = layer._map_step_keys(keys, ops.convert_to_numpy(use), insert)
+    return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), words
+
+
+def _gpu(layer, keys, use, insert):
+    return layer._map_on_gpu(keys, use, insert) + (None,)
+
+
+def _size(keys):
+    return None if None in tuple(keys.shape) else int(np.prod(keys.shape))
+
+
+def _jax_step(layer, keys, use, insert):
+    mapped = jax_step_mapping.map_in_step(layer, keys, use, insert, _size(keys))
+    return mapped + (None,)
+
+
+def _key_sharded_step(layer, keys, use, insert):
+    flat = ops.reshape(keys, (-1,))
+    mapped = placement.provider().map_keys_in_step(layer, flat, use, insert)
+    if mapped is None:  # not key-sharded under the active distribution
+        raise ValueError(
+            f"Layer '{layer.name}' holds a table shard per device, but the "
+            "active distribution does not key-shard it. Run it under the "
+            "keras_sparse.sharding.distribution it was built with, or save "
+            "it and reload it with keras_sparse.sharding.load_model(...)."
+        )
+    return mapped
+
+
+def _tf_graph(layer, keys, use, insert):
+    import tensorflow as tf
+
+    n = _size(keys)
+    rows, fresh = tf.numpy_function(
+        lambda k, u: layer._map_step_keys(k, u, insert),
+        [keys, use],
+        [tf.int32, tf.bool],
+        stateful=True,
+    )
+    rows.set_shape((n,))
+    fresh.set_shape((n,))
+    return rows, fresh, None
+
+
+_PLACEMENTS = {
+    "host": _host,
+    "gpu": _gpu,
+    "jax_step": _jax_step,
+    "key_sharded": _key_sharded_step,
+    "tf_graph": _tf_graph,
+}
+
+
+def map_keys(layer, keys, use, insert):
+    """Flat ``(rows, fresh, words)`` of ``keys`` (any shape) and flat bool
+    ``use``; ``insert`` adds admitted new keys (training)."""
+    return _PLACEMENTS[placement_of(layer, keys)](layer, keys, use, insert)
