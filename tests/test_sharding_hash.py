@@ -154,12 +154,18 @@ def test_planner_allows_row_and_column_for_hash_tables():
         sharding.plan([rowwise], devices=8, pinned={"rw": "column"})
 
 
-def test_sharded_hash_layer_needs_a_single_process():
+def test_multi_process_hash_layers_must_be_key_sharded():
+    """One host key map per process cannot serve several processes: every
+    strategy but "key" is refused there, naming the way out."""
     layer = ks.DistributedHashEmbedding(DIM, capacity=64, optimizer="adagrad")
-    with pytest.raises(ValueError, match="single-process"):
-        keras_integration.check_hash_layer_processes(layer, "row", process_count=2)
-    # Replicated hash layers and fixed-vocabulary tables are not affected.
-    keras_integration.check_hash_layer_processes(layer, "data", process_count=2)
+    for strategy in ("row", "column", "data"):
+        with pytest.raises(ValueError, match="sharding='key'"):
+            keras_integration.check_hash_layer_processes(
+                layer, strategy, process_count=2
+            )
+        keras_integration.check_hash_layer_processes(layer, strategy, process_count=1)
+    keras_integration.check_hash_layer_processes(layer, "key", process_count=2)
+    # Fixed-vocabulary tables are not affected.
     dense = ks.AllToAllDenseEmbedding(64, DIM)
     keras_integration.check_hash_layer_processes(dense, "row", process_count=2)
 

@@ -12,7 +12,6 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse import sharding
-from keras_sparse.sharding import keras_integration
 from keras_sparse.table import HashTable
 from keras_sparse.table import ShardedHashTable
 from keras_sparse.table import owner_of
@@ -231,9 +230,10 @@ def test_planner_prefers_key_sharding_for_hash_layers_across_processes():
     layer = _layer(sharding="auto")
     plan = sharding.plan([layer], devices=8, processes=2, strategies=sharding.RUNNABLE)
     assert plan.strategy("hashed") == "key"
-    layer = _layer(sharding="row")
-    with pytest.raises(ValueError, match="key"):
-        keras_integration.check_hash_layer_processes(layer, "row", process_count=2)
+    assert "one host key map per process" in plan["hashed"].reason
+    # One process and a batch big enough: key sharding is also the cheaper.
+    plan = sharding.plan([_layer(sharding="auto")], devices=8, batch_size=65536)
+    assert plan.strategy("hashed") == "key", plan["hashed"].reason
 
 
 def test_exchange_overflow_raises_before_tables_change():

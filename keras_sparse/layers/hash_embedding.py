@@ -66,28 +66,29 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     read: unknown keys read zeros and nothing is inserted.
 
     How compiled steps reach the table (one placement per call, see
-    `keras_sparse.layers.key_mapping`): the table is Python state (NumPy,
-    or CuPy with ``table_device="gpu"``). Eagerly the layer calls it
-    directly. Key-sharded (``sharding="key"``), each device maps its keys on
-    their owners' shards inside the step. In a compiled JAX step on one device (no Keras distribution)
-    the key->row mapping is an in-place ``jax.experimental.buffer_callback``:
-    a CPU table in a CPU step reads the step's key buffer and writes the rows
-    into its output buffers without copies; a GPU table in a step on the same
-    GPU does the same with CuPy on XLA's stream, so keys and rows stay on the
-    device. Under a distribution, and for a CPU table in a GPU step, it is an
-    ordered ``jax.experimental.io_callback`` (see
+    `keras_sparse.layers.key_mapping`): the table is Python state (NumPy, or
+    CuPy with ``table_device="gpu"``). Eagerly the layer calls it directly.
+    Key-sharded (``sharding="key"``), each device maps its keys on their
+    owners' shards inside the step. In a compiled JAX step on one device (no
+    Keras distribution) the key->row mapping is an in-place
+    ``jax.experimental.buffer_callback``: a CPU table in a CPU step reads the
+    step's key buffer and writes the rows into its output buffers without
+    copies; a GPU table in a step on the same GPU does the same with CuPy on
+    XLA's stream, so keys and rows stay on the device. Under a distribution,
+    and for a CPU table in a GPU step, it is an ordered
+    ``jax.experimental.io_callback`` (see
     `keras_sparse.layers.jax_step_mapping`). In a TensorFlow graph it is a
     `tf.numpy_function`. XLA cannot run host callbacks inside TensorFlow
     graphs, so on TensorFlow the layer sets ``supports_jit = False``:
-    ``compile(jit_compile=True)`` warns and compiles the whole step as a
-    plain tf.function without XLA (``"auto"`` picks that silently). On
-    PyTorch the layer also reports ``supports_jit = False``
-    (``jit_compile=True`` falls back to eager steps). On JAX the whole step
-    stays under ``jax.jit``. An error raised by the table inside a compiled
-    step (a full table with ``eviction=None``) leaves the table as the last
-    good step left it, but aborts the step, and Keras has donated that
-    step's model variables: restore from a checkpoint. The prefetch stage
-    (`keras_sparse.data.prefetch`) raises such errors before the step.
+    ``compile(jit_compile=True)`` warns and compiles the whole step as a plain
+    tf.function without XLA (``"auto"`` picks that silently). On PyTorch the
+    layer also reports ``supports_jit = False`` (``jit_compile=True`` falls
+    back to eager steps). On JAX the whole step stays under ``jax.jit``. An
+    error raised by the table inside a compiled step (a full table with
+    ``eviction=None``) leaves the table as the last good step left it, but
+    aborts the step, and Keras has donated that step's model variables: restore
+    from a checkpoint. The prefetch stage (`keras_sparse.data.prefetch`) raises
+    such errors before the step.
 
     Args:
         output_dim: embedding width.

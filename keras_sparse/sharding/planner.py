@@ -504,6 +504,11 @@ def plan(
             )
     cap = math.inf if memory_per_device is None else memory_per_device
 
+    def _allowed(spec):
+        # Key sharding only exists for hash layers: not worth a reason line
+        # on every other table.
+        return [s for s in strategies if s != "key" or spec.hash_keys]
+
     def lookups_of(spec):
         if isinstance(ids_per_sample, dict):
             return batch_size * ids_per_sample.get(spec.name, 1)
@@ -525,7 +530,7 @@ def plan(
     )
 
     def min_footprint(spec):
-        opts = [pinned[spec.name]] if spec.name in pinned else list(strategies)
+        opts = [pinned[spec.name]] if spec.name in pinned else _allowed(spec)
         ok = [o for o in opts if not _structural_problem(spec, o, d, processes)]
         if any(o != "data" for o in ok):
             return spec.total_bytes / d  # sharded, or packed whole somewhere
@@ -534,7 +539,7 @@ def plan(
     pending = sum(min_footprint(s) for s in order)
     for spec in order:
         lk = lookups_of(spec)
-        options = [pinned[spec.name]] if spec.name in pinned else list(strategies)
+        options = [pinned[spec.name]] if spec.name in pinned else _allowed(spec)
         pending -= min_footprint(spec)
         for reserve in (pending, 0):
             tried = []
