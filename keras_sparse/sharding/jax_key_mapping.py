@@ -47,6 +47,7 @@ from keras_sparse.sharding.jax_sharded_lookup import row_capacity
 from keras_sparse.table.sharded_table import key_words
 from keras_sparse.table.sharded_table import keys_of_words
 from keras_sparse.table.sharded_table import owner_of
+from keras_sparse.table.sharded_table import to_host
 
 
 def route_keys(full, use, num_shards, capacity):
@@ -112,14 +113,14 @@ def map_received(table, words, counts, insert):
     starts = np.cumsum(reps) - reps
     if insert:
         res, new = table.lookup_or_insert_fresh(repeated)
-        got, new = np.asarray(res.rows)[starts], np.asarray(new)[starts]
+        got, new = to_host(res.rows)[starts], to_host(new)[starts]
         # A key sent by several devices is fresh once: at its first entry.
         _, first = np.unique(keys, return_index=True)
         once = np.zeros(len(keys), bool)
         once[first] = True
         fresh[live] = new & once
     else:
-        got = np.asarray(table.lookup(repeated))[starts]
+        got = to_host(table.lookup(repeated))[starts]
     rows[live] = got
     return rows.reshape(shape), fresh.reshape(shape)
 
@@ -257,7 +258,10 @@ def map_keys(routing, keys, use, insert):
             )
         table = routing.table.shard(int(me))
         try:
-            return map_received(table, np.asarray(words), np.asarray(counts), insert)
+            with routing.table.on_device(int(me)):
+                return map_received(
+                    table, np.asarray(words), np.asarray(counts), insert
+                )
         except (ValueError, RuntimeError) as e:  # TableFullError is one
             raise type(e)(
                 f"Layer '{routing.name}': table shard {int(me)} of {d} "

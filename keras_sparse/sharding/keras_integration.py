@@ -539,12 +539,6 @@ def place_hash_table(layer):
         d, local, _ = shards
         if getattr(table, "num_shards", None) == d and table.local == local:
             return
-        if table.device == "gpu":
-            raise NotImplementedError(
-                f"Layer '{layer.name}': key sharding keeps a table shard per "
-                "device on the host for now; use table_device='cpu' (the "
-                "default) with sharding='key'."
-            )
         new = ShardedHashTable(
             layer.requested_capacity,
             d,
@@ -553,6 +547,7 @@ def place_hash_table(layer):
             admit_after=layer.admit_after,
             device=table.device,
             seed=layer.table_seed,
+            gpus=_shard_gpus(local, shards[2][1]) if table.device == "gpu" else None,
         )
     if table.size:
         raise ValueError(
@@ -563,6 +558,18 @@ def place_hash_table(layer):
         )
     layer.table = new
     layer.num_rows = new.capacity
+
+
+def _shard_gpus(local, mesh):
+    """CUDA device of each local shard: its mesh device's GPU, or GPU 0
+    when the mesh runs on CPUs (a GPU table beside a CPU step)."""
+    devices = list(mesh.devices.flat)
+    return {
+        d: getattr(devices[d], "local_hardware_id", None) or 0
+        if devices[d].platform == "gpu"
+        else 0
+        for d in local
+    }
 
 
 def map_keys_in_step(layer, keys, use, insert):

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -78,6 +79,13 @@ def keys_of_words(words):
     hi = words[..., 0].view(np.uint32).astype(np.uint64)
     lo = words[..., 1].view(np.uint32).astype(np.uint64)
     return ((hi << np.uint64(32)) | lo).view(np.int64)
+
+
+def to_host(x):
+    """NumPy of a NumPy or CuPy array (a shard's result)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        x = x.get()
+    return np.asarray(x)
 
 
 class _ShardClock:
@@ -152,23 +160,26 @@ class ShardedHashTable:
         admit_after=1,
         device="cpu",
         seed=0,
+        gpus=None,
     ):
         if isinstance(num_shards, bool) or int(num_shards) < 1:
             raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
         self.num_shards = int(num_shards)
         self.local = tuple(range(self.num_shards) if local is None else local)
         per_shard = -(-int(capacity) // self.num_shards)
-        self._shards = {
-            d: HashTable(
-                per_shard,
-                bucket_size=bucket_size,
-                eviction=eviction,
-                admit_after=admit_after,
-                device=device,
-                seed=seed,
-            )
-            for d in self.local
-        }
+        # GPU shards: shard d on CUDA device gpus[d] (default 0).
+        self._gpus = None if device == "cpu" else dict(gpus or {})
+        self._shards = {}
+        for d in self.local:
+            with self.on_device(d):
+                self._shards[d] = HashTable(
+                    per_shard,
+                    bucket_size=bucket_size,
+                    eviction=eviction,
+                    admit_after=admit_after,
+                    device=device,
+                    seed=seed,
+                )
         first = self._shards[self.local[0]]
         self.shard_rows = first.capacity
         self._lock = threading.RLock()
@@ -205,8 +216,18 @@ class ShardedHashTable:
         )
 
     def shard(self, index):
-        """The `HashTable` of shard ``index`` (local rows)."""
+        """The `HashTable` of shard ``index`` (local rows); call it inside
+        `on_device` (its results are CuPy arrays on a GPU shard)."""
         return self._shards[index]
+
+    def on_device(self, index):
+        """Context on the CUDA device of GPU shard ``index`` (a no-op for
+        CPU shards)."""
+        if self._gpus is None:
+            return contextlib.nullcontext()
+        import cupy
+
+        return cupy.cuda.Device(self._gpus.get(index, 0))
 
     def local_shards(self):
         return [self._shards[d] for d in self.local]
@@ -225,7 +246,7 @@ class ShardedHashTable:
         return k, shape, {d: np.flatnonzero(owner == d) for d in self.local}
 
     def _global(self, d, rows):
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = to_host(rows).astype(np.int64)
         return np.where(rows >= 0, rows + d * self.shard_rows, -1)
 
     def lookup(self, keys):
@@ -233,7 +254,8 @@ class ShardedHashTable:
         out = np.full(k.shape, -1, np.int64)
         with self._lock:
             for d, at in parts.items():
-                out[at] = self._global(d, self._shards[d].lookup(k[at]))
+                with self.on_device(d):
+                    out[at] = self._global(d, self._shards[d].lookup(k[at]))
         return out.reshape(shape)
 
     def lookup_or_insert_fresh(self, keys, step=None):
@@ -249,11 +271,12 @@ class ShardedHashTable:
             for d, at in parts.items():
                 self._check_fits(d, k[at])
             for d, at in parts.items():
-                res, f = self._shards[d].lookup_or_insert_fresh(k[at], step)
+                with self.on_device(d):
+                    res, f = self._shards[d].lookup_or_insert_fresh(k[at], step)
                 rows[at] = self._global(d, res.rows)
-                fresh[at] = np.asarray(f)
+                fresh[at] = to_host(f)
                 new.append(self._global(d, res.new_rows))
-                ev_keys.append(np.asarray(res.evicted_keys))
+                ev_keys.append(to_host(res.evicted_keys))
                 ev_rows.append(self._global(d, res.evicted_rows))
         result = InsertResult(
             rows.reshape(shape),
@@ -275,7 +298,8 @@ class ShardedHashTable:
             return
         with table._lock:
             counters = dict(table._impl.counters)
-            found = np.asarray(table.lookup(keys))
+            with self.on_device(d):
+                found = to_host(table.lookup(keys))
             table._impl.counters.update(counters)  # a probe, not a lookup
         missing = np.unique(keys[found < 0])
         free = table.capacity - table.size
@@ -288,14 +312,19 @@ class ShardedHashTable:
     def erase(self, keys):
         k, _, parts = self._split(keys)
         with self._lock:
-            return sum(self._shards[d].erase(k[at]) for d, at in parts.items())
+            erased = 0
+            for d, at in parts.items():
+                with self.on_device(d):
+                    erased += self._shards[d].erase(k[at])
+            return erased
 
     def export(self):
         """``(keys, global rows, scores)`` of the local shards' entries."""
         keys, rows, scores = [], [], []
         with self._lock:
             for d in self.local:
-                k, r, s = (np.asarray(x) for x in self._shards[d].export())
+                with self.on_device(d):
+                    k, r, s = (to_host(x) for x in self._shards[d].export())
                 keys.append(k.astype(np.int64))
                 rows.append(self._global(d, r))
                 scores.append(s)
@@ -331,12 +360,13 @@ class ShardedHashTable:
         with self._lock:
             for d, at in parts.items():
                 local_rows = None if rows is None else rows[at] - d * self.shard_rows
-                res = self._shards[d].import_(
-                    k[at], local_rows, None if scores is None else scores[at]
-                )
+                with self.on_device(d):
+                    res = self._shards[d].import_(
+                        k[at], local_rows, None if scores is None else scores[at]
+                    )
                 out[at] = self._global(d, res.rows)
                 new.append(self._global(d, res.new_rows))
-                ev_keys.append(np.asarray(res.evicted_keys))
+                ev_keys.append(to_host(res.evicted_keys))
                 ev_rows.append(self._global(d, res.evicted_rows))
         return InsertResult(
             out.reshape(shape),
@@ -347,8 +377,9 @@ class ShardedHashTable:
 
     def clear(self):
         with self._lock:
-            for table in self._shards.values():
-                table.clear()
+            for d, table in self._shards.items():
+                with self.on_device(d):
+                    table.clear()
 
     def stats(self):
         """Counters summed over the local shards, plus size, capacity (of
@@ -374,7 +405,8 @@ class ShardedHashTable:
         b1 = np.empty(k.shape, np.int64)
         b2 = np.empty(k.shape, np.int64)
         for d, at in parts.items():
-            c1, c2 = self._shards[d].candidate_buckets(k[at])
-            b1[at] = np.asarray(c1) + d * per_shard
-            b2[at] = np.asarray(c2) + d * per_shard
+            with self.on_device(d):
+                c1, c2 = self._shards[d].candidate_buckets(k[at])
+            b1[at] = to_host(c1) + d * per_shard
+            b2[at] = to_host(c2) + d * per_shard
         return b1.reshape(shape), b2.reshape(shape)
