@@ -25,10 +25,10 @@ any shard changes).
 
 Example:
     >>> import numpy as np
-    >>> table = ShardedHashTable(64, num_shards=4, device="cpu")
+    >>> table = ShardedHashTable(256, num_shards=4, device="cpu")
     >>> rows = table.lookup_or_insert(np.array([7, 8, 7])).rows
     >>> bool(rows[0] == rows[2]), table.shard_rows
-    (True, 16)
+    (True, 64)
     >>> int(rows[0]) // table.shard_rows == int(owner_of(np.array([7]), 4)[0])
     True
 """
