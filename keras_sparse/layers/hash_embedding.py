@@ -15,6 +15,7 @@ from keras_sparse.layers.hash_records import HashRecords
 from keras_sparse.layers.host_keys import host_keys as _host_keys
 from keras_sparse.layers.host_keys import string_kind as _string_kind
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.keyed_fresh_rows import has_seed
 from keras_sparse.layers.keyed_fresh_rows import keyed_fresh_values
 from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
@@ -438,10 +439,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         if weights is not None:
             use = ops.logical_and(use, ops.not_equal(weights, 0))
         insert = bool(training) and self.trainable
-        rows, fresh, words = self._map_keys(keys, ops.reshape(use, (-1,)), insert)
+        rows, fresh, extra = self._map_keys(keys, ops.reshape(use, (-1,)), insert)
         valid = rows >= 0
-        prepared = None if words is None else {"words": words}
-        return self._vectors_out(rows, valid, fresh, weights, shape, insert, prepared)
+        return self._vectors_out(rows, valid, fresh, weights, shape, insert, extra)
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) begin
     def _call_prepared(self, codes, weights, training):
@@ -509,19 +509,41 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) end
 
-    def _train_lookup(self, rows, valid, fresh, prepared):
-        """`lookup_rows` in training, re-initializing the fresh rows first
-        (drawn per key when ``prepared`` has the keys' ``words``)."""
-        words = prepared.pop("words", None)
-        draw_args = (self.output_dim, self.embeddings.dtype, self.seed_generator)
+    def keyed_draw(self):
+        """``(draw, seed)`` for fresh rows drawn per key (key sharding):
+        ``draw(fresh, words, seed) -> [n, dim]`` and this step's seed
+        (advances the seed generator once)."""
+        init, dim, dtype = (
+            self.embeddings_initializer,
+            self.output_dim,
+            self.embeddings.dtype,
+        )
         fans = (self.num_rows, self.output_dim)
-        if words is None:
+        seed = self.seed_generator.next() if has_seed(init) else None
+
+        def draw(fresh, words, seed):
+            return keyed_fresh_values(init, fresh, words, dim, dtype, seed, fans)
+
+        return draw, seed
+
+    def _train_lookup(self, rows, valid, fresh, prepared):
+        """`lookup_rows` in training, re-initializing the fresh rows first:
+        ``prepared["init"]`` when the mapping drew them (key sharding, per
+        device), drawn per key from ``prepared["words"]``, else by rank
+        (`fresh_rows`)."""
+        init = prepared.pop("init", None)
+        words = prepared.pop("words", None)
+        if init is None and words is not None:
+            draw, seed = self.keyed_draw()
+            init = draw(fresh, words, seed)
+        elif init is None:
             init = fresh_row_values(
-                self.embeddings_initializer, fresh, *draw_args, fans=fans
-            )
-        else:
-            init = keyed_fresh_values(
-                self.embeddings_initializer, fresh, words, *draw_args, fans
+                self.embeddings_initializer,
+                fresh,
+                self.output_dim,
+                self.embeddings.dtype,
+                self.seed_generator,
+                fans=(self.num_rows, self.output_dim),
             )
         return self.lookup_rows(rows, valid, True, reset=(fresh, init), **prepared)
 
@@ -537,6 +559,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             vectors = self._train_lookup(rows, valid, fresh, prepared)
         else:
             prepared.pop("words", None)
+            prepared.pop("init", None)
             vectors = self.lookup_rows(rows, valid, False, **prepared)
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))

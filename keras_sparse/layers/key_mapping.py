@@ -18,10 +18,12 @@ module of its own:
 
 Rows computed ahead of the step by `keras_sparse.data.prefetch` bypass this
 module (the layer's ``_call_prepared``). Every placement returns flat
-``(rows int32, fresh bool, words)``: rows -1 where a key has none, fresh at
-the first position of each newly assigned row, and ``words`` (int32 ``[n,
-2]``, each key's two 32-bit halves) for key-sharded tables, whose fresh rows
-are drawn per key (`keras_sparse.layers.keyed_fresh_rows`), else None.
+``(rows int32, fresh bool, extra)``: rows -1 where a key has none, fresh at
+the first position of each newly assigned row, and ``extra`` None or, for
+key-sharded tables (whose fresh rows are drawn per key,
+`keras_sparse.layers.keyed_fresh_rows`), ``{"words": int32 [n, 2]}`` (each
+key's two 32-bit halves, eagerly) or ``{"init": [n, dim]}`` (the values,
+drawn on each device inside the step).
 """
 
 import keras
@@ -58,11 +60,12 @@ def placement_of(layer, keys):
 
 
 def _host(layer, keys, use, insert):
-    words = None
+    extra = None
     if _key_sharded(layer):
-        words = ops.convert_to_tensor(key_words(layer._full_keys(keys)))
+        words = key_words(layer._full_keys(keys))
+        extra = {"words": ops.convert_to_tensor(words)}
     rows, fresh = layer._map_step_keys(keys, ops.convert_to_numpy(use), insert)
-    return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), words
+    return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), extra
 
 
 def _gpu(layer, keys, use, insert):
@@ -80,7 +83,8 @@ def _jax_step(layer, keys, use, insert):
 
 def _key_sharded_step(layer, keys, use, insert):
     flat = ops.reshape(keys, (-1,))
-    mapped = placement.provider().map_keys_in_step(layer, flat, use, insert)
+    draw = layer.keyed_draw() if insert else None
+    mapped = placement.provider().map_keys_in_step(layer, flat, use, insert, draw)
     if mapped is None:  # not key-sharded under the active distribution
         raise ValueError(
             f"Layer '{layer.name}' holds a table shard per device, but the "
@@ -88,7 +92,8 @@ def _key_sharded_step(layer, keys, use, insert):
             "keras_sparse.sharding.distribution it was built with, or save "
             "it and reload it with keras_sparse.sharding.load_model(...)."
         )
-    return mapped
+    rows, fresh, init = mapped
+    return rows, fresh, None if init is None else {"init": init}
 
 
 def _tf_graph(layer, keys, use, insert):

@@ -21,16 +21,22 @@ from keras_sparse.ops import count_buckets
 from keras_sparse.ops import take_rows
 
 
-def keyed_fresh_values(initializer, fresh, words, dim, dtype, seed_generator, fans):
+def has_seed(initializer):
+    """Whether ``initializer`` draws random values (takes a seed)."""
+    return "seed" in initializer.get_config()
+
+
+def keyed_fresh_values(initializer, fresh, words, dim, dtype, seed, fans):
     """``[n, dim]`` values; the rows at ``fresh`` positions are drawn from
-    ``(step seed, key)`` alone. ``words``: int32 ``[n, 2]`` (high, low word
-    of each position's key). Advances ``seed_generator`` once."""
+    ``(seed, key)`` alone. ``words``: int32 ``[n, 2]`` (high, low word of
+    each position's key); ``seed``: the step's seed (a drawn seed tensor,
+    see ``keras.random.SeedGenerator.next``), unused by initializers
+    without one. Runs per device inside ``shard_map`` (no collectives)."""
     import jax
 
     n = int(fresh.shape[0])
-    if "seed" not in initializer.get_config():
+    if not has_seed(initializer):
         return initializer((n, dim), dtype=dtype)
-    seed = seed_generator.next()
     fresh_int = ops.cast(fresh, "int32")
     rank = ops.cumsum(fresh_int) - 1
     count = ops.sum(fresh_int)

@@ -22,17 +22,21 @@ rows then go through the row-sharded lookup (`jax_sharded_lookup`), which
 re-initializes fresh rows on their owners and applies the sparse optimizer
 there.
 
-Exchange buffers hold ``C`` distinct keys per destination
-(`jax_sharded_lookup.row_capacity`: every local position by default, or
-``ceil(n / D * slack)`` with a ``row_exchange_slack``). A device with more
+Exchange buffers hold ``C`` distinct keys per destination (`key_capacity`:
+the mean share of a device's keys plus six standard deviations by default,
+or ``ceil(n / D * slack)`` with a ``row_exchange_slack``). A device with more
 distinct keys for one owner raises `ExchangeOverflowError` on every device
-(the worst fill is all-reduced first) before any table changes. Any error
+(the worst fill is all-reduced first) before any table changes. Fresh rows
+are drawn on each device for its own positions (per key, see
+`keras_sparse.layers.keyed_fresh_rows`), so no collective gathers them. Any error
 of a callback (a full shard with ``eviction=None``, keys that do not match
 the queued full keys) is raised on every device of the step together (see
 `StepFailures`): shards that had already mapped their keys keep them (each
 shard is atomic on its own), and the step's model state is lost, as for any
 failed step: restore from a checkpoint.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +47,6 @@ from jax.sharding import PartitionSpec as P
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.exchange_buckets import overflow_message
 from keras_sparse.sharding.jax_sharded_lookup import _smap
-from keras_sparse.sharding.jax_sharded_lookup import row_capacity
 from keras_sparse.table.sharded_table import key_words
 from keras_sparse.table.sharded_table import keys_of_words
 from keras_sparse.table.sharded_table import owner_of
@@ -216,10 +219,36 @@ def _raise_recorded(failures, axis, status):
     return jax.lax.cond(status > 0, fail, lambda: jnp.zeros((), jnp.int32))
 
 
-def map_keys(routing, keys, use, insert):
-    """``(rows int32 [N], fresh bool [N], words int32 [N, 2])`` of the
-    global, batch-sharded ``keys`` / ``use`` (rows are global, -1 where
-    absent or unused; fresh at one position per newly assigned row)."""
+def key_capacity(keys_per_device, num_devices, slack=None):
+    """Distinct keys per destination in the key exchange buffers.
+
+    Owners are chosen by a hash, so a device's distinct keys (at most
+    ``n = keys_per_device``) spread evenly over the ``D`` owners: about
+    ``m = n / D`` each, binomially. ``slack=None`` sizes for that:
+    ``ceil(m + 6 * sqrt(m)) + 8`` (six standard deviations above the
+    mean; only key sets built to collide exceed it), at most ``n``;
+    ``slack=s`` gives ``ceil(m * s)``. A fuller destination raises
+    `ExchangeOverflowError` on every device before any table changes.
+    Small buffers also keep the host callbacks' operands small.
+    """
+    n = int(keys_per_device)
+    m = n / int(num_devices)
+    if slack is None:
+        c = math.ceil(m + 6 * math.sqrt(m)) + 8
+    else:
+        if slack <= 0:
+            raise ValueError(f"exchange slack must be > 0; got {slack}.")
+        c = math.ceil(m * slack)
+    return max(1, min(n, c))
+
+
+def map_keys(routing, keys, use, insert, draw=None):
+    """``(rows int32 [N], fresh bool [N], init)`` of the global,
+    batch-sharded ``keys`` / ``use``: rows are global (-1 where absent or
+    unused), fresh at one position per newly assigned row, and ``init`` the
+    ``[N, dim]`` values of fresh rows when ``draw=(fn, seed)`` is given
+    (``fn(fresh, words, seed)``, run on each device for its own positions),
+    else None."""
     mesh, axis = routing.mesh, routing.axis
     d = mesh.shape[axis]
     total = keys.shape[0]
@@ -229,7 +258,7 @@ def map_keys(routing, keys, use, insert):
             f"{d} devices of its key sharding; use a batch size divisible by {d}."
         )
     n = total // d
-    c = row_capacity(n, d, routing.slack)
+    c = key_capacity(n, d, routing.slack)
     shard_rows = routing.table.shard_rows
     failures = routing.failures
 
@@ -287,7 +316,7 @@ def map_keys(routing, keys, use, insert):
         jax.ShapeDtypeStruct((), i32),
     )
 
-    def local(k, u):
+    def local(k, u, seed):
         me = jax.lax.axis_index(axis)
         words, counts, slot, first, fill, failed = io_callback(
             _guarded(failures, route, empty_route),
@@ -319,9 +348,15 @@ def map_keys(routing, keys, use, insert):
         # The rows depend on the guard, so an error surfaces with the step.
         pos_rows = jnp.where(sent, at[:, 0], -1) + guard
         pos_fresh = sent & first & (at[:, 1] == 1)
+        if draw is None:
+            return pos_rows, pos_fresh
         pos_words = words.reshape(d * c, 2)[jnp.clip(slot, 0, d * c - 1)]
-        return pos_rows, pos_fresh, jnp.where(sent[:, None], pos_words, 0)
+        pos_words = jnp.where(sent[:, None], pos_words, 0)
+        return pos_rows, pos_fresh, draw[0](pos_fresh, pos_words, seed)
 
-    return _smap(local, mesh, (P(axis), P(axis)), (P(axis), P(axis), P(axis)))(
-        keys, use
-    )
+    seed = jnp.zeros((2,), jnp.uint32)
+    if draw is not None and draw[1] is not None:
+        seed = draw[1]
+    outputs = (P(axis),) * (2 if draw is None else 3)
+    mapped = _smap(local, mesh, (P(axis), P(axis), P()), outputs)(keys, use, seed)
+    return mapped if draw is not None else mapped + (None,)

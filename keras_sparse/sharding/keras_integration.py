@@ -499,6 +499,14 @@ def _lookup_strategy(strategy):
     return "row" if strategy == "key" else strategy
 
 
+def _lookup_slack(strategy, slack):
+    """Exchange slack of the row lookup. Key sharding's slack sizes its key
+    exchange (distinct keys, spread by hash); its row lookup sends every
+    position, and a hot key's positions all go to one owner, so it keeps
+    full-size buffers."""
+    return None if strategy == "key" else slack
+
+
 # ------------------------------------------------------------ key sharding
 def _key_shards(layer):
     """``(D, local mesh positions, routing)`` of a key-sharded layer under
@@ -572,10 +580,11 @@ def _shard_gpus(local, mesh):
     }
 
 
-def map_keys_in_step(layer, keys, use, insert):
-    """``(rows, fresh, words)`` of a key-sharded hash layer's traced flat
-    ``keys``/``use`` (see `jax_key_mapping.map_keys`), or None when the
-    layer is not key-sharded under the active distribution."""
+def map_keys_in_step(layer, keys, use, insert, draw=None):
+    """``(rows, fresh, init)`` of a key-sharded hash layer's traced flat
+    ``keys``/``use`` (see `jax_key_mapping.map_keys`; ``draw``: the layer's
+    ``keyed_draw()`` in training), or None when the layer is not
+    key-sharded under the active distribution."""
     shards = _key_shards(layer)
     if shards is None:
         return None
@@ -589,7 +598,7 @@ def map_keys_in_step(layer, keys, use, insert):
     routing = jax_key_mapping.KeyRouting(
         layer.table, layer._restore_part, mesh, axis, slack, layer.name, failures
     )
-    return jax_key_mapping.map_keys(routing, keys, use, insert)
+    return jax_key_mapping.map_keys(routing, keys, use, insert, draw)
 
 
 def routed_lookup(routing):
@@ -598,7 +607,7 @@ def routed_lookup(routing):
     from keras_sparse.sharding import jax_sharded_lookup
 
     strategy, mesh, axis, slack = routing
-    strategy = _lookup_strategy(strategy)
+    strategy, slack = _lookup_strategy(strategy), _lookup_slack(strategy, slack)
 
     def lookup(
         table_var,
@@ -676,7 +685,7 @@ def routed_gather(routing, table_var, ids, valid, exchange_slot=None):
     from keras_sparse.sharding import jax_sharded_lookup
 
     strategy, mesh, axis, slack = routing
-    strategy = _lookup_strategy(strategy)
+    strategy, slack = _lookup_strategy(strategy), _lookup_slack(strategy, slack)
     return jax_sharded_lookup.sharded_gather(
         strategy, mesh, axis, table_var.value, ids, valid, slack, exchange_slot
     )
