@@ -59,6 +59,12 @@ def parse_args(argv=None):
         help="a key-sharded DistributedHashEmbedding beside a row-sharded table",
     )
     p.add_argument(
+        "--hash-capacity",
+        type=int,
+        default=512,
+        help="with --hash: rows of the hash layer (default: fewer than its keys)",
+    )
+    p.add_argument(
         "--records-out",
         default=None,
         help="with --hash: write this process's records to this file "
@@ -120,6 +126,8 @@ class Watchdog(keras.callbacks.Callback):
         self.timeout, self.die_at_step = timeout, die_at_step
         self.last = time.monotonic()
         self.losses = []
+        self.step_s = []  # wall time of each step (loss read included)
+        self._began = None
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self):
@@ -135,15 +143,19 @@ class Watchdog(keras.callbacks.Callback):
                 )
                 os._exit(3)
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self._began = time.perf_counter()
+
     def on_train_batch_end(self, batch, logs=None):
         self.losses.append(float(logs["loss"]))
+        self.step_s.append(time.perf_counter() - self._began)
         self.last = time.monotonic()
         print(f"[process {jax.process_index()}] step {batch + 1}", flush=True)
         if self.die_at_step is not None and batch + 1 >= self.die_at_step:
             os.kill(os.getpid(), 9)
 
 
-HASH_CAPACITY, HASH_IDS = 512, 1200  # more admitted keys than rows
+HASH_IDS = 1200  # more admitted keys than the default --hash-capacity
 
 
 def table_rows():
@@ -164,7 +176,7 @@ def make_layers():
             ),
             ks.DistributedHashEmbedding(
                 DIM,
-                capacity=HASH_CAPACITY,
+                capacity=ARGS.hash_capacity,
                 combiner="sum",
                 optimizer="adagrad",
                 eviction="lru",
@@ -295,6 +307,7 @@ def main():
                     "processes": nproc,
                     "devices": len(devices),
                     "losses": watchdog.losses,
+                    "step_s": watchdog.step_s,
                     "checksums": checksums,
                 }
             ),
