@@ -277,12 +277,13 @@ def compiled_hlo(model, dist, x, y):
 
     model._symbolic_build(data_batch=(x, y, None))  # as train_on_batch does
     model.make_train_function()
-    state = (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-        [v.value for v in model.optimizer.variables],
-        [v.value for v in model.metrics_variables],
+    groups = (
+        model.trainable_variables,
+        model.non_trainable_variables,
+        model.optimizer.variables,
+        model.metrics_variables,
     )
+    state = tuple([v.value for v in group] for group in groups)
 
     def put(a):
         return jax.device_put(a, dist.get_data_layout(a.shape).backend_layout)

@@ -38,6 +38,7 @@ failed step: restore from a checkpoint.
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -157,36 +158,25 @@ class StepFailures:
             return RuntimeError(f"{type(first).__name__}: {first}")
 
 
-class KeyRouting:
-    """Static description of a key-sharded layer's step mapping.
+class KeyRouting(NamedTuple):
+    """Static description of a key-sharded layer's step mapping."""
 
-    Args:
-        table: the layer's `ShardedHashTable`.
-        restore: ``(step keys, part, parts) -> full int64 keys`` (host).
-        mesh, axis: the JAX mesh and its axis (size ``D``).
-        slack: exchange slack (None: a slot per local position).
-        name: how errors name the layer.
-        failures: the layer's `StepFailures`.
-    """
-
-    def __init__(self, table, restore, mesh, axis, slack, name, failures):
-        self.table = table
-        self.restore = restore
-        self.mesh = mesh
-        self.axis = axis
-        self.slack = slack
-        self.name = name
-        self.failures = failures
-        devices = list(mesh.devices.flat)
-        me = jax.process_index()
-        # This process's mesh positions, in mesh order: its slice of the
-        # batch is split over them in that order.
-        self.local_positions = [
-            i for i, dev in enumerate(devices) if dev.process_index == me
-        ]
+    table: object  # the layer's `ShardedHashTable`
+    restore: object  # (step keys, part, parts) -> full int64 keys (host)
+    mesh: object  # the JAX mesh
+    axis: str  # its axis (size D)
+    slack: object  # exchange slack, or None (`key_capacity`)
+    name: str  # how errors name the layer
+    failures: StepFailures  # the layer's
 
     def part_of(self, position):
-        return self.local_positions.index(int(position)), len(self.local_positions)
+        """``(part, parts)``: which slice of this process's batch the device
+        at mesh ``position`` holds (the batch is split over the process's
+        mesh positions in mesh order)."""
+        me = jax.process_index()
+        devices = list(self.mesh.devices.flat)
+        local = [i for i, dev in enumerate(devices) if dev.process_index == me]
+        return local.index(int(position)), len(local)
 
 
 def _guarded(failures, fn, fallback):
