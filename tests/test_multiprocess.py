@@ -120,7 +120,9 @@ def runs(tmp_path_factory):
         "p0": p0,
         "p1": p1,
     }
-    kill = ["--num-processes", "2", "--port", str(kill_port)]
+    # The key-sharded hash model: a peer dies while the survivor's steps run
+    # host callbacks and key exchanges.
+    kill = ["--hash", "--num-processes", "2", "--port", str(kill_port)]
     kill += ["--heartbeat-timeout", "5"]
     procs["survivor"] = _launch("--process-id", "0", *kill, "--watchdog", "60")
     procs["victim"] = _launch("--process-id", "1", *kill, "--die-at-step", "2")
@@ -200,6 +202,7 @@ def test_key_sharded_hash_layer_two_processes_match_one_key_by_key(runs):
 
 
 def test_killed_peer_fails_the_survivor_quickly(runs):
+    """Also inside key-sharded steps (the scenario trains the hash model)."""
     rc_victim, _ = runs["victim"]
     rc, out = runs["survivor"]
     assert rc_victim == -9

@@ -277,3 +277,26 @@ def test_a_process_holding_some_shards_imports_its_keys_and_refuses_to_save(
     model = keras.Sequential([keras.Input((BAG,), dtype="int32"), layer])
     with pytest.raises(ValueError, match="shards \\[0, 1, 2, 3\\] of 8"):
         model.save(str(tmp_path / "partial.keras"))
+
+
+def test_predict_reads_without_inserting():
+    """Inference on 8 devices reads the shards (unknown keys read zeros,
+    nothing is inserted) and matches one device."""
+    x, _ = _data()
+    unknown = x[0][:BATCH] + 12345  # never trained
+    probe = np.concatenate([x[0][:BATCH], unknown])
+    out = {}
+    for devices in (1, 8):
+        _, layer = _train(devices, {})
+        model = layer.__dict__["_test_model"]
+        size = layer.table.size
+        dist = sharding.distribution([layer], devices=devices)
+        keras.distribution.set_distribution(dist)
+        try:
+            out[devices] = model.predict(probe, batch_size=BATCH, verbose=0)
+            pooled = model.get_layer("hashed")(unknown, training=False)
+        finally:
+            keras.distribution.set_distribution(None)
+        assert layer.table.size == size
+        np.testing.assert_array_equal(np.asarray(pooled), 0.0)
+    np.testing.assert_allclose(out[8], out[1], atol=1e-6)
