@@ -10,6 +10,8 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import key_mapping
 from keras_sparse.layers import placement
+from keras_sparse.layers.arguments import check_given
+from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.fresh_rows import fresh_row_values
 from keras_sparse.layers.hash_records import HashRecords
 from keras_sparse.layers.host_keys import host_keys as _host_keys
@@ -40,6 +42,22 @@ def _first_fresh_only(rows, fresh, xp):
     if first.size < at.size:
         fresh[at] = False
         fresh[at[first]] = True
+
+
+_OWN_ARGUMENTS = (
+    "output_dim",
+    "capacity",
+    "combiner",
+    "optimizer",
+    "embeddings_initializer",
+    "embeddings_regularizer",
+    "eviction",
+    "admit_after",
+    "key_dtype",
+    "sharding",
+    "table_device",
+    "table_seed",
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_sparse")
@@ -181,9 +199,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
 
     def __init__(
         self,
-        output_dim,
+        output_dim=None,
         *,
-        capacity,
+        capacity=None,
         combiner=None,
         optimizer="adam",
         embeddings_initializer="uniform",
@@ -197,6 +215,14 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         **kwargs,
     ):
         name = kwargs.get("name") or "distributed_hash_embedding"
+        cls_name = type(self).__name__
+        check_known(name, cls_name, kwargs, _OWN_ARGUMENTS)
+        check_given(
+            name, cls_name, "output_dim", output_dim, "the embedding width", kwargs
+        )
+        check_given(
+            name, cls_name, "capacity", capacity, "rows of the hash table", kwargs
+        )
         for arg, value in (("output_dim", output_dim), ("capacity", capacity)):
             if (
                 not isinstance(value, (int, np.integer))
@@ -288,6 +314,17 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         try:
             res, fresh = self.table.lookup_or_insert_fresh(keys)
             return res.rows, fresh
+        except ValueError as e:  # more distinct keys than rows
+            if "distinct" not in str(e):
+                raise
+            raise ValueError(
+                f"Layer '{self.name}': this batch has more distinct keys to "
+                f"admit than the hash table has rows (capacity="
+                f"{self.table.capacity}: the `capacity` argument, "
+                f"{self.requested_capacity}, rounded to whole buckets); "
+                "nothing was changed. Use a larger `capacity` or a smaller "
+                f"batch. ({e})"
+            ) from None
         except TableFullError as e:
             raise TableFullError(
                 f"Layer '{self.name}': the hash table is full (capacity="
@@ -382,7 +419,16 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     def _normalize(self, inputs, weights):
         """(keys, weights, present); keys stay NumPy when given as NumPy."""
         if isinstance(inputs, (list, tuple)):
-            inputs = np.asarray(inputs)
+            try:
+                inputs = np.asarray(inputs)
+            except ValueError:
+                raise ValueError(
+                    f"Layer '{self.name}': `inputs` is a ragged Python list "
+                    "(rows of different lengths). Pass a rectangular array "
+                    "with `weights` 0 at the padding "
+                    "(`keras_sparse.ragged_to_padded(values, row_lengths)` "
+                    "makes both), or a tf.RaggedTensor on TensorFlow."
+                ) from None
         if _string_kind(inputs) and not is_tf_ragged_or_sparse(inputs):
             if is_symbolic(inputs) and keras.backend.backend() == "tensorflow":
                 import tensorflow as tf

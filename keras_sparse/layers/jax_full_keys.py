@@ -386,9 +386,39 @@ def _wrap_method(cls, name):
         with _active(self):
             if _ACTIVE.get() is self:
                 _precheck(self, args, kwargs)
-            return original(self, *args, **kwargs)
+            try:
+                return original(self, *args, **kwargs)
+            except Exception as e:
+                error = step_error(self, e)
+                if error is None:
+                    raise
+                raise error from e
 
     setattr(cls, name, wrapper)
+
+
+def step_error(model, error):
+    """The exception a hash layer's table raised inside a compiled step,
+    when ``error`` is JAX's wrapper of it (``JaxRuntimeError``); else None.
+
+    JAX reports a callback's exception as a runtime error whose text holds
+    the traceback; the user should see the original type (e.g.
+    `TableFullError`) and message, which name the layer.
+    """
+    if type(error).__name__ != "JaxRuntimeError":
+        return None
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        found = layer.__dict__.get("_ks_step_error")
+        failures = layer.__dict__.get("_ks_key_failures")
+        if found is None and failures is not None:
+            found = failures.first
+        if found is None:
+            continue
+        try:
+            return type(found)(str(found))
+        except Exception:  # noqa: BLE001  (an exception type with other args)
+            return RuntimeError(f"{type(found).__name__}: {found}")
+    return None
 
 
 def _wrap_on_batch(cls, name):

@@ -202,6 +202,7 @@ def _failing_once(layer, callback):
             return callback(*args)
         except Exception as e:
             layer.__dict__["_ks_step_failure"] = f"{type(e).__name__}: {e}"
+            layer.__dict__.setdefault("_ks_step_error", e)
             raise
 
     return guarded

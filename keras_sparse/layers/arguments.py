@@ -1,0 +1,58 @@
+"""Constructor arguments in the user's terms: unknown names get the close
+valid ones, missing required ones say what they mean."""
+
+import difflib
+
+#: Keyword arguments every Keras layer takes (`keras.layers.Layer`).
+KERAS_LAYER_ARGS = (
+    "activity_regularizer",
+    "trainable",
+    "dtype",
+    "autocast",
+    "name",
+    "input_dim",
+    "input_shape",
+)
+
+
+class ArgumentError(TypeError, ValueError):
+    """A wrong constructor argument (a TypeError, as Python raises for
+    unexpected keywords, and a ValueError, as Keras raises for them)."""
+
+
+def _close(name, valid):
+    near = [v for v in valid if name in v or v in name]
+    near += difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+    return list(dict.fromkeys(near))[:3]
+
+
+def check_known(layer_name, cls_name, kwargs, own):
+    """Raises `ArgumentError` for keys of ``kwargs`` that neither the layer
+    (``own``: its argument names) nor `keras.layers.Layer` accepts."""
+    valid = tuple(own) + KERAS_LAYER_ARGS
+    unknown = [k for k in kwargs if k not in KERAS_LAYER_ARGS]
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        near = _close(name, valid)
+        hint = f" (did you mean {', '.join(f'`{n}`' for n in near)}?)" if near else ""
+        parts.append(f"`{name}`{hint}")
+    raise ArgumentError(
+        f"Layer '{layer_name}' ({cls_name}): unknown argument"
+        f"{'s' if len(unknown) > 1 else ''} {', '.join(parts)}. Valid "
+        f"arguments: {', '.join(own)}, and Keras layer arguments "
+        f"({', '.join(KERAS_LAYER_ARGS[:5])})."
+    )
+
+
+def check_given(layer_name, cls_name, name, value, meaning, kwargs):
+    """Raises `ArgumentError` when the required ``name`` is missing (None),
+    naming a misspelt keyword in ``kwargs`` that was probably meant."""
+    if value is not None:
+        return
+    near = [k for k in kwargs if name in _close(k, (name,))]
+    hint = f"; `{near[0]}` is not an argument of this layer" if near else ""
+    raise ArgumentError(
+        f"Layer '{layer_name}' ({cls_name}): missing `{name}` ({meaning}){hint}."
+    )

@@ -1,0 +1,64 @@
+"""Errors in the user's terms: each names the layer, the argument and what
+would be valid, and in-step table errors keep their own type."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_sparse as ks
+from keras_sparse.table import TableFullError
+
+
+def _hashed(**kwargs):
+    args = dict(capacity=64, optimizer="sgd", combiner="sum", name="users")
+    args.update(kwargs)
+    return ks.DistributedHashEmbedding(4, **args)
+
+
+def test_misspelt_argument_names_the_close_valid_ones():
+    with pytest.raises(
+        TypeError, match=r"'users'.*`eviciton` \(did you mean `eviction`"
+    ):
+        _hashed(eviciton="lru")
+    # Also a ValueError, as Keras raises for unknown keywords.
+    with pytest.raises(ValueError, match=r"`dim` \(did you mean `output_dim`"):
+        ks.DistributedHashEmbedding(dim=8, capacity=64, optimizer="sgd")
+
+
+def test_missing_required_arguments_say_what_they_mean():
+    with pytest.raises(
+        TypeError, match=r"missing `capacity` \(rows of the hash table\)"
+    ):
+        ks.DistributedHashEmbedding(8, optimizer="sgd", name="users")
+    with pytest.raises(
+        TypeError, match=r"missing `output_dim` \(the embedding width\)"
+    ):
+        ks.DistributedHashEmbedding(capacity=64, optimizer="sgd")
+
+
+def test_a_batch_larger_than_the_table_names_layer_and_capacity():
+    layer = _hashed(eviction=None)
+    with pytest.raises(ValueError, match=r"'users'.*capacity=64.*`capacity` argument"):
+        layer(np.arange(100), training=True)
+    assert layer.table.size == 0
+
+
+def test_ragged_python_lists_point_to_ragged_to_padded():
+    with pytest.raises(
+        ValueError, match=r"'users'.*ragged Python list.*ragged_to_padded"
+    ):
+        _hashed()([[1, 2], [3]])
+    ids, weights = ks.ragged_to_padded([1, 2, 3], [2, 1])
+    assert tuple(_hashed(name="ok")(ids, weights=weights).shape) == (2, 4)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiled steps")
+def test_a_full_table_inside_fit_raises_the_table_error_itself():
+    """Not JAX's runtime-error wrapper around a callback traceback."""
+    layer = _hashed(eviction=None)
+    x = keras.Input((2,), dtype="int32")
+    model = keras.Model(x, keras.layers.Dense(1)(layer(x)))
+    model.compile("sgd", "mse")
+    keys = np.arange(400).reshape(200, 2)
+    with pytest.raises(TableFullError, match=r"Layer 'users'.*eviction=None"):
+        model.fit(keys, np.zeros((200, 1)), batch_size=20, verbose=0)
