@@ -62,3 +62,15 @@ def test_a_full_table_inside_fit_raises_the_table_error_itself():
     keys = np.arange(400).reshape(200, 2)
     with pytest.raises(TableFullError, match=r"Layer 'users'.*eviction=None"):
         model.fit(keys, np.zeros((200, 1)), batch_size=20, verbose=0)
+
+
+def test_drop_in_layer_names_close_arguments_too():
+    with pytest.raises(TypeError, match=r"`combinr` \(did you mean `combiner`"):
+        ks.AllToAllDenseEmbedding(10, 4, combinr="sum", name="items")
+    with pytest.raises(
+        ValueError, match=r"'items'.*`optimiser` \(did you mean `optimizer`"
+    ):
+        ks.AllToAllDenseEmbedding(10, 4, optimiser="adagrad", name="items")
+    # Keras layer arguments still pass through.
+    layer = ks.AllToAllDenseEmbedding(10, 4, name="items", dtype="float32")
+    assert layer.name == "items"

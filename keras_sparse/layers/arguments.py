@@ -30,7 +30,7 @@ def check_known(layer_name, cls_name, kwargs, own):
     """Raises `ArgumentError` for keys of ``kwargs`` that neither the layer
     (``own``: its argument names) nor `keras.layers.Layer` accepts."""
     valid = tuple(own) + KERAS_LAYER_ARGS
-    unknown = [k for k in kwargs if k not in KERAS_LAYER_ARGS]
+    unknown = [k for k in kwargs if k not in valid]
     if not unknown:
         return
     parts = []

@@ -8,6 +8,7 @@ from keras_sparse.backend_utils import is_tf_ragged
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
+from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 
 
@@ -31,6 +32,24 @@ def _refuse_with_sparse_optimizer(layer_name, argument, value, error=ValueError)
         "sparse optimizer updates the table's rows itself. Pass "
         "optimizer=None, or drop the argument."
     )
+
+
+_OWN_ARGUMENTS = (
+    "input_dim",
+    "output_dim",
+    "embeddings_initializer",
+    "embeddings_regularizer",
+    "embeddings_constraint",
+    "mask_zero",
+    "weights",
+    "lora_rank",
+    "lora_alpha",
+    "quantization_config",
+    "combiner",
+    "optimizer",
+    "sharding",
+    "input_length",  # deprecated by Keras, which warns and drops it
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_sparse")
@@ -105,6 +124,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         **kwargs,
     ):
         name = kwargs.get("name") or "embedding"
+        check_known(name, "AllToAllDenseEmbedding", kwargs, _OWN_ARGUMENTS)
         _check_positive_int(name, "input_dim", input_dim)
         _check_positive_int(name, "output_dim", output_dim)
         if optimizer is not None:

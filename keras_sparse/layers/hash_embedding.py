@@ -112,7 +112,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     Args:
         output_dim: embedding width.
         capacity: positive int, rows of the table; the hash table rounds it
-            up to a multiple of its bucket size (``layer.capacity``).
+            up to whole buckets of 16 rows and to at least 64 rows (4
+            buckets), and ``layer.capacity`` / ``stats()["capacity"]``
+            report the result: ``capacity=16`` holds 64 keys, also with
+            ``eviction=None``. Key-sharded, each of the ``D`` shards gets
+            ``capacity / D`` rounded the same way.
         combiner: None, "sum", "mean" or "sqrtn" (see
             `AllToAllDenseEmbedding`).
         optimizer: the sparse optimizer (required; a name such as "adagrad",
