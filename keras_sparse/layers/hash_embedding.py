@@ -23,6 +23,7 @@ from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.ops import check_replicated_training
+from keras_sparse.table import BatchTooLargeError
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
 
@@ -318,10 +319,8 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         try:
             res, fresh = self.table.lookup_or_insert_fresh(keys)
             return res.rows, fresh
-        except ValueError as e:  # more distinct keys than rows
-            if "distinct" not in str(e):
-                raise
-            raise ValueError(
+        except BatchTooLargeError as e:
+            raise BatchTooLargeError(
                 f"Layer '{self.name}': this batch has more distinct keys to "
                 f"admit than the hash table has rows (capacity="
                 f"{self.table.capacity}: the `capacity` argument, "

@@ -3,6 +3,7 @@
 import numpy as np
 
 from keras_sparse.table import hash_strings
+from keras_sparse.table.keys import to_host
 
 
 def string_kind(x):
@@ -44,7 +45,5 @@ def host_keys(keys):
 
 
 def to_numpy(x):
-    # GPU tables return CuPy arrays.
-    if hasattr(x, "get") and not isinstance(x, np.ndarray):
-        return x.get()
-    return np.asarray(x)
+    """NumPy of a table's result (GPU tables return CuPy arrays)."""
+    return to_host(x)

@@ -408,16 +408,9 @@ def step_error(model, error):
     if type(error).__name__ != "JaxRuntimeError":
         return None
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        found = layer.__dict__.get("_ks_step_error")
-        failures = layer.__dict__.get("_ks_key_failures")
-        if found is None and failures is not None:
-            found = failures.first
-        if found is None:
-            continue
-        try:
-            return type(found)(str(found))
-        except Exception:  # noqa: BLE001  (an exception type with other args)
-            return RuntimeError(f"{type(found).__name__}: {found}")
+        failures = layer.__dict__.get("_ks_step_failures")
+        if failures is not None and failures.first is not None:
+            return failures.error()
     return None
 
 

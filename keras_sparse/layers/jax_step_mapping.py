@@ -47,7 +47,7 @@ _PROBE = {}  # "result": the probe's verdict in this process
 _PROBE_LOCK = threading.Lock()
 
 
-def _buffer_callback():
+def buffer_callback_or_none():
     try:
         from jax.experimental.buffer_callback import buffer_callback
     except ImportError:  # jax < 0.7: no in-place callbacks
@@ -115,7 +115,7 @@ def choose_route(layer):
     """``"cpu_buffers"``, ``"gpu_buffers"`` or ``"io_callback"`` for ``layer``."""
     if (
         not IN_PLACE_CALLBACKS
-        or _buffer_callback() is None
+        or buffer_callback_or_none() is None
         or not _single_device_step()
         # In-place callbacks are unordered (XLA may run those of different
         # layers concurrently); two calls of one table in a step must keep
@@ -145,7 +145,7 @@ def _probe_gpu_buffers():
             live = int((keys > 0).sum())  # waits for the step's earlier work
             cp.asarray(out)[...] = keys * 2 + live
 
-    step = _buffer_callback()(
+    step = buffer_callback_or_none()(
         callback, jax.ShapeDtypeStruct((8,), np.int32), has_side_effect=True
     )
     x = np.arange(-3, 5, dtype=np.int32)
@@ -178,6 +178,42 @@ def gpu_buffers_work():
         return _PROBE["result"]
 
 
+class StepFailures:
+    """The first error a layer's table raised inside a compiled step.
+
+    One record per layer, whatever route reached the table: later steps
+    refuse to touch it (`_failing_once`, the key-sharded callbacks), and
+    ``fit`` / ``evaluate`` / ``predict`` re-raise the error itself in place
+    of JAX's wrapper (`keras_sparse.layers.jax_full_keys.step_error`).
+    """
+
+    def __init__(self, name):
+        self.name = name
+        self.first = None
+
+    def record(self, error):
+        if self.first is None:
+            self.first = error
+        return np.int32(1)
+
+    def error(self):
+        """A fresh copy of the first error (it may be raised on several
+        devices, or again after JAX wrapped it)."""
+        first = self.first
+        try:
+            return type(first)(str(first))
+        except Exception:  # noqa: BLE001  (an exception type with other args)
+            return RuntimeError(f"{type(first).__name__}: {first}")
+
+
+def step_failures(layer):
+    """``layer``'s `StepFailures` (created on first use)."""
+    failures = layer.__dict__.get("_ks_step_failures")
+    if failures is None:
+        failures = layer.__dict__["_ks_step_failures"] = StepFailures(layer.name)
+    return failures
+
+
 def _failing_once(layer, callback):
     """``callback`` made final on its first failure: once a step's table call
     raised, later steps of ``layer`` raise the same error without touching
@@ -189,20 +225,21 @@ def _failing_once(layer, callback):
     as the last good step left it.
     """
 
+    failures = step_failures(layer)
+
     def guarded(*args):
-        failure = layer.__dict__.get("_ks_step_failure")
-        if failure is not None:
+        first = failures.first
+        if first is not None:
             raise RuntimeError(
                 f"Layer '{layer.name}': an earlier compiled step failed in its "
                 f"table call and the model's state from that step on is lost; "
                 f"the table was left as the last good step had it. First "
-                f"error: {failure}"
+                f"error: {type(first).__name__}: {first}"
             )
         try:
             return callback(*args)
         except Exception as e:
-            layer.__dict__["_ks_step_failure"] = f"{type(e).__name__}: {e}"
-            layer.__dict__.setdefault("_ks_step_error", e)
+            failures.record(e)
             raise
 
     return guarded
@@ -250,7 +287,7 @@ def map_in_step(layer, keys, use, insert, n):
                 out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
                 layer._gpu_rows(cp.asarray(k), cp.asarray(u), insert, out)
 
-    mapper = _buffer_callback()(
+    mapper = buffer_callback_or_none()(
         _failing_once(layer, callback), result_types, has_side_effect=True
     )
     return mapper(keys, use)

@@ -27,14 +27,14 @@ Exchange buffers hold ``C`` distinct keys per destination (`key_capacity`:
 the mean share of a device's keys plus six standard deviations by default,
 or ``ceil(n / D * slack)`` with a ``row_exchange_slack``). A device with more
 distinct keys for one owner raises `ExchangeOverflowError` on every device
-(the worst fill is all-reduced first) before any table changes. Fresh rows
-are drawn on each device for its own positions (per key, see
-`keras_sparse.layers.keyed_fresh_rows`), so no collective gathers them. Any error
-of a callback (a full shard with ``eviction=None``, keys that do not match
-the queued full keys) is raised on every device of the step together (see
-`StepFailures`): shards that had already mapped their keys keep them (each
-shard is atomic on its own), and the step's model state is lost, as for any
-failed step: restore from a checkpoint.
+(the worst fill is all-reduced first) before any table changes. Fresh rows are
+drawn on each device for its own positions (per key, see
+`keras_sparse.layers.keyed_fresh_rows`), so no collective gathers them. Any
+error of a callback (a full shard with ``eviction=None``, keys that do not
+match the queued full keys) is raised on every device of the step together
+(see `jax_step_mapping.StepFailures`): shards that had already mapped their
+keys keep them (each shard is atomic on its own), and the step's model state
+is lost, as for any failed step: restore from a checkpoint.
 """
 
 import math
@@ -46,12 +46,13 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
+from keras_sparse.layers.jax_step_mapping import buffer_callback_or_none
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.jax_sharded_lookup import _smap
+from keras_sparse.table.keys import to_host
 from keras_sparse.table.sharded_table import key_words
 from keras_sparse.table.sharded_table import keys_of_words
 from keras_sparse.table.sharded_table import owner_of
-from keras_sparse.table.sharded_table import to_host
 
 
 def route_keys(full, use, num_shards, capacity):
@@ -129,35 +130,6 @@ def map_received(table, words, counts, insert):
     return rows.reshape(shape), fresh.reshape(shape)
 
 
-class StepFailures:
-    """The first error of a layer's key-sharded steps (host side).
-
-    A callback that raised on one device would leave the others waiting at
-    the next collective forever, so callbacks never raise: they record the
-    error here and return a status; the statuses are all-reduced and every
-    device raises together (`_raise_recorded`). Once a step failed, later
-    steps raise too without touching the tables: the failed step's model
-    state is lost (Keras donates it).
-    """
-
-    def __init__(self, name):
-        self.name = name
-        self.first = None
-
-    def record(self, error):
-        if self.first is None:
-            self.first = error
-        return np.int32(1)
-
-    def error(self):
-        """A fresh copy of the first error (raised on several devices)."""
-        first = self.first
-        try:
-            return type(first)(str(first))
-        except Exception:  # noqa: BLE001  (an exception type with other args)
-            return RuntimeError(f"{type(first).__name__}: {first}")
-
-
 class KeyRouting(NamedTuple):
     """Static description of a key-sharded layer's step mapping."""
 
@@ -167,7 +139,7 @@ class KeyRouting(NamedTuple):
     axis: str  # its axis (size D)
     slack: object  # exchange slack, or None (`key_capacity`)
     name: str  # how errors name the layer
-    failures: StepFailures  # the layer's
+    failures: object  # the layer's `jax_step_mapping.StepFailures`
 
     def part_of(self, position):
         """``(part, parts)``: which slice of this process's batch the device
@@ -203,10 +175,7 @@ def _host_call(fn, result_types, *args):
     ``io_callback`` (operands copied to the host). Neither orders calls
     across steps: each step's outputs depend on its own calls.
     """
-    try:
-        from jax.experimental.buffer_callback import buffer_callback
-    except ImportError:  # jax < 0.7
-        buffer_callback = None
+    buffer_callback = buffer_callback_or_none()
     if buffer_callback is None or jax.default_backend() != "cpu":
         return io_callback(fn, result_types, *args, ordered=False)
 

@@ -591,10 +591,9 @@ def map_keys_in_step(layer, keys, use, insert, draw=None):
     from keras_sparse.sharding import jax_key_mapping
 
     _, _, (_, mesh, axis, slack) = shards
-    failures = layer.__dict__.get("_ks_key_failures")
-    if failures is None:
-        failures = jax_key_mapping.StepFailures(layer.name)
-        layer.__dict__["_ks_key_failures"] = failures
+    from keras_sparse.layers.jax_step_mapping import step_failures
+
+    failures = step_failures(layer)
     routing = jax_key_mapping.KeyRouting(
         layer.table, layer._restore_part, mesh, axis, slack, layer.name, failures
     )

@@ -1,5 +1,6 @@
 """Device-resident key -> row hash tables for sparse embeddings."""
 
+from .hash_table import BatchTooLargeError
 from .hash_table import HashTable
 from .hash_table import InsertResult
 from .hash_table import TableFullError
@@ -8,6 +9,7 @@ from .sharded_table import ShardedHashTable
 from .sharded_table import owner_of
 
 __all__ = [
+    "BatchTooLargeError",
     "HashTable",
     "InsertResult",
     "ShardedHashTable",

@@ -6,11 +6,12 @@ import threading
 
 from .keys import to_numpy_keys
 from .numpy_table import MIN_BUCKETS
+from .numpy_table import BatchTooLargeError
 from .numpy_table import InsertResult
 from .numpy_table import NumpyTable
 from .numpy_table import TableFullError
 
-__all__ = ["HashTable", "InsertResult", "TableFullError"]
+__all__ = ["BatchTooLargeError", "HashTable", "InsertResult", "TableFullError"]
 
 DEFAULT_BUCKET_SIZE = 16  # 16 x 8 B keys = one 128 B line; 16 digests = one 16 B load
 
@@ -47,7 +48,8 @@ class HashTable:
 
     Batch semantics of ``lookup_or_insert``: duplicates share a row; keys
     found or inserted by a call are never evicted by that same call; a batch
-    with more distinct admitted keys than ``capacity`` raises ``ValueError``
+    with more distinct admitted keys than ``capacity`` raises
+    ``BatchTooLargeError`` (a ``ValueError``)
     before changing anything; a key whose two buckets are entirely taken by
     keys of the same call gets row -1 (``stats()["overflows"]``).
 

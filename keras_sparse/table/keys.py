@@ -21,6 +21,13 @@ _FNV_OFFSET = _U64(0xCBF29CE484222325)
 _FNV_PRIME = _U64(0x100000001B3)
 
 
+def to_host(x):
+    """NumPy of a NumPy or CuPy array (a GPU table's result)."""
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):
+        return x.get()
+    return np.asarray(x)
+
+
 def seed_word(seed: int) -> np.uint64:
     """Per-table 64-bit salt derived from the integer ``seed``."""
     return _U64((_GOLDEN * (int(seed) + 1)) & 0xFFFFFFFFFFFFFFFF)

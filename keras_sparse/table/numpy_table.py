@@ -69,6 +69,10 @@ class TableFullError(RuntimeError):
     """Raised with ``eviction=None`` when a key's candidate buckets are full."""
 
 
+class BatchTooLargeError(ValueError):
+    """A call with more distinct keys to place than the table has rows."""
+
+
 class ArrayTable:
     """Algorithm core; not thread safe (the front class ``HashTable`` locks)."""
 
@@ -503,7 +507,7 @@ class ArrayTable:
         if n_new + n_hit > self.capacity:
             n_hit = int(self.xp.unique(hit_rows).shape[0])
         if n_new + n_hit > self.capacity:
-            raise ValueError(
+            raise BatchTooLargeError(
                 f"batch has {n_new + n_hit} distinct admitted keys but the table "
                 f"capacity "
                 f"is {self.capacity}; split the batch or grow the table"

@@ -42,6 +42,7 @@ import numpy as np
 
 from .hash_table import HashTable
 from .keys import mix64
+from .keys import to_host
 from .keys import to_numpy_keys
 from .numpy_table import InsertResult
 from .numpy_table import TableFullError
@@ -79,13 +80,6 @@ def keys_of_words(words):
     hi = words[..., 0].view(np.uint32).astype(np.uint64)
     lo = words[..., 1].view(np.uint32).astype(np.uint64)
     return ((hi << np.uint64(32)) | lo).view(np.int64)
-
-
-def to_host(x):
-    """NumPy of a NumPy or CuPy array (a shard's result)."""
-    if type(x).__module__.split(".")[0] == "cupy":
-        x = x.get()
-    return np.asarray(x)
 
 
 class _ShardClock:
