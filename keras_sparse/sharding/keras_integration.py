@@ -572,12 +572,13 @@ def _shard_gpus(local, mesh):
     """CUDA device of each local shard: its mesh device's GPU, or GPU 0
     when the mesh runs on CPUs (a GPU table beside a CPU step)."""
     devices = list(mesh.devices.flat)
-    return {
-        d: getattr(devices[d], "local_hardware_id", None) or 0
-        if devices[d].platform == "gpu"
-        else 0
-        for d in local
-    }
+
+    def gpu(device):
+        if device.platform != "gpu":
+            return 0
+        return getattr(device, "local_hardware_id", None) or 0
+
+    return {d: gpu(devices[d]) for d in local}
 
 
 def map_keys_in_step(layer, keys, use, insert, draw=None):
