@@ -10,6 +10,8 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import key_mapping
 from keras_sparse.layers import placement
+from keras_sparse.layers import serving_hooks
+from keras_sparse.layers import serving_map
 from keras_sparse.layers.arguments import check_given
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.fresh_rows import fresh_row_values
@@ -22,6 +24,7 @@ from keras_sparse.layers.keyed_fresh_rows import keyed_fresh_values
 from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+from keras_sparse.layers.tf_string_hash import hash_strings_tf
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.table import BatchTooLargeError
 from keras_sparse.table import HashTable
@@ -297,6 +300,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         # JAX without x64 truncates int64 batches; let fit/evaluate/predict
         # hand the full keys to the host mapping.
         jax_full_keys.install()
+        # Compiled inference and exports read the serving map: refresh it
+        # before predict/evaluate/export.
+        serving_hooks.install()
 
     keras_sparse_kind = "hash"
     # A key-owned table per device (sharding="key") is possible here only.
@@ -311,7 +317,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             # --- keras_sparse.sharding hook: a table shard per device under
             # key sharding (before the variables get their row count).
             placement.provider().place_hash_table(self)
+        built = self.built
         super().build(input_shape)
+        if not built:
+            serving_map.build(self)
 
     # ---------------------------------------------------------------- mapping
     def _lookup_or_insert(self, keys):
@@ -434,16 +443,8 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 ) from None
         if _string_kind(inputs) and not is_tf_ragged_or_sparse(inputs):
             if is_symbolic(inputs) and keras.backend.backend() == "tensorflow":
-                import tensorflow as tf
-
-                shape = inputs.shape
-                inputs = tf.numpy_function(
-                    lambda s: _host_keys(s).reshape(s.shape),
-                    [inputs],
-                    tf.int64,
-                    stateful=False,
-                )
-                inputs.set_shape(shape)
+                # In the graph (no Python callback), so exports keep it.
+                inputs = hash_strings_tf(inputs)
             else:
                 inputs = _host_keys(inputs).reshape(np.shape(inputs))
         if isinstance(inputs, np.ndarray):

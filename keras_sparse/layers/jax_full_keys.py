@@ -258,13 +258,8 @@ def _check_ids_fit(model, x, fixed_layers):
             a = array_at(x, model_input.find(x))
         except (ValueError, KeyError, IndexError, TypeError):
             continue  # not in this batch: Keras reports that itself
-        if not _is_wide(a) or not a.size:
-            continue
-        bad = a > _INT32.max
-        if a.dtype != np.uint64:
-            bad |= a < _INT32.min
-        if bad.any():
-            first = int(a[bad].reshape(-1)[0])
+        first = _first_beyond_int32(a)
+        if first is not None:
             wrapped = (first + 2**31) % 2**32 - 2**31
             raise ValueError(
                 f"Model '{model.name}': id {first} ({a.dtype}) for layer "
@@ -298,6 +293,28 @@ def _check_fits_int32(model, x, problem):
                 )
 
 
+def _first_beyond_int32(a):
+    """The first value of a wide NumPy array outside int32, or None."""
+    if not _is_wide(a) or not a.size:
+        return None
+    bad = a > _INT32.max
+    if a.dtype != np.uint64:
+        bad |= a < _INT32.min
+    return int(a[bad].reshape(-1)[0]) if bad.any() else None
+
+
+def _check_declared_int32(layer, keys):
+    first = _first_beyond_int32(keys)
+    if first is not None:
+        raise ValueError(
+            f"Layer '{layer.name}': key {first} is beyond the int32 range, but "
+            "the layer declares key_dtype='int32' (keys in [-2**31, 2**31)). "
+            "JAX without `jax_enable_x64` would wrap it to 32 bits in the "
+            "compiled step, so the step is not run. Use key_dtype='int64' "
+            "(the default) for wider keys."
+        )
+
+
 def note_batch(model, batch):
     """Queues the full keys of one batch (``(x, ...)`` as Keras yields it)
     and refuses ids that fixed-vocabulary layers would see wrapped."""
@@ -321,8 +338,14 @@ def note_batch(model, batch):
             # wide keys, as for models whose feeding inputs are unknown.
             _check_fits_int32(model, x, f"layer '{feed.layer.name}': {e}")
             continue
-        if _is_wide(keys):
-            key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
+        if not _is_wide(keys):
+            continue
+        if feed.layer.key_dtype == "int32":
+            # Declared 32-bit: the step's keys are exact, nothing to queue
+            # (compiled inference reads the serving map, not the queue).
+            _check_declared_int32(feed.layer, keys)
+            continue
+        key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
     if model_feeds.fixed_layers:
         _check_ids_fit(model, x, model_feeds.fixed_layers)
 
@@ -372,10 +395,22 @@ def _precheck(model, args, kwargs):
             continue
         if model_feeds.problem is not None:
             _check_fits_int32(model, data, model_feeds.problem)
-        elif model_feeds.fixed_layers:
-            # Up front: a batch refused inside Keras's JAX loop would leave
-            # the model's variables detached.
+            continue
+        # Up front: a batch refused inside Keras's JAX loop would leave the
+        # model's variables detached.
+        if model_feeds.fixed_layers:
             _check_ids_fit(model, data, model_feeds.fixed_layers)
+        for feed in model_feeds.hash_feeds:
+            if feed.layer.key_dtype != "int32":
+                continue
+            from keras_sparse.layers.model_feeds import array_at
+
+            try:
+                keys = array_at(data, feed.keys.find(data))
+            except (ValueError, KeyError, IndexError, TypeError):
+                continue
+            if _is_wide(keys):
+                _check_declared_int32(feed.layer, keys)
 
 
 def _wrap_method(cls, name):

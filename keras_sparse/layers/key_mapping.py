@@ -15,6 +15,10 @@ module of its own:
                    `keras_sparse.sharding.jax_key_mapping`, reached through
                    the sharding hooks (`keras_sparse.layers.placement`).
 ``"tf_graph"``     TensorFlow graph: a ``tf.numpy_function`` into the table.
+``"serving_map"``  compiled inference (no inserts) on JAX or TensorFlow,
+                   exports included: a binary search of the layer's serving
+                   map inside the program, no host callback
+                   (`keras_sparse.layers.serving_map`).
 
 Rows computed ahead of the step by `keras_sparse.data.prefetch` bypass this
 module (the layer's ``_call_prepared``). Every placement returns flat
@@ -33,6 +37,7 @@ from keras import ops
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import jax_step_mapping
 from keras_sparse.layers import placement
+from keras_sparse.layers import serving_map
 from keras_sparse.layers.host_keys import string_kind
 from keras_sparse.table.sharded_table import key_words
 
@@ -41,7 +46,7 @@ def _key_sharded(layer):
     return getattr(layer.table, "num_shards", None) is not None
 
 
-def placement_of(layer, keys):
+def placement_of(layer, keys, insert=True):
     """The name of the placement that maps ``keys`` for ``layer`` now."""
     symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
     if not symbolic:
@@ -49,6 +54,8 @@ def placement_of(layer, keys):
             return "gpu"
         return "host"
     backend = keras.backend.backend()
+    if not insert and backend != "torch" and serving_map.usable(layer, keys):
+        return "serving_map"
     if backend == "jax":
         return "key_sharded" if _key_sharded(layer) else "jax_step"
     if backend == "tensorflow":
@@ -111,16 +118,24 @@ def _tf_graph(layer, keys, use, insert):
     return rows, fresh, None
 
 
+def _serving_map(layer, keys, use, insert):
+    rows = serving_map.lookup(layer, ops.reshape(keys, (-1,)))
+    rows = ops.where(use, rows, -1)
+    return rows, ops.zeros_like(use), None
+
+
 _PLACEMENTS = {
     "host": _host,
     "gpu": _gpu,
     "jax_step": _jax_step,
     "key_sharded": _key_sharded_step,
     "tf_graph": _tf_graph,
+    "serving_map": _serving_map,
 }
 
 
 def map_keys(layer, keys, use, insert):
     """Flat ``(rows, fresh, words)`` of ``keys`` (any shape) and flat bool
     ``use``; ``insert`` adds admitted new keys (training)."""
-    return _PLACEMENTS[placement_of(layer, keys)](layer, keys, use, insert)
+    where = placement_of(layer, keys, insert)
+    return _PLACEMENTS[where](layer, keys, use, insert)

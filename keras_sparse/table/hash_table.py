@@ -130,6 +130,7 @@ class HashTable:
             )
             self._convert = to_numpy_keys
         self._lock = threading.RLock()
+        self._version = 0
 
     # ------------------------------------------------------------ properties
     capacity = property(lambda self: self._impl.capacity, doc="Real number of rows.")
@@ -143,6 +144,14 @@ class HashTable:
     @property
     def size(self) -> int:
         return self._impl.size
+
+    @property
+    def version(self) -> int:
+        """Grows whenever the key->row map changes (a key inserted, evicted,
+        erased or imported, or the table cleared); lookups leave it alone.
+        Copies of the map (a layer's serving map) compare it to know they
+        are stale."""
+        return self._version
 
     @property
     def load_factor(self) -> float:
@@ -178,6 +187,7 @@ class HashTable:
         k, shape = self._convert(keys, "keys")
         with self._lock:
             res = self._impl.lookup_or_insert(k, step)
+            self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape))
 
     def lookup_or_insert_fresh(self, keys, step=None):
@@ -195,13 +205,16 @@ class HashTable:
         k, shape = self._convert(keys, "keys")
         with self._lock:
             res, fresh = self._impl.lookup_or_insert_fresh(k, step)
+            self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
 
     def erase(self, keys) -> int:
         """Remove ``keys`` (absent ones are ignored); returns how many were live."""
         k, _ = self._convert(keys, "keys")
         with self._lock:
-            return self._impl.erase(k)
+            erased = self._impl.erase(k)
+            self._version += bool(erased)
+            return erased
 
     def export(self):
         """``(keys, rows, scores)`` of all live entries as 1-D arrays."""
@@ -224,12 +237,14 @@ class HashTable:
         if scores is not None:
             s, _ = self._convert(scores, "scores")
         with self._lock:
+            self._version += 1  # also when it raises half-way: be safe
             return self._impl.import_(k, r, s)
 
     def clear(self):
         """Remove every entry and reset the admission sketch (counters are kept)."""
         with self._lock:
             self._impl.clear()
+            self._version += 1
 
     def stats(self) -> dict:
         """Counters (hits, misses, inserts, evictions, rejected_admissions,

@@ -199,6 +199,12 @@ class ShardedHashTable:
     def load_factor(self):
         return self.size / (self.shard_rows * len(self.local))
 
+    @property
+    def version(self):
+        """Grows whenever a local shard's key->row map changes (see
+        `HashTable.version`)."""
+        return sum(t.version for t in self._shards.values())
+
     def __len__(self):
         return self.size
 

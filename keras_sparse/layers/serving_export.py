@@ -1,0 +1,106 @@
+"""Hash tables inside exported SavedModels, updatable while they serve.
+
+``model.export(path)`` writes each `DistributedHashEmbedding` as its serving
+map (`keras_sparse.layers.serving_map`) and its rows: plain variables that
+the exported graph searches, with no Python callback. This module adds, for
+every hash layer the export archive tracks, an entry of the artifact's
+``keras_sparse_tables`` dict: a small module holding those variables and an
+``update(keys, values)`` function saved with the artifact, so a server that
+loaded the model with TensorFlow alone can install retrained records
+(``layer.export()``'s ``keys`` and ``values``) without a new export::
+
+    served = tf.saved_model.load(path)
+    records = np.load("user_records.npz")  # np.savez(..., **layer.export())
+    served.keras_sparse_tables["user"].update(records["keys"], records["values"])
+
+``update`` replaces the whole map: the keys read ``values`` (in their
+order), every other key reads zeros. It first empties the map, then writes
+keys, rows and vectors, then publishes the new size, so a request served
+concurrently sees either zeros for the layer or a consistent map, never a
+key paired with another key's vector.
+"""
+
+from keras_sparse.layers import serving_map
+
+
+def _tf_variables(archive):
+    """``keras variable -> tf.Variable`` the archive saves (JAX converts
+    each variable; TensorFlow's are their own)."""
+    keras_vars = getattr(archive, "_backend_variables", None)
+    if keras_vars is None:
+        return lambda v: v.value
+    by_id = {id(k): t for k, t in zip(keras_vars, archive._tf_trackable.variables)}
+    return lambda v: by_id[id(v)]
+
+
+def attach(archive, resource):
+    """Adds ``keras_sparse_tables`` entries for ``resource``'s hash layers."""
+    layers = serving_map.hash_layers(resource)
+    if not layers:
+        return
+    tf_variable = _tf_variables(archive)
+    tables = dict(getattr(archive._tf_trackable, "keras_sparse_tables", {}))
+    for layer in layers:
+        tables[layer.name] = _served_table(layer, tf_variable)
+    archive._tf_trackable.keras_sparse_tables = tables
+
+
+def _served_table(layer, tf_variable):
+    import tensorflow as tf
+
+    module = tf.Module(name=f"{layer.name}_table")
+    module.key_words = tf_variable(layer.serving_key_words)
+    module.rows = tf_variable(layer.serving_rows)
+    module.meta = tf_variable(layer.serving_meta)
+    module.embeddings = tf_variable(layer.embeddings)
+    capacity = int(layer.serving_rows.shape[0])
+    spec = [
+        tf.TensorSpec([None], tf.int64, name="keys"),
+        tf.TensorSpec([None, layer.output_dim], module.embeddings.dtype, name="values"),
+    ]
+
+    @tf.function(input_signature=spec, autograph=False)
+    def update(keys, values):
+        return _update(module, capacity, layer.name, keys, values)
+
+    module.update = update
+    return module
+
+
+def _update(module, capacity, name, keys, values):
+    import tensorflow as tf
+
+    n = tf.shape(keys)[0]
+    checks = [
+        tf.debugging.assert_less_equal(
+            n,
+            capacity,
+            message=f"Layer '{name}': more keys than the table's {capacity} rows",
+        ),
+        tf.debugging.assert_equal(
+            tf.shape(values)[0], n, message=f"Layer '{name}': one value per key"
+        ),
+    ]
+    with tf.control_dependencies(checks):
+        order = tf.argsort(keys, stable=True)
+    k = tf.gather(keys, order)
+    distinct = tf.reduce_all(tf.not_equal(k[1:], k[:-1]))
+    with tf.control_dependencies(
+        [tf.debugging.assert_equal(distinct, True, message=f"'{name}': repeated key")]
+    ):
+        high = tf.bitwise.right_shift(k, 32)
+    low = k - tf.bitwise.left_shift(high, 32) - 2**31
+    words = tf.stack([tf.cast(high, tf.int32), tf.cast(low, tf.int32)], axis=1)
+    pad = capacity - n
+    version = module.meta[1] + 1
+    module.meta.assign(tf.stack([0, module.meta[1]]))
+    module.key_words.assign(
+        tf.concat([words, tf.fill([pad, 2], serving_map.PAD_WORD)], axis=0)
+    )
+    module.rows.assign(tf.concat([tf.range(n), tf.fill([pad], -1)], axis=0))
+    # Rows past the new keys keep their old vectors: nothing points at them.
+    module.embeddings.scatter_nd_update(
+        tf.expand_dims(tf.range(n), 1), tf.gather(values, order)
+    )
+    module.meta.assign(tf.stack([n, version]))
+    return n

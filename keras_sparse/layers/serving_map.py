@@ -1,0 +1,203 @@
+"""A hash layer's serving map: its key->row map as sorted arrays in the model.
+
+A `DistributedHashEmbedding` maps keys to rows in a Python hash table, which a
+compiled inference step can only reach through a host callback and an
+exported SavedModel cannot reach at all. The serving map is a frozen copy of
+that map held in three non-trainable variables of the layer:
+
+``serving_key_words``  int32 ``[capacity, 2]``: the live keys, sorted, each as
+                       (high 32 bits signed, low 32 bits with the sign bit
+                       flipped), so that comparing the pairs as signed int32
+                       orders them as int64; unused rows hold int32 max.
+``serving_rows``       int32 ``[capacity]``: each sorted key's table row.
+``serving_meta``       int32 ``[2]``: the number of keys and the table version
+                       (`keras_sparse.table.HashTable.version`) they reflect.
+
+Inference in a compiled step (``training=False`` under ``jax.jit``, a
+``tf.function``, an exported artifact) finds a key with a binary search of
+``ceil(log2(capacity + 1))`` vectorized rounds: plain gathers and compares
+that every backend and ``model.export`` handle, with int32 words so JAX
+without x64 can hold them. Unknown keys get row -1 and read zeros, exactly as
+the table's own lookup. `refresh` rewrites the variables from the table when
+its version moved (once per ``predict``/``evaluate``/export call, see
+`keras_sparse.layers.serving_hooks`), so a step never sees a stale map.
+
+Words rather than a hash probe: the table's hash functions need 64-bit
+unsigned arithmetic, which JAX without x64 lacks; sorted words need none.
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_sparse.table.keys import to_host
+
+#: Key words of unused serving rows (after every live key in sorted order).
+PAD_WORD = np.iinfo(np.int32).max
+_VERSION_MOD = 2**31 - 1
+NAMES = ("serving_key_words", "serving_rows", "serving_meta")
+
+
+def build(layer):
+    """Creates the layer's serving-map variables (an empty map)."""
+    capacity = layer.table.capacity
+    specs = (
+        ("serving_key_words", (capacity, 2), PAD_WORD),
+        ("serving_rows", (capacity,), -1),
+        ("serving_meta", (2,), 0),  # an empty table has version 0
+    )
+    for name, shape, value in specs:
+        variable = layer.add_weight(
+            shape=shape,
+            dtype="int32",
+            initializer=keras.initializers.Constant(value),
+            trainable=False,
+            autocast=False,
+            name=name,
+        )
+        setattr(layer, name, variable)
+
+
+# ------------------------------------------------------------------ host side
+def sorted_words(keys):
+    """``(words int32 [n, 2], order)``: int64 ``keys`` sorted, as serving words."""
+    keys = np.asarray(keys, np.int64).reshape(-1)
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    high = (k >> 32).astype(np.int32)
+    low = ((k & 0xFFFFFFFF) - 2**31).astype(np.int32)
+    return np.stack([high, low], axis=1), order
+
+
+def padded_map(keys, rows, capacity):
+    """Host arrays of the three serving variables for ``keys`` at ``rows``."""
+    n = len(keys)
+    if n > capacity:
+        raise ValueError(f"{n} keys do not fit a serving map of {capacity} rows.")
+    words, order = sorted_words(keys)
+    all_words = np.full((capacity, 2), PAD_WORD, np.int32)
+    all_words[:n] = words
+    all_rows = np.full(capacity, -1, np.int32)
+    all_rows[:n] = np.asarray(rows, np.int64)[order]
+    return all_words, all_rows
+
+
+def is_complete(layer):
+    """False when this process holds only some of a key-sharded table's
+    shards (the others' keys are unknown here)."""
+    local = getattr(layer.table, "local", None)
+    return local is None or len(local) == layer.table.num_shards
+
+
+def is_current(layer):
+    """True when the serving variables reflect the table's current map."""
+    meta = ops.convert_to_numpy(layer.serving_meta.value)
+    return int(meta[1]) == layer.table.version % _VERSION_MOD
+
+
+def refresh(layer):
+    """Rewrites the serving map from the table if the table changed since.
+
+    Returns True when it wrote. One scalar read when nothing changed;
+    otherwise one export of the table and three variable assignments.
+    """
+    if not layer.built or not is_complete(layer) or is_current(layer):
+        return False
+    with layer.table._lock:
+        version = layer.table.version
+        keys, rows, _ = (to_host(x) for x in layer.table.export())
+    words, rows = padded_map(keys, rows, layer.serving_rows.shape[0])
+    layer.serving_key_words.assign(words)
+    layer.serving_rows.assign(rows)
+    layer.serving_meta.assign(np.array([len(keys), version % _VERSION_MOD], np.int32))
+    return True
+
+
+def hash_layers(model):
+    """The hash layers of a model or layer (itself included)."""
+    layers = [model]
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is not None:
+        layers = list(flatten(include_self=True, recursive=True))
+    return [x for x in layers if getattr(x, "keras_sparse_kind", None) == "hash"]
+
+
+def refresh_all(model):
+    """`refresh` of every hash layer of ``model``; the names of those written."""
+    return [layer.name for layer in hash_layers(model) if refresh(layer)]
+
+
+# ----------------------------------------------------------------- in a graph
+def usable(layer, keys):
+    """Whether the compiled inference of ``keys`` can use the serving map.
+
+    On JAX without x64 int64 batches arrive truncated to 32 bits: the map
+    is exact for them only when the layer declares ``key_dtype="int32"``
+    (whose keys are checked to fit as batches are fed).
+    """
+    if not is_complete(layer):
+        return False
+    dtype = getattr(keys, "dtype", None)
+    dtype = "" if dtype is None else keras.backend.standardize_dtype(dtype)
+    if "int" not in dtype:
+        return False
+    if keras.backend.backend() == "jax" and dtype in ("int32", "uint32"):
+        return layer.key_dtype == "int32"
+    return True
+
+
+def _query_words(keys):
+    """(high, low) int32 serving words of flat integer key tensors."""
+    dtype = keras.backend.standardize_dtype(keys.dtype)
+    if dtype in ("int64", "uint64"):
+        keys = ops.cast(keys, "int64")
+        high64 = ops.right_shift(keys, 32)
+        low = ops.subtract(keys, ops.left_shift(high64, 32))  # [0, 2**32)
+        low = ops.subtract(low, ops.convert_to_tensor(2**31, "int64"))
+        return ops.cast(high64, "int32"), ops.cast(low, "int32")
+    keys = ops.cast(keys, "int32")
+    high = ops.where(ops.less(keys, 0), -1, 0)
+    # The low word with its sign bit flipped, without int32 overflow.
+    low = ops.where(
+        ops.less(keys, 0),
+        ops.add(ops.add(keys, 2**31 - 1), 1),
+        ops.subtract(ops.subtract(keys, 2**31 - 1), 1),
+    )
+    return ops.cast(high, "int32"), low
+
+
+def lookup(layer, keys):
+    """Rows (int32, -1 where absent) of flat integer ``keys``, in the graph."""
+    words = layer.serving_key_words.value
+    rows = layer.serving_rows.value
+    size = layer.serving_meta.value[0]
+    capacity = int(words.shape[0])
+    want_high, want_low = _query_words(keys)
+    lo = ops.zeros_like(want_high)
+    hi = lo + size
+    last = capacity - 1
+
+    def less_than_wanted(at):
+        w = ops.take(words, ops.minimum(at, last), axis=0)
+        high, low = w[:, 0], w[:, 1]
+        return ops.logical_or(
+            ops.less(high, want_high),
+            ops.logical_and(ops.equal(high, want_high), ops.less(low, want_low)),
+        )
+
+    # Lower bound: the first sorted key >= the wanted one.
+    for _ in range(max(1, math.ceil(math.log2(capacity + 1)))):
+        open_ = ops.less(lo, hi)
+        mid = ops.floor_divide(lo + hi, 2)
+        less = less_than_wanted(mid)
+        lo = ops.where(ops.logical_and(open_, less), mid + 1, lo)
+        hi = ops.where(ops.logical_and(open_, ops.logical_not(less)), mid, hi)
+    at = ops.minimum(lo, last)
+    w = ops.take(words, at, axis=0)
+    found = ops.logical_and(
+        ops.less(lo, size),
+        ops.logical_and(ops.equal(w[:, 0], want_high), ops.equal(w[:, 1], want_low)),
+    )
+    return ops.where(found, ops.take(rows, at, axis=0), -1)
