@@ -5,6 +5,8 @@ Public API:
         and sparse optimizers.
     optimizers: SGD, Adagrad, RowWiseAdagrad, Adam (lazy), Ftrl.
     ragged_to_padded: the padded (ids, weights) form of a ragged batch.
+    refresh_serving_maps: bring hash layers' serving maps (what compiled
+        inference and ``model.export`` read) up to date by hand.
     EmbeddingCollection, TableConfig: several tables in one layer (stacked
         per width; what makes table-wise sharding possible).
     DistributedHashEmbedding: dynamic-vocabulary embedding keyed by any int64.
@@ -34,6 +36,7 @@ from keras_sparse.layers import DistributedHashEmbedding
 from keras_sparse.layers import EmbeddingCollection
 from keras_sparse.layers import TableConfig
 from keras_sparse.layers import ragged_to_padded
+from keras_sparse.layers import refresh_serving_maps
 from keras_sparse.sharding import distribution
 from keras_sparse.sharding import plan
 from keras_sparse.table import HashTable
@@ -56,6 +59,7 @@ __all__ = [
     "optimizers",
     "plan",
     "ragged_to_padded",
+    "refresh_serving_maps",
     "share_gpu_memory",
     "sharding",
     "TableConfig",

@@ -11,6 +11,7 @@ MODULES = [
     "keras_sparse.layers.embedding_collection",
     "keras_sparse.layers.hash_embedding",
     "keras_sparse.layers.inputs",
+    "keras_sparse.layers.serving_map",
     "keras_sparse.layers.tf_string_hash",
     "keras_sparse.optimizers.adam",
     "keras_sparse.sharding.exchange_buckets",

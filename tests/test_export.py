@@ -227,3 +227,22 @@ def test_onnx_export_names_what_is_missing(tmp_path):
         pytest.skip(f"{missing} is installed")
     with pytest.raises(ImportError, match="onnx"):
         model.export(tmp_path / "model.onnx", format="onnx", verbose=False)
+
+
+def test_readme_serving_snippet_serves_the_updated_tables():
+    """The README's Serving example: export, retrain, hot update, serve."""
+    import pathlib
+
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    section = text[text.index("## Serving: `model.export`") :]
+    code = section.split("```python")[1].split("```")[0]
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    served = scope["served"]
+    assert served.returncode == 0, served.stderr[-3000:]
+    x, model = scope["x"], scope["model"]
+    expected = model.predict([x[0][:1], x[1][:1]], verbose=0)
+    assert abs(float(expected[0, 0])) > 0
+    got = float(served.stdout.strip().strip("[]"))
+    np.testing.assert_allclose(got, expected[0, 0], rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ inference, which maps keys on the host.
 """
 
 import contextlib
+import re
 
 import keras
 import numpy as np
@@ -221,3 +222,30 @@ def test_declared_int32_keys_beyond_int32_are_refused():
         model.predict(keys, batch_size=64, verbose=0)
     with pytest.raises(ValueError, match="'hashed'.*key_dtype='int32'"):
         model.fit(keys, y, batch_size=64, verbose=0)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.export")
+def test_jax_exported_inference_has_no_callback():
+    """A `jax.export` of the model's stateless inference: no host callback
+    in the serialized program, and the same outputs as `predict`."""
+    import jax
+    from jax import export as jax_export
+
+    model, layer = _model("int32")
+    keys, _, y = _data(wide=False)
+    model.fit(keys, y, batch_size=64, verbose=0)
+    assert ks.refresh_serving_maps(model) == ["hashed"]
+    trainable = [v.value for v in model.trainable_variables]
+    frozen = [v.value for v in model.non_trainable_variables]
+
+    def infer(trainable, frozen, x):
+        return model.stateless_call(trainable, frozen, x, training=False)[0]
+
+    spec = jax.ShapeDtypeStruct(keys.shape, "int32")
+    exported = jax_export.export(jax.jit(infer))(trainable, frozen, spec)
+    custom_calls = re.findall(r"custom_call @(\w+)", exported.mlir_module())
+    assert not [c for c in custom_calls if "callback" in c], custom_calls
+    restored = jax_export.deserialize(exported.serialize())
+    served = restored.call(trainable, frozen, keys.astype("int32"))
+    expected = model.predict(keys, batch_size=256, verbose=0)
+    np.testing.assert_allclose(np.asarray(served), expected, atol=1e-6)

@@ -5,6 +5,7 @@ from keras_sparse.layers.embedding_collection import EmbeddingCollection
 from keras_sparse.layers.embedding_collection import TableConfig
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
 from keras_sparse.layers.inputs import ragged_to_padded
+from keras_sparse.layers.serving_map import refresh_all as refresh_serving_maps
 
 __all__ = [
     "AllToAllDenseEmbedding",
@@ -12,4 +13,5 @@ __all__ = [
     "EmbeddingCollection",
     "TableConfig",
     "ragged_to_padded",
+    "refresh_serving_maps",
 ]

@@ -86,7 +86,12 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
       size before any state changes.
 
     In inference (``training=False``, or a frozen layer) the table is only
-    read: unknown keys read zeros and nothing is inserted.
+    read: unknown keys read zeros and nothing is inserted. Compiled
+    inference (``predict``/``evaluate`` on TensorFlow; on JAX with x64 or
+    ``key_dtype="int32"``) and ``model.export`` read the layer's serving map
+    instead of calling the table: a sorted copy of its key->row map in three
+    non-trainable variables, searched inside the program and refreshed when
+    the table changed (see `keras_sparse.layers.serving_map`).
 
     How compiled steps reach the table (one placement per call, see
     `keras_sparse.layers.key_mapping`): the table is Python state (NumPy, or
@@ -136,9 +141,12 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         embeddings_regularizer: applied to the rows looked up in a batch.
         eviction: "lru", "lfu" or None.
         admit_after: int >= 1; sightings before a key gets a row.
-        key_dtype: "int64" (default) or "int32"; the declared key dtype,
-            validated and kept in the config (informational: int32 and int64
-            keys are both accepted and widened to int64 for the table).
+        key_dtype: "int64" (default) or "int32"; the declared key dtype.
+            int32 and int64 arrays are both accepted and widened to int64
+            for the table. On JAX without x64, "int32" promises keys within
+            the int32 range (batches fed to fit/evaluate/predict are checked)
+            so the compiled step sees them whole and inference needs no
+            host callback.
             Strings are always accepted and hashed with
             `keras_sparse.table.hash_strings` (FNV-1a-64 of the UTF-8 bytes),
             so the string "a" and the int key ``hash_strings(["a"])[0]``

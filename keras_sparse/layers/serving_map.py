@@ -125,7 +125,24 @@ def hash_layers(model):
 
 
 def refresh_all(model):
-    """`refresh` of every hash layer of ``model``; the names of those written."""
+    """Brings the serving maps of ``model``'s hash layers up to date.
+
+    ``predict``, ``evaluate``, ``*_on_batch`` and ``model.export`` do this
+    themselves; call it before inference you compile yourself (a
+    ``jax.jit`` of ``model.stateless_call``, a ``tf.function`` of
+    ``model(x)``) once training has changed the tables. Returns the names
+    of the layers whose map was rewritten.
+
+    Example:
+
+    >>> import numpy as np, keras_sparse as ks
+    >>> layer = ks.DistributedHashEmbedding(4, capacity=64, optimizer="sgd")
+    >>> _ = layer(np.array([3, 5]), training=True)
+    >>> ks.refresh_serving_maps(layer) == [layer.name]
+    True
+    >>> ks.refresh_serving_maps(layer)  # unchanged since
+    []
+    """
     return [layer.name for layer in hash_layers(model) if refresh(layer)]
 
 

@@ -113,6 +113,12 @@ class TableSpec:
     def total_bytes(self):
         return self.rows * self.bytes_per_row
 
+    @property
+    def serving_map_bytes(self):
+        """A hash layer's serving map (sorted key words and rows, int32),
+        replicated on every device whatever the strategy."""
+        return self.rows * _SERVING_MAP_ROW_BYTES if self.hash_keys else 0
+
     @classmethod
     def from_layer(cls, layer):
         opt = getattr(layer, "sparse_optimizer", None)
@@ -352,6 +358,10 @@ def comm_bytes(spec, strategy, num_devices, lookups):
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
+#: Two int32 key words and an int32 row (`keras_sparse.layers.serving_map`).
+_SERVING_MAP_ROW_BYTES = 12
+
+
 def _gathered_keys(spec, d, n):
     """A hash layer mapped in one host table: the batch's keys gathered to
     one device and its rows sent back (averaged over the devices)."""
@@ -361,6 +371,12 @@ def _gathered_keys(spec, d, n):
 
 
 def bytes_per_device(spec, strategy, num_devices):
+    return _table_bytes_per_device(spec, strategy, num_devices) + (
+        spec.serving_map_bytes
+    )
+
+
+def _table_bytes_per_device(spec, strategy, num_devices):
     if strategy in ("data", "table"):
         return spec.total_bytes
     if strategy in ("row", "key"):  # padded to an equal block per device
