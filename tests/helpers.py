@@ -42,3 +42,13 @@ def fit_losses(model, x, y, batch_size):
     rec = _StepLosses()
     model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0, callbacks=[rec])
     return rec.losses
+
+
+def readme_code(heading):
+    """The first ```python block after ``heading`` in the README."""
+    import pathlib
+
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text()
+    section = text[text.index(heading) :]
+    return section.split("```python")[1].split("```")[0]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import keras_sparse as ks
+from tests.helpers import readme_code
 
 BACKEND = keras.backend.backend()
 pytestmark = pytest.mark.skipif(
@@ -137,15 +138,21 @@ def test_export_serves_like_predict_in_a_fresh_process(tmp_path):
     np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
 
 
-def test_served_tables_take_retrained_records_without_a_new_export(tmp_path):
-    """`update` of the artifact's table: new keys, evicted keys, new rows."""
-    keys = keras.Input((3,), dtype="int64", name="keys")
-    w = keras.Input((3,), dtype="float32", name="w")
+def _hash_only_model(dim, key_shape, key_dtype):
+    """keys, weights -> one summed hash embedding (its output unchanged)."""
+    keys = keras.Input(key_shape, dtype=key_dtype, name="keys")
+    w = keras.Input(key_shape, dtype="float32", name="w")
     layer = ks.DistributedHashEmbedding(
-        8, capacity=128, combiner="sum", optimizer="adagrad", name="hashed"
+        dim, capacity=128, combiner="sum", optimizer="adagrad", name="hashed"
     )
     model = keras.Model([keys, w], layer(keys, weights=w))
     model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model, layer
+
+
+def test_served_tables_take_retrained_records_without_a_new_export(tmp_path):
+    """`update` of the artifact's table: new keys, evicted keys, new rows."""
+    model, layer = _hash_only_model(8, (3,), "int64")
     (k, w_, _), _ = _data(256, seed=0, vocab=100)
     y = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
     model.fit([k[:128], w_[:128]], y[:128], batch_size=32, verbose=0)
@@ -168,13 +175,7 @@ def test_served_tables_take_retrained_records_without_a_new_export(tmp_path):
 def test_string_keys_are_hashed_inside_the_exported_graph(tmp_path):
     import tensorflow as tf
 
-    names = keras.Input((2,), dtype="string", name="names")
-    ones = keras.Input((2,), dtype="float32", name="ones")
-    layer = ks.DistributedHashEmbedding(
-        4, capacity=128, combiner="sum", optimizer="adagrad", name="hashed"
-    )
-    model = keras.Model([names, ones], layer(names, weights=ones))
-    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model, _ = _hash_only_model(4, (2,), "string")
     rng = np.random.default_rng(0)
     words = np.array([f"user_{i}_é" for i in range(40)], dtype=object)
     x = [words[rng.integers(0, 40, size=(64, 2))], np.ones((64, 2), "float32")]
@@ -231,14 +232,8 @@ def test_onnx_export_names_what_is_missing(tmp_path):
 
 def test_readme_serving_snippet_serves_the_updated_tables():
     """The README's Serving example: export, retrain, hot update, serve."""
-    import pathlib
-
-    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
-    section = text[text.index("## Serving: `model.export`") :]
-    code = section.split("```python")[1].split("```")[0]
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(readme_code("## Serving: `model.export`"), "README.md", "exec"), scope)
     served = scope["served"]
     assert served.returncode == 0, served.stderr[-3000:]
     x, model = scope["x"], scope["model"]

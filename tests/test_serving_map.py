@@ -82,6 +82,36 @@ def test_int32_search_matches_table_lookup(stored, unknown):
     np.testing.assert_array_equal(found, expected)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    words=st.lists(
+        st.tuples(st.integers(-(2**31), 2**31 - 1), st.integers(-(2**31), 2**31 - 1)),
+        min_size=1,
+        max_size=40,
+    ),
+    bits=st.integers(1, 31),
+)
+def test_in_graph_buckets_equal_the_host_buckets(words, bits):
+    high, low = (np.array(w, np.int32) for w in zip(*words))
+    found = serving_map.bucket_of(
+        keras.ops.convert_to_tensor(high), keras.ops.convert_to_tensor(low), bits
+    )
+    expected = serving_map.buckets(high, low, bits)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(found), expected)
+
+
+def test_crowded_buckets_are_searched_whole():
+    """Thousands of keys: buckets hold several keys and need several rounds."""
+    rng = np.random.default_rng(3)
+    stored = np.unique(rng.integers(-(2**62), 2**62, size=2000))
+    layer = _filled(stored, capacity=4096)
+    assert int(keras.ops.convert_to_numpy(layer.serving_meta)[2]) >= 2
+    queries = np.concatenate([stored, rng.integers(-(2**62), 2**62, size=1000)])
+    np.testing.assert_array_equal(
+        _searched(layer, queries, np.int64), layer.table.lookup(queries)
+    )
+
+
 def test_full_and_empty_maps():
     layer = _filled([])
     np.testing.assert_array_equal(_searched(layer, [0, 5, -1], np.int64), [-1] * 3)

@@ -16,6 +16,7 @@ from keras_sparse.table import HashTable
 from keras_sparse.table import ShardedHashTable
 from keras_sparse.table import owner_of
 from tests.helpers import fit_losses
+from tests.helpers import readme_code
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
@@ -304,12 +305,7 @@ def test_predict_reads_without_inserting():
 
 def test_readme_snippet_runs():
     """The README's key-sharding example trains and holds keys."""
-    import pathlib
-
-    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
-    section = text[text.index("### Key-sharded DistributedHashEmbedding") :]
-    code = section.split("```python")[1].split("```")[0]
+    code = readme_code("### Key-sharded DistributedHashEmbedding")
     scope = {}
     try:
         exec(compile(code, "README.md", "exec"), scope)

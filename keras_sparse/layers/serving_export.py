@@ -20,6 +20,8 @@ concurrently sees either zeros for the layer or a consistent map, never a
 key paired with another key's vector.
 """
 
+import types
+
 from keras_sparse.layers import serving_map
 
 
@@ -51,6 +53,7 @@ def _served_table(layer, tf_variable):
     module = tf.Module(name=f"{layer.name}_table")
     module.key_words = tf_variable(layer.serving_key_words)
     module.rows = tf_variable(layer.serving_rows)
+    module.directory = tf_variable(layer.serving_directory)
     module.meta = tf_variable(layer.serving_meta)
     module.embeddings = tf_variable(layer.embeddings)
     capacity = int(layer.serving_rows.shape[0])
@@ -68,6 +71,7 @@ def _served_table(layer, tf_variable):
 
 
 def _update(module, capacity, name, keys, values):
+    """`serving_map.padded_map` in TensorFlow ops, assigned in place."""
     import tensorflow as tf
 
     n = tf.shape(keys)[0]
@@ -82,25 +86,51 @@ def _update(module, capacity, name, keys, values):
         ),
     ]
     with tf.control_dependencies(checks):
-        order = tf.argsort(keys, stable=True)
-    k = tf.gather(keys, order)
+        by_key = tf.argsort(keys, stable=True)
+    k = tf.gather(keys, by_key)
     distinct = tf.reduce_all(tf.not_equal(k[1:], k[:-1]))
     with tf.control_dependencies(
         [tf.debugging.assert_equal(distinct, True, message=f"'{name}': repeated key")]
     ):
-        high = tf.bitwise.right_shift(k, 32)
-    low = k - tf.bitwise.left_shift(high, 32) - 2**31
-    words = tf.stack([tf.cast(high, tf.int32), tf.cast(low, tf.int32)], axis=1)
+        high64 = tf.bitwise.right_shift(k, 32)
+    high = tf.cast(high64, tf.int32)
+    low = tf.cast(k - tf.bitwise.left_shift(high64, 32) - 2**31, tf.int32)
+    bits = serving_map.directory_bits(capacity)
+    bucket = serving_map.bucket_of(high, low, bits, xp=_tf_ops())
+    # Stable: keys stay sorted within their bucket.
+    by_bucket = tf.argsort(bucket, stable=True)
+    order = tf.gather(by_key, by_bucket)
+    words = tf.gather(tf.stack([high, low], axis=1), by_bucket)
+    counts = tf.math.bincount(bucket, minlength=2**bits, maxlength=2**bits)
+    directory = tf.concat([[0], tf.cumsum(counts)], axis=0)
+    fullest = tf.reduce_max(tf.concat([counts, [0]], axis=0))
+    rounds = tf.reduce_sum(
+        tf.cast(tf.bitwise.right_shift(fullest, tf.range(31)) > 0, tf.int32)
+    )
     pad = capacity - n
     version = module.meta[1] + 1
-    module.meta.assign(tf.stack([0, module.meta[1]]))
+    # Empty first: a request served meanwhile reads zeros for this layer.
+    module.meta.assign(tf.stack([0, module.meta[1], 0]))
     module.key_words.assign(
         tf.concat([words, tf.fill([pad, 2], serving_map.PAD_WORD)], axis=0)
     )
     module.rows.assign(tf.concat([tf.range(n), tf.fill([pad], -1)], axis=0))
+    module.directory.assign(directory)
     # Rows past the new keys keep their old vectors: nothing points at them.
     module.embeddings.scatter_nd_update(
         tf.expand_dims(tf.range(n), 1), tf.gather(values, order)
     )
-    module.meta.assign(tf.stack([n, version]))
+    module.meta.assign(tf.stack([n, version, rounds]))
     return n
+
+
+def _tf_ops():
+    """TensorFlow's ops under keras.ops' names, for `serving_map.bucket_of`."""
+    import tensorflow as tf
+
+    return types.SimpleNamespace(
+        multiply=tf.math.multiply,
+        bitwise_xor=tf.bitwise.bitwise_xor,
+        right_shift=tf.bitwise.right_shift,
+        bitwise_and=tf.bitwise.bitwise_and,
+    )

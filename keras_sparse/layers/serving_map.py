@@ -1,29 +1,37 @@
-"""A hash layer's serving map: its key->row map as sorted arrays in the model.
+"""A hash layer's serving map: its key->row map as arrays in the model.
 
 A `DistributedHashEmbedding` maps keys to rows in a Python hash table, which a
 compiled inference step can only reach through a host callback and an
 exported SavedModel cannot reach at all. The serving map is a frozen copy of
-that map held in three non-trainable variables of the layer:
+that map held in four non-trainable variables of the layer:
 
-``serving_key_words``  int32 ``[capacity, 2]``: the live keys, sorted, each as
-                       (high 32 bits signed, low 32 bits with the sign bit
-                       flipped), so that comparing the pairs as signed int32
-                       orders them as int64; unused rows hold int32 max.
-``serving_rows``       int32 ``[capacity]``: each sorted key's table row.
-``serving_meta``       int32 ``[2]``: the number of keys and the table version
-                       (`keras_sparse.table.HashTable.version`) they reflect.
+``serving_key_words``  int32 ``[capacity, 2]``: each live key as (high 32 bits
+                       signed, low 32 bits with the sign bit flipped), so
+                       that comparing pairs as signed int32 orders them as
+                       int64; sorted by (bucket, key); unused rows hold
+                       int32 max.
+``serving_rows``       int32 ``[capacity]``: each listed key's table row.
+``serving_directory``  int32 ``[2**bits + 1]``: where each bucket's keys start
+                       (a key's bucket: the top ``bits`` bits of a 32-bit
+                       mix of its words, ``2**bits >= capacity``).
+``serving_meta``       int32 ``[3]``: the number of keys, the table version
+                       (`keras_sparse.table.HashTable.version`) they reflect,
+                       and the search rounds the fullest bucket needs.
 
 Inference in a compiled step (``training=False`` under ``jax.jit``, a
-``tf.function``, an exported artifact) finds a key with a binary search of
-``ceil(log2(capacity + 1))`` vectorized rounds: plain gathers and compares
-that every backend and ``model.export`` handle, with int32 words so JAX
-without x64 can hold them. Unknown keys get row -1 and read zeros, exactly as
-the table's own lookup. `refresh` rewrites the variables from the table when
-its version moved (once per ``predict``/``evaluate``/export call, see
-`keras_sparse.layers.serving_hooks`), so a step never sees a stale map.
+``tf.function``, an exported artifact) hashes each key (int32 multiplies and
+shifts), reads its bucket's range from the directory and binary-searches
+that range: about one key per bucket, so a handful of rounds of vectorized
+gathers and compares, plain ops that every backend and ``model.export``
+handle, in int32 so JAX without x64 can hold them. Unknown keys get row -1
+and read zeros, exactly as the table's own lookup. `refresh` rewrites the
+variables from the table when its version moved (once per ``predict``/
+``evaluate``/export call, see `keras_sparse.layers.serving_hooks`), so a
+step never sees a stale map.
 
-Words rather than a hash probe: the table's hash functions need 64-bit
-unsigned arithmetic, which JAX without x64 lacks; sorted words need none.
+Why not the table's own buckets: its hash functions need 64-bit unsigned
+arithmetic, which JAX without x64 lacks; this layout needs none, and a
+server can rebuild it from records (`keras_sparse.layers.serving_export`).
 """
 
 import math
@@ -37,7 +45,17 @@ from keras_sparse.table.keys import to_host
 #: Key words of unused serving rows (after every live key in sorted order).
 PAD_WORD = np.iinfo(np.int32).max
 _VERSION_MOD = 2**31 - 1
-NAMES = ("serving_key_words", "serving_rows", "serving_meta")
+# murmur3's 32-bit multipliers, as int32 (multiplication wraps alike in
+# NumPy, XLA, TensorFlow and torch).
+_MIX = tuple(
+    int(np.array(m, np.uint32).view(np.int32))
+    for m in (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35)
+)
+
+
+def directory_bits(capacity):
+    """Bits of a key's bucket: ``2**bits >= capacity`` (about a key each)."""
+    return max(1, math.ceil(math.log2(max(capacity, 2))))
 
 
 def build(layer):
@@ -46,7 +64,8 @@ def build(layer):
     specs = (
         ("serving_key_words", (capacity, 2), PAD_WORD),
         ("serving_rows", (capacity,), -1),
-        ("serving_meta", (2,), 0),  # an empty table has version 0
+        ("serving_directory", (2 ** directory_bits(capacity) + 1,), 0),
+        ("serving_meta", (3,), 0),  # an empty table has version 0
     )
     for name, shape, value in specs:
         variable = layer.add_weight(
@@ -61,27 +80,49 @@ def build(layer):
 
 
 # ------------------------------------------------------------------ host side
-def sorted_words(keys):
-    """``(words int32 [n, 2], order)``: int64 ``keys`` sorted, as serving words."""
-    keys = np.asarray(keys, np.int64).reshape(-1)
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
+def key_words(keys):
+    """``(high, low)`` int32 serving words of int64 keys (NumPy)."""
+    k = np.asarray(keys, np.int64).reshape(-1)
     high = (k >> 32).astype(np.int32)
     low = ((k & 0xFFFFFFFF) - 2**31).astype(np.int32)
-    return np.stack([high, low], axis=1), order
+    return high, low
+
+
+def _mix_host(high, low):
+    h = high.astype(np.uint32) * np.uint32(_MIX[0] & 0xFFFFFFFF)
+    h ^= low.astype(np.uint32)
+    for shift, mult in ((16, _MIX[1]), (13, _MIX[2])):
+        h ^= h >> np.uint32(shift)
+        h *= np.uint32(mult & 0xFFFFFFFF)
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def buckets(high, low, bits):
+    """Bucket of each key's words: the top ``bits`` bits of their mix."""
+    return (_mix_host(high, low) >> np.uint32(32 - bits)).astype(np.int64)
 
 
 def padded_map(keys, rows, capacity):
-    """Host arrays of the three serving variables for ``keys`` at ``rows``."""
+    """Host ``(words, rows, directory, rounds)`` of the serving variables
+    for ``keys`` at ``rows`` in a map of ``capacity`` rows."""
     n = len(keys)
     if n > capacity:
         raise ValueError(f"{n} keys do not fit a serving map of {capacity} rows.")
-    words, order = sorted_words(keys)
+    bits = directory_bits(capacity)
+    high, low = key_words(keys)
+    bucket = buckets(high, low, bits)
+    order = np.lexsort((low, high, bucket))
     all_words = np.full((capacity, 2), PAD_WORD, np.int32)
-    all_words[:n] = words
+    all_words[:n, 0], all_words[:n, 1] = high[order], low[order]
     all_rows = np.full(capacity, -1, np.int32)
     all_rows[:n] = np.asarray(rows, np.int64)[order]
-    return all_words, all_rows
+    counts = np.bincount(bucket, minlength=2**bits)
+    directory = np.zeros(2**bits + 1, np.int32)
+    np.cumsum(counts, out=directory[1:])
+    # Rounds of a lower-bound search over the fullest bucket's n keys:
+    # ceil(log2(n + 1)), the bit length of n.
+    return all_words, all_rows, directory, int(counts.max(initial=0)).bit_length()
 
 
 def is_complete(layer):
@@ -101,17 +142,20 @@ def refresh(layer):
     """Rewrites the serving map from the table if the table changed since.
 
     Returns True when it wrote. One scalar read when nothing changed;
-    otherwise one export of the table and three variable assignments.
+    otherwise one export of the table and four variable assignments.
     """
     if not layer.built or not is_complete(layer) or is_current(layer):
         return False
     with layer.table._lock:
         version = layer.table.version
         keys, rows, _ = (to_host(x) for x in layer.table.export())
-    words, rows = padded_map(keys, rows, layer.serving_rows.shape[0])
+    words, rows, directory, rounds = padded_map(keys, rows, layer.serving_rows.shape[0])
     layer.serving_key_words.assign(words)
     layer.serving_rows.assign(rows)
-    layer.serving_meta.assign(np.array([len(keys), version % _VERSION_MOD], np.int32))
+    layer.serving_directory.assign(directory)
+    layer.serving_meta.assign(
+        np.array([len(keys), version % _VERSION_MOD, rounds], np.int32)
+    )
     return True
 
 
@@ -185,16 +229,33 @@ def _query_words(keys):
     return ops.cast(high, "int32"), low
 
 
+def bucket_of(high, low, bits, xp=ops):
+    """In-graph twin of `buckets` (int32 arithmetic, wrapping); ``xp``: a
+    namespace with keras.ops' ``multiply``, ``bitwise_xor``,
+    ``right_shift`` and ``bitwise_and`` (TensorFlow's for served models)."""
+
+    def shifted_right(x, shift):  # logical
+        return xp.bitwise_and(xp.right_shift(x, shift), (1 << (32 - shift)) - 1)
+
+    h = xp.bitwise_xor(xp.multiply(high, _MIX[0]), low)
+    for shift, mult in ((16, _MIX[1]), (13, _MIX[2])):
+        h = xp.multiply(xp.bitwise_xor(h, shifted_right(h, shift)), mult)
+    h = xp.bitwise_xor(h, shifted_right(h, 16))
+    return shifted_right(h, 32 - bits)
+
+
 def lookup(layer, keys):
     """Rows (int32, -1 where absent) of flat integer ``keys``, in the graph."""
     words = layer.serving_key_words.value
     rows = layer.serving_rows.value
-    size = layer.serving_meta.value[0]
-    capacity = int(words.shape[0])
+    directory = layer.serving_directory.value
+    rounds = layer.serving_meta.value[2]
+    last = int(words.shape[0]) - 1
+    bits = directory_bits(int(words.shape[0]))
     want_high, want_low = _query_words(keys)
-    lo = ops.zeros_like(want_high)
-    hi = lo + size
-    last = capacity - 1
+    bucket = bucket_of(want_high, want_low, bits)
+    start = ops.take(directory, bucket, axis=0)
+    end = ops.take(directory, bucket + 1, axis=0)
 
     def less_than_wanted(at):
         w = ops.take(words, ops.minimum(at, last), axis=0)
@@ -204,17 +265,24 @@ def lookup(layer, keys):
             ops.logical_and(ops.equal(high, want_high), ops.less(low, want_low)),
         )
 
-    # Lower bound: the first sorted key >= the wanted one.
-    for _ in range(max(1, math.ceil(math.log2(capacity + 1)))):
+    def search_round(_, bounds):
+        # Lower bound in [lo, hi): the first key of the bucket >= the wanted.
+        lo, hi = bounds
         open_ = ops.less(lo, hi)
         mid = ops.floor_divide(lo + hi, 2)
         less = less_than_wanted(mid)
         lo = ops.where(ops.logical_and(open_, less), mid + 1, lo)
         hi = ops.where(ops.logical_and(open_, ops.logical_not(less)), mid, hi)
+        return lo, hi
+
+    # A loop, not unrolled rounds: the round count lives in the map (it
+    # changes with the keys), and XLA's CPU compiler handles long unrolled
+    # gather chains very slowly.
+    lo, _ = ops.fori_loop(0, rounds, search_round, (start, end))
     at = ops.minimum(lo, last)
     w = ops.take(words, at, axis=0)
     found = ops.logical_and(
-        ops.less(lo, size),
+        ops.less(lo, end),
         ops.logical_and(ops.equal(w[:, 0], want_high), ops.equal(w[:, 1], want_low)),
     )
     return ops.where(found, ops.take(rows, at, axis=0), -1)
