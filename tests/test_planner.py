@@ -150,7 +150,9 @@ def test_hash_embedding_tables_are_planned_like_fixed_ones():
     assert p.strategy(layer.name) == "data"  # small: replicated
     # Too big to replicate: split like a fixed-vocabulary table.
     full = 1024 * 16 * 4  # table + accumulator
-    serving_map = 1024 * 12  # replicated: two int32 key words and a row
+    # Replicated: two int32 key words and a row per table row, and the
+    # bucket directory (2**10 + 1 int32 starts for 1024 rows).
+    serving_map = 1024 * 12 + (1024 + 1) * 4
     p = plan([layer], devices=8, memory_per_device=full // 4 + serving_map)
     assert p.strategy(layer.name) in ("row", "column")
     assert p[layer.name].bytes_per_device == full // 8 + serving_map

@@ -61,6 +61,8 @@ over the fair share after placing the table.
 
 import math
 
+from keras_sparse.layers import serving_map
+
 STRATEGIES = ("data", "table", "row", "column", "key")
 _TIE_ORDER = {s: i for i, s in enumerate(STRATEGIES)}
 _ID_BYTES = 4
@@ -115,9 +117,12 @@ class TableSpec:
 
     @property
     def serving_map_bytes(self):
-        """A hash layer's serving map (sorted key words and rows, int32),
-        replicated on every device whatever the strategy."""
-        return self.rows * _SERVING_MAP_ROW_BYTES if self.hash_keys else 0
+        """A hash layer's serving map (key words, rows and bucket directory,
+        int32), replicated on every device whatever the strategy."""
+        if not self.hash_keys:
+            return 0
+        directory = 2 ** serving_map.directory_bits(self.rows) + 1
+        return (self.rows * _SERVING_MAP_ROW_INTS + directory) * 4
 
     @classmethod
     def from_layer(cls, layer):
@@ -359,7 +364,7 @@ def comm_bytes(spec, strategy, num_devices, lookups):
 
 
 #: Two int32 key words and an int32 row (`keras_sparse.layers.serving_map`).
-_SERVING_MAP_ROW_BYTES = 12
+_SERVING_MAP_ROW_INTS = 3
 
 
 def _gathered_keys(spec, d, n):
