@@ -118,3 +118,50 @@ def test_queues_the_keys_of_the_input_feeding_the_layer(inputs, data):
     np.testing.assert_array_equal(
         jax_full_keys.restore(layer, step_keys), x.reshape(-1)
     )
+
+
+def test_direct_model_calls_keep_high_bits():
+    """``model(x)`` with NumPy int64 keys: the functional model converts
+    them to int32 before the layer runs; the layer still maps full keys."""
+    layer = _layer()
+    model = _functional(layer)
+    x = np.array([[7, 7 + HIGH], [7 + 5 * HIGH, -7]], np.int64)
+    model(x, training=True)  # eager training call: inserts the full keys
+    assert sorted(layer.export()["keys"].tolist()) == sorted(
+        {int(k) for k in x.ravel()}
+    )
+    probe = np.array([[7 + 9 * HIGH, 7 + 9 * HIGH], [7, 7 + HIGH]], np.int64)
+    out = keras.ops.convert_to_numpy(model(probe, training=False))
+    assert np.all(out[0] == 0)  # unknown, not key 7's vector
+    assert np.all(out[1] != 0)
+    assert _queued(layer) == 0
+
+
+def _warnings_of(run):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "int64" in str(w.message)]
+
+
+def test_truncation_warning_only_for_inputs_keras_sparse_does_not_handle():
+    x = np.array([[7, 7 + HIGH], [7 + 5 * HIGH, -7]], np.int64)
+    y = np.ones((2, 1), np.float32)
+    model = _functional(_layer())
+    assert _warnings_of(lambda: model.fit(x, y, verbose=0)) == []
+    assert _warnings_of(lambda: model.predict(x, verbose=0)) == []
+    # A second int64 input read by a plain Keras layer: its values are
+    # truncated for real, so JAX's warning stays.
+    ids = keras.Input((2,), dtype="int64")
+    other = keras.Input((2,), dtype="int64")
+    plain = keras.layers.Embedding(10, 2)(other)
+    hashed = _layer()(ids)
+    out = keras.layers.Dense(1)(
+        keras.layers.Concatenate()([hashed, keras.layers.Flatten()(plain)])
+    )
+    mixed = keras.Model([ids, other], out)
+    mixed.compile(keras.optimizers.SGD(0.1), "mse")
+    tokens = np.array([[1, 2], [3, 4]], np.int64)
+    assert _warnings_of(lambda: mixed.fit([x, tokens], y, verbose=0))

@@ -133,6 +133,8 @@ def test_refresh_follows_the_table_version():
     layer = ks.DistributedHashEmbedding(
         4, capacity=128, optimizer="adagrad", name="h", admit_after=2
     )
+    layer.build()
+    assert serving_map.refresh(layer)  # first write: stamps the empty map
     layer(np.array([1, 2]), training=True)  # sketch only: not admitted yet
     assert not serving_map.refresh(layer)  # the map did not change
     layer(np.array([1, 2]), training=True)  # admitted now
@@ -157,6 +159,12 @@ def test_refresh_follows_the_table_version():
     layer.table.clear()
     assert serving_map.refresh(layer)
     assert int(keras.ops.convert_to_numpy(layer.serving_meta)[0]) == 0
+    # Another layer's map (same version count) is not taken for this one's.
+    other = ks.DistributedHashEmbedding(4, capacity=128, optimizer="sgd")
+    other.build()
+    other.serving_meta.assign(keras.ops.convert_to_numpy(layer.serving_meta))
+    other.table._version = layer.table.version
+    assert serving_map.refresh(other)
 
 
 def _model(key_dtype="int64", weights=False):
@@ -279,3 +287,28 @@ def test_jax_exported_inference_has_no_callback():
     served = restored.call(trainable, frozen, keys.astype("int32"))
     expected = model.predict(keys, batch_size=256, verbose=0)
     np.testing.assert_allclose(np.asarray(served), expected, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch has few uint32 ops")
+def test_unsigned_32_bit_keys_above_int32_max():
+    stored = [3_000_000_000, 2**31, 5]
+    layer = _filled(stored)
+    queries = np.array(stored + [2**32 - 1], np.uint32)
+    expected = layer.table.lookup(queries.astype(np.int64))
+    np.testing.assert_array_equal(_searched(layer, queries, np.uint32), expected)
+    assert expected[0] >= 0 and expected[-1] == -1
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch runs inference eagerly")
+def test_a_frozen_layer_in_a_training_step_reads_the_table(monkeypatch):
+    """``trainable=False`` under ``fit``: no inserts, and no serving map
+    either (predict was never run, so the map is still empty)."""
+    model, layer = _model("int32")
+    keys, _, y = _data(wide=False)
+    layer.import_(np.unique(keys), np.ones((np.unique(keys).size, 4), "float32"))
+    layer.trainable = False
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    history = model.fit(keys, y, batch_size=256, verbose=0)
+    assert not serving_map.is_current(layer)  # fit never refreshed it
+    expected = model.evaluate(keys, y, batch_size=256, verbose=0)  # refreshes
+    np.testing.assert_allclose(history.history["loss"][0], expected, rtol=1e-5)

@@ -89,7 +89,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     read: unknown keys read zeros and nothing is inserted. Compiled
     inference (``predict``/``evaluate`` on TensorFlow; on JAX with x64 or
     ``key_dtype="int32"``) and ``model.export`` read the layer's serving map
-    instead of calling the table: a sorted copy of its key->row map in three
+    instead of calling the table: a copy of its key->row map in four
     non-trainable variables, searched inside the program and refreshed when
     the table changed (see `keras_sparse.layers.serving_map`).
 
@@ -430,10 +430,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             return keys
         return jax_full_keys.restore(self, _host_keys(keys))
 
-    def _map_keys(self, keys, use, insert):
+    def _map_keys(self, keys, use, insert, inference=False):
         """Flat ``(rows, fresh, words)`` for ``keys``, wherever the mapping
         runs now (see `keras_sparse.layers.key_mapping`)."""
-        return key_mapping.map_keys(self, keys, use, insert)
+        return key_mapping.map_keys(self, keys, use, insert, inference)
 
     # ------------------------------------------------------------------ call
     def _normalize(self, inputs, weights):
@@ -497,7 +497,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         if weights is not None:
             use = ops.logical_and(use, ops.not_equal(weights, 0))
         insert = bool(training) and self.trainable
-        rows, fresh, extra = self._map_keys(keys, ops.reshape(use, (-1,)), insert)
+        # A frozen layer in a training step still maps through the table:
+        # the serving map is refreshed for inference calls only.
+        rows, fresh, extra = self._map_keys(
+            keys, ops.reshape(use, (-1,)), insert, inference=not training
+        )
         valid = rows >= 0
         return self._vectors_out(rows, valid, fresh, weights, shape, insert, extra)
 

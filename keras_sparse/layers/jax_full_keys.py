@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import functools
 import threading
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ _INT32 = np.iinfo(np.int32)
 _install_lock = threading.Lock()
 _installed = False
 _feeds_cache = weakref.WeakKeyDictionary()
+_ours_cache = weakref.WeakKeyDictionary()
 
 
 class KeyMismatchError(RuntimeError):
@@ -413,12 +415,68 @@ def _precheck(model, args, kwargs):
                 _check_declared_int32(feed.layer, keys)
 
 
+_TRUNCATION_WARNING = "Explicitly requested dtype int64 requested in asarray"
+
+
+def _wide_inputs_all_ours(model):
+    """True when each int64/uint64 input of a functional ``model`` is read
+    only by keras_sparse layers (which get its full keys, or refuse ids
+    beyond int32): JAX's truncation warning about them is then moot."""
+    from keras import tree
+
+    from keras_sparse.layers.model_feeds import model_inputs
+
+    cached = _ours_cache.get(model)
+    if cached is not None:
+        return cached
+    wide = {
+        i
+        for i, t in model_inputs(model).items()
+        if str(getattr(_input_tensor(model, i), "dtype", "")) in ("int64", "uint64")
+    }
+    ours = bool(wide)
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        for node in getattr(layer, "_inbound_nodes", []):
+            args = tree.flatten((node.arguments.args, node.arguments.kwargs))
+            if any(id(t) in wide for t in args) and not hasattr(
+                layer, "keras_sparse_kind"
+            ):
+                ours = False
+    _ours_cache[model] = ours
+    return ours
+
+
+def _input_tensor(model, tensor_id):
+    from keras import tree
+
+    for t in tree.flatten(getattr(model, "inputs", None) or []):
+        if id(t) == tensor_id:
+            return t
+    return None
+
+
+@contextlib.contextmanager
+def _truncation_warning_moot(model):
+    """Hides JAX's int64 truncation warning while ``model`` runs, when every
+    wide input goes to keras_sparse layers (see `_wide_inputs_all_ours`)."""
+    try:
+        moot = _wide_inputs_all_ours(model)
+    except (AttributeError, TypeError, ValueError):
+        moot = False  # not a functional model: keep JAX's warning
+    if not moot:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRUNCATION_WARNING)
+        yield
+
+
 def _wrap_method(cls, name):
     original = getattr(cls, name)
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
-        with _active(self):
+        with _active(self), _truncation_warning_moot(self):
             if _ACTIVE.get() is self:
                 _precheck(self, args, kwargs)
             try:
@@ -454,12 +512,49 @@ def _wrap_on_batch(cls, name):
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
-        with _active(self):
+        with _active(self), _truncation_warning_moot(self):
             if _ACTIVE.get() is self:
                 note_batch(self, (args[0] if args else kwargs.get("x"),))
             return original(self, *args, **kwargs)
 
     setattr(cls, name, wrapper)
+
+
+def _has_host_wide_keys(inputs):
+    from keras import tree
+
+    return any(_is_wide(a) for a in tree.flatten(inputs))
+
+
+def _wrap_functional_call(cls):
+    """Direct calls ``model(x)`` with NumPy int64 keys: the model converts
+    them to JAX's int32 before any layer runs, so queue their full keys as
+    ``fit`` does; the hash layers' host mapping (eager) restores them."""
+    original = cls.call
+
+    @functools.wraps(original)
+    def call(self, inputs, *args, **kwargs):
+        active = _ACTIVE.get()
+        if active is self or not _has_host_wide_keys(inputs):
+            return original(self, inputs, *args, **kwargs)
+        if active is not None:
+            # Another model's fit/evaluate/predict owns the queues (maybe of
+            # shared layers): leave them alone, and refuse keys that would
+            # be truncated rather than map them wrong.
+            _check_fits_int32(
+                self,
+                inputs,
+                f"model '{active.name}' is running fit/evaluate/predict, "
+                "whose queued keys a nested call must not disturb",
+            )
+            return original(self, inputs, *args, **kwargs)
+        with _active(self), _truncation_warning_moot(self):
+            if _ACTIVE.get() is self:
+                _precheck(self, (inputs,), {})
+                note_batch(self, (inputs,))
+            return original(self, inputs, *args, **kwargs)
+
+    cls.call = call
 
 
 def _wrap_epoch_iterator(cls):
@@ -495,4 +590,7 @@ def install():
         for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
             _wrap_on_batch(jax_trainer.JAXTrainer, name)
         _wrap_epoch_iterator(jax_trainer.JAXEpochIterator)
+        from keras.src.models.functional import Functional
+
+        _wrap_functional_call(Functional)
         _installed = True

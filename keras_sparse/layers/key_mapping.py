@@ -15,7 +15,7 @@ module of its own:
                    `keras_sparse.sharding.jax_key_mapping`, reached through
                    the sharding hooks (`keras_sparse.layers.placement`).
 ``"tf_graph"``     TensorFlow graph: a ``tf.numpy_function`` into the table.
-``"serving_map"``  compiled inference (no inserts) on JAX or TensorFlow,
+``"serving_map"``  compiled inference (``training`` falsy) on JAX or TF,
                    exports included: a binary search of the layer's serving
                    map inside the program, no host callback
                    (`keras_sparse.layers.serving_map`).
@@ -46,7 +46,7 @@ def _key_sharded(layer):
     return getattr(layer.table, "num_shards", None) is not None
 
 
-def placement_of(layer, keys, insert=True):
+def placement_of(layer, keys, insert=True, inference=False):
     """The name of the placement that maps ``keys`` for ``layer`` now."""
     symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
     if not symbolic:
@@ -54,7 +54,7 @@ def placement_of(layer, keys, insert=True):
             return "gpu"
         return "host"
     backend = keras.backend.backend()
-    if not insert and backend != "torch" and serving_map.usable(layer, keys):
+    if inference and backend != "torch" and serving_map.usable(layer, keys):
         return "serving_map"
     if backend == "jax":
         return "key_sharded" if _key_sharded(layer) else "jax_step"
@@ -134,8 +134,9 @@ _PLACEMENTS = {
 }
 
 
-def map_keys(layer, keys, use, insert):
+def map_keys(layer, keys, use, insert, inference=False):
     """Flat ``(rows, fresh, words)`` of ``keys`` (any shape) and flat bool
-    ``use``; ``insert`` adds admitted new keys (training)."""
-    where = placement_of(layer, keys, insert)
+    ``use``; ``insert`` adds admitted new keys (training); ``inference``
+    (a call with ``training`` falsy) may read the serving map."""
+    where = placement_of(layer, keys, insert, inference)
     return _PLACEMENTS[where](layer, keys, use, insert)

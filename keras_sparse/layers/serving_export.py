@@ -14,10 +14,11 @@ loaded the model with TensorFlow alone can install retrained records
     served.keras_sparse_tables["user"].update(records["keys"], records["values"])
 
 ``update`` replaces the whole map: the keys read ``values`` (in their
-order), every other key reads zeros. It first empties the map, then writes
-keys, rows and vectors, then publishes the new size, so a request served
-concurrently sees either zeros for the layer or a consistent map, never a
-key paired with another key's vector.
+order), every other key reads zeros. It is not atomic with respect to
+requests served at the same moment (the map, its directory and the vectors
+are separate variables, and a JAX-exported artifact writes its
+non-trainable variables back after each request): apply updates between
+requests, e.g. on a replica taken out of rotation.
 """
 
 import types
@@ -110,7 +111,7 @@ def _update(module, capacity, name, keys, values):
     pad = capacity - n
     version = module.meta[1] + 1
     # Empty first: a request served meanwhile reads zeros for this layer.
-    module.meta.assign(tf.stack([0, module.meta[1], 0]))
+    module.meta.assign(tf.stack([0, module.meta[1], 0, module.meta[3]]))
     module.key_words.assign(
         tf.concat([words, tf.fill([pad, 2], serving_map.PAD_WORD)], axis=0)
     )
@@ -120,7 +121,7 @@ def _update(module, capacity, name, keys, values):
     module.embeddings.scatter_nd_update(
         tf.expand_dims(tf.range(n), 1), tf.gather(values, order)
     )
-    module.meta.assign(tf.stack([n, version, rounds]))
+    module.meta.assign(tf.stack([n, version, rounds, module.meta[3]]))
     return n
 
 

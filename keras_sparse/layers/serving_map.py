@@ -14,9 +14,10 @@ that map held in four non-trainable variables of the layer:
 ``serving_directory``  int32 ``[2**bits + 1]``: where each bucket's keys start
                        (a key's bucket: the top ``bits`` bits of a 32-bit
                        mix of its words, ``2**bits >= capacity``).
-``serving_meta``       int32 ``[3]``: the number of keys, the table version
+``serving_meta``       int32 ``[4]``: the number of keys, the table version
                        (`keras_sparse.table.HashTable.version`) they reflect,
-                       and the search rounds the fullest bucket needs.
+                       the search rounds the fullest bucket needs, and a
+                       random stamp of the layer's table.
 
 Inference in a compiled step (``training=False`` under ``jax.jit``, a
 ``tf.function``, an exported artifact) hashes each key (int32 multiplies and
@@ -59,13 +60,20 @@ def directory_bits(capacity):
 
 
 def build(layer):
-    """Creates the layer's serving-map variables (an empty map)."""
-    capacity = layer.table.capacity
+    """Creates the layer's serving-map variables (an empty map).
+
+    A process holding only some shards of a key-sharded table cannot know
+    the other keys: its map gets no rows (such layers infer through their
+    callbacks).
+    """
+    capacity = layer.table.capacity if is_complete(layer) else 0
     specs = (
         ("serving_key_words", (capacity, 2), PAD_WORD),
         ("serving_rows", (capacity,), -1),
         ("serving_directory", (2 ** directory_bits(capacity) + 1,), 0),
-        ("serving_meta", (3,), 0),  # an empty table has version 0
+        # size, table version, rounds, and which table: a map copied from
+        # another layer's variables (set_weights) is never taken as current.
+        ("serving_meta", (4,), 0),
     )
     for name, shape, value in specs:
         variable = layer.add_weight(
@@ -77,6 +85,7 @@ def build(layer):
             name=name,
         )
         setattr(layer, name, variable)
+    layer._serving_stamp = int(np.random.default_rng().integers(1, 2**31 - 1))
 
 
 # ------------------------------------------------------------------ host side
@@ -135,27 +144,36 @@ def is_complete(layer):
 def is_current(layer):
     """True when the serving variables reflect the table's current map."""
     meta = ops.convert_to_numpy(layer.serving_meta.value)
-    return int(meta[1]) == layer.table.version % _VERSION_MOD
+    return (
+        int(meta[1]) == layer.table.version % _VERSION_MOD
+        and int(meta[3]) == layer._serving_stamp
+    )
 
 
 def refresh(layer):
     """Rewrites the serving map from the table if the table changed since.
 
     Returns True when it wrote. One scalar read when nothing changed;
-    otherwise one export of the table and four variable assignments.
+    otherwise one export of the table and four variable assignments, all
+    under the table's lock.
     """
-    if not layer.built or not is_complete(layer) or is_current(layer):
+    if not layer.built or not is_complete(layer):
         return False
+    # Under the table's lock: no insert lands between the export and the
+    # writes, and concurrent refreshes do not interleave their writes.
     with layer.table._lock:
+        if is_current(layer):
+            return False
         version = layer.table.version
         keys, rows, _ = (to_host(x) for x in layer.table.export())
-    words, rows, directory, rounds = padded_map(keys, rows, layer.serving_rows.shape[0])
-    layer.serving_key_words.assign(words)
-    layer.serving_rows.assign(rows)
-    layer.serving_directory.assign(directory)
-    layer.serving_meta.assign(
-        np.array([len(keys), version % _VERSION_MOD, rounds], np.int32)
-    )
+        words, rows, directory, rounds = padded_map(
+            keys, rows, layer.serving_rows.shape[0]
+        )
+        layer.serving_key_words.assign(words)
+        layer.serving_rows.assign(rows)
+        layer.serving_directory.assign(directory)
+        meta = [len(keys), version % _VERSION_MOD, rounds, layer._serving_stamp]
+        layer.serving_meta.assign(np.array(meta, np.int32))
     return True
 
 
@@ -204,15 +222,18 @@ def usable(layer, keys):
     dtype = "" if dtype is None else keras.backend.standardize_dtype(dtype)
     if "int" not in dtype:
         return False
-    if keras.backend.backend() == "jax" and dtype in ("int32", "uint32"):
-        return layer.key_dtype == "int32"
+    if keras.backend.backend() == "jax":
+        if dtype == "uint32":  # needs 64-bit words to stay unsigned
+            return False
+        if dtype == "int32":
+            return layer.key_dtype == "int32"
     return True
 
 
 def _query_words(keys):
     """(high, low) int32 serving words of flat integer key tensors."""
     dtype = keras.backend.standardize_dtype(keys.dtype)
-    if dtype in ("int64", "uint64"):
+    if dtype in ("int64", "uint64", "uint32"):
         keys = ops.cast(keys, "int64")
         high64 = ops.right_shift(keys, 32)
         low = ops.subtract(keys, ops.left_shift(high64, 32))  # [0, 2**32)
@@ -249,13 +270,14 @@ def lookup(layer, keys):
     words = layer.serving_key_words.value
     rows = layer.serving_rows.value
     directory = layer.serving_directory.value
-    rounds = layer.serving_meta.value[2]
+    size, rounds = layer.serving_meta.value[0], layer.serving_meta.value[2]
     last = int(words.shape[0]) - 1
     bits = directory_bits(int(words.shape[0]))
     want_high, want_low = _query_words(keys)
     bucket = bucket_of(want_high, want_low, bits)
     start = ops.take(directory, bucket, axis=0)
-    end = ops.take(directory, bucket + 1, axis=0)
+    # Capped by the size: a map being replaced (size 0 first) finds nothing.
+    end = ops.minimum(ops.take(directory, bucket + 1, axis=0), size)
 
     def less_than_wanted(at):
         w = ops.take(words, ops.minimum(at, last), axis=0)
