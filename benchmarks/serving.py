@@ -11,7 +11,7 @@ predicts the same keys with the same model. Variants:
 
 * ``jax-callback``: JAX, ``key_dtype="int64"``: each step reaches the host
   table through a callback (`keras_sparse.layers.jax_step_mapping`).
-* ``jax-serving-map``: JAX, ``key_dtype="int32"``: a binary search of the
+* ``jax-serving-map``: JAX, ``key_dtype="int32"``: a bucketed search of the
   layer's serving map inside the step (`keras_sparse.layers.serving_map`).
 * ``tf-callback``: TensorFlow with ``serving_map.usable`` monkeypatched to
   return False before the model is built: this reproduces the old
@@ -101,8 +101,8 @@ def child(args):
     seen = set()
     placement_of = key_mapping.placement_of
 
-    def recording(layer, keys, insert=True):
-        seen.add(where := placement_of(layer, keys, insert))
+    def recording(*args, **kwargs):
+        seen.add(where := placement_of(*args, **kwargs))
         return where
 
     key_mapping.placement_of = recording
@@ -119,7 +119,9 @@ def child(args):
         known, x[f"k{f}"] = make_keys(args, f)
         values = np.random.default_rng(f).normal(0, 0.1, (len(known), DIM))
         stored = layer.import_(known, values.astype("float32"))
-        assert stored == len(known), (stored, len(known))
+        # A few keys may find both candidate buckets full at high fill;
+        # both routes then read them as unknown alike.
+        assert stored >= 0.999 * len(known), (stored, len(known))
     h = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()(parts))
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
 
