@@ -21,3 +21,44 @@ def _fresh_keras_state():
 
 def backend():
     return keras.backend.backend()
+
+
+# --- Progress: one line per finished test file (tests/run.sh sets
+# KS_PROGRESS_FD to the terminal and KS_PROGRESS_LANE to the run's name), so
+# both lanes show where they are while their full output goes to logs.
+_PROGRESS_FD = os.environ.get("KS_PROGRESS_FD")
+_progress = {"file": None, "counts": {}, "start": 0.0}
+
+
+def _flush_progress():
+    import time
+
+    name = _progress["file"]
+    if name is None or _PROGRESS_FD is None:
+        return
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(_progress["counts"].items()))
+    seconds = time.monotonic() - _progress["start"]
+    lane = os.environ.get("KS_PROGRESS_LANE", "")
+    line = f"[{lane}] {name}: {counts or 'nothing run'} ({seconds:.0f} s)\n"
+    try:
+        os.write(int(_PROGRESS_FD), line.encode())
+    except (OSError, ValueError):
+        pass  # no terminal to tell: the log has everything
+
+
+def pytest_runtest_logreport(report):
+    import time
+
+    if _PROGRESS_FD is None:
+        return
+    name = report.nodeid.split("::")[0]
+    if name != _progress["file"]:
+        _flush_progress()
+        _progress.update(file=name, counts={}, start=time.monotonic())
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+        _progress["counts"][outcome] = _progress["counts"].get(outcome, 0) + 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _flush_progress()

@@ -6,8 +6,10 @@
 # Two lanes run side by side (most of a test's time is single-threaded Python
 # and compilation, so two cores finish both lanes in about the time of the
 # longer one): JAX then the emulated GPU suite, printed as they run;
-# TensorFlow then PyTorch, printed when done. KS_TEST_LANES=1 runs the four
-# one after the other instead.
+# TensorFlow then PyTorch. While they run, each prints one line per finished
+# test file ("[jax] tests/test_x.py: 12 passed (9 s)"); their full pytest
+# output follows when both lanes are done. KS_TEST_LANES=1 runs the four one
+# after the other instead, each printed live.
 set -u
 cd "$(dirname "$0")/.."
 # Deterministic GPU reductions: the GPU suite compares GPU and CPU tables
@@ -36,6 +38,7 @@ run_backend() {
   esac
   {
     echo "=== $run (KERAS_BACKEND=$backend) ==="
+    KS_PROGRESS_FD=3 KS_PROGRESS_LANE=$run \
     PYTHONPATH=$pythonpath KERAS_BACKEND=$backend python -m pytest "${paths[@]}" -q \
       -rfEs -p no:cacheprovider --durations=20 -m "$marker" "$@" 2>&1
     rc=$?
@@ -46,15 +49,17 @@ run_backend() {
 }
 
 RUNS="jax emulated-gpu tensorflow torch"
+# File descriptor 3: the terminal, where each run prints a line per finished
+# test file (tests/conftest.py) while its pytest output goes to its log.
+exec 3>&1
 if [ "${KS_TEST_LANES:-2}" = 1 ]; then
   for run in $RUNS; do run_backend "$run" live "$@"; done
 else
   (run_backend tensorflow quiet "$@"; run_backend torch quiet "$@") &
   other_lane=$!
-  run_backend jax live "$@"
-  run_backend emulated-gpu live "$@"
+  (run_backend jax quiet "$@"; run_backend emulated-gpu quiet "$@")
   wait "$other_lane"
-  cat "$logs/tensorflow.log" "$logs/torch.log"
+  cat "$logs/jax.log" "$logs/emulated-gpu.log" "$logs/tensorflow.log" "$logs/torch.log"
 fi
 
 # Totals of pytest's closing lines; any failing run or missing status fails.
