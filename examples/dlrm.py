@@ -212,9 +212,14 @@ def main(argv=None):
         loss="binary_crossentropy",
         metrics=[keras.metrics.AUC(name="auc")],
     )
+    # Progress as it happens, in order: the first evaluation and epoch also
+    # compile the model, which takes a while on a CPU.
+    print("held-out rows, untrained model (compiling first):", flush=True)
     initial_loss, initial_auc = model.evaluate(
-        x_test, y_test, batch_size=args.batch_size, verbose=0
+        x_test, y_test, batch_size=args.batch_size, verbose=1
     )
+    print(f"held-out before training: auc={initial_auc:.4f} loss={initial_loss:.4f}")
+    print(f"training {args.epochs} epochs:", flush=True)
     timer = EpochTimer()
     history = model.fit(
         x_train,
@@ -222,9 +227,10 @@ def main(argv=None):
         batch_size=args.batch_size,
         epochs=args.epochs,
         callbacks=[timer],
-        verbose=2,
+        verbose=1,  # a bar per step when interactive, a line per epoch in logs
     )
-    loss, auc = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
+    print("held-out rows, trained model:", flush=True)
+    loss, auc = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=1)
 
     # The first epoch includes tracing and compilation; leave it out when we can.
     timed = timer.seconds[1:] or timer.seconds
@@ -238,7 +244,6 @@ def main(argv=None):
         "samples_per_s": samples_per_s,
         "gpu": gpu,
     }
-    print(f"held-out before training: auc={initial_auc:.4f} loss={initial_loss:.4f}")
     print(
         f"final: auc={auc:.4f} loss={loss:.4f} samples/s={samples_per_s:.0f} "
         f"backend={keras.backend.backend()} device={gpu or 'cpu'}"

@@ -17,8 +17,13 @@ def load_example():
     return module
 
 
-def test_quick_dlrm_learns():
+def test_quick_dlrm_learns(capsys):
     result = load_example().main(["--quick"])
+    out = capsys.readouterr().out
+    # Progress in order: the untrained evaluation is reported before any
+    # training epoch, the final line last.
+    order = [out.find(s) for s in ("held-out before", "Epoch 1/", "final: auc")]
+    assert -1 not in order and order == sorted(order), out
     assert result["auc"] > 0.6, result
     assert result["loss"] < result["initial_loss"], result
     assert result["train_loss"][-1] < result["train_loss"][0], result
