@@ -74,3 +74,22 @@ def test_drop_in_layer_names_close_arguments_too():
     # Keras layer arguments still pass through.
     layer = ks.AllToAllDenseEmbedding(10, 4, name="items", dtype="float32")
     assert layer.name == "items"
+
+
+def test_embedding_collection_names_close_arguments_and_table_settings():
+    tables = {"user": ks.TableConfig(100, 8)}
+    with pytest.raises(
+        ValueError, match=r"'features'.*`optimiser` \(did you mean `optimizer`"
+    ):
+        ks.EmbeddingCollection(tables, optimiser="adagrad", name="features")
+    with pytest.raises(
+        TypeError,
+        match=r"'features', table 'user'.*`combinr` \(did you mean `combiner`",
+    ):
+        ks.EmbeddingCollection(
+            {"user": {"input_dim": 100, "output_dim": 8, "combinr": "sum"}},
+            name="features",
+        )
+    # Keras layer arguments still pass through.
+    layer = ks.EmbeddingCollection(tables, name="features", dtype="float32")
+    assert layer.name == "features"

@@ -26,24 +26,41 @@ def _close(name, valid):
     return list(dict.fromkeys(near))[:3]
 
 
-def check_known(layer_name, cls_name, kwargs, own):
-    """Raises `ArgumentError` for keys of ``kwargs`` that neither the layer
-    (``own``: its argument names) nor `keras.layers.Layer` accepts."""
-    valid = tuple(own) + KERAS_LAYER_ARGS
+def _unknown(kwargs, valid):
+    """``(count, text)`` of the keys of ``kwargs`` not in ``valid``, each
+    with the close valid names."""
     unknown = [k for k in kwargs if k not in valid]
-    if not unknown:
-        return
     parts = []
     for name in unknown:
         near = _close(name, valid)
         hint = f" (did you mean {', '.join(f'`{n}`' for n in near)}?)" if near else ""
         parts.append(f"`{name}`{hint}")
+    return len(unknown), ", ".join(parts)
+
+
+def check_known(layer_name, cls_name, kwargs, own):
+    """Raises `ArgumentError` for keys of ``kwargs`` that neither the layer
+    (``own``: its argument names) nor `keras.layers.Layer` accepts."""
+    count, text = _unknown(kwargs, tuple(own) + KERAS_LAYER_ARGS)
+    if not count:
+        return
     raise ArgumentError(
         f"Layer '{layer_name}' ({cls_name}): unknown argument"
-        f"{'s' if len(unknown) > 1 else ''} {', '.join(parts)}. Valid "
+        f"{'s' if count > 1 else ''} {text}. Valid "
         f"arguments: {', '.join(own)}, and Keras layer arguments "
         f"({', '.join(KERAS_LAYER_ARGS[:5])})."
     )
+
+
+def check_fields(where, given, valid):
+    """Raises `ArgumentError` for keys of the dict ``given`` not in ``valid``
+    (e.g. a table's settings given as a dict), naming the close ones."""
+    count, text = _unknown(given, tuple(valid))
+    if count:
+        raise ArgumentError(
+            f"{where}: unknown setting{'s' if count > 1 else ''} {text}. "
+            f"Valid settings: {', '.join(valid)}."
+        )
 
 
 def check_given(layer_name, cls_name, name, value, meaning, kwargs):

@@ -20,6 +20,8 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
+from keras_sparse.layers.arguments import check_fields
+from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
@@ -128,10 +130,20 @@ class StackInitializer:
         return ops.concatenate(pieces, axis=0)
 
 
+_TABLE_FIELDS = (
+    "input_dim",
+    "output_dim",
+    "combiner",
+    "embeddings_initializer",
+    "sharding",
+)
+
+
 def _table_config(layer_name, table, spec):
     if isinstance(spec, TableConfig):
         return spec
     if isinstance(spec, dict):
+        check_fields(f"Layer '{layer_name}', table '{table}'", spec, _TABLE_FIELDS)
         try:
             return TableConfig(**spec)
         except (TypeError, ValueError) as e:
@@ -209,6 +221,12 @@ class EmbeddingCollection(keras.layers.Layer):
     keras_sparse_kind = "fixed"
 
     def __init__(self, tables, optimizer=None, sharding="auto", **kwargs):
+        check_known(
+            kwargs.get("name") or "embedding_collection",
+            type(self).__name__,
+            kwargs,
+            ("tables", "optimizer", "sharding"),
+        )
         super().__init__(**kwargs)
         if not isinstance(tables, dict) or not tables:
             raise ValueError(
