@@ -424,15 +424,13 @@ def _wide_inputs_all_ours(model):
     beyond int32): JAX's truncation warning about them is then moot."""
     from keras import tree
 
-    from keras_sparse.layers.model_feeds import model_inputs
-
     cached = _ours_cache.get(model)
     if cached is not None:
         return cached
     wide = {
-        i
-        for i, t in model_inputs(model).items()
-        if str(getattr(_input_tensor(model, i), "dtype", "")) in ("int64", "uint64")
+        id(t)
+        for t in tree.flatten(getattr(model, "inputs", None) or [])
+        if str(getattr(t, "dtype", "")) in ("int64", "uint64")
     }
     ours = bool(wide)
     for layer in model._flatten_layers(include_self=False, recursive=True):
@@ -444,15 +442,6 @@ def _wide_inputs_all_ours(model):
                 ours = False
     _ours_cache[model] = ours
     return ours
-
-
-def _input_tensor(model, tensor_id):
-    from keras import tree
-
-    for t in tree.flatten(getattr(model, "inputs", None) or []):
-        if id(t) == tensor_id:
-            return t
-    return None
 
 
 @contextlib.contextmanager
