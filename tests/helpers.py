@@ -44,11 +44,10 @@ def fit_losses(model, x, y, batch_size):
     return rec.losses
 
 
-def readme_code(heading):
-    """The first ```python block after ``heading`` in the README."""
+def docs_code(page, heading):
+    """The first ```python block after ``heading`` in ``page`` (from the root)."""
     import pathlib
 
-    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
+    text = (pathlib.Path(__file__).resolve().parents[1] / page).read_text()
     section = text[text.index(heading) :]
     return section.split("```python")[1].split("```")[0]

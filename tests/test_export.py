@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_sparse as ks
-from tests.helpers import readme_code
+from tests.helpers import docs_code
 
 BACKEND = keras.backend.backend()
 pytestmark = pytest.mark.skipif(
@@ -45,6 +45,8 @@ _SERVE = textwrap.dedent(
     assert "keras_sparse" not in sys.modules
     """
 )
+
+SERVING_PAGE = "docs/guides/serving.md"
 
 
 def _serve_fresh(tmp_path, artifact, inputs, records=None):
@@ -230,10 +232,11 @@ def test_onnx_export_names_what_is_missing(tmp_path):
         model.export(tmp_path / "model.onnx", format="onnx", verbose=False)
 
 
-def test_readme_serving_snippet_serves_the_updated_tables():
-    """The README's Serving example: export, retrain, hot update, serve."""
+def test_docs_serving_example_serves_the_updated_tables():
+    """The serving guide's example: export, retrain, hot update, serve."""
     scope = {}
-    exec(compile(readme_code("## Serving: `model.export`"), "README.md", "exec"), scope)
+    code = docs_code(SERVING_PAGE, "# Serving: `model.export`")
+    exec(compile(code, SERVING_PAGE, "exec"), scope)
     served = scope["served"]
     assert served.returncode == 0, served.stderr[-3000:]
     x, model = scope["x"], scope["model"]

@@ -15,14 +15,16 @@ from keras_sparse import sharding
 from keras_sparse.table import HashTable
 from keras_sparse.table import ShardedHashTable
 from keras_sparse.table import owner_of
+from tests.helpers import docs_code
 from tests.helpers import fit_losses
-from tests.helpers import readme_code
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
 )
 
 DIM, BAG, BATCH, STEPS = 4, 3, 32, 6
+
+MULTI_DEVICE_PAGE = "docs/guides/multi-device.md"
 
 
 def _layer(**kwargs):
@@ -303,12 +305,12 @@ def test_predict_reads_without_inserting():
     np.testing.assert_allclose(out[8], out[1], atol=1e-6)
 
 
-def test_readme_snippet_runs():
-    """The README's key-sharding example trains and holds keys."""
-    code = readme_code("### Key-sharded DistributedHashEmbedding")
+def test_docs_key_sharding_example_runs():
+    """The multi-device guide's key-sharding example trains and holds keys."""
+    code = docs_code(MULTI_DEVICE_PAGE, "## Key-sharded DistributedHashEmbedding")
     scope = {}
     try:
-        exec(compile(code, "README.md", "exec"), scope)
+        exec(compile(code, MULTI_DEVICE_PAGE, "exec"), scope)
     finally:
         keras.distribution.set_distribution(None)
     items = scope["items"]

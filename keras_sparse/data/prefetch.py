@@ -1047,7 +1047,10 @@ def prefetch(
         replicas: replicas for ``route="locality"`` (default: the batch axis
             of the active `keras.distribution`).
         feature_map: ``{layer_name: input_key}`` for subclassed models.
-        y, sample_weight, shuffle, seed: for in-memory arrays.
+        y: labels, for in-memory arrays.
+        sample_weight: sample weights, for in-memory arrays.
+        shuffle: shuffle in-memory arrays each pass.
+        seed: seed of that shuffle.
         steps: batches per pass for sources without a length.
         passes: close automatically after this many complete passes.
         transfer: copy prepared batches to the device in the workers (JAX

@@ -140,7 +140,13 @@ class ShardedHashTable:
             ``capacity`` reports ``num_shards * shard_rows``.
         num_shards: ``D`` (the devices of a key-sharded layer).
         local: shard indices held here, or None for all.
-        Other arguments: as for `HashTable`, the same for every shard.
+        bucket_size: as for `HashTable`, the same for every shard.
+        eviction: as for `HashTable`.
+        admit_after: as for `HashTable`.
+        device: as for `HashTable`.
+        seed: as for `HashTable`.
+        gpus: with ``device="gpu"``, a dict ``{shard: CUDA device}``
+            (shards it leaves out live on device 0).
     """
 
     def __init__(

@@ -1,0 +1,81 @@
+"""Python code blocks of the docs pages and the README, and how to run them.
+
+A page's ```python blocks run in order, in one fresh interpreter per page
+(as a reader would paste them into one session), each compiled with the
+page's own line numbers so a failure points at the line of the page.
+
+Two HTML comments, invisible on the rendered page, steer this:
+
+- ``<!-- not run: REASON -->`` on the line before a block: the block needs
+  what CI lacks (a GPU, several hosts); the reason is required.
+- ``<!-- runs on: jax -->`` anywhere on a page: its blocks run only under
+  the listed Keras backends (comma-separated); other backends skip the page.
+"""
+
+import dataclasses
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOT_RUN = re.compile(r"^<!--\s*not run:\s*(\S.*?)\s*-->$")
+RUNS_ON = re.compile(r"<!--\s*runs on:\s*([a-z, ]+?)\s*-->")
+FENCE = re.compile(r"^```(\S*)")
+
+
+@dataclasses.dataclass
+class Block:
+    line: int  # 1-based line of the block's first code line
+    language: str
+    code: str
+    not_run: str | None  # the reason, for a block CI cannot run
+
+
+def pages():
+    """The README and every page under docs/, as paths relative to ROOT."""
+    found = sorted((ROOT / "docs").rglob("*.md"))
+    return ["README.md"] + [str(p.relative_to(ROOT)) for p in found]
+
+
+def blocks(page):
+    """Every fenced block of ``page`` (a path relative to ROOT)."""
+    lines = (ROOT / page).read_text().split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        opened = FENCE.match(lines[i])
+        if not opened:
+            i += 1
+            continue
+        start = i + 1
+        end = start
+        while end < len(lines) and not lines[end].startswith("```"):
+            end += 1
+        if end == len(lines):
+            raise ValueError(f"{page}:{i + 1}: code block is never closed")
+        before = lines[i - 1].strip() if i else ""
+        reason = NOT_RUN.match(before)
+        code = "\n".join(lines[start:end]) + "\n"
+        lang = opened.group(1)
+        out.append(Block(start + 1, lang, code, reason and reason.group(1)))
+        i = end + 1
+    return out
+
+
+def backends(page):
+    """The Keras backends a page's blocks run on (None: all)."""
+    found = RUNS_ON.search((ROOT / page).read_text())
+    return None if not found else {b.strip() for b in found.group(1).split(",")}
+
+
+def script(page):
+    """A Python program running the page's runnable python blocks in order."""
+    runnable = [b for b in blocks(page) if b.language == "python" and not b.not_run]
+    parts = [
+        "import sys",
+        "__scope = {'__name__': '__main__'}",
+    ]
+    for block in runnable:
+        padded = "\n" * (block.line - 1) + block.code
+        parts.append(
+            f"exec(compile({padded!r}, {str(ROOT / page)!r}, 'exec'), __scope)"
+        )
+    return "\n".join(parts) + "\n", len(runnable)
