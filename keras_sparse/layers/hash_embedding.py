@@ -377,7 +377,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             fresh[use] = as_xp(new)
             _first_fresh_only(rows, fresh, xp)
         else:
-            rows[use] = as_xp(self.table.lookup(selected))
+            # Read-only calls (inference, a frozen layer) leave `stats` alone:
+            # compiled inference reads the serving map, which cannot count.
+            rows[use] = as_xp(self.table.lookup(selected, count=False))
         return rows, fresh
 
     def _map_on_host(self, keys, use, insert, out=None):
@@ -628,7 +630,32 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         return ops.cast(out, self.compute_dtype)
 
     def stats(self):
-        """The hash table's counters, size, capacity and load factor."""
+        """The hash table's counters, size, capacity and load factor.
+
+        The counters count the keys of training calls (``training=True`` on
+        a trainable layer: each ``fit`` / ``train_on_batch`` step, the batch
+        a `keras_sparse.data.prefetch` training stage maps for its step, an
+        eager call), once per call and the same on JAX, TensorFlow and
+        PyTorch; padding (weight 0) is not counted:
+
+        - ``hits`` / ``misses``: key occurrences that found / did not find
+          a row, as if the step's keys arrived one at a time in batch
+          order: a repeat of a key the same step gave a row is a hit. So
+          without evictions the counts do not depend on how the samples
+          are shuffled or batched.
+        - ``inserts``: keys given a row; ``evictions``: keys that lost
+          theirs to make room.
+        - ``rejected_admissions``: occurrences of keys not yet seen
+          ``admit_after`` times (the admitting occurrence is an insert).
+        - ``overflows``: keys left without a row because both of their
+          buckets were taken by keys of the same step.
+
+        Calls that only read the table count nothing: inference
+        (``evaluate``, ``predict``, ``training=False``, exports), a frozen
+        layer, and the calls Keras makes to infer shapes while it builds
+        or traces a model. Key-sharded, the counters are those of this
+        process's shards. They are not saved.
+        """
         return self.table.stats()
 
     def get_config(self):

@@ -19,6 +19,10 @@ module of its own:
                    exports included: a binary search of the layer's serving
                    map inside the program, no host callback
                    (`keras_sparse.layers.serving_map`).
+``"shape_only"``   Keras' shape inference calling the layer eagerly on
+                   placeholder values (PyTorch's ``compute_output_spec``,
+                   e.g. when ``fit`` builds the model): no key has a row and
+                   the table is not called, so it neither changes nor counts.
 
 Rows computed ahead of the step by `keras_sparse.data.prefetch` bypass this
 module (the layer's ``_call_prepared``). Every placement returns flat
@@ -50,6 +54,8 @@ def placement_of(layer, keys, insert=True, inference=False):
     """The name of the placement that maps ``keys`` for ``layer`` now."""
     symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
     if not symbolic:
+        if _in_shape_inference():
+            return "shape_only"
         if layer.table.device == "gpu" and not string_kind(keys):
             return "gpu"
         return "host"
@@ -64,6 +70,19 @@ def placement_of(layer, keys, insert=True, inference=False):
         f"Layer '{layer.name}': compiled steps are not supported on the "
         f"{backend} backend; use jit_compile=False."
     )
+
+
+def _in_shape_inference():
+    """True inside Keras' ``compute_output_spec``, whose calls only infer
+    output shapes (PyTorch runs them on placeholder values when its "meta"
+    device cannot)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
+
+def _shape_only(layer, keys, use, insert):
+    return ops.full_like(use, -1, "int32"), ops.zeros_like(use), None
 
 
 def _host(layer, keys, use, insert):
@@ -131,6 +150,7 @@ _PLACEMENTS = {
     "key_sharded": _key_sharded_step,
     "tf_graph": _tf_graph,
     "serving_map": _serving_map,
+    "shape_only": _shape_only,
 }
 
 

@@ -125,7 +125,8 @@ def map_received(table, words, counts, insert):
         once[first] = True
         fresh[live] = new & once
     else:
-        got = to_host(table.lookup(repeated))[starts]
+        # A read (inference, a frozen layer): not counted in stats().
+        got = to_host(table.lookup(repeated, count=False))[starts]
     rows[live] = got
     return rows.reshape(shape), fresh.reshape(shape)
 

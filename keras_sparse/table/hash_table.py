@@ -169,14 +169,15 @@ class HashTable:
         )
 
     # ---------------------------------------------------------------- calls
-    def lookup(self, keys):
+    def lookup(self, keys, count=True):
         """Rows of ``keys`` (input's shape), -1 where absent.
 
-        Only the hit/miss counters change; scores are left alone.
+        Only the hit/miss counters change (none with ``count=False``, a
+        read that should not show in `stats`); scores are left alone.
         """
         k, shape = self._convert(keys, "keys")
         with self._lock:
-            return self._impl.lookup(k).reshape(shape)
+            return self._impl.lookup(k, count).reshape(shape)
 
     def lookup_or_insert(self, keys, step=None) -> InsertResult:
         """Rows of ``keys``, inserting admitted new keys; see the class docstring.
@@ -248,7 +249,15 @@ class HashTable:
 
     def stats(self) -> dict:
         """Counters (hits, misses, inserts, evictions, rejected_admissions,
-        overflows) plus size, capacity and load_factor."""
+        overflows) plus size, capacity and load_factor.
+
+        ``hits`` and ``misses`` count key occurrences (duplicates included),
+        as if each call's keys arrived one at a time in order: an occurrence
+        hits when its key already has a row, including a row given to it by
+        an earlier occurrence in the same call. ``rejected_admissions``
+        counts the occurrences of keys not yet admitted (``admit_after``),
+        the same way. ``inserts`` and ``evictions`` count keys.
+        """
         with self._lock:
             out = dict(self._impl.counters)
             out.update(

@@ -35,6 +35,7 @@ from .keys import bucket_pair
 from .keys import digest
 from .keys import hash_keys
 from .keys import seed_word
+from .keys import to_host
 
 _INT64_MAX = np.iinfo(np.int64).max
 # de Bruijn sequence for count-trailing-zeros of an isolated bit (NumPy has no ctz).
@@ -225,11 +226,12 @@ class ArrayTable:
         b1, b2, d = self.hash(k)
         return self.probe(k, b1, b2, d)
 
-    def lookup(self, k):
+    def lookup(self, k, count=True):
         rows = self.find(k)
-        found = self._to_host_int((rows >= 0).sum())
-        self.counters["hits"] += found
-        self.counters["misses"] += int(k.shape[0]) - found
+        if count:
+            found = self._to_host_int((rows >= 0).sum())
+            self.counters["hits"] += found
+            self.counters["misses"] += int(k.shape[0]) - found
         return rows
 
     def _find_for_insert(self, k):
@@ -314,12 +316,11 @@ class ArrayTable:
             src = miss_idx if first is None else miss_idx[first]  # positions in k
             if counts is None and (self.sketch is not None or self.eviction == "lfu"):
                 counts = xp.ones(int(src.shape[0]), dtype=xp.int64)  # else unused
-            admitted = None
+            admitted = est = None
             if self.sketch is not None:
                 uk = k[src]
                 est = self.sketch.add(uk, counts)
                 admitted = est >= self.admit_after
-                rejected = self._to_host_int(counts[~admitted].sum())
                 ak_src, acounts = src[admitted], counts[admitted]
             else:
                 ak_src, acounts = src, counts
@@ -348,17 +349,54 @@ class ArrayTable:
                 urows = urows_all
             rows[miss_idx] = urows if inv is None else urows[inv]
             placed_rows, ev_keys, ev_rows = placed[1], placed[2], placed[3]
+            misses, rejected = self._miss_counts(n_miss, first, counts, est, urows)
         else:
             score_prot = False
+            misses = 0
         if not score_prot:
             self._touch(hit_rows, step)
         c = self.counters
-        c["hits"] += n - n_miss
-        c["misses"] += n_miss
+        c["hits"] += n - misses
+        c["misses"] += misses
         c["rejected_admissions"] += rejected
         c["inserts"] += int(placed_rows.shape[0])
         c["evictions"] += int(ev_keys.shape[0])
         return InsertResult(rows, placed_rows, ev_keys, ev_rows), miss_idx
+
+    def _miss_counts(self, n_miss, first, counts, est, urows):
+        """``(misses, rejected_admissions)`` of a call's absent keys, counted
+        as if its keys arrived one at a time in batch order.
+
+        A sighting misses while its key has no row: the sightings up to and
+        including the one that reaches ``admit_after`` (the sketch held
+        ``est - counts`` before this call), or all of them when the key got
+        no row; the later duplicates find the row the call gave the key and
+        hit. Counted per sighting, a batch's counts do not depend on how its
+        keys are grouped into calls, so shuffled or differently batched data
+        gives the same counts (without evictions).
+
+        ``first``: None when the absent keys are distinct (``counts`` then
+        all ones or None); ``urows``: each distinct absent key's row, -1 for
+        none.
+        """
+        xp = self.xp
+        if first is None:  # each absent key seen once: each sighting misses
+            if est is None:
+                return n_miss, 0
+            return n_miss, self._to_host_int((est < self.admit_after).sum())
+        if est is None:  # admit_after == 1: the first sighting admits
+            upto = xp.ones_like(counts)
+            admitted = counts.shape[0]
+        else:
+            before = est - counts
+            upto = xp.minimum(counts, xp.maximum(self.admit_after - before, 1))
+            admitted = (est >= self.admit_after).sum()
+        misses = xp.where(urows >= 0, upto, counts).sum()
+        # The sightings before the admitting one are rejected; an unadmitted
+        # key has upto == counts: all of its sightings.
+        rejected = upto.sum() - admitted
+        pair = to_host(xp.stack([xp.asarray(misses), xp.asarray(rejected)]))
+        return int(pair[0]), int(pair[1])
 
     def erase(self, k) -> int:
         xp, S = self.xp, self.bucket_size

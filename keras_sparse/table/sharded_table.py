@@ -255,13 +255,14 @@ class ShardedHashTable:
         rows = to_host(rows).astype(np.int64)
         return np.where(rows >= 0, rows + d * self.shard_rows, -1)
 
-    def lookup(self, keys):
+    def lookup(self, keys, count=True):
         k, shape, parts = self._split(keys)
         out = np.full(k.shape, -1, np.int64)
         with self._lock:
             for d, at in parts.items():
                 with self.on_device(d):
-                    out[at] = self._global(d, self._shards[d].lookup(k[at]))
+                    found = self._shards[d].lookup(k[at], count)
+                    out[at] = self._global(d, found)
         return out.reshape(shape)
 
     def lookup_or_insert_fresh(self, keys, step=None):
@@ -302,11 +303,8 @@ class ShardedHashTable:
         table = self._shards[d]
         if table.eviction is not None or not len(keys):
             return
-        with table._lock:
-            counters = dict(table._impl.counters)
-            with self.on_device(d):
-                found = to_host(table.lookup(keys))
-            table._impl.counters.update(counters)  # a probe, not a lookup
+        with self.on_device(d):
+            found = to_host(table.lookup(keys, count=False))  # a probe
         missing = np.unique(keys[found < 0])
         free = table.capacity - table.size
         if len(missing) > free and table.admit_after == 1:
