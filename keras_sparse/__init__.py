@@ -19,6 +19,8 @@ Public API:
     share_gpu_memory: split each GPU between the backend and CuPy hash tables.
     data: the async prefetching input stage (`data.prefetch`) and synthetic
         Criteo-like data for examples and benchmarks.
+    set_progress: whether long exports, imports, saves and loads of big hash
+        tables show a progress bar (by default: in interactive sessions).
 
 Layering: ``table <- ops <- layers <- sharding <- data``; a module never
 imports one of a higher layer, and no two modules import each other
@@ -37,6 +39,7 @@ from keras_sparse.layers import EmbeddingCollection
 from keras_sparse.layers import TableConfig
 from keras_sparse.layers import ragged_to_padded
 from keras_sparse.layers import refresh_serving_maps
+from keras_sparse.progress import set_progress
 from keras_sparse.sharding import distribution
 from keras_sparse.sharding import plan
 from keras_sparse.table import HashTable
@@ -60,6 +63,7 @@ __all__ = [
     "plan",
     "ragged_to_padded",
     "refresh_serving_maps",
+    "set_progress",
     "share_gpu_memory",
     "sharding",
     "TableConfig",

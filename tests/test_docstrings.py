@@ -14,6 +14,7 @@ MODULES = [
     "keras_sparse.layers.serving_map",
     "keras_sparse.layers.tf_string_hash",
     "keras_sparse.optimizers.adam",
+    "keras_sparse.progress",
     "keras_sparse.sharding.exchange_buckets",
     "keras_sparse.table.hash_table",
     "keras_sparse.table.sharded_table",

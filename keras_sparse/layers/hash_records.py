@@ -5,7 +5,7 @@ stores records plus what fixes a key's candidate buckets (capacity, bucket
 size, seed), the LRU clock and the admission counts, so a load into the same
 geometry puts every key back at its row, and a load elsewhere re-places keys
 hottest first and says what it dropped. Every argument is validated before
-anything changes.
+anything changes. Big tables show a progress bar (`keras_sparse.progress`).
 """
 
 import warnings
@@ -17,23 +17,38 @@ from keras import ops
 from keras_sparse.layers.host_keys import host_array
 from keras_sparse.layers.host_keys import host_keys as _host_keys
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.progress import silent
+from keras_sparse.progress import tracker
 from keras_sparse.table import TableFullError
+
+# Seconds each stage took at 10M keys on a CPU host: the bar's pace (only
+# the ratios matter). The table's own import_ ("place") is one vectorized
+# step, so the bar waits at its start until it ends.
+_EXPORT_STAGES = {"table": 1, "variables": 2, "gather": 2}
+_SAVE_STAGES = {**_EXPORT_STAGES, "store": 2}
+_WRITE_STAGES = {"place": 25, "variables": 3, "write": 1, "assign": 0.5}
+_IMPORT_STAGES = {"check": 1.5, **_WRITE_STAGES}
+_LOAD_STAGES = {"checkpoint": 1, "rows": 15, **_WRITE_STAGES}
 
 
 class HashRecords:
     """Mixin of `DistributedHashEmbedding`: its records and checkpoints."""
 
     # ----------------------------------------------------------------- state
-    def _host_state(self):
+    def _host_state(self, progress=None):
         """NumPy copies of the table and slots keyed "table"/slot name.
 
         In a multi-process run only this process's shards of a sharded
         variable are filled (the rest are zeros): its table shards' keys
         live in those rows.
         """
-        state = {"table": _host_value(self.embeddings)}
-        state.update({k: _host_value(v) for k, v in self.slots.items()})
-        return state
+        variables = self._state_variables()
+        progress = progress or silent()
+        return {name: _host_value(variables[name]) for name in progress.each(variables)}
+
+    def _state_variables(self):
+        """The table and slot variables keyed "table"/slot name."""
+        return {"table": self.embeddings, **self.slots}
 
     def export(self, include_rows=False):
         """Live records as NumPy, in row order: dict(keys, values, <slot
@@ -46,10 +61,23 @@ class HashRecords:
         """
         if not self.built:
             self.build()
+        n = self.table.size
+        title = f"Layer '{self.name}': exporting {n:,} keys"
+        with tracker(n, title, _EXPORT_STAGES) as progress:
+            return self._records_out(include_rows, progress)
+
+    def _records_out(self, include_rows, progress):
+        """`export`'s records, its stages reported to ``progress``."""
+        progress.stage("table")
         keys, rows, scores = (_to_numpy(x) for x in self.table.export())
-        state = self._host_state()
-        out = {"keys": keys, "values": state.pop("table")[rows]}
-        out.update({name: value[rows] for name, value in state.items()})
+        progress.stage("variables")
+        state = self._host_state(progress)
+        progress.stage("gather")
+        out = {"keys": keys}
+        for name in progress.each(state):
+            out["values" if name == "table" else name] = _gathered(
+                state[name], rows, progress
+            )
         out["scores"] = scores
         if include_rows:
             out["rows"] = rows
@@ -74,9 +102,13 @@ class HashRecords:
         """
         if not self.built:
             self.build()
-        records = self._checked_records(keys, values, slots, scores, rows)
-        records = self._held_here(records)
-        stored = self._store_records(records)
+        n = _key_count(keys)
+        title = f"Layer '{self.name}': importing {n:,} keys"
+        with tracker(n, title, _IMPORT_STAGES) as progress:
+            progress.stage("check")
+            records = self._checked_records(keys, values, slots, scores, rows)
+            records = self._held_here(records)
+            stored = self._store_records(records, progress)
         dropped = len(records.keys) - stored
         if dropped:
             warnings.warn(
@@ -156,24 +188,30 @@ class HashRecords:
             )
         return checked
 
-    def _store_records(self, records):
+    def _store_records(self, records, progress):
         """Writes validated records into the table and the variables;
         returns how many keys were stored."""
+        progress.stage("place")
         if records.rows is not None:
             self._table_import(records.keys, records.rows, records.scores)
             target, source = records.rows, np.arange(len(records.keys))
         else:
             target, source = self._place_records(records.keys, records.scores)
-        state = self._host_state()
-        state["table"][target] = records.values[source]
-        for spec in self.sparse_optimizer.slot_specs():
-            given = records.slots.get(spec.name)
-            state[spec.name][target] = (
-                spec.initial_value if given is None else given[source]
-            )
-        self.embeddings.assign(state["table"])
-        for name, var in self.slots.items():
-            var.assign(state[name])
+        progress.stage("variables")
+        state = self._host_state(progress)
+        progress.stage("write")
+        given = {"table": records.values, **records.slots}
+        initial = {s.name: s.initial_value for s in self.sparse_optimizer.slot_specs()}
+        for name in progress.each(["table", *initial]):
+            # Chunks: target rows are distinct, so the order of writes is moot.
+            for part in progress.chunks(len(target)):
+                state[name][target[part]] = (
+                    initial[name] if name not in given else given[name][source[part]]
+                )
+        progress.stage("assign")
+        variables = self._state_variables()
+        for name in progress.each(variables):
+            variables[name].assign(state[name])
         return len(target)
 
     def _place_records(self, keys, scores):
@@ -231,8 +269,15 @@ class HashRecords:
                 "`import_` them into any layout), or save from a "
                 "single-process run."
             )
-        for name, value in self.export(include_rows=True).items():
-            store[f"record_{name}"] = value
+        if not self.built:
+            self.build()
+        n = self.table.size
+        title = f"Layer '{self.name}': saving {n:,} keys"
+        with tracker(n, title, _SAVE_STAGES) as progress:
+            records = self._records_out(True, progress)
+            progress.stage("store")
+            for name in progress.each(records):
+                store[f"record_{name}"] = records[name]
         for name, value in zip(_GEOMETRY_ENTRIES, self._geometry()):
             store[name] = np.int64(value)
         store["table_clock"] = np.int64(self._table_clock())
@@ -254,13 +299,19 @@ class HashRecords:
         """
         if not self.built:
             self.build()
-        saved = self._read_checkpoint(store)
-        records = saved.records
-        rows = self._rows_for_load(records, saved.geometry)
-        kept = rows >= 0
-        self.table.clear()
-        self._table_clock(saved.clock)
-        self._store_records(_subset(records, kept)._replace(rows=rows[kept]))
+        n = _saved_count(store)
+        title = f"Layer '{self.name}': loading {n:,} keys"
+        with tracker(n, title, _LOAD_STAGES) as progress:
+            progress.stage("checkpoint")
+            saved = self._read_checkpoint(store)
+            records = saved.records
+            progress.stage("rows")
+            rows = self._rows_for_load(records, saved.geometry, progress)
+            kept = rows >= 0
+            self.table.clear()
+            self._table_clock(saved.clock)
+            records = _subset(records, kept)._replace(rows=rows[kept])
+            self._store_records(records, progress)
         self.sparse_iterations.assign(saved.iterations)
         self.seed_generator.state.assign(saved.seed_state)
         self._load_admission(saved.admission)
@@ -349,7 +400,7 @@ class HashRecords:
             return int(records.scores.max())
         return 0
 
-    def _rows_for_load(self, records, geometry):
+    def _rows_for_load(self, records, geometry, progress):
         """Row per saved key in the cleared table, -1 for keys that find none:
         the saved rows where they fit, else hottest-first placement."""
         b1, b2 = (_to_numpy(b) for b in self.table.candidate_buckets(records.keys))
@@ -364,6 +415,7 @@ class HashRecords:
             _hottest_first(records.scores, len(records.keys)),
             self.table.num_buckets,
             self.table.bucket_size,
+            progress,
         )
 
     def _load_admission(self, admission):
@@ -395,6 +447,32 @@ def _host_value(variable):
     for shard in value.addressable_shards:
         out[shard.index] = np.asarray(shard.data)
     return out
+
+
+def _gathered(value, rows, progress):
+    """``value[rows]``, gathered in chunks (progress)."""
+    out = np.empty((len(rows),) + value.shape[1:], value.dtype)
+    for part in progress.chunks(len(rows)):
+        # Live rows are in range: "clip" skips the bounds checks, and the
+        # copy through a buffer that "raise" makes for ``out``.
+        np.take(value, rows[part], axis=0, out=out[part], mode="clip")
+    return out
+
+
+def _key_count(keys):
+    """How many keys ``keys`` holds, for the bar; 0 when unclear (the
+    checks then say what is wrong)."""
+    try:
+        return int(np.prod(np.shape(keys)))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _saved_count(store):
+    """The number of saved keys, read from the entry's shape (0 if none)."""
+    if "record_keys" not in set(store.keys()):
+        return 0
+    return int(np.shape(store["record_keys"])[0])
 
 
 _GEOMETRY_ENTRIES = ("table_capacity", "table_bucket_size", "table_seed")
@@ -444,7 +522,7 @@ def _hottest_first(scores, n):
     return np.argsort(-scores, kind="stable")
 
 
-def _greedy_rows(b1, b2, order, num_buckets, bucket_size):
+def _greedy_rows(b1, b2, order, num_buckets, bucket_size, progress):
     """Rows in an empty table for keys with candidate buckets ``b1``/``b2``,
     placed one at a time in ``order``: each takes the lowest free slot of
     its less loaded bucket (ties: the first), or -1 when both are full.
@@ -457,14 +535,16 @@ def _greedy_rows(b1, b2, order, num_buckets, bucket_size):
     rows = [-1] * len(order)
     b1, b2 = b1.tolist(), b2.tolist()
     free = num_buckets * bucket_size
-    for i in order.tolist():
-        if not free:
-            break
-        bucket = b2[i] if load[b2[i]] < load[b1[i]] else b1[i]
-        if load[bucket] < bucket_size:
-            rows[i] = bucket * bucket_size + load[bucket]
-            load[bucket] += 1
-            free -= 1
+    # In chunks of keys, in the same order: the same rows, with progress.
+    for part in progress.chunks(len(order)):
+        for i in order[part].tolist():
+            if not free:
+                break
+            bucket = b2[i] if load[b2[i]] < load[b1[i]] else b1[i]
+            if load[bucket] < bucket_size:
+                rows[i] = bucket * bucket_size + load[bucket]
+                load[bucket] += 1
+                free -= 1
     return np.asarray(rows, dtype=np.int64)
 
 
