@@ -1,0 +1,586 @@
+"""Sparse training step vs TorchRec's fused FBGEMM kernels, side by side.
+
+Workload (the same ids for every variant): ``--tables`` (26) tables of
+``rows x 16``, one bag of 4 ids per table per sample drawn from a bounded
+Zipf(1.1) law (`keras_sparse.data.zipf_ids`), sum pooling, the 26 pooled
+vectors concatenated into a Dense(64)-ReLU-Dense(1) head, binary
+cross-entropy on logits, batch 4096, Adagrad with learning rate 0.01 on the
+embeddings and on the head. Reported: the median ms per training step over
+``--steps`` steps after ``--warmup`` untimed ones (all rounds pooled), the
+child's peak RSS, and the ratio to TorchRec's median at the same table size.
+
+Variants (each run in its own process; this script with ``--variant NAME
+--rows R`` builds, warms up, times and prints one JSON line):
+
+* ``torchrec``: ``torchrec.modules.fused_embedding_modules.
+  FusedEmbeddingBagCollection(optimizer_type=torch.optim.Adagrad)``, the
+  unsharded CPU module, whose tables live in one FBGEMM
+  ``SplitTableBatchedEmbeddingBagsCodegen`` (``EmbeddingLocation.HOST``,
+  ``ComputeDevice.CPU``) updated by ``EXACT_ADAGRAD`` inside the backward
+  pass; the head is a ``torch.nn.Sequential`` with ``torch.optim.Adagrad``.
+  Runs under the Python of a separate venv, ``--torchrec-python``; skipped
+  (with a message) when that is not given or cannot ``import torchrec``.
+* ``ks-{jax,tf,torch}-layers``: 26 ``ks.AllToAllDenseEmbedding(rows, 16,
+  combiner="sum", optimizer=ks.optimizers.Adagrad(...))``.
+* ``ks-{jax,tf,torch}-collection``: one ``ks.EmbeddingCollection`` of the 26
+  tables (``ks.TableConfig(rows, 16, combiner="sum")``), same optimizer.
+* ``keras-dense``: 26 ``keras.layers.Embedding`` + a sum over the bag, JAX;
+  the model's Keras Adagrad updates every row of every table every step.
+
+Keras variants train with ``model.fit`` over a fixed in-memory dataset
+(``verbose=0, shuffle=False``); a step's time is the gap between consecutive
+``on_train_batch_end`` callbacks (the loss is read there, so asynchronous
+dispatch cannot hide work), i.e. it includes fit's own per-batch work
+(slicing the arrays, host-to-device). TorchRec's step builds a
+``KeyedJaggedTensor`` from per-batch tensors made before timing, then runs
+``zero_grad``, forward, ``backward`` (the fused update), ``step`` and
+``loss.item()``; it is timed the same way, between consecutive step ends.
+
+Semantic differences to keep in mind (every variant uses learning rate
+0.01 and an initial accumulator of 0; epsilons stay at each library's
+default since their placement differs anyway):
+
+* Keras ``keras.optimizers.Adagrad`` (head of every Keras variant, and the
+  tables of ``keras-dense``): ``acc += g**2; w -= lr * g / sqrt(acc + eps)``,
+  defaults ``initial_accumulator_value=0.1, epsilon=1e-7`` (eps inside the
+  square root). Set here to ``initial_accumulator_value=0.0``.
+* ``ks.optimizers.Adagrad`` (keras_sparse/optimizers/adagrad.py): the same
+  update and the same defaults as Keras' (``learning_rate=0.001``,
+  ``initial_accumulator_value=0.1``, ``epsilon=1e-7`` inside the root),
+  applied only to the rows a batch touches, duplicate ids' gradients summed
+  first. Set here to ``learning_rate=0.01, initial_accumulator_value=0.0``.
+* FBGEMM ``EXACT_ADAGRAD`` (fbgemm_gpu/codegen/genscript/optimizers.py,
+  ``adagrad()``; ``SplitTableBatchedEmbeddingBagsCodegen`` defaults
+  ``learning_rate=0.01, eps=1e-8``): ``acc += g**2; w -= lr * g /
+  (sqrt(acc) + eps)`` (eps outside the root), per element, on the touched
+  rows (gradients of duplicate ids summed first); the ``momentum1`` state is
+  allocated with ``torch.zeros``, so the initial accumulator is 0 and has no
+  setting. ``eps=1e-8`` is passed explicitly. On the CPU this per-element
+  update is a plain serial loop over the touched rows of each table
+  (embedding_backward_split_cpu_template.cpp); only ``EXACT_ROWWISE_ADAGRAD``
+  (``torchrec.optim.RowWiseAdagrad``, one accumulator per row) takes
+  FBGEMM's vectorized, multi-threaded CPU kernel.
+* ``torch.optim.Adagrad`` (TorchRec's head): ``initial_accumulator_value=0,
+  eps=1e-10`` outside the root, ``lr=0.01``.
+* Initial values: Keras ``Embedding`` and ks tables draw ``uniform``
+  (U(-0.05, 0.05)); TorchRec's tables are set to the same range
+  (``weight_init_min/max``; its default is +-sqrt(1/rows)). The heads keep
+  each library's default initializers (Keras glorot-uniform, torch
+  kaiming-uniform).
+* Keras' step includes ``fit``'s input pipeline; TorchRec's loop is a bare
+  Python loop over prepared tensors. Keras on JAX/TF compiles the step (XLA
+  / tf.function); Keras on torch and TorchRec run eagerly.
+* In the ks variants the model's Keras Adagrad updates only the head: on
+  JAX the tables and slots reach it marked ``overwrite_with_gradient`` (it
+  assigns the updated tables the backward pass returns, with no slot of its
+  own), elsewhere they are not trainable. ``keras-dense``'s Keras Adagrad
+  updates the tables too (a dense ``[rows, 16]`` gradient and accumulator
+  per table, every step).
+
+Run it alone on the machine; compare ratios from one run only. torch's
+OpenMP pool (TorchRec, Keras on torch) suffers most when other work shares
+the cores: on the 2-core machine, with a test suite running beside it, a
+batch-512 step took ~1.3 s (TorchRec; nearly all in FBGEMM's CPU backward)
+and ~390 ms (ks-torch-layers) with torch's default 2 threads, 8-13 ms and
+~80 ms with ``--torch-threads 1``.
+
+    python benchmarks/peers.py --torchrec-python /work/torchrec-venv/bin/python
+    python benchmarks/peers.py --variants torchrec,ks-jax-layers --rows 1e5
+    python benchmarks/peers.py --quick      # CI smoke run: ks variants, tiny
+
+Writes a markdown table to stdout and a bar chart to
+``<--out>/peers.png`` (default benchmarks/out).
+
+TorchRec on the CPU, a separate venv (Python 3.11, x86_64; seen working
+2026-11-25). torchrec declares the CUDA ``fbgemm-gpu`` package, so install
+it with ``--no-deps`` next to the CPU build ``fbgemm-gpu-cpu``, whose
+release must match torch's (each FBGEMM release is built against one torch
+release: 1.4 <-> 2.9 and 1.5 <-> 2.10 in FBGEMM's compatibility table, and
+by that cadence 1.8 <-> 2.13, the pair used here; the wheels themselves
+declare no torch requirement); ``torch==2.13.0`` here is the
+CPU wheel (``2.13.0+cpu``) that pip finds on this machine's disk, where a
+bare ``torch`` requirement would pull a multi-GB CUDA build::
+
+    python3 -m venv /work/torchrec-venv
+    /work/torchrec-venv/bin/pip install torch==2.13.0
+    /work/torchrec-venv/bin/pip install fbgemm-gpu-cpu==1.8.0 numpy
+    /work/torchrec-venv/bin/pip install --no-deps torchrec==1.8.0
+    /work/torchrec-venv/bin/pip install tensordict torchmetrics==1.0.3 \\
+        tqdm pyre-extensions
+
+(Elsewhere, take torch 2.13.0's CPU build from PyTorch's CPU wheel index.)
+pip then warns that "torchrec 1.8.0 requires fbgemm-gpu, which is not
+installed"; ``fbgemm-gpu-cpu`` provides the same ``fbgemm_gpu`` module.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT_DIR = ROOT / "benchmarks" / "out"
+DIM = 16
+BAG = 4
+ZIPF_A = 1.1
+HIDDEN = 64
+LR = 0.01
+FBGEMM_EPS = 1e-8
+VARIANTS = {  # name: (KERAS_BACKEND, model form); torchrec: no Keras
+    "torchrec": (None, "torchrec"),
+    "ks-jax-layers": ("jax", "layers"),
+    "ks-jax-collection": ("jax", "collection"),
+    "ks-tf-layers": ("tensorflow", "layers"),
+    "ks-tf-collection": ("tensorflow", "collection"),
+    "ks-torch-layers": ("torch", "layers"),
+    "ks-torch-collection": ("torch", "collection"),
+    "keras-dense": ("jax", "dense"),
+}
+KS_VARIANTS = [n for n in VARIANTS if n.startswith("ks-")]
+HEADERS = ("variant", "rows", "median ms/step", "vs torchrec", "peak RSS MiB")
+
+
+def markdown(headers, rows):
+    out = ["| " + " | ".join(headers) + " |", "|---|" + "---:|" * (len(headers) - 1)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ------------------------------------------------------------ child process
+def load_data(path):
+    """``(ids [n, tables, BAG] int32, labels [n, 1] float32)``."""
+    import numpy as np
+
+    with np.load(path) as data:
+        return data["ids"], data["labels"]
+
+
+def keras_child(args):
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    import keras
+
+    import keras_sparse as ks
+
+    backend, form = VARIANTS[args.variant]
+    assert keras.backend.backend() == backend, keras.backend.backend()
+    extra = {}
+    if backend == "torch":
+        import torch
+
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        extra["torch_threads"] = torch.get_num_threads()
+    ids, labels = load_data(args.data)
+    tables = ids.shape[1]
+    names = [f"f{t}" for t in range(tables)]
+    keras.utils.set_random_seed(0)
+
+    def sparse_optimizer():
+        return ks.optimizers.Adagrad(LR, initial_accumulator_value=0.0)
+
+    inputs = {n: keras.Input((BAG,), dtype="int32", name=n) for n in names}
+    if form == "dense":
+        parts = [
+            keras.ops.sum(keras.layers.Embedding(args.rows, DIM, name=f"t_{n}")(x), 1)
+            for n, x in inputs.items()
+        ]
+    elif form == "layers":
+        parts = [
+            ks.AllToAllDenseEmbedding(
+                args.rows, DIM, combiner="sum", optimizer=sparse_optimizer(),
+                name=f"t_{n}",
+            )(x)
+            for n, x in inputs.items()
+        ]  # fmt: skip
+    else:
+        collection = ks.EmbeddingCollection(
+            {n: ks.TableConfig(args.rows, DIM, combiner="sum") for n in names},
+            optimizer=sparse_optimizer(),
+            name="tables",
+        )
+        outputs = collection(inputs)
+        parts = [outputs[n] for n in names]
+    hidden = keras.layers.Dense(HIDDEN, activation="relu")(
+        keras.layers.Concatenate()(parts)
+    )
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.0),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+
+    class StepTimer(keras.callbacks.Callback):
+        """Gaps between consecutive batch ends; reading the loss syncs."""
+
+        def on_train_begin(self, logs=None):
+            self.last, self.gaps = None, []
+
+        def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])
+            now = time.perf_counter()
+            if self.last is not None:
+                self.gaps.append(now - self.last)
+            self.last = now
+
+    def feed(lo, hi):
+        return {n: np.ascontiguousarray(ids[lo:hi, t]) for t, n in enumerate(names)}
+
+    fit = dict(batch_size=args.batch, shuffle=False, verbose=0)
+    split = args.warmup * args.batch
+    t0 = time.perf_counter()
+    model.fit(feed(0, split), labels[:split], **fit)  # compiles
+    warm_s = time.perf_counter() - t0
+    timer = StepTimer()
+    model.fit(feed(split, len(ids)), labels[split:], callbacks=[timer], **fit)
+    versions = {"keras": keras.__version__, backend: _version(backend), **extra}
+    return timer.gaps, warm_s, versions
+
+
+def _version(module):
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - informational only
+        return "?"
+
+
+def torchrec_child(args):
+    import torch
+    from torchrec import EmbeddingBagConfig
+    from torchrec import KeyedJaggedTensor
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    ids, labels = load_data(args.data)
+    tables = ids.shape[1]
+    names = [f"f{t}" for t in range(tables)]
+    torch.manual_seed(0)
+    configs = [
+        EmbeddingBagConfig(
+            name=f"t_{n}", embedding_dim=DIM, num_embeddings=args.rows,
+            feature_names=[n], weight_init_min=-0.05, weight_init_max=0.05,
+        )
+        for n in names
+    ]  # fmt: skip
+    ebc = FusedEmbeddingBagCollection(
+        tables=configs,
+        optimizer_type=torch.optim.Adagrad,  # -> fused EXACT_ADAGRAD
+        optimizer_kwargs={"lr": LR, "eps": FBGEMM_EPS},
+        device=torch.device("cpu"),
+    )
+    head = torch.nn.Sequential(
+        torch.nn.Linear(tables * DIM, HIDDEN), torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, 1),
+    )  # fmt: skip
+    head_optimizer = torch.optim.Adagrad(head.parameters(), lr=LR)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    batches = []  # KJT layout: feature-major values, one length per bag
+    lengths = torch.full((tables * args.batch,), BAG, dtype=torch.int64)
+    for lo in range(0, len(ids), args.batch):
+        block = ids[lo : lo + args.batch].transpose(1, 0, 2).reshape(-1)
+        values = torch.from_numpy(block.astype("int64"))
+        batches.append((values, torch.from_numpy(labels[lo : lo + args.batch])))
+
+    def step(values, y):
+        kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths)
+        head_optimizer.zero_grad()
+        loss = loss_fn(head(ebc(kjt).values()), y)
+        loss.backward()  # the tables are updated in here
+        head_optimizer.step()
+        return loss.item()
+
+    hot = int(ids[0, 0, 0])  # a row the first step updates
+    before = ebc.embedding_bags[configs[0].name].weight[hot].clone()
+    t0 = time.perf_counter()
+    for values, y in batches[: args.warmup]:
+        step(values, y)
+    warm_s = time.perf_counter() - t0
+    gaps, last = [], None
+    for values, y in batches[args.warmup :]:
+        step(values, y)
+        now = time.perf_counter()
+        if last is not None:
+            gaps.append(now - last)
+        last = now
+    after = ebc.embedding_bags[configs[0].name].weight[hot]
+    # The fused update happened (a no-op step would time nothing).
+    assert not torch.equal(before, after), "the fused Adagrad left the tables"
+    import fbgemm_gpu
+
+    versions = {
+        "torch": torch.__version__,
+        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
+        "torchrec": _version("torchrec"),
+        "torch_threads": torch.get_num_threads(),
+    }
+    return gaps, warm_s, versions
+
+
+def child(args):
+    run = torchrec_child if args.variant == "torchrec" else keras_child
+    gaps, warm_s, versions = run(args)
+    ms = [1e3 * g for g in gaps]
+    result = dict(
+        variant=args.variant, rows=args.rows, ms=ms, median_ms=statistics.median(ms),
+        warm_s=warm_s, peak_rss_mib=peak_rss_mib(), versions=versions,
+    )  # fmt: skip
+    print(json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------- parent process
+def make_data(rows, tables, n, seed, path):
+    """Zipf ids per table (`keras_sparse.data.zipf_ids`, loaded from its file
+    so that the parent imports no backend) and 0/1 labels, to ``path``."""
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location(
+        "_ks_synthetic", ROOT / "keras_sparse" / "data" / "synthetic.py"
+    )
+    synthetic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic)
+    rng = np.random.default_rng(seed)
+    ids = np.stack(
+        [synthetic.zipf_ids(n * BAG, rows, ZIPF_A, rng).reshape(n, BAG)
+         for _ in range(tables)],
+        axis=1,
+    ).astype(np.int32)  # fmt: skip
+    labels = (rng.random((n, 1)) < 0.25).astype(np.float32)
+    np.savez(path, ids=ids, labels=labels)
+
+
+def torchrec_python(args):
+    """The interpreter for the torchrec variant, or None (and why)."""
+    if not args.torchrec_python:
+        return None, "no --torchrec-python given (see this script's docstring)"
+    probe = "import torch, fbgemm_gpu, torchrec; print(torch.__version__)"
+    try:
+        done = subprocess.run(
+            [args.torchrec_python, "-c", probe], capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{args.torchrec_python}: {e}"
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return None, f"`import torchrec` fails in {args.torchrec_python}: {tail}"
+    return args.torchrec_python, None
+
+
+def run_child(args, variant, rows, data):
+    backend = VARIANTS[variant][0]
+    python = args.torchrec_python if backend is None else sys.executable
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    if backend:
+        env["KERAS_BACKEND"] = backend
+    cmd = [python, __file__, "--variant", variant, "--rows", str(rows),
+           "--data", str(data), "--batch", str(args.batch),
+           "--warmup", str(args.warmup)]  # fmt: skip
+    if args.torch_threads and backend in (None, "torch"):
+        env["OMP_NUM_THREADS"] = str(args.torch_threads)
+        cmd += ["--torch-threads", str(args.torch_threads)]
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+            timeout=args.timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, f"no result within --timeout {args.timeout:.0f} s"
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line), None
+            except json.JSONDecodeError:
+                break
+    tail = (done.stderr + done.stdout).strip()[-3000:]
+    return None, f"exited with rc {done.returncode}:\n{tail}"
+
+
+def plot(summary, variants, rows_list, title, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2.5 + 0.7 * len(variants) * len(rows_list), 4.5))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        heights = [summary.get((variant, r), {}).get("median", 0) for r in rows_list]
+        xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(rows_list))]
+        bars = ax.bar(xs, heights, width, label=variant)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks(range(len(rows_list)), [f"{r:.0e} rows" for r in rows_list])
+    lowest = min(s["median"] for s in summary.values())
+    ax.set(
+        yscale="log", ylabel="median ms / training step (log)", ylim=(lowest / 3, None)
+    )
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def parent(args):
+    variants = list(args.variants)
+    skipped = {}
+    if "torchrec" in variants:
+        args.torchrec_python, why = torchrec_python(args)
+        if why:
+            variants.remove("torchrec")
+            skipped["torchrec"] = why
+            print(f"torchrec: skipped: {why}")
+    print(
+        f"cores={os.cpu_count()} python={platform.python_version()} "
+        f"tables={args.tables} dim={DIM} bag={BAG} zipf={ZIPF_A} "
+        f"batch={args.batch} warm-up={args.warmup} steps={args.steps} "
+        f"rounds={args.rounds} rows={','.join(f'{r:.0e}' for r in args.rows)} "
+        f"torch-threads={args.torch_threads or 'default'} "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
+    if not variants:
+        print("nothing to run")
+        return 1
+    t0 = time.perf_counter()
+    results = {(v, r): [] for v in variants for r in args.rows}
+    errors, versions = {}, {}
+    n = (args.warmup + args.steps + 1) * args.batch  # steps + 1 ends: steps gaps
+    with tempfile.TemporaryDirectory() as tmp:
+        data = {}
+        for i, rows in enumerate(args.rows):
+            data[rows] = pathlib.Path(tmp) / f"rows{rows}.npz"
+            make_data(rows, args.tables, n, i, data[rows])
+        for k in range(args.rounds):
+            for rows in args.rows:
+                for variant in variants:
+                    if (variant, rows) in errors:
+                        continue
+                    out, error = run_child(args, variant, rows, data[rows])
+                    if error:
+                        errors[variant, rows] = error
+                        print(f"  round {k + 1} {variant} rows={rows:.0e}: {error}")
+                        continue
+                    results[variant, rows].append(out)
+                    versions[variant] = out["versions"]
+                    print(
+                        f"  round {k + 1} {variant} rows={rows:.0e}: median "
+                        f"{out['median_ms']:.1f} ms/step, peak RSS "
+                        f"{out['peak_rss_mib']:.0f} MiB, warm-up "
+                        f"{out['warm_s']:.1f} s",
+                        flush=True,
+                    )
+    summary = {}
+    for key, outs in results.items():
+        if outs and key not in errors:
+            summary[key] = dict(
+                median=statistics.median(ms for o in outs for ms in o["ms"]),
+                rounds=[o["median_ms"] for o in outs],
+                rss=max(o["peak_rss_mib"] for o in outs),
+            )
+    table = []
+    for rows in args.rows:
+        base = summary.get(("torchrec", rows))
+        for variant in [*variants, *skipped]:
+            s = summary.get((variant, rows))
+            if s is None:
+                why = "skipped" if variant in skipped else "failed"
+                table.append((variant, f"{rows:.0e}", why, "-", "-"))
+                continue
+            ratio = f"{s['median'] / base['median']:.2f}x" if base else "-"
+            table.append(
+                (variant, f"{rows:.0e}", f"{s['median']:.1f}", ratio, f"{s['rss']:.0f}")
+            )
+    print()
+    print(markdown(HEADERS, table))
+    print("\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower)")
+    print("\nmedian ms/step per round: " + "; ".join(
+        f"{v} {r:.0e}: " + ", ".join(f"{m:.1f}" for m in s["rounds"])
+        for (v, r), s in summary.items()
+    ))  # fmt: skip
+    print("versions: " + "; ".join(
+        f"{v}: " + ", ".join(f"{k} {x}" for k, x in d.items())
+        for v, d in versions.items()
+    ))  # fmt: skip
+    if summary:
+        path = args.out / "peers.png"
+        title = (
+            f"training step: {args.tables} tables x {DIM}, bag {BAG}, "
+            f"sum, Adagrad, batch {args.batch}"
+        )
+        plot(summary, variants, args.rows, title, path)
+        print(f"\nplot: {path}")
+    print(f"wall {time.perf_counter() - t0:.0f} s")
+    if errors:
+        print("\nFAILED: " + ", ".join(f"{v} rows={r:.0e}" for v, r in errors))
+        return 1
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--variants", help="comma-separated, from: " + ", ".join(VARIANTS)
+    )
+    parser.add_argument("--rows", help="comma-separated table sizes (default 1e5,1e6)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 20)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default 3)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3)")
+    parser.add_argument("--batch", type=int, help="samples per step (default 4096)")
+    parser.add_argument("--tables", type=int, default=26)
+    parser.add_argument("--timeout", type=float, help="s per child (default 1800)")
+    parser.add_argument("--torchrec-python", help="Python of a venv with torchrec")
+    parser.add_argument(
+        "--torch-threads", type=int,
+        help="torch intra-op threads for torchrec and ks-torch-* (default: "
+        "torch's, one per core)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=pathlib.Path, default=OUT_DIR,
+                        help="folder for peers.png")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="CI smoke run: rows 1e4, batch 512, 3 steps, 1 round, ks variants",
+    )  # fmt: skip
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = dict(rows="1e4", batch=512, steps=3, warmup=1, rounds=1, timeout=300)
+    full = dict(rows="1e5,1e6", batch=4096, steps=20, warmup=3, rounds=3,
+                timeout=1800)  # fmt: skip
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.rows = [int(float(r)) for r in str(args.rows).split(",")]
+    if args.variant:
+        args.rows = args.rows[0]
+        child(args)
+        return 0
+    default = KS_VARIANTS if args.quick else list(VARIANTS)
+    args.variants = args.variants.split(",") if args.variants else default
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(
+            f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}"
+        )
+    if min(args.steps, args.warmup, args.rounds, args.batch) < 1:
+        parser.error("--steps, --warmup, --rounds and --batch must be >= 1")
+    return parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

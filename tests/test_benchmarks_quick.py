@@ -1,0 +1,42 @@
+"""Smoke run of benchmarks/peers.py --quick, so that the script cannot rot.
+
+Runs the current Keras backend's keras-sparse variants (layers and
+collection), each in its own process as the benchmark does, at tiny sizes,
+and checks the markdown table it prints.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import keras
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHORT = {"jax": "jax", "tensorflow": "tf", "torch": "torch"}
+
+
+def test_peers_quick_prints_positive_step_times(tmp_path):
+    short = SHORT[keras.backend.backend()]
+    variants = [f"ks-{short}-layers", f"ks-{short}-collection"]
+    done = subprocess.run(
+        # One torch thread: the other test lane shares the two cores, and
+        # torch's OpenMP pool slows down many times when oversubscribed.
+        [sys.executable, "benchmarks/peers.py", "--quick", "--torch-threads",
+         "1", "--variants", ",".join(variants), "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in variants:
+            rows[cells[0]] = cells
+    assert sorted(rows) == sorted(variants), out[-4000:]
+    for name, (_, table_rows, ms, ratio, rss) in rows.items():
+        assert table_rows == "1e+04", (name, table_rows)
+        assert re.fullmatch(r"\d+\.\d", ms) and float(ms) > 0, (name, ms)
+        assert ratio == "-", (name, ratio)  # no torchrec in the quick run
+        assert float(rss) > 0, (name, rss)
+    assert (tmp_path / "peers.png").stat().st_size > 0
