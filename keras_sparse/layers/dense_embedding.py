@@ -70,11 +70,16 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     Args:
         input_dim: vocabulary size; ids must be in ``[0, input_dim)``.
         output_dim: embedding width.
-        embeddings_initializer, embeddings_regularizer, embeddings_constraint,
-        mask_zero, weights, lora_rank, lora_alpha, quantization_config: as in
-            `keras.layers.Embedding`. With a sparse optimizer the regularizer
-            applies to the rows looked up in the batch and the constraint to
-            the rows just updated; LoRA and quantization need
+        embeddings_initializer: as in `keras.layers.Embedding`.
+        embeddings_regularizer: as in `keras.layers.Embedding`; with a
+            sparse optimizer it applies to the rows looked up in the batch.
+        embeddings_constraint: as in `keras.layers.Embedding`; with a
+            sparse optimizer it applies to the rows just updated.
+        mask_zero: as in `keras.layers.Embedding`.
+        weights: as in `keras.layers.Embedding` (initial table values).
+        lora_rank: as in `keras.layers.Embedding`; needs ``optimizer=None``.
+        lora_alpha: as in `keras.layers.Embedding`.
+        quantization_config: as in `keras.layers.Embedding`; needs
             ``optimizer=None``.
         combiner: None returns one vector per id (like Keras); "sum", "mean"
             or "sqrtn" pool the last axis (the bag) of the ids, so
