@@ -223,18 +223,7 @@ def keras_child(args):
         loss=keras.losses.BinaryCrossentropy(from_logits=True),
     )
 
-    class StepTimer(keras.callbacks.Callback):
-        """Gaps between consecutive batch ends; reading the loss syncs."""
-
-        def on_train_begin(self, logs=None):
-            self.last, self.gaps = None, []
-
-        def on_train_batch_end(self, batch, logs=None):
-            float(logs["loss"])
-            now = time.perf_counter()
-            if self.last is not None:
-                self.gaps.append(now - self.last)
-            self.last = now
+    from step_timer import StepTimer
 
     def feed(lo, hi):
         return {n: np.ascontiguousarray(ids[lo:hi, t]) for t, n in enumerate(names)}

@@ -18,7 +18,6 @@ sample), Concatenate -> Dense(64) -> Dense(1), Adagrad; the keras row uses
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -32,16 +31,7 @@ from keras_sparse.ops import row_updates  # noqa: E402
 TABLES, ROWS, DIM = 26, 100_000, 16
 
 
-class StepTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.last, self.gaps = None, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        float(logs["loss"])  # the loss is read: dispatch cannot hide work
-        now = time.perf_counter()
-        if self.last is not None:
-            self.gaps.append(now - self.last)
-        self.last = now
+from step_timer import StepTimer  # noqa: E402
 
 
 def build(kind):

@@ -30,7 +30,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -91,16 +90,7 @@ def build_model(layers):
     return model
 
 
-class StepTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.last, self.gaps = None, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        float(logs["loss"])
-        now = time.perf_counter()
-        if self.last is not None:
-            self.gaps.append(now - self.last)
-        self.last = now
+from step_timer import StepTimer  # noqa: E402
 
 
 def data(steps, batch, rng):

@@ -27,7 +27,6 @@ import gc
 import os
 import pathlib
 import statistics
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -59,19 +58,7 @@ def build_model(rows, sparse):
     return model
 
 
-class StepTimer(keras.callbacks.Callback):
-    """Gaps between consecutive batch ends; reading the loss forces sync."""
-
-    def on_train_begin(self, logs=None):
-        self.last = None
-        self.gaps = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        float(logs["loss"])
-        now = time.perf_counter()
-        if self.last is not None:
-            self.gaps.append(now - self.last)
-        self.last = now
+from step_timer import StepTimer  # noqa: E402
 
 
 def step_seconds(rows, sparse, steps, repeats, batch_size, rng):

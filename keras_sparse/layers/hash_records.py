@@ -14,9 +14,17 @@ from typing import NamedTuple
 import numpy as np
 from keras import ops
 
-from keras_sparse.layers.host_keys import host_array
-from keras_sparse.layers.host_keys import host_keys as _host_keys
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.record_checks import Records
+from keras_sparse.layers.record_checks import check_distinct
+from keras_sparse.layers.record_checks import checked_ints
+from keras_sparse.layers.record_checks import checked_keys
+from keras_sparse.layers.record_checks import checked_numbers
+from keras_sparse.layers.record_checks import subset
+from keras_sparse.layers.record_placement import greedy_rows
+from keras_sparse.layers.record_placement import hottest_first
+from keras_sparse.layers.record_placement import import_drop_reason
+from keras_sparse.layers.record_placement import load_drop_message
 from keras_sparse.progress import silent
 from keras_sparse.progress import tracker
 from keras_sparse.table import TableFullError
@@ -114,7 +122,7 @@ class HashRecords:
             warnings.warn(
                 f"Layer '{self.name}': import_ stored {stored} of "
                 f"{len(records.keys)} keys. "
-                f"{_import_drop_reason(self, len(records.keys), stored)}",
+                f"{import_drop_reason(self, len(records.keys), stored)}",
                 stacklevel=2,
             )
         return stored
@@ -128,10 +136,10 @@ class HashRecords:
         from keras_sparse.table.sharded_table import owner_of
 
         mine = np.isin(owner_of(records.keys, self.table.num_shards), local)
-        return _subset(records, mine)
+        return subset(records, mine)
 
     def _checked_records(self, keys, values, slots, scores, rows, saved=False):
-        """Validated `_Records`; raises naming the layer and the argument.
+        """Validated `Records`; raises naming the layer and the argument.
 
         ``saved``: the arrays come from a checkpoint, so errors name its
         entries and non-finite numbers are restored as they were saved.
@@ -140,9 +148,9 @@ class HashRecords:
         def label(name):
             return f"record_{name}" if saved else name
 
-        keys = _checked_keys(self.name, label("keys"), keys)
+        keys = checked_keys(self.name, label("keys"), keys)
         n = len(keys)
-        values = _checked_numbers(
+        values = checked_numbers(
             self.name,
             label("values"),
             values,
@@ -152,12 +160,12 @@ class HashRecords:
         )
         slots = self._checked_slots(slots, n, saved)
         if scores is not None:
-            scores = _checked_ints(self.name, label("scores"), scores, n, 0)
+            scores = checked_ints(self.name, label("scores"), scores, n, 0)
         if rows is not None:
             capacity = self.table.capacity
-            rows = _checked_ints(self.name, label("rows"), rows, n, 0, capacity)
-            _check_distinct(self.name, label("rows"), rows)
-        return _Records(keys, values, slots, scores, rows)
+            rows = checked_ints(self.name, label("rows"), rows, n, 0, capacity)
+            check_distinct(self.name, label("rows"), rows)
+        return Records(keys, values, slots, scores, rows)
 
     def _checked_slots(self, slots, n, saved):
         """``{slot name: array}`` validated against the layer's optimizer."""
@@ -178,7 +186,7 @@ class HashRecords:
             )
         checked = {}
         for name, value in slots.items():
-            checked[name] = _checked_numbers(
+            checked[name] = checked_numbers(
                 self.name,
                 f"record_{name}" if saved else f"slots['{name}']",
                 value,
@@ -218,7 +226,7 @@ class HashRecords:
         """Inserts keys hottest first through the table's own placement;
         ``(rows, indices into keys)`` of the keys that got a row."""
         # At most `capacity` keys: the table refuses larger batches.
-        order = _hottest_first(scores, len(keys))[: self.table.capacity]
+        order = hottest_first(scores, len(keys))[: self.table.capacity]
         res = self._table_import(
             keys[order], None, None if scores is None else scores[order]
         )
@@ -310,14 +318,14 @@ class HashRecords:
             kept = rows >= 0
             self.table.clear()
             self._table_clock(saved.clock)
-            records = _subset(records, kept)._replace(rows=rows[kept])
+            records = subset(records, kept)._replace(rows=rows[kept])
             self._store_records(records, progress)
         self.sparse_iterations.assign(saved.iterations)
         self.seed_generator.state.assign(saved.seed_state)
         self._load_admission(saved.admission)
         if not kept.all():
             warnings.warn(
-                _load_drop_message(self, saved.geometry, len(rows), int(kept.sum())),
+                load_drop_message(self, saved.geometry, len(rows), int(kept.sum())),
                 stacklevel=2,
             )
 
@@ -344,7 +352,7 @@ class HashRecords:
             ("sparse_iterations", self.sparse_iterations, "(a scalar)"),
             ("seed_state", self.seed_generator.state, "(the seed generator's)"),
         ):
-            scalars[name] = _checked_numbers(
+            scalars[name] = checked_numbers(
                 self.name, name, store[name][...], variable.shape, meaning, False
             )
         admission = None
@@ -409,10 +417,10 @@ class HashRecords:
             bucket = records.rows // self.table.bucket_size
             if bool(((bucket == b1) | (bucket == b2)).all()):
                 return records.rows
-        return _greedy_rows(
+        return greedy_rows(
             b1,
             b2,
-            _hottest_first(records.scores, len(records.keys)),
+            hottest_first(records.scores, len(records.keys)),
             self.table.num_buckets,
             self.table.bucket_size,
             progress,
@@ -478,172 +486,12 @@ def _saved_count(store):
 _GEOMETRY_ENTRIES = ("table_capacity", "table_bucket_size", "table_seed")
 
 
-class _Records(NamedTuple):
-    """Validated host arrays of `import_` or a checkpoint, one entry per key."""
-
-    keys: np.ndarray  # int64 [n]
-    values: np.ndarray  # [n, output_dim]
-    slots: dict  # slot name -> [n, width]; slots left out start fresh
-    scores: object  # int64 [n], or None (a fresh key's score)
-    rows: object  # int64 [n], or None (placed by the table)
-
-
 class _Checkpoint(NamedTuple):
     """A layer's saved state, checked before the layer changes."""
 
-    records: _Records
+    records: Records
     geometry: object  # (capacity, bucket_size, seed) of the saving table, or None
     clock: int
     iterations: np.ndarray
     seed_state: np.ndarray
     admission: object  # (counts, seed) or None
-
-
-def _subset(records, mask):
-    """``records`` restricted to the keys where ``mask`` is True."""
-
-    def pick(a):
-        return None if a is None else a[mask]
-
-    return _Records(
-        records.keys[mask],
-        records.values[mask],
-        {name: value[mask] for name, value in records.slots.items()},
-        pick(records.scores),
-        pick(records.rows),
-    )
-
-
-def _hottest_first(scores, n):
-    """Indices by descending score (ties keep their order); ``arange(n)``
-    without scores."""
-    if scores is None:
-        return np.arange(n)
-    return np.argsort(-scores, kind="stable")
-
-
-def _greedy_rows(b1, b2, order, num_buckets, bucket_size, progress):
-    """Rows in an empty table for keys with candidate buckets ``b1``/``b2``,
-    placed one at a time in ``order``: each takes the lowest free slot of
-    its less loaded bucket (ties: the first), or -1 when both are full.
-
-    One key at a time, so a key is dropped only when both its buckets hold
-    keys placed before it (hotter ones); rounds of vectorized claims could
-    let a colder key take the last slot a hotter one needed.
-    """
-    load = [0] * num_buckets
-    rows = [-1] * len(order)
-    b1, b2 = b1.tolist(), b2.tolist()
-    free = num_buckets * bucket_size
-    # In chunks of keys, in the same order: the same rows, with progress.
-    for part in progress.chunks(len(order)):
-        for i in order[part].tolist():
-            if not free:
-                break
-            bucket = b2[i] if load[b2[i]] < load[b1[i]] else b1[i]
-            if load[bucket] < bucket_size:
-                rows[i] = bucket * bucket_size + load[bucket]
-                load[bucket] += 1
-                free -= 1
-    return np.asarray(rows, dtype=np.int64)
-
-
-def _checked_keys(layer, arg, keys):
-    """Flat int64 keys, distinct; TypeError/ValueError naming the layer."""
-    try:
-        keys = _host_keys(keys)
-    except TypeError as e:
-        raise TypeError(f"Layer '{layer}': `{arg}`: {e}.") from None
-    _check_distinct(layer, arg, keys)
-    return keys
-
-
-def _check_distinct(layer, arg, values):
-    unique, counts = np.unique(values, return_counts=True)
-    if len(unique) != len(values):
-        repeated = unique[counts > 1]
-        raise ValueError(
-            f"Layer '{layer}': `{arg}` must be distinct; {len(repeated)} "
-            f"values occur more than once (e.g. {repeated[:3].tolist()})."
-        )
-
-
-def _checked_numbers(layer, arg, value, shape, meaning, finite):
-    """``value`` as a real NumPy array of exactly ``shape``; with ``finite``
-    NaN and inf are refused (they would poison the rows they reach)."""
-    a = host_array(value)
-    if a.dtype.kind not in "fiu" or a.shape != tuple(shape):
-        raise ValueError(
-            f"Layer '{layer}': `{arg}` must be a real array of shape "
-            f"{tuple(shape)} {meaning}; received dtype {a.dtype}, shape "
-            f"{a.shape}."
-        )
-    if finite and a.dtype.kind == "f" and not np.isfinite(a).all():
-        raise ValueError(
-            f"Layer '{layer}': `{arg}` has {int((~np.isfinite(a)).sum())} "
-            "non-finite entries (NaN or inf); import_ stores finite numbers "
-            "only."
-        )
-    return a
-
-
-def _checked_ints(layer, arg, value, n, low, high=None):
-    """``value`` as int64 ``[n]`` within ``[low, high)``."""
-    a = host_array(value)
-    if a.dtype.kind not in "iu" or a.shape != (n,):
-        raise ValueError(
-            f"Layer '{layer}': `{arg}` must be an integer array of shape "
-            f"({n},), one per key; received dtype {a.dtype}, shape {a.shape}."
-        )
-    a = a.astype(np.int64)
-    if n and (a.min() < low or (high is not None and a.max() >= high)):
-        valid = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(
-            f"Layer '{layer}': `{arg}` must be {valid}; received values from "
-            f"{a.min()} to {a.max()}."
-        )
-    return a
-
-
-def _import_drop_reason(layer, n, stored):
-    """Why `import_` through the table's placement stored fewer than ``n``."""
-    capacity = layer.table.capacity
-    offered = min(n, capacity)
-    parts = []
-    if n > offered:
-        parts.append(
-            f"{n - offered} keys, the coldest by score (the last ones without "
-            f"scores), exceed the capacity of {capacity} and were not offered."
-        )
-    if offered > stored:
-        parts.append(
-            f"{offered - stored} keys found both of their candidate buckets "
-            f"({layer.table.bucket_size} rows each) full of keys imported "
-            "by this call (hotter ones first)."
-        )
-    return " ".join(parts)
-
-
-def _load_drop_message(layer, saved_geometry, n, kept):
-    """The warning of a load that could not place every saved key."""
-    table = layer.table
-    parts = [
-        f"Layer '{layer.name}': {n - kept} of {n} saved keys were dropped on "
-        f"load; {kept} were restored with their vectors, optimizer slots and "
-        "scores."
-    ]
-    if n > table.capacity:
-        parts.append(f"The table's capacity ({table.capacity}) is below {n}.")
-    parts.append(
-        f"A key can only use its two candidate buckets ({table.bucket_size} "
-        "rows each); keys were placed hottest first (by score) and each "
-        "dropped key found both of its buckets full of hotter keys."
-    )
-    if saved_geometry is None:
-        parts.append("The checkpoint has no saved rows, so keys were re-placed.")
-    else:
-        parts.append(
-            f"Saved from a table with (capacity, bucket_size, seed)="
-            f"{saved_geometry}; this one has {layer._geometry()}."
-        )
-    return " ".join(parts)
