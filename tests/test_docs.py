@@ -80,3 +80,17 @@ def test_page_code_runs(page, tmp_path):
     assert ran.returncode == 0, (
         f"{page} failed on {backend}:\n{ran.stdout[-3000:]}\n{ran.stderr[-6000:]}"
     )
+
+
+@pytest.mark.backend_independent
+def test_readme_links_reach_files_of_the_repository():
+    """The README is read on its own (outside the site): every relative link
+    must name a file or folder of the repository."""
+    import re
+
+    text = (docs_blocks.ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)", text)
+    local = [t for t in targets if "://" not in t]
+    assert "docs/getting-started.md" in local
+    missing = [t for t in local if not (docs_blocks.ROOT / t).exists()]
+    assert not missing, missing
