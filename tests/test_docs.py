@@ -8,6 +8,7 @@ tests/docs_blocks.py for the two comments that steer it).
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -86,8 +87,6 @@ def test_page_code_runs(page, tmp_path):
 def test_readme_links_reach_files_of_the_repository():
     """The README is read on its own (outside the site): every relative link
     must name a file or folder of the repository."""
-    import re
-
     text = (docs_blocks.ROOT / "README.md").read_text()
     targets = re.findall(r"\]\(([^)#\s]+)", text)
     local = [t for t in targets if "://" not in t]
