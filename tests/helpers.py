@@ -46,8 +46,9 @@ def fit_losses(model, x, y, batch_size):
 
 def docs_code(page, heading):
     """The first ```python block after ``heading`` in ``page`` (from the root)."""
-    import pathlib
+    from tests import docs_blocks
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / page).read_text()
-    section = text[text.index(heading) :]
-    return section.split("```python")[1].split("```")[0]
+    lines = (docs_blocks.ROOT / page).read_text().split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith(heading)) + 1
+    blocks = docs_blocks.blocks(page)
+    return next(b.code for b in blocks if b.language == "python" and b.line > at)

@@ -177,7 +177,8 @@ def test_compiled_inference_refreshes_without_a_bar(capsys):
     layer = _layer("served")
     layer.import_(**_records(n=100))
     capsys.readouterr()
-    assert serving_map.refresh_layers(layer) == ["served"]  # predict's refresh
+    # predict's refresh
+    assert serving_map.refresh_all(layer, show_progress=False) == ["served"]
     assert capsys.readouterr().out == ""
 
 

@@ -38,7 +38,7 @@ _installed = False
 def _refreshing(original):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
-        serving_map.refresh_layers(self)
+        serving_map.refresh_all(self, show_progress=False)
         return original(self, *args, **kwargs)
 
     wrapper._ks_refreshes = True

@@ -151,6 +151,11 @@ def is_current(layer):
     )
 
 
+# Seconds each stage of `refresh` took at 10M keys on a CPU host (the
+# bar's pace; only the ratios matter).
+_REFRESH_STAGES = {"table": 0.2, "sort": 7, "assign": 0.3}
+
+
 def refresh(layer, show_progress=False):
     """Rewrites the serving map from the table if the table changed since.
 
@@ -189,11 +194,6 @@ def refresh(layer, show_progress=False):
     return True
 
 
-# Seconds each stage of `refresh` took at 10M keys on a CPU host (the
-# bar's pace; only the ratios matter).
-_REFRESH_STAGES = {"table": 0.2, "sort": 7, "assign": 0.3}
-
-
 def hash_layers(model):
     """The hash layers of a model or layer (itself included)."""
     layers = [model]
@@ -203,7 +203,7 @@ def hash_layers(model):
     return [x for x in layers if getattr(x, "keras_sparse_kind", None) == "hash"]
 
 
-def refresh_all(model):
+def refresh_all(model, show_progress=True):
     """Brings the serving maps of ``model``'s hash layers up to date.
 
     ``predict``, ``evaluate``, ``*_on_batch`` and ``model.export`` do this
@@ -211,7 +211,8 @@ def refresh_all(model):
     ``jax.jit`` of ``model.stateless_call``, a ``tf.function`` of
     ``model(x)``) once training has changed the tables. Returns the names
     of the layers whose map was rewritten. A big table's map shows a
-    progress bar as it is built (`keras_sparse.set_progress`).
+    progress bar as it is built (`keras_sparse.set_progress`) unless
+    ``show_progress`` is False (as while ``fit`` or ``predict`` show theirs).
 
     Example:
 
@@ -223,12 +224,6 @@ def refresh_all(model):
     >>> ks.refresh_serving_maps(layer)  # unchanged since
     []
     """
-    return refresh_layers(model, show_progress=True)
-
-
-def refresh_layers(model, show_progress=False):
-    """`refresh_all`; bars only with ``show_progress`` (not while ``fit``,
-    ``predict`` or ``evaluate`` show their own)."""
     return [x.name for x in hash_layers(model) if refresh(x, show_progress)]
 
 
