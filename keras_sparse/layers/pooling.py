@@ -1,5 +1,6 @@
 """Combiners: pool the vectors of a bag into one (sum, mean, sqrtn)."""
 
+import keras
 from keras import ops
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
@@ -26,5 +27,27 @@ def pool(vectors, weights, combiner):
         denom = ops.sum(weights, axis=-1, keepdims=True)
     else:
         denom = ops.sqrt(ops.sum(ops.square(weights), axis=-1, keepdims=True))
+    return _divide(total, denom)
+
+
+def pool_unweighted(vectors, valid, combiner):
+    """`pool` with weight 1 where ``valid`` and 0 elsewhere.
+
+    Under XLA (JAX, TensorFlow) a select fuses into the sum, while a
+    multiply by a float mask materializes a ``[..., bag, dim]`` mask for
+    the backward pass; eager PyTorch runs a broadcast multiply ~4x faster
+    than a broadcast select.
+    """
+    if keras.backend.backend() == "torch":
+        return pool(vectors, valid, combiner)
+    mask = ops.expand_dims(valid, -1)
+    total = ops.sum(ops.where(mask, vectors, ops.zeros((), vectors.dtype)), axis=-2)
+    if combiner == "sum":
+        return total
+    count = ops.sum(ops.cast(valid, vectors.dtype), axis=-1, keepdims=True)
+    return _divide(total, count if combiner == "mean" else ops.sqrt(count))
+
+
+def _divide(total, denom):
     safe = ops.where(denom == 0, ops.ones_like(denom), denom)
     return ops.where(denom == 0, ops.zeros_like(total), total / safe)

@@ -219,7 +219,7 @@ def combine_rows(rows, weights, valid, combiner):
             rows = rows * ops.expand_dims(ops.cast(weights, rows.dtype), -1)
         return rows
     if weights is None:
-        weights = ops.ones(ops.shape(valid), rows.dtype)
+        return pooling.pool_unweighted(rows, valid, combiner)
     weights = ops.where(valid, ops.cast(weights, rows.dtype), 0)
     return pooling.pool(rows, weights, combiner)
 

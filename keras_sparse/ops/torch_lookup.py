@@ -10,8 +10,7 @@ of the global batch (see `keras_sparse.ops.torch_distributed`).
 import torch
 
 from keras_sparse.ops import torch_distributed
-from keras_sparse.ops.row_updates import compute_row_updates
-from keras_sparse.ops.row_updates import fill_unused_entries
+from keras_sparse.ops.torch_row_updates import apply_row_updates
 
 # Scales a layer's row-regularizer penalty (see `torch_distributed.replica_count`).
 replica_count = torch_distributed.replica_count
@@ -20,7 +19,11 @@ check_replicated_training = torch_distributed.check_replicated_training
 
 
 def gather_valid(table, ids, valid):
-    rows = table[torch.where(valid, ids, torch.zeros_like(ids))]
+    if ids.device.type == "cpu" and bool(valid.all()):
+        # The common case; a host check costs nothing on the CPU, and a
+        # broadcast select over the rows is one of the dearer eager ops.
+        return table.index_select(0, ids)
+    rows = table.index_select(0, torch.where(valid, ids, torch.zeros_like(ids)))
     return torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype))
 
 
@@ -42,25 +45,17 @@ class _SparseLookup(torch.autograd.Function):
                 ids, valid, grads = torch_distributed.gather_batch(
                     context["group"], ids, valid, upstream
                 )
-            unique_ids, is_real, new_values = compute_row_updates(
+            apply_row_updates(
+                context["table_var"],
+                state,
                 context["optimizer"],
-                lambda name, rows: state[name][rows],
-                tuple(n for n in state if n != "table"),
                 ids,
                 valid,
                 grads,
                 context["iterations"],
-                state["table"].shape[0],
                 context["constraint"],
                 context["segments"],
             )
-            old_first = {name: state[name][:1] for name in state}
-            indices, filled = fill_unused_entries(
-                unique_ids, is_real, new_values, old_first
-            )
-            indices = indices.long()
-            for name, tensor in state.items():
-                tensor.index_copy_(0, indices, filled[name].to(tensor.dtype))
         return torch.zeros_like(anchor), None, None, None
 
 
@@ -89,7 +84,7 @@ def lookup_with_sparse_update(
 ):
     """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
 
-    ``segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
+    ``segments``: see `keras_sparse.ops.torch_row_updates.apply_row_updates`.
     """
     group = torch_distributed.replica_group(table_var, reset)
     if group is not None:
@@ -100,6 +95,7 @@ def lookup_with_sparse_update(
         reset_rows(state, optimizer, ids.long(), reset[0].bool(), reset[1])
     context = {
         "state": state,
+        "table_var": table_var,
         "optimizer": optimizer,
         "iterations": iterations,
         "constraint": constraint,

@@ -1,0 +1,90 @@
+"""PyTorch: the sparse row update as a handful of native in-place operations.
+
+Eager PyTorch keeps no static shapes, so the update runs on exactly the
+distinct rows of the batch: no size buckets, no padding, no sort. The
+backend-neutral `keras_sparse.ops.row_updates` path (kept for JAX and
+TensorFlow under XLA) costs ~400 small eager operations per table and step
+on torch; this one costs about a dozen.
+
+Duplicates are found with a scratch array of one int32 per table row: each
+position writes its own index at its id's entry, then reads the entry back,
+so every position learns one representative position of its id (the last
+writer) in two O(n) passes instead of an O(n log n) sort. Entries are
+always written before they are read, so the scratch needs no clearing and
+its contents between steps do not matter.
+"""
+
+import torch
+
+
+def _scratch(table_var, num_entries, device):
+    # Kept on the variable (not a Keras variable itself: never saved).
+    buffer = getattr(table_var, "_keras_sparse_dedup_scratch", None)
+    if buffer is None or buffer.shape[0] != num_entries or buffer.device != device:
+        buffer = torch.empty(num_entries, dtype=torch.int32, device=device)
+        table_var._keras_sparse_dedup_scratch = buffer
+    return buffer
+
+
+def distinct_keys(keys, scratch):
+    """``(unique, inverse)`` of ``keys`` (``[n]`` ints in ``[0, len(scratch))``).
+
+    ``unique[inverse] == keys``; ``unique`` is in no particular order.
+    """
+    n = keys.shape[0]
+    position = torch.arange(n, dtype=torch.int32, device=keys.device)
+    scratch.index_put_((keys,), position)
+    representative = scratch.index_select(0, keys)
+    is_first = representative == position
+    numbering = torch.cumsum(is_first, 0, dtype=torch.int32) - 1
+    # index_add_ runs ~5x faster with int64 indices than with int32.
+    inverse = numbering.index_select(0, representative).long()
+    return keys.masked_select(is_first), inverse
+
+
+def apply_row_updates(
+    table_var, state, optimizer, ids, valid, grads, iterations, constraint, segments
+):
+    """Sums the gradients of duplicate ids and updates their rows in place.
+
+    Args:
+        table_var: the table's Keras variable (holds the dedup scratch).
+        state: ``{"table": tensor, slot name: tensor}``, updated in place.
+        optimizer: a `keras_sparse.optimizers.SparseOptimizer`.
+        ids, valid, grads: ``[n]`` int64 ids, ``[n]`` bool, ``[n, dim]``.
+        iterations: updates applied before this one.
+        constraint: optional callable applied to the new rows.
+        segments: optional ``[n]`` dense numbering of the distinct keys
+            (``ids`` where valid, else the shared key ``num_rows``) from the
+            input stage; replaces the dedup.
+    """
+    table = state["table"]
+    num_rows = table.shape[0]
+    if ids.shape[0] == 0:
+        return
+    keys = torch.where(valid, ids, torch.full_like(ids, num_rows))
+    if segments is None:
+        scratch = _scratch(table_var, num_rows + 1, keys.device)
+        unique, inverse = distinct_keys(keys, scratch)
+    else:
+        inverse = segments.long()
+        count = int(inverse.max()) + 1
+        unique = torch.full((count,), num_rows, dtype=keys.dtype, device=keys.device)
+        unique.scatter_(0, inverse, keys)
+    summed = torch.zeros(
+        (unique.shape[0], grads.shape[1]), dtype=grads.dtype, device=grads.device
+    )
+    summed.index_add_(0, inverse, grads.contiguous())
+    real = unique < num_rows
+    if not bool(real.all()):
+        unique, summed = unique[real], summed[real]
+        if unique.shape[0] == 0:
+            return
+    slots = {name: tensor.index_select(0, unique) for name, tensor in state.items()}
+    rows = slots.pop("table")
+    new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
+    if constraint is not None:
+        new_rows = constraint(new_rows)
+    for name, values in {"table": new_rows, **new_slots}.items():
+        tensor = state[name]
+        tensor.index_copy_(0, unique, values.to(tensor.dtype))
