@@ -19,6 +19,8 @@ Public API:
     share_gpu_memory: split each GPU between the backend and CuPy hash tables.
     data: the async prefetching input stage (`data.prefetch`) and synthetic
         Criteo-like data for examples and benchmarks.
+    tune_cpu_allocator: keep freed memory for reuse (glibc), so JAX steps
+        on a CPU stop page-faulting their temporary buffer in.
     set_progress: whether long exports, imports, saves and loads of big hash
         tables show a progress bar (by default: in interactive sessions).
 
@@ -32,6 +34,7 @@ through ``layers.placement``, which ``sharding`` fills in when imported.
 from keras_sparse import data
 from keras_sparse import optimizers
 from keras_sparse import sharding
+from keras_sparse.cpu_allocator import tune_cpu_allocator
 from keras_sparse.gpu_memory import share_gpu_memory
 from keras_sparse.layers import AllToAllDenseEmbedding
 from keras_sparse.layers import DistributedHashEmbedding
@@ -67,4 +70,5 @@ __all__ = [
     "share_gpu_memory",
     "sharding",
     "TableConfig",
+    "tune_cpu_allocator",
 ]

@@ -22,6 +22,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_fields
 from keras_sparse.layers.arguments import check_known
+from keras_sparse.layers.sparse_embedding_base import add_dedup_scratch
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
@@ -318,6 +319,7 @@ class EmbeddingCollection(keras.layers.Layer):
                     )
                     slot.overwrite_with_gradient = on_jax
                     slots[spec.name] = slot
+                add_dedup_scratch(self, table, stack.rows, f"{stack.name}_scratch")
             self._stack_tables[stack.name] = table
             self._stack_slots[stack.name] = slots
         if sparse:

@@ -13,6 +13,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
+from keras_sparse.ops import row_updates
 
 SHARDING_CHOICES = ("auto", "data", "table", "row", "column")
 #: Hash layers may also own their keys per device.
@@ -116,6 +117,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             )
             slot.overwrite_with_gradient = on_jax
             self.slots[spec.name] = slot
+        add_dedup_scratch(self, table, rows, "dedup_scratch")
         self.sparse_iterations = self.add_weight(
             shape=(),
             initializer="zeros",
@@ -212,6 +214,40 @@ class SparseEmbeddingBase(keras.layers.Layer):
         return config
 
 
+def add_dedup_scratch(layer, table, rows, name):
+    """Gives ``table`` a scratch for `row_updates.scratch_segments` (JAX).
+
+    On JAX without a distribution the sparse update finds duplicate ids with
+    one int32 per table row instead of a sort (see `lookup_flat_rows`). The
+    scratch is a non-trainable variable, so the trainer donates it and XLA
+    writes it in place; its contents never matter, so it is not saved.
+    Sharded tables keep the sort (their rows live on several devices).
+    """
+    if keras.backend.backend() != "jax" or keras.distribution.distribution():
+        return
+    if not hasattr(layer, "_dedup_scratch"):
+        layer._dedup_scratch = {}
+    layer._dedup_scratch[table.path] = layer.add_weight(
+        shape=(rows + 1,),
+        initializer="zeros",
+        dtype="int32",
+        trainable=False,
+        name=name,
+    )
+
+
+def _scratch_segments(layer, table, flat_ids, flat_valid):
+    """Segments of this call's ids by ``table``'s scratch, or None."""
+    scratch = getattr(layer, "_dedup_scratch", {}).get(table.path)
+    if scratch is None:
+        return None
+    written, segments = row_updates.scratch_segments(
+        scratch.value, flat_ids, flat_valid, int(table.shape[0])
+    )
+    scratch.assign(written)
+    return segments
+
+
 def combine_rows(rows, weights, valid, combiner):
     """Pools (``combiner`` set) or scales (weights given) looked-up rows."""
     if combiner is None:
@@ -284,6 +320,8 @@ def lookup_flat_rows(
         kwargs = {"apply_update": update} if on_jax else {}
         if reset is not None:
             kwargs["reset"] = reset
+        if segments is None and update and routing is None and on_jax:
+            segments = _scratch_segments(layer, table, flat_ids, flat_valid)
         if segments is not None and update and routing is None:
             kwargs["segments"] = ops.reshape(segments, (-1,))
         if exchange_slot is not None and routing is not None:

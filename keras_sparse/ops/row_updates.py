@@ -9,6 +9,7 @@ import keras
 from keras import ops
 
 from keras_sparse.ops import count_buckets
+from keras_sparse.ops import take_rows
 
 SEGMENT_ALGORITHMS = ("search", "argsort", "packed")
 # None: pick per backend, device and size (see `segment_algorithm`); one of
@@ -136,6 +137,29 @@ def segments_from_positions(ids, valid, num_rows, position):
         ops.full((n,), num_rows, "int32"), ops.expand_dims(position, -1), keys
     )
     return Segments(unique_ids, ops.max(position) + 1, position)
+
+
+def scratch_segments(scratch, ids, valid, num_rows):
+    """Segments by a scratch array instead of a sort: ``(scratch, position)``.
+
+    ``scratch``: ``[num_rows + 1]`` int32 whose contents do not matter; each
+    position writes its index at its key's entry (``ids`` where ``valid``,
+    else ``num_rows``) and reads the entry back, so the positions of one key
+    agree on one of them (the last writer). Numbering those
+    representatives in order gives ``position``, a dense numbering of the
+    distinct keys as `segments_from_positions` takes it. Two O(n) passes
+    where a sort costs O(n log n): ~3x faster on XLA:CPU for 16K ids.
+    Returns the written scratch, to be kept (its buffer updates in place
+    when the caller's state is donated) and passed to the next call.
+    """
+    n = ids.shape[0]
+    keys = ops.where(valid, ops.cast(ids, "int32"), num_rows)
+    position = ops.arange(n, dtype="int32")
+    scratch = ops.scatter_update(scratch, ops.expand_dims(keys, -1), position)
+    representative = take_rows(scratch, keys)
+    is_first = ops.equal(representative, position)
+    numbering = ops.cumsum(ops.cast(is_first, "int32")) - 1
+    return scratch, take_rows(numbering, representative)
 
 
 def dedup_and_sum(ids, valid, grads, num_rows):

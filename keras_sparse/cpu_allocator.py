@@ -1,0 +1,69 @@
+"""Keeps freed memory in the process for reuse, so CPU steps stop page-faulting.
+
+XLA on a CPU (the JAX backend without an accelerator) runs each compiled
+step in one temporary buffer allocated for that step and freed after it.
+glibc serves allocations above 32 MiB with fresh pages from the kernel
+(``mmap``), and every page faults on its first write: for the 26-table
+benchmark (`benchmarks/peers.py`) that is 14,000 faults and ~20 ms of a
+55 ms step, on every step. With freed memory kept for reuse the buffer
+comes back from the heap already mapped and the step takes ~35 ms.
+
+This changes the allocator of the whole process, so it is opt-in: call
+`tune_cpu_allocator` once, before training. The cost is that memory a
+program frees stays with the process (its resident size stays at its
+peak) instead of returning to the system. TensorFlow and PyTorch
+allocate per tensor and gain nothing measurable; PyTorch's threads
+slow down slightly on the single shared allocator arena, so use it for
+the JAX backend.
+"""
+
+import ctypes
+import sys
+
+# mallopt(3) parameters of glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+# Tuned: never mmap, never trim, one arena (threads' own arenas are mmap'ed
+# heaps that are unmapped when they shrink). Defaults: glibc's documented ones.
+_TUNED = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1, _M_ARENA_MAX: 1}
+_DEFAULTS = {_M_MMAP_MAX: 65536, _M_TRIM_THRESHOLD: 128 * 1024, _M_ARENA_MAX: 0}
+
+
+def _mallopt():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).mallopt  # the C library the process runs on
+    except (OSError, AttributeError):
+        return None
+
+
+def tune_cpu_allocator(enable=True):
+    """Makes the C allocator keep freed memory for reuse (Linux, glibc).
+
+    Recommended before training on the JAX backend on a CPU: XLA's
+    per-step temporary buffer is then reused instead of being faulted in
+    page by page on every step (see BENCHMARKS.md, "Side by side with
+    TorchRec"). The setting is process-wide; memory freed later stays
+    with the process. ``enable=False`` restores glibc's defaults.
+
+    Returns:
+        True if the allocator took the settings; False where there is no
+        glibc ``mallopt`` (macOS, Windows, musl), which changes nothing.
+
+    Example:
+
+    >>> import keras_sparse as ks
+    >>> ks.tune_cpu_allocator() in (True, False)
+    True
+    >>> ks.tune_cpu_allocator(False) in (True, False)
+    True
+    """
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    settings = _TUNED if enable else _DEFAULTS
+    # musl and other C libraries may export a mallopt that accepts nothing.
+    return all(mallopt(name, value) == 1 for name, value in settings.items())
