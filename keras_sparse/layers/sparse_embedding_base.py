@@ -13,7 +13,6 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
-from keras_sparse.ops import row_updates
 
 SHARDING_CHOICES = ("auto", "data", "table", "row", "column")
 #: Hash layers may also own their keys per device.
@@ -215,15 +214,25 @@ class SparseEmbeddingBase(keras.layers.Layer):
 
 
 def add_dedup_scratch(layer, table, rows, name):
-    """Gives ``table`` a scratch for `row_updates.scratch_segments` (JAX).
+    """Gives ``table`` a scratch for `row_updates.scratch_segments`.
 
-    On JAX without a distribution the sparse update finds duplicate ids with
+    On JAX and TensorFlow the sparse update then finds duplicate ids with
     one int32 per table row instead of a sort (see `lookup_flat_rows`). The
-    scratch is a non-trainable variable, so the trainer donates it and XLA
-    writes it in place; its contents never matter, so it is not saved.
-    Sharded tables keep the sort (their rows live on several devices).
+    scratch is a non-trainable variable written in place (JAX's trainer
+    donates it); its contents never matter, so it is not saved. Sharded
+    tables (a JAX distribution) and replicas (tf.distribute) keep the sort:
+    their ids and rows live on several devices. PyTorch keeps its own
+    scratch (`keras_sparse.ops.torch_row_updates`).
     """
-    if keras.backend.backend() != "jax" or keras.distribution.distribution():
+    backend = keras.backend.backend()
+    if backend == "jax" and keras.distribution.distribution():
+        return
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy():
+            return
+    elif backend != "jax":
         return
     if not hasattr(layer, "_dedup_scratch"):
         layer._dedup_scratch = {}
@@ -241,11 +250,9 @@ def _scratch_segments(layer, table, flat_ids, flat_valid):
     scratch = getattr(layer, "_dedup_scratch", {}).get(table.path)
     if scratch is None:
         return None
-    written, segments = row_updates.scratch_segments(
-        scratch.value, flat_ids, flat_valid, int(table.shape[0])
+    return backend_module().scratch_segments(
+        scratch, flat_ids, flat_valid, int(table.shape[0])
     )
-    scratch.assign(written)
-    return segments
 
 
 def combine_rows(rows, weights, valid, combiner):
@@ -320,7 +327,7 @@ def lookup_flat_rows(
         kwargs = {"apply_update": update} if on_jax else {}
         if reset is not None:
             kwargs["reset"] = reset
-        if segments is None and update and routing is None and on_jax:
+        if segments is None and update and routing is None:
             segments = _scratch_segments(layer, table, flat_ids, flat_valid)
         if segments is not None and update and routing is None:
             kwargs["segments"] = ops.reshape(segments, (-1,))

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from keras_sparse.ops import row_updates
 from keras_sparse.ops import take_rows
 from keras_sparse.ops.row_updates import compute_row_updates
 
@@ -116,6 +117,16 @@ def _reset_backward(residuals, grads):
 
 
 reset_rows.defvjp(_reset_forward, _reset_backward)
+
+
+def scratch_segments(scratch_var, ids, valid, num_rows):
+    """`row_updates.scratch_segments`, the written scratch assigned back
+    (the trainer donates the variable, so XLA writes it in place)."""
+    written, segments = row_updates.scratch_segments(
+        scratch_var.value, ids, valid, num_rows
+    )
+    scratch_var.assign(written)
+    return segments
 
 
 def lookup_with_sparse_update(

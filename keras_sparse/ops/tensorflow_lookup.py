@@ -13,6 +13,8 @@ import tensorflow as tf
 from keras_sparse.ops import tf_replicas
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
+from keras_sparse.ops.row_updates import number_representatives
+from keras_sparse.ops.row_updates import scratch_keys
 
 # Scales a layer's row-regularizer penalty (see `tf_replicas.replica_count`).
 replica_count = tf_replicas.replica_count
@@ -47,6 +49,18 @@ def reset_rows(state, optimizer, ids, mask, values):
         var = state[spec.name]
         fill = tf.fill(tf.stack([tf.shape(rows)[0], var.shape[1]]), spec.initial_value)
         var.scatter_update(tf.IndexedSlices(tf.cast(fill, var.dtype), rows))
+
+
+def scratch_segments(scratch_var, ids, valid, num_rows):
+    """`row_updates.scratch_segments` writing the scratch variable in place."""
+    variable = _tf_variable(scratch_var)
+    keys = scratch_keys(ids, valid, num_rows)
+    position = tf.range(tf.shape(keys)[0], dtype=tf.int32)
+    # Automatic control dependencies order the accesses of the variable.
+    variable.scatter_nd_update(keys[:, None], position)
+    representative = tf.gather(variable, keys)
+    variable.scatter_nd_update(keys[:, None], tf.zeros_like(position))
+    return number_representatives(representative)
 
 
 def lookup_with_sparse_update(
