@@ -46,8 +46,13 @@ def _data(seed=0):
 
 
 def _state(model):
-    """Every model and optimizer variable by path, as numpy."""
-    out = {v.path: np.array(v.value) for v in model.variables}
+    """Every model weight and optimizer variable by path, as numpy.
+
+    Weights, not ``model.variables``: a single-device table also carries a
+    dedup scratch (`keras_sparse.layers.dedup_scratch`), step state that is
+    all zeros between steps and that sharded tables do without.
+    """
+    out = {v.path: np.array(v.value) for v in model.weights}
     out.update({v.path: np.array(v.value) for v in model.optimizer.variables})
     return out
 

@@ -22,7 +22,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_fields
 from keras_sparse.layers.arguments import check_known
-from keras_sparse.layers.sparse_embedding_base import add_dedup_scratch
+from keras_sparse.layers.dedup_scratch import add_dedup_scratch
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
@@ -424,6 +424,10 @@ class EmbeddingCollection(keras.layers.Layer):
             sizes = [int(np.prod(s)) for s in shapes]
             flat_ids = ops.concatenate([ops.reshape(x, (-1,)) for x in ids], 0)
             flat_valid = ops.concatenate([ops.reshape(x, (-1,)) for x in valid], 0)
+        row_ranges = [
+            (stack.offsets[n], stack.offsets[n] + self.tables[n].input_dim)
+            for n in stack.tables
+        ]
         rows = lookup_flat_rows(
             self,
             self._stack_tables[stack.name],
@@ -433,6 +437,7 @@ class EmbeddingCollection(keras.layers.Layer):
             training,
             iterations,
             placement.provider().route_stack(stack),
+            blocks=(widths is not None, widths or sizes, row_ranges),
         )
         if widths is not None:
             rows = ops.reshape(rows, (-1, sum(widths), stack.dim))

@@ -11,6 +11,8 @@ from keras import ops
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
+from keras_sparse.layers.dedup_scratch import add_dedup_scratch
+from keras_sparse.layers.dedup_scratch import scratch_segments
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
 
@@ -213,48 +215,6 @@ class SparseEmbeddingBase(keras.layers.Layer):
         return config
 
 
-def add_dedup_scratch(layer, table, rows, name):
-    """Gives ``table`` a scratch for `row_updates.scratch_segments`.
-
-    On JAX and TensorFlow the sparse update then finds duplicate ids with
-    one int32 per table row instead of a sort (see `lookup_flat_rows`). The
-    scratch is a non-trainable variable written in place (JAX's trainer
-    donates it); its contents never matter, so it is not saved. Sharded
-    tables (a JAX distribution) and replicas (tf.distribute) keep the sort:
-    their ids and rows live on several devices. PyTorch keeps its own
-    scratch (`keras_sparse.ops.torch_row_updates`).
-    """
-    backend = keras.backend.backend()
-    if backend == "jax" and keras.distribution.distribution():
-        return
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        if tf.distribute.has_strategy():
-            return
-    elif backend != "jax":
-        return
-    if not hasattr(layer, "_dedup_scratch"):
-        layer._dedup_scratch = {}
-    layer._dedup_scratch[table.path] = layer.add_weight(
-        shape=(rows + 1,),
-        initializer="zeros",
-        dtype="int32",
-        trainable=False,
-        name=name,
-    )
-
-
-def _scratch_segments(layer, table, flat_ids, flat_valid):
-    """Segments of this call's ids by ``table``'s scratch, or None."""
-    scratch = getattr(layer, "_dedup_scratch", {}).get(table.path)
-    if scratch is None:
-        return None
-    return backend_module().scratch_segments(
-        scratch, flat_ids, flat_valid, int(table.shape[0])
-    )
-
-
 def combine_rows(rows, weights, valid, combiner):
     """Pools (``combiner`` set) or scales (weights given) looked-up rows."""
     if combiner is None:
@@ -306,6 +266,7 @@ def lookup_flat_rows(
     reset=None,
     segments=None,
     exchange_slot=None,
+    blocks=None,
 ):
     """``[N, dim]`` rows of ``table`` (a variable of ``layer``) at ``flat_ids``.
 
@@ -316,6 +277,9 @@ def lookup_flat_rows(
     `keras_sparse.sharding.keras_integration.route`) selects the sharded
     primitive. ``segments`` (see `SparseEmbeddingBase.lookup_rows`) reach
     the unsharded primitive only, ``exchange_slot`` the sharded one only.
+    ``blocks``: ``(batch_major, extents, row_ranges)`` of the tables of a
+    stacked ``table`` (PyTorch updates them one by one, see
+    `keras_sparse.ops.torch_row_updates.TableBlocks`).
     The layer supplies ``sparse_optimizer``, ``sparse_anchor``,
     ``embeddings_constraint``, ``embeddings_regularizer`` and ``add_loss``.
     """
@@ -328,11 +292,13 @@ def lookup_flat_rows(
         if reset is not None:
             kwargs["reset"] = reset
         if segments is None and update and routing is None:
-            segments = _scratch_segments(layer, table, flat_ids, flat_valid)
+            segments = scratch_segments(layer, table, flat_ids, flat_valid)
         if segments is not None and update and routing is None:
             kwargs["segments"] = ops.reshape(segments, (-1,))
         if exchange_slot is not None and routing is not None:
             kwargs["exchange_slot"] = exchange_slot
+        if blocks is not None and update and keras.backend.backend() == "torch":
+            kwargs["blocks"] = blocks
         lookup = backend_module().lookup_with_sparse_update
         if routing is not None:  # sharding hook
             lookup = placement.provider().routed_lookup(routing)

@@ -10,7 +10,9 @@ of the global batch (see `keras_sparse.ops.torch_distributed`).
 import torch
 
 from keras_sparse.ops import torch_distributed
+from keras_sparse.ops.torch_row_updates import TableBlocks
 from keras_sparse.ops.torch_row_updates import apply_row_updates
+from keras_sparse.ops.torch_row_updates import scratch_for
 
 # Scales a layer's row-regularizer penalty (see `torch_distributed.replica_count`).
 replica_count = torch_distributed.replica_count
@@ -45,17 +47,27 @@ class _SparseLookup(torch.autograd.Function):
                 ids, valid, grads = torch_distributed.gather_batch(
                     context["group"], ids, valid, upstream
                 )
-            apply_row_updates(
-                context["table_var"],
-                state,
-                context["optimizer"],
-                ids,
-                valid,
-                grads,
-                context["iterations"],
-                context["constraint"],
-                context["segments"],
+            table = state["table"]
+            scratch = scratch_for(
+                context["table_var"], table.shape[0] + 1, table.device
             )
+            blocks = context["blocks"]
+            if blocks is None or context["segments"] is not None:
+                parts = [(ids, valid, grads, 0, table.shape[0])]
+            else:
+                parts = blocks.split(ids, valid, grads)
+            for part_ids, part_valid, part_grads, first, end in parts:
+                apply_row_updates(
+                    {name: tensor[first:end] for name, tensor in state.items()},
+                    scratch,
+                    context["optimizer"],
+                    part_ids,
+                    part_valid,
+                    part_grads,
+                    context["iterations"],
+                    context["constraint"],
+                    context["segments"],
+                )
         return torch.zeros_like(anchor), None, None, None
 
 
@@ -81,14 +93,23 @@ def lookup_with_sparse_update(
     constraint=None,
     reset=None,
     segments=None,
+    blocks=None,
 ):
     """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
 
     ``segments``: see `keras_sparse.ops.torch_row_updates.apply_row_updates`.
+    ``blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
+    tables, updated table by table (see
+    `keras_sparse.ops.torch_row_updates.TableBlocks`).
     """
+    if blocks is not None:
+        blocks = TableBlocks(*blocks)
     group = torch_distributed.replica_group(table_var, reset)
     if group is not None:
         segments = None  # they number this process's ids, not the gathered ones
+        if blocks is not None and not blocks.batch_major:
+            blocks = None  # the gathered batch repeats the table order
+
     state = {"table": table_var.value}
     state.update({name: var.value for name, var in slot_vars.items()})
     if reset is not None:
@@ -100,6 +121,7 @@ def lookup_with_sparse_update(
         "iterations": iterations,
         "constraint": constraint,
         "segments": segments,
+        "blocks": blocks,
         "group": group,
     }
     return _SparseLookup.apply(anchor_var.value, ids.long(), valid.bool(), context)

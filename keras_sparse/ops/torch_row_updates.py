@@ -17,8 +17,11 @@ its contents between steps do not matter.
 import torch
 
 
-def _scratch(table_var, num_entries, device):
-    # Kept on the variable (not a Keras variable itself: never saved).
+def scratch_for(table_var, num_entries, device):
+    """``table_var``'s dedup scratch of ``num_entries`` int32 (made once).
+
+    Kept on the variable object, not as a Keras variable: never saved.
+    """
     buffer = getattr(table_var, "_keras_sparse_dedup_scratch", None)
     if buffer is None or buffer.shape[0] != num_entries or buffer.device != device:
         buffer = torch.empty(num_entries, dtype=torch.int32, device=device)
@@ -43,13 +46,14 @@ def distinct_keys(keys, scratch):
 
 
 def apply_row_updates(
-    table_var, state, optimizer, ids, valid, grads, iterations, constraint, segments
+    state, scratch, optimizer, ids, valid, grads, iterations, constraint, segments
 ):
     """Sums the gradients of duplicate ids and updates their rows in place.
 
     Args:
-        table_var: the table's Keras variable (holds the dedup scratch).
         state: ``{"table": tensor, slot name: tensor}``, updated in place.
+        scratch: int32 tensor of at least ``rows + 1`` entries (any values;
+            see `scratch_for`), unused with ``segments``.
         optimizer: a `keras_sparse.optimizers.SparseOptimizer`.
         ids, valid, grads: ``[n]`` int64 ids, ``[n]`` bool, ``[n, dim]``.
         iterations: updates applied before this one.
@@ -64,8 +68,7 @@ def apply_row_updates(
         return
     keys = torch.where(valid, ids, torch.full_like(ids, num_rows))
     if segments is None:
-        scratch = _scratch(table_var, num_rows + 1, keys.device)
-        unique, inverse = distinct_keys(keys, scratch)
+        unique, inverse = distinct_keys(keys, scratch[: num_rows + 1])
     else:
         inverse = segments.long()
         count = int(inverse.max()) + 1
@@ -88,3 +91,46 @@ def apply_row_updates(
     for name, values in {"table": new_rows, **new_slots}.items():
         tensor = state[name]
         tensor.index_copy_(0, unique, values.to(tensor.dtype))
+
+
+class TableBlocks:
+    """Where each table of a stacked variable sits: its positions and rows.
+
+    A collection's stack holds several tables in one variable; updating
+    them one by one keeps each table's rows (not the whole stack's) in the
+    CPU caches while its duplicates are summed and its rows rewritten (26
+    tables of 1e5 rows: 2.2x faster than one update over the stack).
+
+    Args:
+        batch_major: positions form ``[batch, sum(extents)]`` (each table
+            its ``extents[t]`` columns); else tables follow one another
+            (``extents[t]`` positions each).
+        extents: per table, its columns (batch-major) or positions.
+        row_ranges: per table, ``(first, end)`` rows of the stack.
+    """
+
+    def __init__(self, batch_major, extents, row_ranges):
+        self.batch_major = bool(batch_major)
+        self.extents = [int(e) for e in extents]
+        self.row_ranges = [(int(a), int(b)) for a, b in row_ranges]
+
+    def split(self, ids, valid, grads):
+        """Yields ``(ids, valid, grads, first_row, end_row)`` per table,
+        ids relative to the table's first row."""
+        dim = grads.shape[-1]
+        if self.batch_major:
+            width = sum(self.extents)
+            ids, valid = ids.view(-1, width), valid.view(-1, width)
+            grads = grads.reshape(-1, width, dim)
+        start = 0
+        for extent, (first, end) in zip(self.extents, self.row_ranges):
+            part = slice(start, start + extent)
+            start += extent
+            if self.batch_major:
+                table_ids = ids[:, part].reshape(-1)
+                table_valid = valid[:, part].reshape(-1)
+                table_grads = grads[:, part].reshape(-1, dim)
+            else:
+                table_ids, table_valid = ids[part], valid[part]
+                table_grads = grads[part]
+            yield table_ids - first, table_valid, table_grads, first, end
