@@ -76,9 +76,10 @@ def test_update_matches_numpy_adagrad(seed, n, num_rows, invalid_share, prepared
         segments = torch.tensor([number[k] for k in keys], dtype=torch.int64)
     state = {"table": torch.tensor(table), "accumulator": torch.tensor(acc)}
     opt = optimizers.Adagrad(0.1, epsilon=1e-7)
+    garbage = torch.randint(-5, 5, (num_rows + 3,), dtype=torch.int32)
     updates.apply_row_updates(
-        _Holder(),
         state,
+        garbage,
         opt,
         torch.tensor(ids, dtype=torch.int64),
         torch.tensor(valid),
@@ -96,6 +97,27 @@ def test_update_matches_numpy_adagrad(seed, n, num_rows, invalid_share, prepared
 def test_scratch_follows_the_table_size():
     torch, updates = _torch()
     holder = _Holder()
-    first = updates._scratch(holder, 11, torch.device("cpu"))
-    assert updates._scratch(holder, 11, torch.device("cpu")) is first
-    assert updates._scratch(holder, 21, torch.device("cpu")).shape == (21,)
+    first = updates.scratch_for(holder, 11, torch.device("cpu"))
+    assert updates.scratch_for(holder, 11, torch.device("cpu")) is first
+    assert updates.scratch_for(holder, 21, torch.device("cpu")).shape == (21,)
+
+
+@pytest.mark.parametrize("batch_major", [True, False])
+def test_table_blocks_split_positions_and_rows(batch_major):
+    # Two tables stacked (rows 0-3 and 4-9), 3 samples; table a has 2 ids
+    # per sample, table b 1.
+    torch, updates = _torch()
+    a = torch.tensor([[0, 1], [2, 3], [1, 1]])
+    b = torch.tensor([[4], [9], [5]])
+    if batch_major:
+        ids = torch.cat([a, b], 1).reshape(-1)
+    else:
+        ids = torch.cat([a.reshape(-1), b.reshape(-1)])
+    grads = ids[:, None].float().repeat(1, 2)
+    blocks = updates.TableBlocks(batch_major, [2, 1] if batch_major else [6, 3],
+                                 [(0, 4), (4, 10)])  # fmt: skip
+    parts = list(blocks.split(ids, ids >= 0, grads))
+    assert [(p[3], p[4]) for p in parts] == [(0, 4), (4, 10)]
+    np.testing.assert_array_equal(parts[0][0].numpy(), a.reshape(-1).numpy())
+    np.testing.assert_array_equal(parts[1][0].numpy(), b.reshape(-1).numpy() - 4)
+    np.testing.assert_array_equal(parts[1][2][:, 0].numpy(), b.reshape(-1).numpy())

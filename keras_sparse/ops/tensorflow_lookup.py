@@ -11,6 +11,7 @@ every replica applies the update of the global batch (see
 import tensorflow as tf
 
 from keras_sparse.ops import tf_replicas
+from keras_sparse.ops import tf_row_updates
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
 from keras_sparse.ops.row_updates import number_representatives
@@ -52,7 +53,13 @@ def reset_rows(state, optimizer, ids, mask, values):
 
 
 def scratch_segments(scratch_var, ids, valid, num_rows):
-    """`row_updates.scratch_segments` writing the scratch variable in place."""
+    """`row_updates.scratch_segments` writing the scratch variable in place.
+
+    None outside XLA: there the update dedups with ``tf.unique`` instead
+    (`keras_sparse.ops.tf_row_updates`), cheaper than a graph's cumsum.
+    """
+    if not tf_row_updates.in_xla():
+        return None
     variable = _tf_variable(scratch_var)
     keys = scratch_keys(ids, valid, num_rows)
     position = tf.range(tf.shape(keys)[0], dtype=tf.int32)
@@ -61,6 +68,35 @@ def scratch_segments(scratch_var, ids, valid, num_rows):
     representative = tf.gather(variable, keys)
     variable.scatter_nd_update(keys[:, None], tf.zeros_like(position))
     return number_representatives(representative)
+
+
+def _static_shape_update(
+    state, optimizer, ids, valid, grads, iterations, num_rows, constraint, segments
+):
+    """The XLA-compilable update: ``(writes, written indices)``."""
+    unique_ids, is_real, new_values = compute_row_updates(
+        optimizer,
+        lambda name, rows: tf.gather(state[name], rows),
+        tuple(name for name in state if name != "table"),
+        ids,
+        valid,
+        grads,
+        iterations,
+        num_rows,
+        constraint,
+        segments,
+    )
+    old_first = {
+        name: tf.gather(state[name], tf.zeros((1,), tf.int32)) for name in state
+    }
+    indices, filled = fill_unused_entries(unique_ids, is_real, new_values, old_first)
+    writes = [
+        state[name].scatter_update(
+            tf.IndexedSlices(tf.cast(filled[name], state[name].dtype), indices)
+        )
+        for name in state
+    ]
+    return writes, indices
 
 
 def lookup_with_sparse_update(
@@ -95,38 +131,22 @@ def lookup_with_sparse_update(
         out = gather_valid(state["table"], ids, valid)
 
         def grad(upstream):
-            def gather(name, rows):
-                return tf.gather(state[name], rows)
-
             step_ids, step_valid, grads = ids, valid, tf.convert_to_tensor(upstream)
             if replicas is not None:
                 step_ids, step_valid, grads = tf_replicas.gather_batch(
                     replicas, ids, valid, grads
                 )
-            unique_ids, is_real, new_values = compute_row_updates(
-                optimizer,
-                gather,
-                tuple(slot_vars),
-                step_ids,
-                step_valid,
-                grads,
-                iterations,
-                num_rows,
-                constraint,
-                segments,
-            )
-            old_first = {
-                name: tf.gather(state[name], tf.zeros((1,), tf.int32)) for name in state
-            }
-            indices, filled = fill_unused_entries(
-                unique_ids, is_real, new_values, old_first
-            )
-            writes = [
-                state[name].scatter_update(
-                    tf.IndexedSlices(tf.cast(filled[name], state[name].dtype), indices)
-                )
-                for name in state
-            ]
+            if tf_row_updates.in_xla():
+                writes, indices = _static_shape_update(
+                    state, optimizer, step_ids, step_valid, grads, iterations,
+                    num_rows, constraint, segments,
+                )  # fmt: skip
+            else:
+                writes = tf_row_updates.apply_row_updates(
+                    state, optimizer, step_ids, step_valid, grads, iterations,
+                    num_rows, constraint, segments,
+                )  # fmt: skip
+                indices = tf.zeros((1,), tf.int32)
             # Grappler prunes control-only dependencies here, so the zero
             # gradient is made to depend on the written data itself.
             with tf.control_dependencies(writes):
