@@ -114,7 +114,9 @@ def test_table_blocks_split_positions_and_rows(batch_major):
     else:
         ids = torch.cat([a.reshape(-1), b.reshape(-1)])
     grads = ids[:, None].float().repeat(1, 2)
-    blocks = updates.TableBlocks(batch_major, [2, 1] if batch_major else [6, 3],
+    from keras_sparse.ops.row_updates import TableBlocks
+
+    blocks = TableBlocks(batch_major, [2, 1] if batch_major else [6, 3],
                                  [(0, 4), (4, 10)])  # fmt: skip
     parts = list(blocks.split(ids, ids >= 0, grads))
     assert [(p[3], p[4]) for p in parts] == [(0, 4), (4, 10)]

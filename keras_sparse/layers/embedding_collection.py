@@ -397,7 +397,12 @@ class EmbeddingCollection(keras.layers.Layer):
             offset_ids = ops.cast(table_ids, "int32") + stack.offsets[name]
             ids.append(ops.where(table_valid, offset_ids, 0))
             valid.append(table_valid)
+        routing = placement.provider().route_stack(stack)
         widths = _batch_major_widths(shapes)
+        if routing is None and all(d is not None for s in shapes for d in s):
+            # One device: table after table, so the update (and the gather)
+            # walks one table's rows at a time, which the CPU caches hold.
+            widths = None
         if widths is not None:
             # [batch, sum of widths]: each device's part of the flat ids is its
             # own batch rows of every table (no resharding before the lookup).
@@ -436,7 +441,7 @@ class EmbeddingCollection(keras.layers.Layer):
             flat_valid,
             training,
             iterations,
-            placement.provider().route_stack(stack),
+            routing,
             blocks=(widths is not None, widths or sizes, row_ranges),
         )
         if widths is not None:

@@ -17,8 +17,18 @@ def check_combiner(layer_name, combiner):
 def pool(vectors, weights, combiner):
     """Pools ``[..., bag, dim]`` vectors with ``[..., bag]`` weights.
 
-    Padding carries weight 0; an empty bag pools to zeros.
+    Padding carries weight 0; an empty bag pools to zeros. ``weights=None``:
+    every weight 1.
     """
+    if weights is None:
+        total = ops.sum(vectors, axis=-2)
+        if combiner == "sum":
+            return total
+        bag = ops.shape(vectors)[-2]
+        if bag == 0:
+            return total  # empty bags pool to zeros
+        bag = ops.cast(bag, vectors.dtype)
+        return total / (bag if combiner == "mean" else ops.sqrt(bag))
     weights = ops.cast(weights, vectors.dtype)
     total = ops.sum(vectors * ops.expand_dims(weights, -1), axis=-2)
     if combiner == "sum":
@@ -39,6 +49,10 @@ def pool_unweighted(vectors, valid, combiner):
     than a broadcast select.
     """
     if keras.backend.backend() == "torch":
+        if valid.device.type == "cpu" and bool(valid.all()):
+            # Nothing to mask (a free host check on the CPU): a plain sum,
+            # whose backward is a broadcast, not a multiply.
+            return pool(vectors, None, combiner)
         return pool(vectors, valid, combiner)
     mask = ops.expand_dims(valid, -1)
     total = ops.sum(ops.where(mask, vectors, ops.zeros((), vectors.dtype)), axis=-2)

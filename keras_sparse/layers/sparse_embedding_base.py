@@ -278,8 +278,9 @@ def lookup_flat_rows(
     primitive. ``segments`` (see `SparseEmbeddingBase.lookup_rows`) reach
     the unsharded primitive only, ``exchange_slot`` the sharded one only.
     ``blocks``: ``(batch_major, extents, row_ranges)`` of the tables of a
-    stacked ``table`` (PyTorch updates them one by one, see
-    `keras_sparse.ops.torch_row_updates.TableBlocks`).
+    stacked ``table``, updated table by table on PyTorch and on TensorFlow
+    without XLA (see `keras_sparse.ops.row_updates.TableBlocks`; under XLA
+    the per-table writes into one variable would run one after another).
     The layer supplies ``sparse_optimizer``, ``sparse_anchor``,
     ``embeddings_constraint``, ``embeddings_regularizer`` and ``add_loss``.
     """
@@ -297,7 +298,7 @@ def lookup_flat_rows(
             kwargs["segments"] = ops.reshape(segments, (-1,))
         if exchange_slot is not None and routing is not None:
             kwargs["exchange_slot"] = exchange_slot
-        if blocks is not None and update and keras.backend.backend() == "torch":
+        if blocks is not None and update and not on_jax:
             kwargs["blocks"] = blocks
         lookup = backend_module().lookup_with_sparse_update
         if routing is not None:  # sharding hook

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from keras_sparse.ops import tf_replicas
 from keras_sparse.ops import tf_row_updates
+from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
 from keras_sparse.ops.row_updates import number_representatives
@@ -110,14 +111,22 @@ def lookup_with_sparse_update(
     constraint=None,
     reset=None,
     segments=None,
+    blocks=None,
 ):
     """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
 
     ``segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
+    ``blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
+    tables, updated table by table outside XLA (see
+    `keras_sparse.ops.row_updates.TableBlocks`).
     """
+    if blocks is not None:
+        blocks = TableBlocks(*blocks)
     replicas = tf_replicas.replica_context(table_var, reset)
     if replicas is not None:
         segments = None  # they number one replica's ids, not the gathered ones
+        if blocks is not None and not blocks.batch_major:
+            blocks = None  # the gathered batch repeats the table order
     state = {"table": _tf_variable(table_var)}
     state.update({name: _tf_variable(v) for name, v in slot_vars.items()})
     ids = tf.cast(ids, tf.int32)
@@ -137,15 +146,23 @@ def lookup_with_sparse_update(
                     replicas, ids, valid, grads
                 )
             if tf_row_updates.in_xla():
+                # One update over the stack: XLA would serialize per-table
+                # writes into one variable.
                 writes, indices = _static_shape_update(
                     state, optimizer, step_ids, step_valid, grads, iterations,
                     num_rows, constraint, segments,
                 )  # fmt: skip
             else:
-                writes = tf_row_updates.apply_row_updates(
-                    state, optimizer, step_ids, step_valid, grads, iterations,
-                    num_rows, constraint, segments,
-                )  # fmt: skip
+                if blocks is None or segments is not None:
+                    parts = [(step_ids, step_valid, grads, 0, num_rows)]
+                else:
+                    parts = blocks.split(step_ids, step_valid, grads)
+                writes = []
+                for part_ids, part_valid, part_grads, first, _ in parts:
+                    writes += tf_row_updates.apply_row_updates(
+                        state, optimizer, part_ids + first, part_valid,
+                        part_grads, iterations, num_rows, constraint, segments,
+                    )  # fmt: skip
                 indices = tf.zeros((1,), tf.int32)
             # Grappler prunes control-only dependencies here, so the zero
             # gradient is made to depend on the written data itself.

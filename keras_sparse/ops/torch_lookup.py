@@ -10,7 +10,7 @@ of the global batch (see `keras_sparse.ops.torch_distributed`).
 import torch
 
 from keras_sparse.ops import torch_distributed
-from keras_sparse.ops.torch_row_updates import TableBlocks
+from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.torch_row_updates import apply_row_updates
 from keras_sparse.ops.torch_row_updates import scratch_for
 
@@ -100,7 +100,7 @@ def lookup_with_sparse_update(
     ``segments``: see `keras_sparse.ops.torch_row_updates.apply_row_updates`.
     ``blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
     tables, updated table by table (see
-    `keras_sparse.ops.torch_row_updates.TableBlocks`).
+    `keras_sparse.ops.row_updates.TableBlocks`).
     """
     if blocks is not None:
         blocks = TableBlocks(*blocks)
