@@ -52,3 +52,49 @@ def docs_code(page, heading):
     at = next(i for i, line in enumerate(lines) if line.startswith(heading)) + 1
     blocks = docs_blocks.blocks(page)
     return next(b.code for b in blocks if b.language == "python" and b.line > at)
+
+
+def numpy_adagrad(table, acc, ids, valid, grads, lr, eps):
+    """A dict model of one sparse Adagrad step (duplicates summed first),
+    in float64: ``(new table, new accumulator)``."""
+    table, acc = table.astype(np.float64), acc.astype(np.float64)
+    summed = {}
+    for i, ok, g in zip(ids, valid, grads):
+        if ok:
+            summed[i] = summed.get(i, 0.0) + g.astype(np.float64)
+    for i, g in summed.items():
+        acc[i] += g * g
+        table[i] -= lr * g / np.sqrt(acc[i] + eps)
+    return table, acc
+
+
+def adagrad_case_strategies():
+    """Hypothesis strategies for `adagrad_case`'s arguments."""
+    from hypothesis import strategies as st
+
+    return dict(
+        seed=st.integers(0, 2**16),
+        n=st.integers(0, 200),
+        num_rows=st.integers(1, 30),
+        invalid_share=st.sampled_from([0.0, 0.3, 1.0]),
+        prepared=st.booleans(),
+    )
+
+
+def adagrad_case(seed, n, num_rows, invalid_share, prepared):
+    """Random ``(table, acc, ids, valid, grads, segments)`` for an update;
+    ``segments`` (with ``prepared``) numbers the distinct keys (ids where
+    valid, else ``num_rows``) densely in a random order, as the input stage
+    does; else None."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(num_rows, 3)).astype("float32")
+    acc = rng.uniform(0.1, 1.0, (num_rows, 3)).astype("float32")
+    ids = rng.integers(0, num_rows, n).astype("int32")
+    valid = rng.random(n) >= invalid_share
+    grads = rng.normal(size=(n, 3)).astype("float32")
+    segments = None
+    if prepared:
+        keys = np.where(valid, ids, num_rows)
+        number = {k: i for i, k in enumerate(rng.permutation(np.unique(keys)))}
+        segments = np.array([number[k] for k in keys], "int64")
+    return table, acc, ids, valid, grads, segments

@@ -75,18 +75,15 @@ def _static_shape_update(
     state, optimizer, ids, valid, grads, iterations, num_rows, constraint, segments
 ):
     """The XLA-compilable update: ``(writes, written indices)``."""
+
+    def gather(name, rows):
+        return tf.gather(state[name], rows)
+
+    slot_names = tuple(name for name in state if name != "table")
     unique_ids, is_real, new_values = compute_row_updates(
-        optimizer,
-        lambda name, rows: tf.gather(state[name], rows),
-        tuple(name for name in state if name != "table"),
-        ids,
-        valid,
-        grads,
-        iterations,
-        num_rows,
-        constraint,
-        segments,
-    )
+        optimizer, gather, slot_names, ids, valid, grads, iterations,
+        num_rows, constraint, segments,
+    )  # fmt: skip
     old_first = {
         name: tf.gather(state[name], tf.zeros((1,), tf.int32)) for name in state
     }
