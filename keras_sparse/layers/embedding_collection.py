@@ -399,7 +399,8 @@ class EmbeddingCollection(keras.layers.Layer):
             valid.append(table_valid)
         routing = placement.provider().route_stack(stack)
         widths = _batch_major_widths(shapes)
-        if routing is None and all(d is not None for s in shapes for d in s):
+        known = all(isinstance(d, int) for s in shapes for d in s)
+        if routing is None and known:  # not symbolic (jax.export) nor unknown
             # One device: table after table, so the update (and the gather)
             # walks one table's rows at a time, which the CPU caches hold.
             widths = None
