@@ -52,8 +52,10 @@ def _fit(model, x, y):
 
 
 def _state(model):
-    """Model and optimizer variables by path, tables and slots unpadded."""
-    out = {v.path: np.array(v.value) for v in model.variables}
+    """Model weights and optimizer variables by path, tables and slots
+    unpadded (weights: a one-device table's dedup scratch is step state that
+    sharded tables do without, see `keras_sparse.layers.dedup_scratch`)."""
+    out = {v.path: np.array(v.value) for v in model.weights}
     out.update({v.path: np.array(v.value) for v in model.optimizer.variables})
     for name in TABLES:
         layer = model.get_layer(name)
