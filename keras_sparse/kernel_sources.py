@@ -1,15 +1,18 @@
 """Finds the CUDA sources of ``kernels/`` in a checkout or an installed wheel."""
 
 import pathlib
+import re
 import sys
 
 _REPO_KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-# setup.cfg installs kernels/*.cu here as data files.
+# setup.cfg installs kernels/*.cu and *.cuh here as data files.
 _INSTALLED_KERNELS = pathlib.Path(sys.prefix) / "share" / "keras_sparse" / "kernels"
+# A local include of another file of kernels/ (NVRTC compiles one string, so
+# such includes are expanded here; nvcc resolves them itself).
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"[ \t]*$', re.MULTILINE)
 
 
-def kernel_source(name):
-    """Text of ``kernels/<name>``; raises FileNotFoundError naming the places."""
+def _read(name):
     places = (_REPO_KERNELS / name, _INSTALLED_KERNELS / name)
     for path in places:
         if path.is_file():
@@ -18,3 +21,11 @@ def kernel_source(name):
         f"CUDA source {name!r} not found in {', '.join(str(p) for p in places)}; "
         "reinstall keras-sparse."
     )
+
+
+def kernel_source(name):
+    """Text of ``kernels/<name>`` with its local includes expanded in place.
+
+    Raises FileNotFoundError naming the places searched.
+    """
+    return _LOCAL_INCLUDE.sub(lambda m: kernel_source(m.group(1)), _read(name))

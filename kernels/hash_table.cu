@@ -7,27 +7,7 @@
 // == row == bucket * S + position.  Empty slots hold a per-bucket sentinel key
 // that can never be probed in that bucket, so lookups need no state array.
 
-typedef unsigned long long u64;
-typedef long long i64;
-
-__device__ __forceinline__ u64 ks_mix64(u64 z, u64 salt) {
-  z ^= salt;
-  z ^= z >> 30;
-  z *= 0xBF58476D1CE4E5B9ULL;
-  z ^= z >> 27;
-  z *= 0x94D049BB133111EBULL;
-  z ^= z >> 31;
-  return z;
-}
-
-__device__ __forceinline__ void ks_buckets(u64 h, u64 nb, i64* b1, i64* b2) {
-  u64 a = ((h >> 32) * nb) >> 32;                  // Lemire range reduction
-  u64 off = ((h & 0xFFFFFFFFULL) * (nb - 1)) >> 32;  // second bucket != first
-  u64 b = a + off + 1;
-  if (b >= nb) b -= nb;
-  *b1 = (i64)a;
-  *b2 = (i64)b;
-}
+#include "ks_hash.cuh"
 
 extern "C" __global__ void ks_hash(const i64* __restrict__ keys, i64 n, u64 salt, u64 nb,
                                    i64* __restrict__ b1, i64* __restrict__ b2,

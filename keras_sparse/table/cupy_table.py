@@ -32,29 +32,15 @@ Kernel path vs fallback:
 
 from __future__ import annotations
 
-import threading
-
 import cupy as cp
 import numpy as np
 
-from keras_sparse.kernel_sources import kernel_source
-
+from .cuda_modules import module as _module
+from .insert_call import FusedInsert
 from .keys import to_cupy_keys  # noqa: F401  (re-exported for the front class)
 from .numpy_table import ArrayTable
 
-_MODULE = None
-_MODULE_LOCK = threading.Lock()
 _BLOCK = 256
-
-
-def _module():
-    global _MODULE
-    with _MODULE_LOCK:
-        if _MODULE is None:
-            _MODULE = cp.RawModule(
-                code=kernel_source("hash_table.cu"), options=("--std=c++17",)
-            )
-        return _MODULE
 
 
 def _launch(name, n, args, lanes=1):
@@ -82,6 +68,14 @@ class CupyTable(ArrayTable):
     device = "gpu"
     # LRU marks this call's slots by score == step: no capacity-sized mask
     _score_protect = True
+
+    def lookup_or_insert(self, k, step=None):
+        fused = FusedInsert.of(self).call(k, step)
+        return super().lookup_or_insert(k, step) if fused is None else fused[0]
+
+    def lookup_or_insert_fresh(self, k, step=None):
+        fused = FusedInsert.of(self).call(k, step)
+        return super().lookup_or_insert_fresh(k, step) if fused is None else fused
 
     def _add_at(self, arr, idx, val):
         idx = cp.ascontiguousarray(idx, dtype=cp.int64)

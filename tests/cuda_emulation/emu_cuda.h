@@ -251,3 +251,6 @@ inline T atomicExch(T* address, T value) {
   *address = value;
   return old;
 }
+
+// Fibers of a block share one OS thread and memory: writes are seen at once.
+inline void __threadfence() {}

@@ -35,21 +35,27 @@ def test_gpu_matches_cpu_rows():
     np.testing.assert_array_equal(cpu.lookup(keys), gpu.lookup(keys).get())
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one_launch", "per_round"])
+@pytest.mark.parametrize("path", ["insert_call", "evict_rounds", "per_round"])
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("admit_after", [1, 2])
-def test_gpu_matches_cpu_under_eviction(eviction, admit_after, fused, monkeypatch):
+def test_gpu_matches_cpu_under_eviction(eviction, admit_after, path, monkeypatch):
     """A full table taking large Zipf batches (duplicates, many eviction
     rounds per call, some overflows): the CUDA table's rows, new rows,
     evicted keys and rows (in order), counters and stored state equal the
-    CPU twin's call by call, with the rounds in one ks_evict_rounds launch
-    and with the per-round CuPy code (used for very large batches)."""
+    CPU twin's call by call: with the whole call in one ks_insert_call
+    launch (batches up to 64K keys), and on the multi-launch path (larger
+    batches) with the rounds in one ks_evict_rounds launch and with the
+    per-round CuPy code (the largest batches)."""
     import numpy as np
 
     from keras_sparse.table import HashTable
     from keras_sparse.table import cupy_table
+    from keras_sparse.table import insert_call
     from keras_sparse.table.numpy_table import ArrayTable
 
+    fused = path != "per_round"
+    if path != "insert_call":
+        monkeypatch.setattr(insert_call, "MAX_KEYS", 0)
     monkeypatch.setattr(cupy_table, "_FUSED_EVICT_MAX", 1 << 16 if fused else 0)
     per_round_calls = []
     generic = ArrayTable._evict_rounds
@@ -78,8 +84,34 @@ def test_gpu_matches_cpu_under_eviction(eviction, admit_after, fused, monkeypatc
         assert cpu.stats() == gpu.stats(), step
     assert cpu.stats()["evictions"] > 400
     assert cpu.stats()["overflows"] > 10
-    # The CPU twin always runs the rounds in NumPy; the CUDA table only when
-    # its one-launch kernel is off.
-    assert ("CupyTable" in per_round_calls) == (not fused)
+    # The CPU twin always runs the rounds in NumPy; the CUDA table only on
+    # the multi-launch path with its one-launch eviction kernel off.
+    assert ("CupyTable" in per_round_calls) == (path == "per_round")
     for x, y in zip(cpu.export(), gpu.export()):
         np.testing.assert_array_equal(x, y.get())
+
+
+@pytest.mark.skipif(
+    not getattr(cp, "EMULATED", False), reason="counts come from the emulated CuPy"
+)
+@pytest.mark.parametrize(
+    "kw", [dict(eviction="lru"), dict(eviction="lfu", admit_after=2)], ids=str
+)
+def test_insert_call_is_one_launch_and_one_sync(kw):
+    """Embedding-sized batches take one kernel launch and one host read per
+    lookup_or_insert, however many placement and eviction rounds they need
+    (the multi-launch path needs a host sync per round)."""
+    import numpy as np
+
+    from keras_sparse.table import HashTable
+
+    table = HashTable(4096, device="gpu", bucket_size=8, **kw)
+    rng = np.random.default_rng(0)
+    counts = []
+    for _ in range(6):  # fills the table, then evicts
+        keys = cp.asarray((rng.zipf(1.1, 4096) % 12000).astype(np.int64))
+        before = dict(cp.stats)
+        table.lookup_or_insert(keys)
+        counts.append({k: cp.stats[k] - before[k] for k in ("syncs", "kernels")})
+    assert table.stats()["evictions"] > 0
+    assert counts == [{"syncs": 1, "kernels": 1}] * 6

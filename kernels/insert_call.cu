@@ -1,0 +1,550 @@
+// One lookup_or_insert in one launch of one block: probe, dedup of the
+// absent keys, admission (count-min sketch), placement and eviction rounds,
+// touch, counters.  Nothing is read back by the host in between; the host
+// reads one small summary afterwards (status and output sizes).
+//
+// The result is bit-identical to ArrayTable._insert_call (the CPU twin) for
+// the same call sequence, because every order the twin relies on is rebuilt
+// here from stable, data-determined operations (block prefix sums, a stable
+// radix sort, atomicMin bids): the unique absent keys in order of first
+// occurrence, placement ranks by pending order within a bucket, the earliest
+// bidder winning an evicted slot, and the pending order of the next round
+// (claim losers, then eviction losers).  A concurrent CAS insert would pick
+// slots in a nondeterministic order, so it is deliberately not used.
+//
+// One block serves batches of up to ~64K keys (embedding batches), where
+// launches and host syncs, not bandwidth, set the time.  The host uses the
+// multi-launch path for larger batches and for batches larger than the table.
+
+#include "ks_hash.cuh"
+
+#define KS_FT 512  // threads of the one block (KS_FUSED_THREADS in cupy_table.py)
+#define KS_MAX 0x7FFFFFFFFFFFFFFFLL
+
+// Summary slots (read by the host after the call).
+#define KS_S_STATUS 0    // 0 ok; 1 table full before placing; 2 both buckets full
+#define KS_S_NEW 1       // admitted absent keys (for the error message)
+#define KS_S_PLACED 2    // rows given to keys in this call (new_rows' length)
+#define KS_S_EVICTED 3   // evicted keys (evicted_keys' length)
+#define KS_S_MISSES 4
+#define KS_S_REJECTED 5
+#define KS_S_OVERFLOWS 6
+#define KS_S_FILLED 7    // placed into free slots (table size grows by this)
+
+__device__ __forceinline__ i64 ks_imin(i64 a, i64 b) { return a < b ? a : b; }
+
+// Exclusive prefix sum of one value per thread; *total gets the sum (every
+// thread).  Ends with a barrier, so its buffers may be reused at once.
+__device__ i64 ks_scan(i64 v, i64* total) {
+  __shared__ i64 s_v[KS_FT];
+  __shared__ i64 s_w[KS_FT / 32 + 1];
+  const int t = threadIdx.x;
+  s_v[t] = v;
+  __syncthreads();
+  if ((t & 31) == 0) {
+    i64 run = 0;
+    for (int j = 0; j < 32; ++j) {
+      const i64 x = s_v[t + j];
+      s_v[t + j] = run;
+      run += x;
+    }
+    s_w[t >> 5] = run;
+  }
+  __syncthreads();
+  if (t == 0) {
+    i64 run = 0;
+    for (int w = 0; w < KS_FT / 32; ++w) {
+      const i64 x = s_w[w];
+      s_w[w] = run;
+      run += x;
+    }
+    s_w[KS_FT / 32] = run;
+  }
+  __syncthreads();
+  const i64 r = s_v[t] + s_w[t >> 5];
+  *total = s_w[KS_FT / 32];
+  __syncthreads();
+  return r;
+}
+
+// Contiguous share [*lo, *hi) of m items for this thread (keeps order).
+__device__ __forceinline__ void ks_share(i64 m, i64* lo, i64* hi) {
+  const i64 c = (m + KS_FT - 1) / KS_FT;
+  *lo = ks_imin(m, (i64)threadIdx.x * c);
+  *hi = ks_imin(m, *lo + c);
+}
+
+// Stable compaction: emit(i, base + rank) for each i in [0, m) with pred(i),
+// ranks in order of i; returns the count.  emit must not change what pred
+// reads (pred runs twice).
+template <class Pred, class Emit>
+__device__ i64 ks_compact(i64 m, i64 base, Pred pred, Emit emit) {
+  i64 lo, hi, cnt = 0, total;
+  ks_share(m, &lo, &hi);
+  for (i64 i = lo; i < hi; ++i) cnt += pred(i) ? 1 : 0;
+  i64 o = base + ks_scan(cnt, &total);
+  for (i64 i = lo; i < hi; ++i)
+    if (pred(i)) emit(i, o++);
+  __syncthreads();
+  return total;
+}
+
+// Stable LSD radix sort of m non-negative words below 2**bits, 4 bits a
+// pass, ping-ponging between a and b; returns the buffer holding the result.
+__device__ i64* ks_sort(i64* a, i64* b, i64 m, int bits) {
+  __shared__ int s_cnt[16 * KS_FT];
+  const int t = threadIdx.x;
+  i64 lo, hi, total;
+  ks_share(m, &lo, &hi);
+  for (int s = 0; s < bits; s += 4) {
+    int local[16];
+    for (int d = 0; d < 16; ++d) local[d] = 0;
+    for (i64 i = lo; i < hi; ++i) ++local[(a[i] >> s) & 15];
+    for (int d = 0; d < 16; ++d) s_cnt[d * KS_FT + t] = local[d];
+    __syncthreads();
+    // Digit-major, thread-minor offsets: thread t owns entries [16t, 16t+16).
+    i64 mine = 0;
+    for (int q = 0; q < 16; ++q) mine += s_cnt[16 * t + q];
+    i64 off = ks_scan(mine, &total);
+    for (int q = 0; q < 16; ++q) {
+      const int x = s_cnt[16 * t + q];
+      s_cnt[16 * t + q] = (int)off;
+      off += x;
+    }
+    __syncthreads();
+    for (int d = 0; d < 16; ++d) local[d] = s_cnt[d * KS_FT + t];
+    for (i64 i = lo; i < hi; ++i) b[local[(a[i] >> s) & 15]++] = a[i];
+    __syncthreads();
+    i64* x = a;
+    a = b;
+    b = x;
+  }
+  return a;
+}
+
+__device__ __forceinline__ int ks_bits(i64 x) {  // bit length of x >= 0
+  int b = 0;
+  while (x > 0) {
+    ++b;
+    x >>= 1;
+  }
+  return b;
+}
+
+// Table and call state shared by the phases (all device pointers).
+struct KsTable {
+  i64* keys;
+  unsigned char* dig;
+  i64* score;
+  i64* load;
+  bool* holey;
+  const i64* sentinel;
+  unsigned int* stamp;  // protection marks: stamp[s] == call_stamp
+  i64* bids;            // per bucket, KS_MAX between calls
+  int S;
+  i64 step;
+  int prot_is_step;  // LRU: protected == score is this step
+  int use_stamp;     // otherwise protected == stamped in this call
+  unsigned int call_stamp;
+};
+
+__device__ __forceinline__ bool ks_protected(const KsTable& T, i64 s) {
+  return T.prot_is_step ? T.score[s] == T.step : T.stamp[s] == T.call_stamp;
+}
+
+__device__ __forceinline__ void ks_write(const KsTable& T, i64 s, i64 key,
+                                         unsigned char d, i64 sc) {
+  T.keys[s] = key;
+  T.dig[s] = d;
+  T.score[s] = sc;
+  if (T.use_stamp) T.stamp[s] = T.call_stamp;
+}
+
+// One eviction round of the keys L[0..ml) (indices of the admitted keys):
+// each takes the first lowest-score unprotected slot of its two buckets (a
+// key whose buckets hold only protected slots overflows), the earliest
+// bidder of a slot wins it, and the others go to out[out_base..) in order.
+// Evicted (key, row) pairs are appended at *nev.  Returns the losers' count.
+__device__ i64 ks_evict_round(const KsTable& T, const i64* L, i64 ml, i64* out,
+                              i64 out_base, i64* victim, const i64* pk,
+                              const i64* pb1, const i64* pb2, const i64* pd,
+                              const i64* pscore, i64* res, i64* ev_keys,
+                              i64* ev_rows, i64* nev, i64* s_over) {
+  const int S = T.S;
+  for (i64 i = threadIdx.x; i < ml; i += KS_FT) {
+    const i64 a = L[i];
+    i64 best = KS_MAX, slot = -1;
+    for (int c = 0; c < 2; ++c) {
+      const i64 base = (c == 0 ? pb1[a] : pb2[a]) * (i64)S;
+      for (int j = 0; j < S; ++j) {
+        const i64 sc = ks_protected(T, base + j) ? KS_MAX : T.score[base + j];
+        if (slot < 0 || sc < best) {
+          best = sc;
+          slot = base + j;
+        }
+      }
+    }
+    if (ks_protected(T, slot)) {  // both buckets hold only this call's keys
+      victim[i] = -1;
+      atomicAdd((u64*)s_over, 1ULL);
+    } else {
+      victim[i] = slot;
+      atomicMin(&T.bids[slot / S], i);
+    }
+  }
+  __syncthreads();
+  const i64 won = ks_compact(
+      ml, *nev,
+      [&](i64 i) { return victim[i] >= 0 && T.bids[victim[i] / S] == i; },
+      [&](i64 i, i64 o) {
+        const i64 s = victim[i], a = L[i];
+        ev_keys[o] = T.keys[s];
+        ev_rows[o] = s;
+        ks_write(T, s, pk[a], (unsigned char)pd[a], pscore[a]);
+        res[a] = s;
+      });
+  *nev += won;
+  const i64 lost = ks_compact(
+      ml, out_base,
+      [&](i64 i) { return victim[i] >= 0 && T.bids[victim[i] / S] != i; },
+      [&](i64 i, i64 o) { out[o] = L[i]; });
+  for (i64 i = threadIdx.x; i < ml; i += KS_FT)
+    if (victim[i] >= 0) T.bids[victim[i] / S] = KS_MAX;
+  __syncthreads();
+  return lost;
+}
+
+extern "C" __global__ void ks_insert_call(
+    const i64* __restrict__ k, i64 n, u64 salt, u64 nb, int S, i64 capacity, i64 size,
+    int eviction, i64 step, int score_prot, i64 admit_after, i64* tkeys,
+    unsigned char* tdig, i64* tscore, i64* load, bool* holey,
+    const i64* __restrict__ sentinel, unsigned int* stamp, unsigned int call_stamp,
+    i64* bids, int use_sketch, unsigned int* sketch, int depth, i64 width, int shift,
+    const u64* __restrict__ sketch_salts, i64* ws, i64 H, i64* rows,
+    bool* fresh, i64* new_rows, i64* ev_keys, i64* ev_rows, i64* summary) {
+  const int t = threadIdx.x;
+  const bool lfu = eviction == 2;
+  // Workspace (int64 words): 20 arrays of n, then the dedup set of H.
+  i64* MP = ws;           // positions of absent keys, ascending
+  i64* setslot = MP + n;  // dedup-set slot of each absent key
+  i64* inv = setslot + n;   // unique index of each absent key
+  i64* U = inv + n;         // unique -> index into MP of its first occurrence
+  i64* ucnt = U + n;        // sightings per unique key
+  i64* est = ucnt + n;      // sketch estimate per unique key
+  i64* adm = est + n;       // unique -> admitted index, or -1
+  i64* pk = adm + n;        // admitted: key, buckets, digest, new score, row
+  i64* pb1 = pk + n;
+  i64* pb2 = pb1 + n;
+  i64* pd = pb2 + n;
+  i64* pscore = pd + n;
+  i64* res = pscore + n;
+  i64* P = res + n;         // pending (ping-pong with Q)
+  i64* Q = P + n;
+  i64* ch = Q + n;          // chosen bucket / roomy flag per pending key
+  i64* F = ch + n;          // pending indices of keys without room
+  i64* comp = F + n;        // sort words (ping-pong with comp2)
+  i64* comp2 = comp + n;
+  i64* cslot = comp2 + n;   // claim result per roomy key / victim per key
+  i64* hs_state = cslot + n;
+  i64* hs_key = hs_state + H;
+  i64* hs_first = hs_key + H;
+  i64* hs_cnt = hs_first + H;
+  i64* hs_uid = hs_cnt + H;
+
+  __shared__ i64 s_over, s_miss, s_rej;
+  if (t == 0) {
+    s_over = 0;
+    s_miss = 0;
+    s_rej = 0;
+  }
+  KsTable T;
+  T.keys = tkeys;
+  T.dig = tdig;
+  T.score = tscore;
+  T.load = load;
+  T.holey = holey;
+  T.sentinel = sentinel;
+  T.stamp = stamp;
+  T.bids = bids;
+  T.S = S;
+  T.step = step;
+  T.prot_is_step = score_prot;
+  T.use_stamp = !score_prot && eviction != 0;
+  T.call_stamp = call_stamp;
+
+  // Probe (one thread per key; a key lives in at most one slot).
+  for (i64 i = t; i < n; i += KS_FT) {
+    const i64 key = k[i];
+    const u64 h = ks_mix64((u64)key, salt);
+    i64 b[2];
+    ks_buckets(h, nb, &b[0], &b[1]);
+    const unsigned char d = (unsigned char)(h & 0xFF);
+    i64 found = -1;
+    for (int c = 0; c < 2 && found < 0; ++c) {
+      const i64 base = b[c] * (i64)S;
+      for (int j = 0; j < S; ++j) {
+        if (tdig[base + j] == d && tkeys[base + j] == key) {
+          found = base + j;
+          break;
+        }
+      }
+    }
+    rows[i] = found;
+    fresh[i] = found < 0;  // "absent" until the end of the call
+  }
+  for (i64 h = t; h < H; h += KS_FT) {
+    hs_state[h] = 0;
+    hs_first[h] = KS_MAX;
+    hs_cnt[h] = 0;
+  }
+  __syncthreads();
+  const i64 nm = ks_compact(
+      n, 0, [&](i64 i) { return rows[i] < 0; }, [&](i64 i, i64 o) { MP[o] = i; });
+
+  i64 nu = 0, na = 0;
+  if (nm > 0) {
+    // Dedup: a set keyed by the key; the first occurrence is the least index.
+    for (i64 j = t; j < nm; j += KS_FT) {
+      const i64 key = k[MP[j]];
+      i64 h = (i64)(ks_mix64((u64)key, 0x2545F4914F6CDD1DULL) & (u64)(H - 1));
+      for (;;) {
+        const u64 st = atomicCAS((u64*)&hs_state[h], 0ULL, 1ULL);
+        if (st == 0ULL) {
+          hs_key[h] = key;
+          __threadfence();
+          atomicExch((u64*)&hs_state[h], 2ULL);
+          break;
+        }
+        while (*(volatile i64*)&hs_state[h] == 1) {
+        }
+        if (*(volatile i64*)&hs_key[h] == key) break;
+        h = (h + 1) & (H - 1);
+      }
+      setslot[j] = h;
+      atomicMin(&hs_first[h], j);
+      atomicAdd((u64*)&hs_cnt[h], 1ULL);
+    }
+    __syncthreads();
+    nu = ks_compact(
+        nm, 0, [&](i64 j) { return hs_first[setslot[j]] == j; },
+        [&](i64 j, i64 o) {
+          U[o] = j;
+          ucnt[o] = hs_cnt[setslot[j]];
+          hs_uid[setslot[j]] = o;
+        });
+    for (i64 j = t; j < nm; j += KS_FT) inv[j] = hs_uid[setslot[j]];
+    // Admission: add this call's sightings, then read the estimates.
+    if (use_sketch) {
+      for (i64 u = t; u < nu; u += KS_FT) {
+        const u64 key = (u64)k[MP[U[u]]];
+        for (int r = 0; r < depth; ++r)
+          atomicAdd(&sketch[(i64)(ks_mix64(key, sketch_salts[r]) >> shift) + r * width],
+                    (unsigned int)ucnt[u]);
+      }
+      __syncthreads();
+      for (i64 u = t; u < nu; u += KS_FT) {
+        const u64 key = (u64)k[MP[U[u]]];
+        i64 e = KS_MAX;
+        for (int r = 0; r < depth; ++r)
+          e = ks_imin(e, (i64)sketch[(i64)(ks_mix64(key, sketch_salts[r]) >> shift) +
+                                     r * width]);
+        est[u] = e;
+      }
+    }
+    __syncthreads();
+    for (i64 u = t; u < nu; u += KS_FT) adm[u] = -1;
+    __syncthreads();
+    na = ks_compact(
+        nu, 0, [&](i64 u) { return !use_sketch || est[u] >= admit_after; },
+        [&](i64 u, i64 a) {
+          adm[u] = a;
+          const i64 key = k[MP[U[u]]];
+          const u64 h = ks_mix64((u64)key, salt);
+          pk[a] = key;
+          ks_buckets(h, nb, &pb1[a], &pb2[a]);
+          pd[a] = (i64)(h & 0xFF);
+          pscore[a] = lfu ? ucnt[u] : step;
+          res[a] = -1;
+          P[a] = a;
+        });
+  }
+
+  // Undoes this call's sketch additions (a failed call leaves no trace there).
+  auto unsketch = [&]() {
+    if (!use_sketch) return;
+    for (i64 u = t; u < nu; u += KS_FT) {
+      const u64 key = (u64)k[MP[U[u]]];
+      for (int r = 0; r < depth; ++r)
+        atomicAdd(&sketch[(i64)(ks_mix64(key, sketch_salts[r]) >> shift) + r * width],
+                  (unsigned int)(-ucnt[u]));
+    }
+  };
+  if (na > 0 && eviction == 0 && na > capacity - size) {
+    unsketch();
+    if (t == 0) {
+      summary[KS_S_STATUS] = 1;
+      summary[KS_S_NEW] = na;
+    }
+    return;
+  }
+  if (nm > 0 && score_prot) {  // hits first: they are protected by score
+    for (i64 i = t; i < n; i += KS_FT)
+      if (!fresh[i]) tscore[rows[i]] = step;
+  }
+  if (T.use_stamp) {  // hits are protected from eviction
+    for (i64 i = t; i < n; i += KS_FT)
+      if (!fresh[i]) stamp[rows[i]] = call_stamp;
+  }
+  __syncthreads();
+
+  // Placement rounds (ArrayTable._place).
+  i64 mp = na, nev = 0, n_filled = 0;
+  const int max_rounds = 4 * S + 8;
+  const int bucket_bits = ks_bits((i64)nb - 1);
+  for (int round = 0; round < max_rounds && mp > 0; ++round) {
+    for (i64 i = t; i < mp; i += KS_FT) {
+      const i64 a = P[i];
+      const i64 l1 = load[pb1[a]], l2 = load[pb2[a]];
+      const i64 c = l1 <= l2 ? pb1[a] : pb2[a];
+      ch[i] = (ks_imin(l1, l2) < S) ? c : -1 - c;  // negative: no room
+    }
+    __syncthreads();
+    // Roomy keys as sort words (bucket, rank among the roomy keys).
+    const i64 nr = ks_compact(
+        mp, 0, [&](i64 i) { return ch[i] >= 0; }, [&](i64 i, i64 o) { F[o] = i; });
+    const int sh = ks_bits(nr > 1 ? nr - 1 : 1);
+    for (i64 j = t; j < nr; j += KS_FT) comp[j] = (ch[F[j]] << sh) | j;
+    __syncthreads();
+    i64 nq = 0;
+    if (nr > 0) {
+      i64* sorted = ks_sort(comp, comp2, nr, bucket_bits + sh);
+      const i64 mask = (1LL << sh) - 1;
+      for (i64 x = t; x < nr; x += KS_FT) {
+        const i64 c = sorted[x] >> sh, j = sorted[x] & mask;
+        const i64 free_slots = (i64)S - load[c];
+        i64 rank = 0;
+        while (rank < free_slots && x - rank - 1 >= 0 && (sorted[x - rank - 1] >> sh) == c)
+          ++rank;
+        i64 slot = -1;
+        if (rank < free_slots) {
+          i64 pos = load[c] + rank;
+          if (holey[c]) {  // the rank-th free position, reading the keys
+            i64 r = rank;
+            for (int p = 0; p < S; ++p) {
+              if (tkeys[c * S + p] == sentinel[c]) {
+                if (r == 0) {
+                  pos = p;
+                  break;
+                }
+                --r;
+              }
+            }
+          }
+          slot = c * S + pos;
+        }
+        cslot[j] = slot;
+      }
+      __syncthreads();  // every load and key read before the writes
+      for (i64 j = t; j < nr; j += KS_FT) {
+        const i64 s = cslot[j];
+        if (s < 0) continue;
+        const i64 a = P[F[j]];
+        ks_write(T, s, pk[a], (unsigned char)pd[a], pscore[a]);
+        res[a] = s;
+        atomicAdd((u64*)&load[s / S], 1ULL);
+      }
+      __syncthreads();
+      // Claim losers retry first, in pending order.
+      nq = ks_compact(
+          nr, 0, [&](i64 j) { return cslot[j] < 0; },
+          [&](i64 j, i64 o) { Q[o] = P[F[j]]; });
+      n_filled += nr - nq;
+    }
+    const i64 nf = ks_compact(
+        mp, 0, [&](i64 i) { return ch[i] < 0; }, [&](i64 i, i64 o) { F[o] = P[i]; });
+    if (nf > 0) {
+      if (eviction == 0) {  // both buckets full: undo this call's fills
+        for (i64 a = t; a < na; a += KS_FT) {
+          const i64 s = res[a];
+          if (s < 0) continue;
+          const i64 b = s / S;
+          tkeys[s] = sentinel[b];
+          tdig[s] = 0;
+          tscore[s] = 0;
+          atomicAdd((u64*)&load[b], (u64)(-1LL));
+          holey[b] = true;
+        }
+        unsketch();
+        if (t == 0) summary[KS_S_STATUS] = 2;
+        return;
+      }
+      if (nr == 0) {
+        // No key has room: eviction frees no slot, so every later round
+        // evicts too; run them all here.
+        i64* L = F;
+        i64* out = comp;
+        i64 ml = nf;
+        for (int r = round; r < max_rounds && ml > 0; ++r) {
+          ml = ks_evict_round(T, L, ml, out, 0, cslot, pk, pb1, pb2, pd, pscore, res,
+                              ev_keys, ev_rows, &nev, &s_over);
+          i64* x = L;
+          L = out;
+          out = x;
+        }
+        mp = ml;
+        break;
+      }
+      nq += ks_evict_round(T, F, nf, Q, nq, comp, pk, pb1, pb2, pd, pscore, res,
+                           ev_keys, ev_rows, &nev, &s_over);
+    }
+    i64* x = P;
+    P = Q;
+    Q = x;
+    mp = nq;
+  }
+  // Keys still pending after the last round overflow (no row).
+  if (t == 0) s_over += mp;
+  __syncthreads();
+
+  // Hits' scores (unless touched before placement).
+  if (!(nm > 0 && score_prot) && eviction != 0) {
+    for (i64 i = t; i < n; i += KS_FT) {
+      if (fresh[i]) continue;
+      if (lfu)
+        atomicAdd((u64*)&tscore[rows[i]], 1ULL);
+      else
+        tscore[rows[i]] = step;
+    }
+  }
+  __syncthreads();
+  // Rows of the absent keys, and the counts of ArrayTable._miss_counts.
+  for (i64 j = t; j < nm; j += KS_FT) {
+    const i64 a = adm[inv[j]];
+    const i64 r = a >= 0 ? res[a] : -1;
+    rows[MP[j]] = r;
+    fresh[MP[j]] = r >= 0;
+  }
+  for (i64 u = t; u < nu; u += KS_FT) {
+    const i64 c = ucnt[u];
+    const i64 upto = !use_sketch ? 1
+                                 : ks_imin(c, admit_after - (est[u] - c) > 1
+                                                  ? admit_after - (est[u] - c)
+                                                  : 1);
+    const bool placed = adm[u] >= 0 && res[adm[u]] >= 0;
+    atomicAdd((u64*)&s_miss, (u64)(placed ? upto : c));
+    atomicAdd((u64*)&s_rej, (u64)(upto - (adm[u] >= 0 ? 1 : 0)));
+  }
+  const i64 placed = ks_compact(
+      na, 0, [&](i64 a) { return res[a] >= 0; },
+      [&](i64 a, i64 o) { new_rows[o] = res[a]; });
+  if (t == 0) {
+    summary[KS_S_STATUS] = 0;
+    summary[KS_S_NEW] = na;
+    summary[KS_S_PLACED] = placed;
+    summary[KS_S_EVICTED] = nev;
+    summary[KS_S_MISSES] = s_miss;
+    summary[KS_S_REJECTED] = s_rej;
+    summary[KS_S_OVERFLOWS] = s_over;
+    summary[KS_S_FILLED] = n_filled;
+  }
+}
