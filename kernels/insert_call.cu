@@ -12,6 +12,12 @@
 // (claim losers, then eviction losers).  A concurrent CAS insert would pick
 // slots in a nondeterministic order, so it is deliberately not used.
 //
+// Counters, the size change and a failure are added to acct[] on the device
+// (KS_A_*), so calls can follow each other with no host read at all; the
+// host reads acct[] when it needs a count (stats, size, a raised error).  A
+// failed call (full table with eviction=None) commits nothing and leaves a
+// status that makes later calls do nothing until the host has read it.
+//
 // One block serves batches of up to ~64K keys (embedding batches), where
 // launches and host syncs, not bandwidth, set the time.  The host uses the
 // multi-launch path for larger batches and for batches larger than the table.
@@ -21,15 +27,20 @@
 #define KS_FT 512  // threads of the one block (KS_FUSED_THREADS in cupy_table.py)
 #define KS_MAX 0x7FFFFFFFFFFFFFFFLL
 
-// Summary slots (read by the host after the call).
-#define KS_S_STATUS 0    // 0 ok; 1 table full before placing; 2 both buckets full
-#define KS_S_NEW 1       // admitted absent keys (for the error message)
-#define KS_S_PLACED 2    // rows given to keys in this call (new_rows' length)
-#define KS_S_EVICTED 3   // evicted keys (evicted_keys' length)
-#define KS_S_MISSES 4
-#define KS_S_REJECTED 5
-#define KS_S_OVERFLOWS 6
-#define KS_S_FILLED 7    // placed into free slots (table size grows by this)
+// acct[] words (ACCOUNT in keras_sparse/table/insert_call.py).  Sums over
+// the calls since the host last read them, except KS_A_PLACED/EVICTED (the
+// last call's output lengths).
+#define KS_A_HITS 0
+#define KS_A_MISSES 1
+#define KS_A_INSERTS 2
+#define KS_A_EVICTIONS 3
+#define KS_A_REJECTED 4
+#define KS_A_OVERFLOWS 5
+#define KS_A_SIZE 6      // change of the table size
+#define KS_A_STATUS 7    // 0 ok; 1 table full before placing; 2 both buckets full
+#define KS_A_NEW 8       // the failed call's admitted absent keys (its message)
+#define KS_A_PLACED 9    // rows given to keys in the last call (new_rows' length)
+#define KS_A_EVICTED 10  // evicted keys of the last call (evicted_keys' length)
 
 __device__ __forceinline__ i64 ks_imin(i64 a, i64 b) { return a < b ? a : b; }
 
@@ -215,13 +226,14 @@ __device__ i64 ks_evict_round(const KsTable& T, const i64* L, i64 ml, i64* out,
 }
 
 extern "C" __global__ void ks_insert_call(
-    const i64* __restrict__ k, i64 n, u64 salt, u64 nb, int S, i64 capacity, i64 size,
+    const i64* __restrict__ k, const bool* __restrict__ use, int has_use,
+    int first_only, i64 n, u64 salt, u64 nb, int S, i64 capacity, i64 size,
     int eviction, i64 step, int score_prot, i64 admit_after, i64* tkeys,
     unsigned char* tdig, i64* tscore, i64* load, bool* holey,
     const i64* __restrict__ sentinel, unsigned int* stamp, unsigned int call_stamp,
     i64* bids, int use_sketch, unsigned int* sketch, int depth, i64 width, int shift,
     const u64* __restrict__ sketch_salts, i64* ws, i64 H, i64* rows,
-    bool* fresh, i64* new_rows, i64* ev_keys, i64* ev_rows, i64* summary) {
+    bool* fresh, i64* new_rows, i64* ev_keys, i64* ev_rows, i64* acct) {
   const int t = threadIdx.x;
   const bool lfu = eviction == 2;
   // Workspace (int64 words): 20 arrays of n, then the dedup set of H.
@@ -251,12 +263,30 @@ extern "C" __global__ void ks_insert_call(
   i64* hs_cnt = hs_first + H;
   i64* hs_uid = hs_cnt + H;
 
-  __shared__ i64 s_over, s_miss, s_rej;
+  __shared__ i64 s_over, s_miss, s_rej, s_unused;
+  // Clean outputs of a call that does nothing (an earlier or this call failed).
+  auto refuse = [&]() {
+    for (i64 i = t; i < n; i += KS_FT) {
+      rows[i] = -1;
+      fresh[i] = false;
+    }
+    if (t == 0) {
+      acct[KS_A_PLACED] = 0;
+      acct[KS_A_EVICTED] = 0;
+    }
+  };
+  if (acct[KS_A_STATUS] != 0) {
+    refuse();
+    return;
+  }
+  size += acct[KS_A_SIZE];
   if (t == 0) {
+    s_unused = 0;
     s_over = 0;
     s_miss = 0;
     s_rej = 0;
   }
+  __syncthreads();  // before any thread counts into them
   KsTable T;
   T.keys = tkeys;
   T.dig = tdig;
@@ -274,6 +304,12 @@ extern "C" __global__ void ks_insert_call(
 
   // Probe (one thread per key; a key lives in at most one slot).
   for (i64 i = t; i < n; i += KS_FT) {
+    if (has_use && !use[i]) {  // padding: no row, not counted
+      rows[i] = -1;
+      fresh[i] = false;
+      atomicAdd((u64*)&s_unused, 1ULL);
+      continue;
+    }
     const i64 key = k[i];
     const u64 h = ks_mix64((u64)key, salt);
     i64 b[2];
@@ -299,7 +335,7 @@ extern "C" __global__ void ks_insert_call(
   }
   __syncthreads();
   const i64 nm = ks_compact(
-      n, 0, [&](i64 i) { return rows[i] < 0; }, [&](i64 i, i64 o) { MP[o] = i; });
+      n, 0, [&](i64 i) { return fresh[i]; }, [&](i64 i, i64 o) { MP[o] = i; });
 
   i64 nu = 0, na = 0;
   if (nm > 0) {
@@ -381,19 +417,20 @@ extern "C" __global__ void ks_insert_call(
   };
   if (na > 0 && eviction == 0 && na > capacity - size) {
     unsketch();
+    refuse();
     if (t == 0) {
-      summary[KS_S_STATUS] = 1;
-      summary[KS_S_NEW] = na;
+      acct[KS_A_STATUS] = 1;
+      acct[KS_A_NEW] = na;
     }
     return;
   }
   if (nm > 0 && score_prot) {  // hits first: they are protected by score
     for (i64 i = t; i < n; i += KS_FT)
-      if (!fresh[i]) tscore[rows[i]] = step;
+      if (rows[i] >= 0) tscore[rows[i]] = step;
   }
   if (T.use_stamp) {  // hits are protected from eviction
     for (i64 i = t; i < n; i += KS_FT)
-      if (!fresh[i]) stamp[rows[i]] = call_stamp;
+      if (rows[i] >= 0) stamp[rows[i]] = call_stamp;
   }
   __syncthreads();
 
@@ -475,7 +512,12 @@ extern "C" __global__ void ks_insert_call(
           holey[b] = true;
         }
         unsketch();
-        if (t == 0) summary[KS_S_STATUS] = 2;
+        __syncthreads();
+        refuse();
+        if (t == 0) {
+          acct[KS_A_STATUS] = 2;
+          acct[KS_A_NEW] = na;
+        }
         return;
       }
       if (nr == 0) {
@@ -509,7 +551,7 @@ extern "C" __global__ void ks_insert_call(
   // Hits' scores (unless touched before placement).
   if (!(nm > 0 && score_prot) && eviction != 0) {
     for (i64 i = t; i < n; i += KS_FT) {
-      if (fresh[i]) continue;
+      if (rows[i] < 0) continue;
       if (lfu)
         atomicAdd((u64*)&tscore[rows[i]], 1ULL);
       else
@@ -522,7 +564,9 @@ extern "C" __global__ void ks_insert_call(
     const i64 a = adm[inv[j]];
     const i64 r = a >= 0 ? res[a] : -1;
     rows[MP[j]] = r;
-    fresh[MP[j]] = r >= 0;
+    // first_only: only where the new row first appears, so a step draws one
+    // initial vector per new row.
+    fresh[MP[j]] = r >= 0 && (!first_only || U[inv[j]] == j);
   }
   for (i64 u = t; u < nu; u += KS_FT) {
     const i64 c = ucnt[u];
@@ -538,13 +582,14 @@ extern "C" __global__ void ks_insert_call(
       na, 0, [&](i64 a) { return res[a] >= 0; },
       [&](i64 a, i64 o) { new_rows[o] = res[a]; });
   if (t == 0) {
-    summary[KS_S_STATUS] = 0;
-    summary[KS_S_NEW] = na;
-    summary[KS_S_PLACED] = placed;
-    summary[KS_S_EVICTED] = nev;
-    summary[KS_S_MISSES] = s_miss;
-    summary[KS_S_REJECTED] = s_rej;
-    summary[KS_S_OVERFLOWS] = s_over;
-    summary[KS_S_FILLED] = n_filled;
+    acct[KS_A_HITS] += n - s_unused - s_miss;
+    acct[KS_A_MISSES] += s_miss;
+    acct[KS_A_INSERTS] += placed;
+    acct[KS_A_EVICTIONS] += nev;
+    acct[KS_A_REJECTED] += s_rej;
+    acct[KS_A_OVERFLOWS] += s_over;
+    acct[KS_A_SIZE] += n_filled;
+    acct[KS_A_PLACED] = placed;
+    acct[KS_A_EVICTED] = nev;
   }
 }

@@ -353,6 +353,17 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 f"'lfu' or a larger capacity. ({e})"
             ) from None
 
+    def _lookup_or_insert_on_device(self, flat, use):
+        """`HashTable.step_rows` of a GPU table, its errors naming the layer."""
+        try:
+            return self.table.step_rows(flat, use)
+        except TableFullError as e:  # an earlier call's failure, read now
+            raise TableFullError(
+                f"Layer '{self.name}': the hash table is full (capacity="
+                f"{self.table.capacity}) and eviction=None; nothing was "
+                f"changed. ({e})"
+            ) from None
+
     def _table_rows(self, flat, use, insert, xp, out=None):
         """Flat int64 keys and bool ``use``, both NumPy (``xp=np``) or both
         CuPy -> ``(rows int32, fresh bool)`` of ``xp``, rows -1 where absent
@@ -362,6 +373,13 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         rows, fresh = (
             out if out is not None else (xp.empty(n, xp.int32), xp.empty(n, bool))
         )
+        if insert and xp is not np:
+            # GPU table: one launch, no host sync (None: the general path).
+            mapped = self._lookup_or_insert_on_device(flat, use)
+            if mapped is not None:
+                rows[...] = mapped[0]
+                fresh[...] = mapped[1]
+                return rows, fresh
         # No padding (the usual case): no mask copies and scatters. On CuPy
         # the check is one host sync, cheaper than the syncs of mask indexing.
         if bool(use.all()):

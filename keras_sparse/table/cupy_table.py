@@ -69,6 +69,36 @@ class CupyTable(ArrayTable):
     # LRU marks this call's slots by score == step: no capacity-sized mask
     _score_protect = True
 
+    # Size and counters: the host's part plus the one-launch calls' account
+    # on the device, read (one sync) when the host asks for either.
+    @property
+    def size(self):
+        self._read_account()
+        return self._size
+
+    @size.setter
+    def size(self, value):
+        self._read_account()
+        self._size = value
+
+    @property
+    def counters(self):
+        self._read_account()
+        return self._counters
+
+    @counters.setter
+    def counters(self, value):
+        self._counters = value
+
+    def _read_account(self):
+        fused = self.__dict__.get("_fused_insert")
+        if fused is not None:
+            fused.read()
+
+    def step_rows(self, k, use=None, step=None):
+        """See `FusedInsert.step_rows` (None: use `lookup_or_insert_fresh`)."""
+        return FusedInsert.of(self).step_rows(k, use, step)
+
     def lookup_or_insert(self, k, step=None):
         fused = FusedInsert.of(self).call(k, step)
         return super().lookup_or_insert(k, step) if fused is None else fused[0]

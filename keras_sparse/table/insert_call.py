@@ -4,10 +4,16 @@ The multi-launch path (``ArrayTable._insert_call`` on CuPy arrays) pays about
 ten host syncs and 70-150 CuPy operations per call, which dominate the time
 of embedding-sized batches. ``ks_insert_call`` (``kernels/insert_call.cu``)
 runs the whole call in one block: probe, dedup of the absent keys, admission,
-placement and eviction rounds, touch and counts; the host then reads one
-8-word summary (status and output sizes) and slices the batch-sized outputs.
-Rows, new rows, evicted pairs, counters and stored state equal the CPU
-twin's call by call (the conformance suite runs on it).
+placement and eviction rounds, touch and counts. Rows, new rows, evicted
+pairs, counters and stored state equal the CPU twin's call by call (the
+conformance suite runs on it).
+
+The counters, the size change and a failure accumulate on the device (an
+account of 16 words). `FusedInsert.call` (``lookup_or_insert``) reads it
+once after the call, to raise at once and to slice the batch-sized outputs;
+`FusedInsert.step_rows` (a training step's rows) reads nothing: the account
+is read when the host next needs a count (``stats()``, ``size``, any other
+table call), so consecutive steps run with no host sync at all.
 
 Batches of more than ``MAX_KEYS`` keys (one block would leave the GPU idle)
 or more keys than the table has rows (the distinct-hit check needs the
@@ -29,8 +35,22 @@ _WORDS_PER_KEY = 20  # workspace int64 arrays of the batch size (see the kernel)
 _SET_ARRAYS = 5  # dedup-set arrays of H words
 _EVICTION_CODE = {None: 0, "lru": 1, "lfu": 2}
 _NO_BID = np.iinfo(np.int64).max
-# Summary words (KS_S_* in the kernel).
-_STATUS, _NEW, _PLACED, _EVICTED, _MISSES, _REJECTED, _OVERFLOWS, _FILLED = range(8)
+# Account words (KS_A_* in the kernel).
+ACCOUNT = (
+    "hits",
+    "misses",
+    "inserts",
+    "evictions",
+    "rejected_admissions",
+    "overflows",
+    "size",
+    "status",
+    "new_keys",
+    "placed",
+    "evicted",
+)
+_A = {name: i for i, name in enumerate(ACCOUNT)}
+_COUNTERS = ACCOUNT[:6]
 
 
 class FusedInsert:
@@ -44,6 +64,8 @@ class FusedInsert:
         self.dummy_u32 = cp.zeros(1, dtype=cp.uint32)
         self.dummy_u64 = cp.zeros(1, dtype=cp.uint64)
         self.sketch_salts = None
+        self.account = cp.zeros(16, dtype=cp.int64)
+        self.unread = False  # the account holds calls the host has not read
 
     @classmethod
     def of(cls, table):
@@ -57,10 +79,59 @@ class FusedInsert:
 
     def call(self, k, step):
         """``(InsertResult, fresh)`` of one call, or None when not eligible."""
-        t = self.table
         n = int(k.shape[0])
         if not self.eligible(n):
             return None
+        rows, fresh, new_rows, ev_keys, ev_rows = self._launch(k, None, False, step)
+        a = self.read()  # the call's one host sync; raises if it failed
+        placed, evicted = a[_A["placed"]], a[_A["evicted"]]
+        result = InsertResult(
+            rows, new_rows[:placed], ev_keys[:evicted], ev_rows[:evicted]
+        )
+        return result, fresh
+
+    def step_rows(self, k, use, step=None):
+        """``(rows, fresh)`` of a training step's flat keys with no host sync,
+        or None when not eligible (or the table has eviction=None: a full
+        table must fail the step itself, not a later read).
+
+        ``use`` (bool, or None for all): positions without a row and
+        uncounted (padding). ``fresh`` is True only where a new row first
+        appears (one initial vector per new row)."""
+        n = int(k.shape[0])
+        if self.table.eviction is None or not self.eligible(n):
+            return None
+        rows, fresh = self._launch(k, use, True, step)[:2]
+        return rows, fresh
+
+    def read(self):
+        """Applies the calls not yet read to the table's size and counters
+        (one host sync) and raises the error of a failed one; returns the
+        account as read (host ints)."""
+        if not self.unread:
+            return None
+        a = [int(v) for v in self.account.get()]
+        self.account.fill(0)
+        self.unread = False
+        t = self.table
+        t._size += a[_A["size"]]
+        for name in _COUNTERS:
+            t._counters[name] += a[_A[name]]
+        if a[_A["status"]] == 1:
+            raise TableFullError(
+                f"hash table full: capacity {t.capacity}, size {t._size}, "
+                f"{a[_A['new_keys']]} new keys and eviction=None"
+            )
+        if a[_A["status"]] == 2:
+            raise TableFullError(
+                "hash table full: both candidate buckets of a key are full "
+                f"(capacity {t.capacity}, size {t._size}) and eviction=None"
+            )
+        return a
+
+    def _launch(self, k, use, first_only, step):
+        t = self.table
+        n = int(k.shape[0])
         clock0 = t.clock
         step = t._next_step(step)
         # As ArrayTable._insert_call: LRU slots touched in this call hold
@@ -86,18 +157,21 @@ class FusedInsert:
         new_rows = cp.empty(n, dtype=cp.int64)
         ev_keys = cp.empty(n, dtype=cp.int64)
         ev_rows = cp.empty(n, dtype=cp.int64)
-        summary = cp.zeros(8, dtype=cp.int64)
+        use_arg = fresh if use is None else use  # any bool array when unused
         module("insert_call.cu").get_function("ks_insert_call")(
             (1,),
             (THREADS,),
             (
                 cp.ascontiguousarray(k, dtype=cp.int64),
+                cp.ascontiguousarray(use_arg, dtype=cp.bool_),
+                np.int32(use is not None),
+                np.int32(first_only),
                 np.int64(n),
                 np.uint64(t.salt),
                 np.uint64(t.num_buckets),
                 np.int32(t.bucket_size),
                 np.int64(t.capacity),
-                np.int64(t.size),
+                np.int64(t._size),  # the host's part; the kernel adds the rest
                 np.int32(_EVICTION_CODE[t.eviction]),
                 np.int64(step),
                 np.int32(score_prot),
@@ -124,32 +198,11 @@ class FusedInsert:
                 new_rows,
                 ev_keys,
                 ev_rows,
-                summary,
+                self.account,
             ),
         )
-        s = [int(v) for v in summary.get()]  # the call's one host sync
-        if s[_STATUS] == 1:
-            raise TableFullError(
-                f"hash table full: capacity {t.capacity}, size {t.size}, "
-                f"{s[_NEW]} new keys and eviction=None"
-            )
-        if s[_STATUS] == 2:
-            raise TableFullError(
-                "hash table full: both candidate buckets of a key are full "
-                f"(capacity {t.capacity}, size {t.size}) and eviction=None"
-            )
-        t.size += s[_FILLED]
-        c = t.counters
-        c["hits"] += n - s[_MISSES]
-        c["misses"] += s[_MISSES]
-        c["rejected_admissions"] += s[_REJECTED]
-        c["inserts"] += s[_PLACED]
-        c["evictions"] += s[_EVICTED]
-        c["overflows"] += s[_OVERFLOWS]
-        result = InsertResult(
-            rows, new_rows[: s[_PLACED]], ev_keys[: s[_EVICTED]], ev_rows[: s[_EVICTED]]
-        )
-        return result, fresh
+        self.unread = True
+        return rows, fresh, new_rows, ev_keys, ev_rows
 
     def _next_stamp(self):
         """The protection marks for a new call (no row carries its stamp)."""

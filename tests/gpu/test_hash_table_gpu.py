@@ -115,3 +115,41 @@ def test_insert_call_is_one_launch_and_one_sync(kw):
         counts.append({k: cp.stats[k] - before[k] for k in ("syncs", "kernels")})
     assert table.stats()["evictions"] > 0
     assert counts == [{"syncs": 1, "kernels": 1}] * 6
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_step_rows_match_the_cpu_table_and_defer_the_counts(eviction):
+    """``step_rows`` (a training step's rows, no host sync) gives the rows of
+    the CPU twin's ``lookup_or_insert_fresh`` on the used keys, -1 at
+    padding, ``fresh`` at each new row's first position only; the counts,
+    read later by ``stats()``, equal the twin's."""
+    import numpy as np
+
+    from keras_sparse.table import HashTable
+
+    kw = dict(eviction=eviction, admit_after=2, bucket_size=8)
+    cpu = HashTable(1024, device="cpu", **kw)
+    gpu = HashTable(1024, device="gpu", **kw)
+    assert HashTable(512, device="cpu").step_rows(np.zeros(3, np.int64)) is None
+    full_fails_at_once = HashTable(512, device="gpu", eviction=None)
+    assert full_fails_at_once.step_rows(cp.zeros(3, cp.int64)) is None
+    rng = np.random.default_rng(3)
+    syncs = getattr(cp, "stats", {}).get("syncs")
+    for _ in range(8):
+        keys = (rng.zipf(1.05, 700) % 20000).astype(np.int64) * 7919
+        use = rng.random(700) < 0.9
+        res, fresh = cpu.lookup_or_insert_fresh(keys[use])
+        want_rows = np.full(700, -1, np.int64)
+        want_rows[use] = res.rows
+        want_fresh = np.zeros(700, bool)
+        at = np.flatnonzero(use)[fresh]
+        _, first = np.unique(want_rows[at], return_index=True)
+        want_fresh[at[first]] = True
+        rows, got_fresh = gpu.step_rows(cp.asarray(keys), cp.asarray(use))
+        np.testing.assert_array_equal(rows.get(), want_rows)
+        np.testing.assert_array_equal(got_fresh.get(), want_fresh)
+    if syncs is not None:  # emulated: the reads above are the only syncs
+        assert cp.stats["syncs"] == syncs + 16
+    assert gpu.stats() == cpu.stats() and cpu.stats()["evictions"] > 0
+    for x, y in zip(cpu.export(), gpu.export()):
+        np.testing.assert_array_equal(x, y.get())

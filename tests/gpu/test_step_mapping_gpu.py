@@ -191,3 +191,37 @@ def test_probe_fails_when_writes_miss_xla_buffers(gpu_buffers, monkeypatch):
     original = cp.asarray
     monkeypatch.setattr(cp, "asarray", lambda a, *args, **kw: original(a).copy())
     assert jax_step_mapping._probe_gpu_buffers() is False
+
+
+def test_gpu_buffer_route_steps_without_host_syncs(gpu_buffers, monkeypatch):
+    """Each training step maps its keys with one kernel launch and no host
+    sync (the table's counts stay on the device until ``stats()`` reads
+    them), and the counts then equal the CPU table's."""
+    if not emulated():
+        pytest.skip("launches and syncs are counted by the emulated CuPy")
+    x, y = keys_and_targets()
+    keras.utils.set_random_seed(0)
+    model, layer = _model("cpu")
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    cpu = layer.stats()
+
+    per_step = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.before = dict(cp.stats)
+
+        def on_train_batch_end(self, batch, logs=None):
+            per_step.append(
+                {k: cp.stats[k] - self.before[k] for k in ("syncs", "kernels")}
+            )
+
+    _forbid_host_mapping(monkeypatch)
+    keras.utils.set_random_seed(0)
+    model, layer = _model("gpu")
+    model.fit(
+        x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[Count()]
+    )
+    assert len(per_step) == len(x) // 32
+    assert per_step == [{"syncs": 0, "kernels": 1}] * len(per_step)
+    assert layer.stats() == cpu and cpu["evictions"] > 0
