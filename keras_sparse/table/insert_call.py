@@ -22,6 +22,8 @@ multi-launch path) take the multi-launch path.
 
 from __future__ import annotations
 
+import threading
+
 import cupy as cp
 import numpy as np
 
@@ -66,6 +68,9 @@ class FusedInsert:
         self.sketch_salts = None
         self.account = cp.zeros(16, dtype=cp.int64)
         self.unread = False  # the account holds calls the host has not read
+        # A read (get, then zero) must not interleave with another thread's
+        # launch, whose counts the zeroing would drop.
+        self.lock = threading.RLock()
 
     @classmethod
     def of(cls, table):
@@ -82,8 +87,9 @@ class FusedInsert:
         n = int(k.shape[0])
         if not self.eligible(n):
             return None
-        rows, fresh, new_rows, ev_keys, ev_rows = self._launch(k, None, False, step)
-        a = self.read()  # the call's one host sync; raises if it failed
+        with self.lock:
+            rows, fresh, new_rows, ev_keys, ev_rows = self._launch(k, None, False, step)
+            a = self.read()  # the call's one host sync; raises if it failed
         placed, evicted = a[_A["placed"]], a[_A["evicted"]]
         result = InsertResult(
             rows, new_rows[:placed], ev_keys[:evicted], ev_rows[:evicted]
@@ -101,22 +107,24 @@ class FusedInsert:
         n = int(k.shape[0])
         if self.table.eviction is None or not self.eligible(n):
             return None
-        rows, fresh = self._launch(k, use, True, step)[:2]
+        with self.lock:
+            rows, fresh = self._launch(k, use, True, step)[:2]
         return rows, fresh
 
     def read(self):
         """Applies the calls not yet read to the table's size and counters
         (one host sync) and raises the error of a failed one; returns the
         account as read (host ints)."""
-        if not self.unread:
-            return None
-        a = [int(v) for v in self.account.get()]
-        self.account.fill(0)
-        self.unread = False
-        t = self.table
-        t._size += a[_A["size"]]
-        for name in _COUNTERS:
-            t._counters[name] += a[_A[name]]
+        with self.lock:
+            if not self.unread:
+                return None
+            a = [int(v) for v in self.account.get()]
+            self.account.fill(0)
+            self.unread = False
+            t = self.table
+            t._size += a[_A["size"]]
+            for name in _COUNTERS:
+                t._counters[name] += a[_A[name]]
         if a[_A["status"]] == 1:
             raise TableFullError(
                 f"hash table full: capacity {t.capacity}, size {t._size}, "
