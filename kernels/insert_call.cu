@@ -226,7 +226,7 @@ __device__ i64 ks_evict_round(const KsTable& T, const i64* L, i64 ml, i64* out,
 }
 
 extern "C" __global__ void ks_insert_call(
-    const i64* __restrict__ k, const bool* __restrict__ use, int has_use,
+    const i64* __restrict__ k, const bool* use, int has_use,
     int first_only, i64 n, u64 salt, u64 nb, int S, i64 capacity, i64 size,
     int eviction, i64 step, int score_prot, i64 admit_after, i64* tkeys,
     unsigned char* tdig, i64* tscore, i64* load, bool* holey,

@@ -118,8 +118,14 @@ class FusedInsert:
         with self.lock:
             if not self.unread:
                 return None
+            # Steps launch on XLA's stream, which need not wait for (or be
+            # waited for by) this thread's stream: settle the whole device
+            # around the read and the reset, so no launch is half counted.
+            device = cp.cuda.Device()
+            device.synchronize()
             a = [int(v) for v in self.account.get()]
             self.account.fill(0)
+            device.synchronize()
             self.unread = False
             t = self.table
             t._size += a[_A["size"]]
