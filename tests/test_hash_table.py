@@ -303,6 +303,23 @@ def test_eviction_none_leaves_table_unchanged(device):
     assert issubclass(TableFullError, RuntimeError)
 
 
+def test_table_works_on_after_a_refused_call(device):
+    """A refused call (both buckets of a key full, eviction=None) changes
+    nothing, and the calls after it run as on a table that never saw it."""
+    t, keys = _fill_pair(device, None)
+    other = make(device, 16, bucket_size=S_PAIR, eviction=None)
+    for k in keys[: 2 * S_PAIR]:
+        other.lookup_or_insert([k])
+    with pytest.raises(TableFullError):
+        t.lookup_or_insert([keys[0], keys[5]])
+    later = [keys[1], 77, 78, 77]
+    a, b = t.lookup_or_insert(later), other.lookup_or_insert(later)
+    np.testing.assert_array_equal(host(a.rows), host(b.rows))
+    np.testing.assert_array_equal(host(a.new_rows), host(b.new_rows))
+    assert t.stats() == other.stats() and t.size == 2 * S_PAIR + 2
+    check_invariants(t)
+
+
 def test_batch_larger_than_capacity(device):
     t = make(device, 64, bucket_size=4, eviction="lru")
     t.lookup_or_insert(np.arange(10))
