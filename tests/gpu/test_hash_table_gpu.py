@@ -153,3 +153,74 @@ def test_step_rows_match_the_cpu_table_and_defer_the_counts(eviction):
     assert gpu.stats() == cpu.stats() and cpu.stats()["evictions"] > 0
     for x, y in zip(cpu.export(), gpu.export()):
         np.testing.assert_array_equal(x, y.get())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(eviction="lru"),
+        dict(eviction="lfu", admit_after=2),
+        dict(eviction="lru", admit_after=3),
+    ],
+    ids=["lru", "lfu-admit2", "lru-admit3"],
+)
+def test_random_call_sequences_match_the_cpu_table(seed, kw):
+    """Random sequences of every table call (inserts with implicit, repeated
+    and old explicit steps, lookups, erases that leave holes, imports at
+    given rows and with scores above the clock, training-step calls with
+    padding) give the CUDA table the CPU twin's results call by call."""
+    import numpy as np
+
+    from keras_sparse.table import HashTable
+
+    rng = np.random.default_rng(seed)
+    cpu = HashTable(256, device="cpu", bucket_size=8, **kw)
+    gpu = HashTable(256, device="gpu", bucket_size=8, **kw)
+
+    def same(a, b, what):
+        np.testing.assert_array_equal(np.asarray(a), b.get(), err_msg=what)
+
+    universe = rng.integers(-(2**62), 2**62, 600)
+    for i in range(40):
+        op = rng.choice(["insert", "insert", "insert", "step", "erase", "import"])
+        keys = universe[(rng.zipf(1.3, rng.integers(1, 200)) - 1) % 600]
+        what = f"call {i}: {op}"
+        if op == "insert":
+            step = [None, None, 5, cpu._impl.clock][rng.integers(4)]
+            a = cpu.lookup_or_insert(keys, step=step)
+            b = gpu.lookup_or_insert(cp.asarray(keys), step=step)
+            for name in ("rows", "new_rows", "evicted_keys", "evicted_rows"):
+                same(getattr(a, name), getattr(b, name), f"{what} {name}")
+        elif op == "step":
+            use = rng.random(keys.shape[0]) < 0.8
+            res, fresh = cpu.lookup_or_insert_fresh(keys[use])
+            rows, _ = gpu.step_rows(cp.asarray(keys), cp.asarray(use))
+            want = np.full(keys.shape[0], -1, np.int64)
+            want[use] = res.rows
+            same(want, rows, what)
+        elif op == "erase":
+            assert cpu.erase(keys) == gpu.erase(cp.asarray(keys)), what
+        else:
+            live, rows, _ = cpu.export()
+            if live.shape[0] == 0:
+                continue
+            pick = rng.random(live.shape[0]) < 0.3
+            cpu.erase(live[pick])
+            gpu.erase(cp.asarray(live[pick]))
+            if rng.random() < 0.5:  # back at their rows: holes may remain
+                cpu.import_(live[pick], rows=rows[pick])
+                gpu.import_(cp.asarray(live[pick]), rows=cp.asarray(rows[pick]))
+            else:  # placed anew, with scores above the clock
+                scores = np.full(int(pick.sum()), cpu._impl.clock + 50, np.int64)
+                a = cpu.import_(live[pick], scores=scores)
+                b = gpu.import_(cp.asarray(live[pick]), scores=cp.asarray(scores))
+                same(a.rows, b.rows, what)
+        same(
+            cpu.lookup(universe, count=False),
+            gpu.lookup(cp.asarray(universe), count=False),
+            what,
+        )
+        assert cpu.stats() == gpu.stats(), what
+    for x, y in zip(cpu.export(), gpu.export()):
+        np.testing.assert_array_equal(x, y.get())
