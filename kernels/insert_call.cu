@@ -232,7 +232,8 @@ extern "C" __global__ void ks_insert_call(
     unsigned char* tdig, i64* tscore, i64* load, bool* holey,
     const i64* __restrict__ sentinel, unsigned int* stamp, unsigned int call_stamp,
     i64* bids, int use_sketch, unsigned int* sketch, int depth, i64 width, int shift,
-    const u64* __restrict__ sketch_salts, i64* ws, i64 H, i64* rows,
+    const u64* __restrict__ sketch_salts, i64* ws, i64 H, i64* rows, int* rows32,
+    int write32,
     bool* fresh, i64* new_rows, i64* ev_keys, i64* ev_rows, i64* acct) {
   const int t = threadIdx.x;
   const bool lfu = eviction == 2;
@@ -269,6 +270,7 @@ extern "C" __global__ void ks_insert_call(
     for (i64 i = t; i < n; i += KS_FT) {
       rows[i] = -1;
       fresh[i] = false;
+      if (write32) rows32[i] = -1;
     }
     if (t == 0) {
       acct[KS_A_PLACED] = 0;
@@ -567,6 +569,10 @@ extern "C" __global__ void ks_insert_call(
     // first_only: only where the new row first appears, so a step draws one
     // initial vector per new row.
     fresh[MP[j]] = r >= 0 && (!first_only || U[inv[j]] == j);
+  }
+  if (write32) {  // a training step's int32 rows, written in its own buffer
+    __syncthreads();
+    for (i64 i = t; i < n; i += KS_FT) rows32[i] = (int)rows[i];
   }
   for (i64 u = t; u < nu; u += KS_FT) {
     const i64 c = ucnt[u];

@@ -353,10 +353,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 f"'lfu' or a larger capacity. ({e})"
             ) from None
 
-    def _lookup_or_insert_on_device(self, flat, use):
-        """`HashTable.step_rows` of a GPU table, its errors naming the layer."""
+    def _lookup_or_insert_on_device(self, flat, use, out):
+        """`HashTable.step_rows` of a GPU table into ``out``; False when the
+        table needs the general path. Errors name the layer."""
         try:
-            return self.table.step_rows(flat, use)
+            return self.table.step_rows(flat, use, out) is not None
         except TableFullError as e:  # an earlier call's failure, read now
             raise TableFullError(
                 f"Layer '{self.name}': the hash table is full (capacity="
@@ -374,11 +375,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             out if out is not None else (xp.empty(n, xp.int32), xp.empty(n, bool))
         )
         if insert and xp is not np:
-            # GPU table: one launch, no host sync (None: the general path).
-            mapped = self._lookup_or_insert_on_device(flat, use)
-            if mapped is not None:
-                rows[...] = mapped[0]
-                fresh[...] = mapped[1]
+            # GPU table: one launch writing rows and fresh, no host sync
+            # (None: the general path below).
+            if self._lookup_or_insert_on_device(flat, use, (rows, fresh)):
                 return rows, fresh
         # No padding (the usual case): no mask copies and scatters. On CuPy
         # the check is one host sync, cheaper than the syncs of mask indexing.

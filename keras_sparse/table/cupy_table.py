@@ -95,9 +95,9 @@ class CupyTable(ArrayTable):
         if fused is not None:
             fused.read()
 
-    def step_rows(self, k, use=None, step=None):
+    def step_rows(self, k, use, out, step=None):
         """See `FusedInsert.step_rows` (None: use `lookup_or_insert_fresh`)."""
-        return FusedInsert.of(self).step_rows(k, use, step)
+        return FusedInsert.of(self).step_rows(k, use, out, step)
 
     def lookup_or_insert(self, k, step=None):
         fused = FusedInsert.of(self).call(k, step)

@@ -209,27 +209,34 @@ class HashTable:
             self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
 
-    def step_rows(self, keys, use=None):
+    def step_rows(self, keys, use=None, out=None):
         """``(rows, fresh)`` of a training step's keys, flat, with no host sync.
 
         For GPU tables (None elsewhere, and where the call needs
         `lookup_or_insert_fresh`: ``eviction=None``, a batch of more than
         64K keys or of more keys than the table has rows). ``use``: a bool
         device array, False at padding (row -1, not counted); ``fresh`` is
-        True only where a new row first appears. The call's counts and size
-        change stay on the device until `stats`, `size` or another call
-        reads them, so steps that only call this never wait for the GPU.
+        True only where a new row first appears. ``out``: the flat int32
+        ``rows`` and bool ``fresh`` device arrays to write (new ones by
+        default). The call's counts and size change stay on the device until
+        `stats`, `size` or another call reads them, so steps that only call
+        this never wait for the GPU.
         """
         step_rows = getattr(self._impl, "step_rows", None)
         if step_rows is None:
             return None
         k, _ = self._convert(keys, "keys")
+        if out is None:
+            import cupy as cp
+
+            n = int(k.shape[0])
+            out = (cp.empty(n, dtype=cp.int32), cp.empty(n, dtype=cp.bool_))
         with self._lock:
-            out = step_rows(k, use)
+            done = step_rows(k, use, out)
             # May have inserted: copies of the map must not trust it (the
             # count of new rows stays on the device).
-            self._version += out is not None
-        return out
+            self._version += done is not None
+        return done
 
     def erase(self, keys) -> int:
         """Remove ``keys`` (absent ones are ignored); returns how many were live."""

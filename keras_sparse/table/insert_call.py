@@ -65,6 +65,8 @@ class FusedInsert:
         self.call_stamp = 0
         self.dummy_u32 = cp.zeros(1, dtype=cp.uint32)
         self.dummy_u64 = cp.zeros(1, dtype=cp.uint64)
+        self.dummy_i32 = cp.zeros(1, dtype=cp.int32)
+        self.step_outputs = cp.empty((4, 0), dtype=cp.int64)
         self.sketch_salts = None
         self.account = cp.zeros(16, dtype=cp.int64)
         self.unread = False  # the account holds calls the host has not read
@@ -96,10 +98,11 @@ class FusedInsert:
         )
         return result, fresh
 
-    def step_rows(self, k, use, step=None):
-        """``(rows, fresh)`` of a training step's flat keys with no host sync,
-        or None when not eligible (or the table has eviction=None: a full
-        table must fail the step itself, not a later read).
+    def step_rows(self, k, use, out, step=None):
+        """Writes a training step's ``(rows, fresh)`` into ``out`` (flat int32
+        and bool device arrays) with no host sync; returns ``out``, or None
+        when not eligible (or the table has eviction=None: a full table must
+        fail the step itself, not a later read).
 
         ``use`` (bool, or None for all): positions without a row and
         uncounted (padding). ``fresh`` is True only where a new row first
@@ -108,8 +111,8 @@ class FusedInsert:
         if self.table.eviction is None or not self.eligible(n):
             return None
         with self.lock:
-            rows, fresh = self._launch(k, use, True, step)[:2]
-        return rows, fresh
+            self._launch(k, use, True, step, out)
+        return out
 
     def read(self):
         """Applies the calls not yet read to the table's size and counters
@@ -143,7 +146,7 @@ class FusedInsert:
             )
         return a
 
-    def _launch(self, k, use, first_only, step):
+    def _launch(self, k, use, first_only, step, out=None):
         t = self.table
         n = int(k.shape[0])
         clock0 = t.clock
@@ -166,11 +169,18 @@ class FusedInsert:
         sketch = t.sketch
         if sketch is not None and self.sketch_salts is None:
             self.sketch_salts = cp.asarray(np.asarray(sketch._salts, dtype=np.uint64))
-        rows = cp.empty(n, dtype=cp.int64)
-        fresh = cp.empty(n, dtype=cp.bool_)
-        new_rows = cp.empty(n, dtype=cp.int64)
-        ev_keys = cp.empty(n, dtype=cp.int64)
-        ev_rows = cp.empty(n, dtype=cp.int64)
+        if out is None:
+            rows = cp.empty(n, dtype=cp.int64)
+            fresh = cp.empty(n, dtype=cp.bool_)
+            new_rows = cp.empty(n, dtype=cp.int64)
+            ev_keys = cp.empty(n, dtype=cp.int64)
+            ev_rows = cp.empty(n, dtype=cp.int64)
+            rows32 = self.dummy_i32
+        else:  # outputs the step does not read: reused buffers
+            rows32, fresh = out
+            if self.step_outputs.shape[1] < n:
+                self.step_outputs = cp.empty((4, n), dtype=cp.int64)
+            rows, new_rows, ev_keys, ev_rows = self.step_outputs[:, :n]
         use_arg = fresh if use is None else use  # any bool array when unused
         module("insert_call.cu").get_function("ks_insert_call")(
             (1,),
@@ -208,6 +218,8 @@ class FusedInsert:
                 self.workspace,
                 np.int64(set_size),
                 rows,
+                rows32,
+                np.int32(out is not None),
                 fresh,
                 new_rows,
                 ev_keys,
