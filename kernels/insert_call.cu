@@ -340,6 +340,10 @@ extern "C" __global__ void ks_insert_call(
       n, 0, [&](i64 i) { return fresh[i]; }, [&](i64 i, i64 o) { MP[o] = i; });
 
   i64 nu = 0, na = 0;
+  // Count-min cell of unique key u in sketch row r (CountMinSketch._cells).
+  auto cell = [&](i64 u, int r) {
+    return (i64)(ks_mix64((u64)k[MP[U[u]]], sketch_salts[r]) >> shift) + r * width;
+  };
   if (nm > 0) {
     // Dedup: a set keyed by the key; the first occurrence is the least index.
     for (i64 j = t; j < nm; j += KS_FT) {
@@ -373,19 +377,13 @@ extern "C" __global__ void ks_insert_call(
     for (i64 j = t; j < nm; j += KS_FT) inv[j] = hs_uid[setslot[j]];
     // Admission: add this call's sightings, then read the estimates.
     if (use_sketch) {
-      for (i64 u = t; u < nu; u += KS_FT) {
-        const u64 key = (u64)k[MP[U[u]]];
+      for (i64 u = t; u < nu; u += KS_FT)
         for (int r = 0; r < depth; ++r)
-          atomicAdd(&sketch[(i64)(ks_mix64(key, sketch_salts[r]) >> shift) + r * width],
-                    (unsigned int)ucnt[u]);
-      }
+          atomicAdd(&sketch[cell(u, r)], (unsigned int)ucnt[u]);
       __syncthreads();
       for (i64 u = t; u < nu; u += KS_FT) {
-        const u64 key = (u64)k[MP[U[u]]];
         i64 e = KS_MAX;
-        for (int r = 0; r < depth; ++r)
-          e = ks_imin(e, (i64)sketch[(i64)(ks_mix64(key, sketch_salts[r]) >> shift) +
-                                     r * width]);
+        for (int r = 0; r < depth; ++r) e = ks_imin(e, (i64)sketch[cell(u, r)]);
         est[u] = e;
       }
     }
@@ -410,12 +408,9 @@ extern "C" __global__ void ks_insert_call(
   // Undoes this call's sketch additions (a failed call leaves no trace there).
   auto unsketch = [&]() {
     if (!use_sketch) return;
-    for (i64 u = t; u < nu; u += KS_FT) {
-      const u64 key = (u64)k[MP[U[u]]];
+    for (i64 u = t; u < nu; u += KS_FT)
       for (int r = 0; r < depth; ++r)
-        atomicAdd(&sketch[(i64)(ks_mix64(key, sketch_salts[r]) >> shift) + r * width],
-                  (unsigned int)(-ucnt[u]));
-    }
+        atomicAdd(&sketch[cell(u, r)], (unsigned int)(-ucnt[u]));
   };
   if (na > 0 && eviction == 0 && na > capacity - size) {
     unsketch();

@@ -353,18 +353,6 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 f"'lfu' or a larger capacity. ({e})"
             ) from None
 
-    def _lookup_or_insert_on_device(self, flat, use, out):
-        """`HashTable.step_rows` of a GPU table into ``out``; False when the
-        table needs the general path. Errors name the layer."""
-        try:
-            return self.table.step_rows(flat, use, out) is not None
-        except TableFullError as e:  # an earlier call's failure, read now
-            raise TableFullError(
-                f"Layer '{self.name}': the hash table is full (capacity="
-                f"{self.table.capacity}) and eviction=None; nothing was "
-                f"changed. ({e})"
-            ) from None
-
     def _table_rows(self, flat, use, insert, xp, out=None):
         """Flat int64 keys and bool ``use``, both NumPy (``xp=np``) or both
         CuPy -> ``(rows int32, fresh bool)`` of ``xp``, rows -1 where absent
@@ -377,7 +365,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         if insert and xp is not np:
             # GPU table: one launch writing rows and fresh, no host sync
             # (None: the general path below).
-            if self._lookup_or_insert_on_device(flat, use, (rows, fresh)):
+            if self.table.step_rows(flat, use, (rows, fresh)) is not None:
                 return rows, fresh
         # No padding (the usual case): no mask copies and scatters. On CuPy
         # the check is one host sync, cheaper than the syncs of mask indexing.

@@ -151,13 +151,7 @@ class FusedInsert:
         n = int(k.shape[0])
         clock0 = t.clock
         step = t._next_step(step)
-        # As ArrayTable._insert_call: LRU slots touched in this call hold
-        # score == step exactly when no stored score is above the clock.
-        score_prot = (
-            t.eviction == "lru"
-            and step > clock0
-            and not t.__dict__.get("_score_above_clock", False)
-        )
+        score_prot = t._step_marks_touched(step, clock0)
         use_stamp = not score_prot and t.eviction is not None
         stamp = self._next_stamp() if use_stamp else self.dummy_u32
         if getattr(t, "_bids", None) is None:

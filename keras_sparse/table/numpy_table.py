@@ -297,12 +297,7 @@ class ArrayTable:
         # LRU with every stored score < step (no import_ above the clock):
         # exactly the slots this call touches hold score == step, so that
         # marks them protected from eviction (no capacity-size bool array).
-        score_prot = (
-            self._score_protect
-            and self.eviction == "lru"
-            and step > clock0
-            and not self.__dict__.get("_score_above_clock", False)
-        )
+        score_prot = self._score_protect and self._step_marks_touched(step, clock0)
         n = int(k.shape[0])
         rows, hit_rows, miss_idx, miss_hash = self._find_for_insert(k)
         n_miss = int(miss_idx.shape[0])
@@ -524,6 +519,16 @@ class ArrayTable:
         step = int(step)
         self.clock = max(self.clock, step)
         return step
+
+    def _step_marks_touched(self, step, clock0):
+        """LRU with every stored score below ``step``: exactly the slots a
+        call at ``step`` touches hold ``score == step`` (``clock0``: the
+        clock before the call)."""
+        return (
+            self.eviction == "lru"
+            and step > clock0
+            and not self.__dict__.get("_score_above_clock", False)
+        )
 
     def _touch(self, hit_rows, step):
         """Scores of keys found by lookup_or_insert (duplicates count for LFU)."""
