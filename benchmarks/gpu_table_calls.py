@@ -3,13 +3,13 @@
 A full CUDA table (``HashTable(device="gpu")``) takes Zipf batches, so every
 call evicts. Routes, all giving identical rows (``tests/gpu``):
 
-* ``one-launch``: the whole call in one ``ks_insert_call`` launch and one
+* ``one-launch``: the whole call in one ``ks_insert_calls`` launch and one
   host read of its counts (the default for batches up to 64K keys);
 * ``step-rows``: the same launch as a training step makes it
   (``HashTable.step_rows``): the counts stay on the device, no host read;
 * ``multi-launch``: host-orchestrated CuPy code per phase with the eviction
   rounds in one ``ks_evict_rounds`` launch (larger batches; the default
-  before ``ks_insert_call``);
+  before ``ks_insert_calls``);
 * ``per-round``: the same with one round at a time in CuPy code
   (``ArrayTable._evict_rounds``, the largest batches).
 

@@ -1,6 +1,7 @@
-// One lookup_or_insert in one launch of one block: probe, dedup of the
+// One lookup_or_insert per block of one launch: probe, dedup of the
 // absent keys, admission (count-min sketch), placement and eviction rounds,
-// touch, counters.  Nothing is read back by the host in between; the host
+// touch, counters.  A launch runs one table's call, or the calls of several
+// tables (a training step's hash fields), one block each (ks_insert_calls).  Nothing is read back by the host in between; the host
 // reads one small summary afterwards (status and output sizes).
 //
 // The result is bit-identical to ArrayTable._insert_call (the CPU twin) for
@@ -225,7 +226,8 @@ __device__ i64 ks_evict_round(const KsTable& T, const i64* L, i64 ml, i64* out,
   return lost;
 }
 
-extern "C" __global__ void ks_insert_call(
+// One call (one table, one batch) run by the calling block.
+__device__ void ks_insert_body(
     const i64* __restrict__ k, const bool* use, int has_use,
     int first_only, i64 n, u64 salt, u64 nb, int S, i64 capacity, i64 size,
     int eviction, i64 step, int score_prot, i64 admit_after, i64* tkeys,
@@ -593,4 +595,24 @@ extern "C" __global__ void ks_insert_call(
     acct[KS_A_PLACED] = placed;
     acct[KS_A_EVICTED] = nev;
   }
+}
+
+// Words of one call's record in ks_insert_calls' descriptor (DESC_WORDS in
+// keras_sparse/table/insert_call.py, which writes them in this order).
+#define KS_DESC_WORDS 40
+
+// Block b runs the call of record b: one launch serves one table call, or
+// the calls of several tables (a step's hash fields) side by side.  Each
+// record names its own table, keys, outputs, workspace and account, so the
+// blocks share nothing and their results equal separate calls.
+extern "C" __global__ void ks_insert_calls(const i64* __restrict__ desc) {
+  const i64* d = desc + (i64)blockIdx.x * KS_DESC_WORDS;
+  ks_insert_body(
+      (const i64*)d[0], (const bool*)d[1], (int)d[2], (int)d[3], d[4], (u64)d[5],
+      (u64)d[6], (int)d[7], d[8], d[9], (int)d[10], d[11], (int)d[12], d[13],
+      (i64*)d[14], (unsigned char*)d[15], (i64*)d[16], (i64*)d[17], (bool*)d[18],
+      (const i64*)d[19], (unsigned int*)d[20], (unsigned int)d[21], (i64*)d[22],
+      (int)d[23], (unsigned int*)d[24], (int)d[25], d[26], (int)d[27],
+      (const u64*)d[28], (i64*)d[29], d[30], (i64*)d[31], (int*)d[32], (int)d[33],
+      (bool*)d[34], (i64*)d[35], (i64*)d[36], (i64*)d[37], (i64*)d[38]);
 }

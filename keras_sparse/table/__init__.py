@@ -4,6 +4,7 @@ from .hash_table import BatchTooLargeError
 from .hash_table import HashTable
 from .hash_table import InsertResult
 from .hash_table import TableFullError
+from .hash_table import step_rows_together
 from .keys import hash_strings
 from .sharded_table import ShardedHashTable
 from .sharded_table import owner_of
@@ -16,4 +17,5 @@ __all__ = [
     "TableFullError",
     "hash_strings",
     "owner_of",
+    "step_rows_together",
 ]

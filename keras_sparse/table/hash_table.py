@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from .keys import to_numpy_keys
@@ -11,7 +12,13 @@ from .numpy_table import InsertResult
 from .numpy_table import NumpyTable
 from .numpy_table import TableFullError
 
-__all__ = ["BatchTooLargeError", "HashTable", "InsertResult", "TableFullError"]
+__all__ = [
+    "BatchTooLargeError",
+    "HashTable",
+    "InsertResult",
+    "TableFullError",
+    "step_rows_together",
+]
 
 DEFAULT_BUCKET_SIZE = 16  # 16 x 8 B keys = one 128 B line; 16 digests = one 16 B load
 
@@ -299,3 +306,28 @@ class HashTable:
         k, shape = self._convert(keys, "keys")
         b1, b2, _ = self._impl.hash(k)
         return b1.reshape(shape), b2.reshape(shape)
+
+
+def step_rows_together(tables, keys, use, bounds, out):
+    """`HashTable.step_rows` of several GPU tables in one kernel launch.
+
+    ``tables[i]`` maps the flat device keys ``keys[a:b]`` for ``(a, b) =
+    bounds[i]`` (``use`` masks padding, or None) and writes ``out[0][a:b]``
+    (int32 rows) and ``out[1][a:b]`` (fresh flags). Returns ``out``, or None
+    with nothing done when one of them needs its own call (a CPU table, or
+    one `step_rows` would refuse); the caller then calls each table.
+    """
+    if not tables or any(getattr(t._impl, "step_rows", None) is None for t in tables):
+        return None
+    from .insert_call import FusedInsert
+    from .insert_call import step_rows_many
+
+    k, _ = tables[0]._convert(keys, "keys")
+    with contextlib.ExitStack() as held:
+        for t in tables:
+            held.enter_context(t._lock)
+        fused = [FusedInsert.of(t._impl) for t in tables]
+        done = step_rows_many(fused, k, use, bounds, out)
+        for t in tables:
+            t._version += done is not None
+    return done

@@ -1,8 +1,8 @@
-"""``lookup_or_insert`` of the GPU table in one kernel launch (``ks_insert_call``).
+"""``lookup_or_insert`` of the GPU table in one kernel launch (``ks_insert_calls``).
 
 The multi-launch path (``ArrayTable._insert_call`` on CuPy arrays) pays about
 ten host syncs and 70-150 CuPy operations per call, which dominate the time
-of embedding-sized batches. ``ks_insert_call`` (``kernels/insert_call.cu``)
+of embedding-sized batches. ``ks_insert_calls`` (``kernels/insert_call.cu``)
 runs the whole call in one block: probe, dedup of the absent keys, admission,
 placement and eviction rounds, touch and counts. Rows, new rows, evicted
 pairs, counters and stored state equal the CPU twin's call by call (the
@@ -15,6 +15,11 @@ once after the call, to raise at once and to slice the batch-sized outputs;
 is read when the host next needs a count (``stats()``, ``size``, any other
 table call), so consecutive steps run with no host sync at all.
 
+A launch takes a descriptor of one record per block (`FusedInsert.record`:
+the call's table, keys, outputs, workspace and account as pointers and
+scalars), so `step_rows_many` runs the step calls of several tables (a
+model's hash fields) in one launch, one block per table.
+
 Batches of more than ``MAX_KEYS`` keys (one block would leave the GPU idle)
 or more keys than the table has rows (the distinct-hit check needs the
 multi-launch path) take the multi-launch path.
@@ -22,6 +27,7 @@ multi-launch path) take the multi-launch path.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import cupy as cp
@@ -33,6 +39,7 @@ from .numpy_table import TableFullError
 
 MAX_KEYS = 1 << 16
 THREADS = 512  # KS_FT in kernels/insert_call.cu
+DESC_WORDS = 40  # KS_DESC_WORDS: int64 words of one call's record
 _WORDS_PER_KEY = 20  # workspace int64 arrays of the batch size (see the kernel)
 _SET_ARRAYS = 5  # dedup-set arrays of H words
 _EVICTION_CODE = {None: 0, "lru": 1, "lfu": 2}
@@ -147,6 +154,17 @@ class FusedInsert:
         return a
 
     def _launch(self, k, use, first_only, step, out=None):
+        record, outputs = self.record(k, use, first_only, step, out)
+        launch([record])
+        return outputs
+
+    def record(self, k, use, first_only, step, out=None):
+        """``(record, outputs)``: this table's call as a descriptor record of
+        ``ks_insert_calls`` (`DESC_WORDS` int64 words) and its output arrays
+        ``(rows, fresh, new_rows, ev_keys, ev_rows)``. Advances the table's
+        clock: the caller must launch the record. The arrays the record
+        points at are held until this table's next record, so the launch
+        may outlive the caller's references."""
         t = self.table
         n = int(k.shape[0])
         clock0 = t.clock
@@ -175,54 +193,56 @@ class FusedInsert:
             if self.step_outputs.shape[1] < n:
                 self.step_outputs = cp.empty((4, n), dtype=cp.int64)
             rows, new_rows, ev_keys, ev_rows = self.step_outputs[:, :n]
-        use_arg = fresh if use is None else use  # any bool array when unused
-        module("insert_call.cu").get_function("ks_insert_call")(
-            (1,),
-            (THREADS,),
-            (
-                cp.ascontiguousarray(k, dtype=cp.int64),
-                cp.ascontiguousarray(use_arg, dtype=cp.bool_),
-                np.int32(use is not None),
-                np.int32(first_only),
-                np.int64(n),
-                np.uint64(t.salt),
-                np.uint64(t.num_buckets),
-                np.int32(t.bucket_size),
-                np.int64(t.capacity),
-                np.int64(t._size),  # the host's part; the kernel adds the rest
-                np.int32(_EVICTION_CODE[t.eviction]),
-                np.int64(step),
-                np.int32(score_prot),
-                np.int64(t.admit_after),
-                t.keys,
-                t.digest,
-                t.score,
-                t.load,
-                t.holey,
-                t.bucket_sentinel,
-                stamp,
-                np.uint32(self.call_stamp),
-                t._bids,
-                np.int32(sketch is not None),
-                self.dummy_u32 if sketch is None else sketch.counts,
-                np.int32(0 if sketch is None else sketch.depth),
-                np.int64(0 if sketch is None else sketch.width),
-                np.int32(0 if sketch is None else int(sketch._shift)),
-                self.dummy_u64 if sketch is None else self.sketch_salts,
-                self.workspace,
-                np.int64(set_size),
-                rows,
-                rows32,
-                np.int32(out is not None),
-                fresh,
-                new_rows,
-                ev_keys,
-                ev_rows,
-                self.account,
-            ),
+        k = cp.ascontiguousarray(k, dtype=cp.int64)
+        use_arg = fresh if use is None else cp.ascontiguousarray(use, dtype=cp.bool_)
+        no_sketch = sketch is None
+        # (pointer, array) or a host integer, in the kernel's record order.
+        fields = (
+            k,
+            use_arg,
+            int(use is not None),
+            int(first_only),
+            n,
+            int(np.uint64(t.salt).view(np.int64)),
+            t.num_buckets,
+            t.bucket_size,
+            t.capacity,
+            t._size,  # the host's part; the kernel adds the account's
+            _EVICTION_CODE[t.eviction],
+            step,
+            int(score_prot),
+            t.admit_after,
+            t.keys,
+            t.digest,
+            t.score,
+            t.load,
+            t.holey,
+            t.bucket_sentinel,
+            stamp,
+            self.call_stamp,
+            t._bids,
+            int(not no_sketch),
+            self.dummy_u32 if no_sketch else sketch.counts,
+            0 if no_sketch else sketch.depth,
+            0 if no_sketch else sketch.width,
+            0 if no_sketch else int(sketch._shift),
+            self.dummy_u64 if no_sketch else self.sketch_salts,
+            self.workspace,
+            set_size,
+            rows,
+            rows32,
+            int(out is not None),
+            fresh,
+            new_rows,
+            ev_keys,
+            ev_rows,
+            self.account,
         )
+        self.held = [f for f in fields if not isinstance(f, (int, np.integer))]
+        record = [f if isinstance(f, (int, np.integer)) else f.data.ptr for f in fields]
+        record += [0] * (DESC_WORDS - len(record))
         self.unread = True
-        return rows, fresh, new_rows, ev_keys, ev_rows
+        return record, (rows, fresh, new_rows, ev_keys, ev_rows)
 
     def _next_stamp(self):
         """The protection marks for a new call (no row carries its stamp)."""
@@ -231,3 +251,46 @@ class FusedInsert:
             self.call_stamp = 0
         self.call_stamp += 1
         return self.stamp
+
+
+def launch(records):
+    """One ``ks_insert_calls`` launch running ``records`` (one block each).
+
+    The descriptor may return to CuPy's pool as soon as this returns: the
+    pool reuses memory in the order of the stream it was freed on."""
+    desc = cp.asarray(np.asarray(records, dtype=np.int64).reshape(-1))
+    module("insert_call.cu").get_function("ks_insert_calls")(
+        (len(records),), (THREADS,), (desc,)
+    )
+
+
+def step_rows_many(fused, keys, use, bounds, out):
+    """`FusedInsert.step_rows` of several tables in one launch.
+
+    Table ``i`` (``fused[i]``) maps ``keys[a:b]`` for ``(a, b) = bounds[i]``
+    and writes ``out[0][a:b]`` (int32 rows) and ``out[1][a:b]`` (fresh);
+    each block of the launch runs one table's call, so the results equal
+    separate `step_rows` calls. Returns ``out``, or None (nothing done) when
+    a table is not eligible alone or appears twice (two blocks would race).
+    """
+    if len({id(f) for f in fused}) != len(fused) or any(
+        f.table.eviction is None or not f.eligible(b - a)
+        for f, (a, b) in zip(fused, bounds)
+    ):
+        return None
+    rows32, fresh = out
+    with contextlib.ExitStack() as held:
+        for f in fused:
+            held.enter_context(f.lock)
+        records = [
+            f.record(
+                keys[a:b],
+                None if use is None else use[a:b],
+                True,
+                None,
+                (rows32[a:b], fresh[a:b]),
+            )[0]
+            for f, (a, b) in zip(fused, bounds)
+        ]
+        launch(records)
+    return out

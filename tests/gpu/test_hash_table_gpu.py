@@ -42,7 +42,7 @@ def test_gpu_matches_cpu_under_eviction(eviction, admit_after, path, monkeypatch
     """A full table taking large Zipf batches (duplicates, many eviction
     rounds per call, some overflows): the CUDA table's rows, new rows,
     evicted keys and rows (in order), counters and stored state equal the
-    CPU twin's call by call: with the whole call in one ks_insert_call
+    CPU twin's call by call: with the whole call in one ks_insert_calls
     launch (batches up to 64K keys), and on the multi-launch path (larger
     batches) with the rounds in one ks_evict_rounds launch and with the
     per-round CuPy code (the largest batches)."""
@@ -153,6 +153,63 @@ def test_step_rows_match_the_cpu_table_and_defer_the_counts(eviction):
     assert gpu.stats() == cpu.stats() and cpu.stats()["evictions"] > 0
     for x, y in zip(cpu.export(), gpu.export()):
         np.testing.assert_array_equal(x, y.get())
+
+
+def test_step_rows_together_is_one_launch_equal_to_separate_tables():
+    """`step_rows_together` maps several tables' keys in one kernel launch
+    (one block per table) with no host sync, and each table ends exactly as
+    the CPU twin fed its own slice: rows, fresh flags, counts, entries.
+    Tables differ in policy, admission, bucket size and batch length."""
+    import numpy as np
+
+    from keras_sparse.table import HashTable
+    from keras_sparse.table import step_rows_together
+
+    kws = [
+        dict(capacity=512, eviction="lru", bucket_size=8),
+        dict(capacity=256, eviction="lfu", admit_after=2, bucket_size=4),
+        dict(capacity=1024, eviction="lru", admit_after=3, seed=5),
+    ]
+    cpus = [HashTable(device="cpu", **kw) for kw in kws]
+    gpus = [HashTable(device="gpu", **kw) for kw in kws]
+    lengths = [400, 250, 900]
+    bounds = list(zip(np.cumsum([0] + lengths[:-1]), np.cumsum(lengths)))
+    rng = np.random.default_rng(11)
+    counts = getattr(cp, "stats", None)
+    for _ in range(6):
+        keys = (rng.zipf(1.1, sum(lengths)) % 5000).astype(np.int64) * 104729
+        use = rng.random(sum(lengths)) < 0.9
+        out = (cp.empty(len(keys), cp.int32), cp.empty(len(keys), cp.bool_))
+        before = dict(counts) if counts else None
+        got = step_rows_together(gpus, cp.asarray(keys), cp.asarray(use), bounds, out)
+        if counts:
+            assert counts["kernels"] - before["kernels"] == 1
+            assert counts["syncs"] == before["syncs"]
+        assert got is out
+        for cpu, (a, b) in zip(cpus, bounds):
+            k, u = keys[a:b], use[a:b]
+            res, fresh = cpu.lookup_or_insert_fresh(k[u])
+            want = np.full(b - a, -1, np.int64)
+            want[u] = res.rows
+            want_fresh = np.zeros(b - a, bool)
+            at = np.flatnonzero(u)[fresh]
+            _, first = np.unique(want[at], return_index=True)
+            want_fresh[at[first]] = True
+            np.testing.assert_array_equal(out[0][a:b].get(), want)
+            np.testing.assert_array_equal(out[1][a:b].get(), want_fresh)
+    for cpu, gpu in zip(cpus, gpus):
+        assert gpu.stats() == cpu.stats()
+        for x, y in zip(cpu.export(), gpu.export()):
+            np.testing.assert_array_equal(x, y.get())
+    assert cpus[0].stats()["evictions"] > 0 and cpus[1].stats()["evictions"] > 0
+    # Not for one launch: a CPU table, a table twice, eviction=None.
+    assert step_rows_together(cpus[:1], keys[:10], None, [(0, 10)], out) is None
+    twice = [gpus[0], gpus[0]]
+    assert step_rows_together(twice, out[0][:4], None, [(0, 2), (2, 4)], out) is None
+    strict = HashTable(512, device="gpu", eviction=None)
+    assert (
+        step_rows_together([strict], cp.zeros(3, cp.int64), None, [(0, 3)], out) is None
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

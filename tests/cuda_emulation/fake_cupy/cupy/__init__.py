@@ -85,6 +85,13 @@ def _op(name=""):
         _sync()
 
 
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
 class ndarray:
     """A device array: a NumPy array that only device operations may touch."""
 
@@ -115,6 +122,13 @@ class ndarray:
             "Implicit conversion to a NumPy array is not allowed. Please use "
             "`.get()` to construct a NumPy array explicitly."
         )
+
+    @property
+    def data(self):
+        """The device pointer (``.ptr``) as CuPy gives it: kernels may read
+        pointers from device memory (descriptors), and host memory is the
+        device here."""
+        return _Pointer(self._a.__array_interface__["data"][0])
 
     @property
     def __cuda_array_interface__(self):
@@ -167,7 +181,6 @@ class ndarray:
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
     T = property(lambda self: ndarray(self._a.T))
-    data = property(lambda self: self._a.ctypes.data)
 
     def __len__(self):
         return len(self._a)
