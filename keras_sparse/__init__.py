@@ -39,6 +39,7 @@ from keras_sparse.gpu_memory import share_gpu_memory
 from keras_sparse.layers import AllToAllDenseEmbedding
 from keras_sparse.layers import DistributedHashEmbedding
 from keras_sparse.layers import EmbeddingCollection
+from keras_sparse.layers import HashEmbeddingCollection
 from keras_sparse.layers import TableConfig
 from keras_sparse.layers import ragged_to_padded
 from keras_sparse.layers import refresh_serving_maps
@@ -56,6 +57,7 @@ __all__ = [
     "AllToAllDenseEmbedding",
     "DistributedHashEmbedding",
     "EmbeddingCollection",
+    "HashEmbeddingCollection",
     "HashTable",
     "InsertResult",
     "TableFullError",

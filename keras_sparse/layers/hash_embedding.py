@@ -486,6 +486,18 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         if getattr(self, "_prepared_inputs", 0):
             return self._call_prepared(inputs, weights, training)
         # --- prepared-input fast path (keras_sparse.data.prefetch) end
+        keys, weights, shape, use = self._call_keys(inputs, weights)
+        insert = bool(training) and self.trainable
+        # A frozen layer in a training step still maps through the table:
+        # the serving map is refreshed for inference calls only.
+        rows, fresh, extra = self._map_keys(keys, use, insert, inference=not training)
+        valid = rows >= 0
+        return self._vectors_out(rows, valid, fresh, weights, shape, insert, extra)
+
+    def _call_keys(self, inputs, weights):
+        """``(keys, weights, shape, use)`` of a call: keys normalized (a
+        trailing axis added for a combiner), the keys' shape and the flat
+        bool mask of the positions to map (not padding, weight not 0)."""
         keys, weights, present = self._normalize(inputs, weights)
         if self.combiner is not None and len(keys.shape) == 1:
             keys = (
@@ -503,14 +515,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             use = ops.logical_and(use, present)
         if weights is not None:
             use = ops.logical_and(use, ops.not_equal(weights, 0))
-        insert = bool(training) and self.trainable
-        # A frozen layer in a training step still maps through the table:
-        # the serving map is refreshed for inference calls only.
-        rows, fresh, extra = self._map_keys(
-            keys, ops.reshape(use, (-1,)), insert, inference=not training
-        )
-        valid = rows >= 0
-        return self._vectors_out(rows, valid, fresh, weights, shape, insert, extra)
+        return keys, weights, shape, ops.reshape(use, (-1,))
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) begin
     def _call_prepared(self, codes, weights, training):

@@ -225,3 +225,47 @@ def test_gpu_buffer_route_steps_without_host_syncs(gpu_buffers, monkeypatch):
     assert len(per_step) == len(x) // 32
     assert per_step == [{"syncs": 0, "kernels": 1}] * len(per_step)
     assert layer.stats() == cpu and cpu["evictions"] > 0
+
+
+def test_hash_fields_together_take_one_launch_per_step(gpu_buffers, monkeypatch):
+    """A `HashEmbeddingCollection` of three GPU-table fields maps every
+    training step with one kernel launch (one block per field) and no host
+    sync, and trains exactly like the same fields as separate CPU-table
+    layers: losses, counters, stored records."""
+    if not emulated():
+        pytest.skip("launches and syncs are counted by the emulated CuPy")
+    from tests.hash_fields import FIELDS
+    from tests.hash_fields import fields_data
+    from tests.hash_fields import fields_model
+
+    x, y = fields_data(samples=128)
+    fit = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(0)
+    model, cpu_layers = fields_model(False, "cpu", jit_compile=True)
+    cpu_loss = model.fit(x, y, **fit).history["loss"]
+
+    per_step = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.before = dict(cp.stats)
+
+        def on_train_batch_end(self, batch, logs=None):
+            per_step.append(
+                {k: cp.stats[k] - self.before[k] for k in ("syncs", "kernels")}
+            )
+
+    _forbid_host_mapping(monkeypatch)
+    keras.utils.set_random_seed(0)
+    model, gpu_layers = fields_model(True, "gpu", jit_compile=True)
+    gpu_loss = model.fit(x, y, callbacks=[Count()], **fit).history["loss"]
+    assert per_step == [{"syncs": 0, "kernels": 1}] * (len(y) // 16)
+    np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-5)
+    for name in FIELDS:
+        cpu, gpu = cpu_layers[name], gpu_layers[name]
+        assert gpu.stats() == cpu.stats()
+        a, b = sorted_records(cpu.export()), sorted_records(gpu.export())
+        np.testing.assert_array_equal(a["keys"], b["keys"])
+        for part in a:
+            np.testing.assert_allclose(a[part], b[part], rtol=1e-5, err_msg=part)
+    assert gpu_layers["user"].stats()["evictions"] > 0

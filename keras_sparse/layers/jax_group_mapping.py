@@ -1,0 +1,117 @@
+"""One callback for all hash fields of a compiled JAX step.
+
+`keras_sparse.layers.jax_step_mapping` gives each `DistributedHashEmbedding`
+its own callback, so a model with 26 hash fields makes 26 table calls per
+step. A `HashEmbeddingCollection` maps its fields' keys together instead:
+their flat keys and masks are concatenated in the step, one callback
+receives them, and on a GPU the tables run as one kernel launch (one block
+per table, `keras_sparse.table.step_rows_together`). Each table still
+sees exactly its own field's keys, so rows, fresh flags and counts equal
+those of separate layers.
+
+The route is chosen as for one layer (`jax_step_mapping.choose_route`), and
+must be the same for every field; the owner (the collection) must be called
+once per step, because in-place callbacks run unordered.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers import jax_step_mapping
+
+
+def group_route(owner, layers):
+    """The route shared by all ``layers`` (called inside ``owner``), or None
+    when they differ (then each field is mapped by its own layer)."""
+    routes = {jax_step_mapping.choose_route(layer) for layer in layers}
+    if len(routes) != 1:
+        return None
+    route = routes.pop()
+    if route != "io_callback" and not jax_step_mapping._called_once(owner):
+        return "io_callback"  # ordered: two calls of the owner keep their order
+    return route
+
+
+def _bounds(sizes):
+    ends = np.cumsum(sizes)
+    return [(int(e - s), int(e)) for s, e in zip(sizes, ends)]
+
+
+def _host_rows(layers, bounds, keys, use, insert, out):
+    for layer, (a, b) in zip(layers, bounds):
+        layer._map_step_keys(keys[a:b], use[a:b], insert, (out[0][a:b], out[1][a:b]))
+
+
+def _gpu_rows(layers, bounds, keys, use, insert, out):
+    """Every field's rows on the current CuPy stream: one launch when every
+    table can take part (`step_rows_together`), else one call per table."""
+    import cupy as cp
+
+    from keras_sparse.table import step_rows_together
+    from keras_sparse.table.keys import to_cupy_keys
+
+    flat, _ = to_cupy_keys(keys)
+    for layer, (a, b) in zip(layers, bounds):
+        if jax_full_keys.has_queued(layer):
+            flat[a:b] = jax_full_keys.restore(layer, flat[a:b], cp)
+    use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
+    tables = [layer.table for layer in layers]
+    if insert and step_rows_together(tables, flat, use, bounds, out) is not None:
+        return
+    for layer, (a, b) in zip(layers, bounds):
+        layer._table_rows(flat[a:b], use[a:b], insert, cp, (out[0][a:b], out[1][a:b]))
+
+
+def map_group_in_step(owner, layers, keys, use, insert, route):
+    """``[(rows int32, fresh bool)]`` per layer of traced flat ``keys`` /
+    ``use`` (one array per layer, static sizes), by one callback."""
+    import jax
+    import jax.numpy as jnp
+
+    sizes = [int(k.shape[0]) for k in keys]
+    bounds = _bounds(sizes)
+    n = sum(sizes)
+    dtype = jnp.result_type(*[k.dtype for k in keys])
+    all_keys = jnp.concatenate([k.astype(dtype) for k in keys])
+    all_use = jnp.concatenate([u.astype(bool) for u in use])
+    result_types = (
+        jax.ShapeDtypeStruct((n,), np.int32),
+        jax.ShapeDtypeStruct((n,), np.bool_),
+    )
+    if route == "io_callback":
+        from jax.experimental import io_callback
+
+        def host_callback(k, u):
+            out = (np.empty(n, np.int32), np.empty(n, bool))
+            _host_rows(layers, bounds, np.asarray(k), np.asarray(u), insert, out)
+            return out
+
+        callback = jax_step_mapping._failing_once(owner, host_callback)
+        rows, fresh = io_callback(
+            callback, result_types, all_keys, all_use, ordered=True
+        )
+    else:
+        if route == "cpu_buffers":
+
+            def callback(ctx, outputs, k, u):
+                out = (np.asarray(outputs[0]), np.asarray(outputs[1]))
+                _host_rows(layers, bounds, np.asarray(k), np.asarray(u), insert, out)
+
+        else:
+
+            def callback(ctx, outputs, k, u):
+                import cupy as cp
+
+                with jax_step_mapping._cupy_stream(ctx):
+                    out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
+                    _gpu_rows(layers, bounds, cp.asarray(k), cp.asarray(u), insert, out)
+
+        mapper = jax_step_mapping.buffer_callback_or_none()(
+            jax_step_mapping._failing_once(owner, callback),
+            result_types,
+            has_side_effect=True,
+        )
+        rows, fresh = mapper(all_keys, all_use)
+    return [(rows[a:b], fresh[a:b]) for a, b in bounds]

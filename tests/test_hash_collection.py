@@ -1,0 +1,127 @@
+"""HashEmbeddingCollection: its fields train exactly as separate
+DistributedHashEmbedding layers do, with one table callback per JAX step."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_sparse as ks
+from keras_sparse.layers import jax_group_mapping
+from tests.hash_fields import FIELDS
+from tests.hash_fields import field_layers
+from tests.hash_fields import fields_data
+from tests.hash_fields import fields_model
+
+BATCH, EPOCHS = 32, 2
+
+
+def _sorted(records):
+    order = np.argsort(records["keys"])
+    return {name: values[order] for name, values in records.items()}
+
+
+def _trained(together):
+    keras.utils.set_random_seed(0)
+    model, layers = fields_model(together)
+    x, y = fields_data()
+    hist = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model, layers, hist.history["loss"], x
+
+
+def test_fields_train_like_separate_layers(monkeypatch):
+    """Losses, table counters, stored records (keys, rows, vectors, slots,
+    scores) and predictions equal those of the same fields as separate
+    layers, under evictions, admission and padding; on JAX every step maps
+    all fields with one callback."""
+    callbacks = []
+    host_rows = jax_group_mapping._host_rows
+
+    def counted(layers, *args):
+        callbacks.append(len(layers))
+        return host_rows(layers, *args)
+
+    monkeypatch.setattr(jax_group_mapping, "_host_rows", counted)
+    ref_model, ref_layers, ref_loss, x = _trained(together=False)
+    assert not callbacks
+    model, layers, loss, _ = _trained(together=True)
+    if keras.backend.backend() == "jax":
+        steps = EPOCHS * len(x["user"]) // BATCH
+        assert callbacks == [len(FIELDS)] * steps
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    stats = {name: layer.stats() for name, layer in layers.items()}
+    assert stats == {name: layer.stats() for name, layer in ref_layers.items()}
+    assert stats["user"]["evictions"] > 0 and stats["item"]["evictions"] > 0
+    assert stats["item"]["rejected_admissions"] > 0
+    for name in FIELDS:
+        got, want = _sorted(layers[name].export()), _sorted(ref_layers[name].export())
+        assert set(got) == set(want)
+        np.testing.assert_array_equal(got["keys"], want["keys"])
+        for part in want:
+            np.testing.assert_allclose(got[part], want[part], rtol=1e-5, err_msg=part)
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), ref_model.predict(x, verbose=0), rtol=1e-5
+    )
+
+
+def test_save_and_load_keep_every_field(tmp_path):
+    model, layers, _, x = _trained(together=True)
+    path = str(tmp_path / "fields.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    collection = loaded.get_layer("fields")
+    assert isinstance(collection, ks.HashEmbeddingCollection)
+    assert collection.field_names == list(FIELDS)
+    for name in FIELDS:
+        got = _sorted(collection.fields[name].export())
+        want = _sorted(layers[name].export())
+        np.testing.assert_array_equal(got["keys"], want["keys"])
+        np.testing.assert_allclose(got["values"], want["values"], rtol=1e-6)
+        assert collection.fields[name].get_config() == layers[name].get_config()
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5
+    )
+
+
+def test_config_round_trip():
+    collection = ks.HashEmbeddingCollection(field_layers(), name="c")
+    again = ks.HashEmbeddingCollection.from_config(collection.get_config())
+    assert again.name == "c" and again.field_names == collection.field_names
+    for name in FIELDS:
+        assert again.fields[name].get_config() == collection.fields[name].get_config()
+
+
+def test_eager_calls_match_separate_layers():
+    x, _ = fields_data(samples=16)
+    keras.utils.set_random_seed(0)
+    ref = field_layers()
+    keras.utils.set_random_seed(0)
+    collection = ks.HashEmbeddingCollection(field_layers())
+    inputs = {name: x[name] for name in FIELDS}
+    out = collection(inputs, weights={"item": x["item_w"]}, training=True)
+    for name, layer in ref.items():
+        w = x["item_w"] if name == "item" else None
+        want = layer(x[name], weights=w, training=True)
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(out[name]),
+            keras.ops.convert_to_numpy(want),
+            rtol=1e-6,
+        )
+        assert collection.fields[name].stats() == layer.stats()
+    assert collection.stats() == {n: layer.stats() for n, layer in ref.items()}
+
+
+def test_bad_arguments_name_the_layer_and_change_nothing():
+    layers = field_layers()
+    with pytest.raises(ValueError, match="'c'.*non-empty dict"):
+        ks.HashEmbeddingCollection([], name="c")
+    with pytest.raises(TypeError, match="'c'.*field 'x' must be a Distributed"):
+        ks.HashEmbeddingCollection({"x": keras.layers.Dense(2)}, name="c")
+    with pytest.raises(ValueError, match="'c'.*'a' and 'b' share one layer"):
+        ks.HashEmbeddingCollection({"a": layers["user"], "b": layers["user"]}, name="c")
+    collection = ks.HashEmbeddingCollection(layers, name="c")
+    x, _ = fields_data(samples=4)
+    with pytest.raises(ValueError, match="'c'.*exactly the fields"):
+        collection({"user": x["user"]}, training=True)
+    with pytest.raises(ValueError, match="'c'.*`weights`.*among the fields"):
+        collection({name: x[name] for name in FIELDS}, weights={"nope": x["item_w"]})
+    assert all(layer.stats()["size"] == 0 for layer in layers.values())
