@@ -125,3 +125,55 @@ def test_bad_arguments_name_the_layer_and_change_nothing():
     with pytest.raises(ValueError, match="'c'.*`weights`.*among the fields"):
         collection({name: x[name] for name in FIELDS}, weights={"nope": x["item_w"]})
     assert all(layer.stats()["size"] == 0 for layer in layers.values())
+
+
+def _wide(x):
+    """The keys moved beyond 32 bits (distinct keys stay distinct)."""
+    x = dict(x)
+    for name in FIELDS:
+        x[name] = x[name].astype(np.int64) * (2**32 + 1)
+    return x
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="only JAX narrows int64 inputs"
+)
+def test_wide_keys_reach_every_field_whole():
+    """On JAX without x64 the fields get the full 64-bit keys of the model
+    inputs feeding the collection, as separate layers do."""
+    x, y = fields_data()
+    x = _wide(x)
+    results = []
+    for together in (False, True):
+        keras.utils.set_random_seed(0)
+        model, layers = fields_model(together, key_dtype="int64")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        results.append({n: _sorted(layer.export()) for n, layer in layers.items()})
+    for name in FIELDS:
+        keys = results[1][name]["keys"]
+        assert (np.abs(keys) >= 2**32).any()
+        assert set(keys.tolist()) <= set(x[name].ravel().tolist())
+        np.testing.assert_array_equal(keys, results[0][name]["keys"])
+        np.testing.assert_allclose(
+            results[1][name]["values"], results[0][name]["values"], rtol=1e-5
+        )
+
+
+def test_prefetch_stage_feeds_the_fields():
+    """`keras_sparse.data.prefetch` maps the fields' keys ahead of the step
+    (finding them through the collection) and trains as separate layers."""
+    from keras_sparse.data import prefetch
+
+    _, ref_layers, ref_loss, _ = _trained(together=False)
+    x, y = fields_data()
+    keras.utils.set_random_seed(0)
+    model, layers = fields_model(True)
+    with prefetch((x, y), model, batch_size=BATCH, threads=2) as stage:
+        loss = model.fit(stage, epochs=EPOCHS, verbose=0).history["loss"]
+        assert stage.stats()["batches"] == EPOCHS * len(y) // BATCH
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for name in FIELDS:
+        assert layers[name].stats() == ref_layers[name].stats()
+        got, want = _sorted(layers[name].export()), _sorted(ref_layers[name].export())
+        np.testing.assert_array_equal(got["keys"], want["keys"])
+        np.testing.assert_allclose(got["values"], want["values"], rtol=1e-5)

@@ -192,12 +192,12 @@ def plan(model, feature_map=None):
     """
     if feature_map is not None:
         return _mapped_feeds(model, feature_map)
-    inputs = None
+    inputs = field_calls = None
     feeds = []
     for layer in _sparse_layers(model):
         if inputs is None:
-            inputs = model_inputs(model)
-        feed = _walked_feed(layer, _kind(layer), inputs)
+            inputs, field_calls = model_inputs(model), _field_calls(model)
+        feed = _walked_feed(layer, _kind(layer), inputs, field_calls)
         if feed is not None:
             feeds.append(feed)
     return feeds
@@ -216,12 +216,38 @@ def _mapped_feeds(model, feature_map):
     return feeds
 
 
-def _walked_feed(layer, kind, inputs):
-    own = [
-        n
-        for n in getattr(layer, "_inbound_nodes", [])
-        if n.arguments.args and id(n.arguments.args[0]) in inputs
-    ]
+def _calls(layer, field_calls):
+    """``[(keys, weights)]``: the KerasTensors of each call of ``layer`` in
+    the model (weights None when not given), its calls as a field of a
+    `HashEmbeddingCollection` included."""
+    calls = []
+    for node in getattr(layer, "_inbound_nodes", []):
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        if args:
+            calls.append((args[0], kwargs.get("weights", args[1] if args[1:] else None)))
+    return calls + field_calls.get(id(layer), [])
+
+
+def _field_calls(model):
+    """``{id(field layer): [(keys, weights)]}``: what each call of a
+    `HashEmbeddingCollection` hands its fields (entries of its dicts)."""
+    out = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if getattr(layer, "keras_sparse_kind", None) != "hash_collection":
+            continue
+        for keys, weights in _calls(layer, {}):
+            if not isinstance(keys, dict):
+                continue
+            weights = weights if isinstance(weights, dict) else {}
+            for name, field in layer.fields.items():
+                out.setdefault(id(field), []).append(
+                    (keys.get(name), weights.get(name))
+                )
+    return out
+
+
+def _walked_feed(layer, kind, inputs, field_calls=None):
+    own = [c for c in _calls(layer, field_calls or {}) if id(c[0]) in inputs]
     if len(own) != 1:
         if kind == "dense":
             return None  # routing only; skipped when not fed by an input
@@ -231,8 +257,7 @@ def _walked_feed(layer, kind, inputs):
             "input, in a functional model). Pass "
             "`feature_map={layer_name: input_key}`."
         )
-    args, kwargs = own[0].arguments.args, own[0].arguments.kwargs
-    w = kwargs.get("weights", args[1] if len(args) > 1 else None)
+    keys, w = own[0]
     weights = None
     if w is not None:
         if id(w) not in inputs:
@@ -241,7 +266,7 @@ def _walked_feed(layer, kind, inputs):
                 "come directly from a model input."
             )
         weights = inputs[id(w)]
-    return Feed(layer, inputs[id(args[0])], weights, kind)
+    return Feed(layer, inputs[id(keys)], weights, kind)
 
 
 def check_sole_readers(model, feeds):
@@ -261,7 +286,13 @@ def check_sole_readers(model, feeds):
     hash_layers = {id(f.layer) for f in feeds if f.kind == "hash"}
     for nodes in getattr(model, "_nodes_by_depth", {}).values():
         for node in nodes:
-            if node.arguments is None or id(node.operation) in hash_layers:
+            if (
+                node.arguments is None
+                or id(node.operation) in hash_layers
+                # Hands each field's keys to a hash layer (its field).
+                or getattr(node.operation, "keras_sparse_kind", None)
+                == "hash_collection"
+            ):
                 continue
             for t in node.arguments.keras_tensors:
                 feed = readers.get(id(t))
