@@ -13,7 +13,12 @@ call evicts. Routes, all giving identical rows (``tests/gpu``):
 * ``per-round``: the same with one round at a time in CuPy code
   (``ArrayTable._evict_rounds``, the largest batches).
 
-On a real GPU the table prints milliseconds per call. On the CPU emulation
+A second table times a training step of ``--fields`` hash fields (one
+table each): ``step_rows`` per field, against ``step_rows_together``, which
+runs every field's call in one launch (one block per table, what a
+`HashEmbeddingCollection` does in a compiled JAX step).
+
+On a real GPU the tables print milliseconds per call or step. On the CPU emulation
 of CUDA (``tests/cuda_emulation``) time means nothing, so it prints what a
 GPU would pay per call instead: host synchronizations, device operations
 (each at least one kernel launch) and RawModule kernel launches.
@@ -36,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from keras_sparse.table import HashTable  # noqa: E402
 from keras_sparse.table import insert_call  # noqa: E402
+from keras_sparse.table import step_rows_together  # noqa: E402
 from keras_sparse.table.numpy_table import ArrayTable  # noqa: E402
 
 EMULATED = getattr(cp, "EMULATED", False)
@@ -92,6 +98,66 @@ def _timed_calls(table, call, args):
     return row
 
 
+def measure_fields(together, args):
+    """Per training step of ``args.fields`` fields: every field's step rows,
+    by one launch (``together``) or one ``step_rows`` call per field."""
+    tables = [
+        HashTable(args.capacity, device="gpu", eviction=args.eviction, seed=f)
+        for f in range(args.fields)
+    ]
+    for f, table in enumerate(tables):
+        for keys in zipf_batches(args.batch, args.warmup, seed=100 + f):
+            table.lookup_or_insert(cp.asarray(keys))
+    n = args.fields * args.batch
+    bounds = [(f * args.batch, (f + 1) * args.batch) for f in range(args.fields)]
+    steps = [
+        cp.asarray(np.concatenate(list(zipf_batches(args.batch, args.fields, s))))
+        for s in range(args.calls)
+    ]
+    out = (cp.empty(n, dtype=cp.int32), cp.empty(n, dtype=cp.bool_))
+    times, counts = [], []
+    for keys in steps:
+        before = dict(cp.stats) if EMULATED else None
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        if together:
+            assert step_rows_together(tables, keys, None, bounds, out) == []
+        else:
+            for table, (a, b) in zip(tables, bounds):
+                table.step_rows(keys[a:b], None, (out[0][a:b], out[1][a:b]))
+        cp.cuda.Device().synchronize()
+        times.append(time.perf_counter() - t0)
+        if EMULATED:
+            counts.append({k: cp.stats[k] - before[k] for k in before})
+    row = {
+        "ms": 1e3 * statistics.median(times),
+        "evictions": sum(t.stats()["evictions"] for t in tables),
+    }
+    if EMULATED:
+        for k in ("syncs", "ops", "kernels", "host_to_device"):
+            row[k] = statistics.mean(c[k] for c in counts)
+    return row
+
+
+def print_fields(args):
+    rows = {
+        f"step_rows per field ({args.fields} calls)": measure_fields(False, args),
+        "step_rows_together (one launch)": measure_fields(True, args),
+    }
+    cols = ["syncs", "ops", "kernels", "host_to_device"] if EMULATED else ["ms"]
+    print(
+        f"\nper training step of {args.fields} fields ({args.batch:,} keys "
+        "each, one table each):\n"
+    )
+    head = ["route"] + [f"{c} per step" for c in cols]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for name, row in rows.items():
+        cells = [f"{row[c]:,.1f}" if c != "ms" else f"{row[c]:.3f}" for c in cols]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    first, second = rows.values()
+    assert first["evictions"] == second["evictions"]  # same work done
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--capacity", type=int, default=1 << 14)
@@ -99,6 +165,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--eviction", default="lru", choices=["lru", "lfu"])
+    parser.add_argument("--fields", type=int, default=26,
+                        help="hash fields of the per-step table")  # fmt: skip
     args = parser.parse_args()
     device = (
         "CUDA emulated on the CPU (counts per call; times are not GPU times)"
@@ -129,6 +197,8 @@ def main():
         f"\nevery route: {base['evictions']:,} evictions in all, load factor "
         f"{base['load']:.2f} (identical rows: tests/gpu/test_hash_table_gpu.py)"
     )
+    if args.fields:
+        print_fields(args)
 
 
 if __name__ == "__main__":

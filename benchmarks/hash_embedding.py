@@ -66,14 +66,24 @@ import numpy as np  # noqa: E402
 from keras_sparse.data import criteo_like  # noqa: E402
 from keras_sparse.data import prefetch  # noqa: E402
 from keras_sparse.layers import DistributedHashEmbedding  # noqa: E402
+from keras_sparse.layers import HashEmbeddingCollection  # noqa: E402
 from keras_sparse.layers import jax_step_mapping  # noqa: E402
 
 FIELDS = 26
 DIM = 16
 # prefetch: CPU tables through ks.data.prefetch; raw: CPU tables, raw int64
 # keys into fit; prefetch-gpu / raw-gpu: the same with GPU tables (with
-# --gpu-table); baseline: keras Hashing + Embedding.
-VARIANTS = ("prefetch", "raw", "prefetch-gpu", "raw-gpu", "baseline")
+# --gpu-table); *-together: the fields in one HashEmbeddingCollection;
+# baseline: keras Hashing + Embedding.
+VARIANTS = (
+    "prefetch",
+    "raw",
+    "raw-together",
+    "prefetch-gpu",
+    "raw-gpu",
+    "raw-gpu-together",
+    "baseline",
+)
 OUT_DIR = pathlib.Path(__file__).resolve().parent / "out"
 
 
@@ -110,30 +120,36 @@ def _head(parts, inputs):
     return model
 
 
-def hash_model(capacity, table_device="cpu", key_dtype="int32"):
-    """One DistributedHashEmbedding per field.
+def hash_model(capacity, table_device="cpu", key_dtype="int32", together=False):
+    """One DistributedHashEmbedding per field (``together``: all in one
+    `HashEmbeddingCollection`, one table call per step).
 
     int32 inputs: fed through `prefetch` (row codes). int64 inputs: raw keys
     straight into fit; the layer maps them in its host callback.
     """
     keras.utils.set_random_seed(0)
-    inputs, parts = {}, []
-    for f in range(FIELDS):
-        # int32: the prefetch stage hands the layer int32 row codes; the
-        # 64-bit keys never enter the JAX program.
-        k = keras.Input((), dtype=key_dtype, name=f"cat_{f}")
-        inputs[f"cat_{f}"] = k
-        parts.append(
-            DistributedHashEmbedding(
-                DIM,
-                capacity=capacity,
-                combiner=None,
-                optimizer="adagrad",
-                table_device=table_device,
-                name=f"hash_emb_{f}",
-            )(k)
+    # int32: the prefetch stage hands the layer int32 row codes; the 64-bit
+    # keys never enter the JAX program.
+    inputs = {
+        f"cat_{f}": keras.Input((), dtype=key_dtype, name=f"cat_{f}")
+        for f in range(FIELDS)
+    }
+    layers = {
+        name: DistributedHashEmbedding(
+            DIM,
+            capacity=capacity,
+            combiner=None,
+            optimizer="adagrad",
+            table_device=table_device,
+            name=f"hash_emb_{f}",
         )
-    return _head(parts, inputs)
+        for f, name in enumerate(inputs)
+    }
+    if together:
+        outs = HashEmbeddingCollection(layers, name="hash_fields")(inputs)
+    else:
+        outs = {name: layer(inputs[name]) for name, layer in layers.items()}
+    return _head([outs[name] for name in inputs], inputs)
 
 
 def baseline_model(num_bins):
@@ -308,7 +324,7 @@ def main():
     on_cpu = device_description().startswith("jax cpu")
     wanted = set(args.only.split(",")) if args.only else set(VARIANTS)
     if not args.gpu_table:
-        wanted -= {"prefetch-gpu", "raw-gpu"}
+        wanted -= {"prefetch-gpu", "raw-gpu", "raw-gpu-together"}
     rows, stats = [], None
     # 1) DistributedHashEmbedding through the prefetch stage.
     if "prefetch" in wanted:
@@ -339,6 +355,16 @@ def main():
                              short=f"DistributedHash\n(raw, {route.split()[0]})",
                              sps=n / t_raw, t=t_raw, ts=ts, loss=loss))  # fmt: skip
         jax_step_mapping.IN_PLACE_CALLBACKS = True
+    if "raw-together" in wanted and keras.backend.backend() == "jax":
+        # 1b') The same, all fields in one HashEmbeddingCollection: one
+        # callback per step maps every field.
+        tmodel = hash_model(cap, key_dtype="int64", together=True)
+        t_tog, ts, loss = timed_fits(
+            epoch_on_arrays(tmodel, keys, labels, batch), args.repeats
+        )
+        rows.append(dict(name="HashEmbeddingCollection (raw keys, one callback)",
+                         short="HashEmbedding\nCollection (raw)", sps=n / t_tog,
+                         t=t_tog, ts=ts, loss=loss))  # fmt: skip
 
     if "prefetch-gpu" in wanted:
         # 1c) Tables on the GPU (CuPy), driven by the prefetch workers.
@@ -368,6 +394,16 @@ def main():
             rows.append(dict(name=name, short=f"DistributedHash\n(GPU, {route})",
                              sps=n / t_gpu, t=t_gpu, ts=ts, loss=loss))  # fmt: skip
         jax_step_mapping.GPU_BUFFERS_IN_STEP = True
+    if "raw-gpu-together" in wanted:
+        # 1d') GPU tables, all fields in one HashEmbeddingCollection: one
+        # kernel launch per step maps every field (GPU-buffer route).
+        gmodel = hash_model(cap, table_device="gpu", key_dtype="int64", together=True)
+        t_gt, ts, loss = timed_fits(
+            epoch_on_arrays(gmodel, keys, labels, batch), args.repeats
+        )
+        rows.append(dict(name="HashEmbeddingCollection (GPU tables, raw keys, "
+                         "one launch)", short="HashEmbedding\nCollection (GPU)",
+                         sps=n / t_gt, t=t_gt, ts=ts, loss=loss))  # fmt: skip
 
     # 2) Hashing (host, excluded) + Embedding.
     if "baseline" in wanted:

@@ -50,7 +50,7 @@ class HashEmbeddingCollection(keras.layers.Layer):
     ...                   "item": np.array([[3, 4], [4, 5]])}, training=True)
     >>> sorted(out), tuple(out["item"].shape)
     (['item', 'user'], (2, 4))
-    >>> collection.stats()["item"]["size"]
+    >>> collection.fields["item"].stats()["size"]
     3
     """
 

@@ -45,8 +45,9 @@ def _host_rows(layers, bounds, keys, use, insert, out):
 
 
 def _gpu_rows(layers, bounds, keys, use, insert, out):
-    """Every field's rows on the current CuPy stream: one launch when every
-    table can take part (`step_rows_together`), else one call per table."""
+    """Every field's rows on the current CuPy stream: one launch for the
+    tables that can take part (`step_rows_together`), then one call per
+    table for the others."""
     import cupy as cp
 
     from keras_sparse.table import step_rows_together
@@ -57,10 +58,12 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
         if jax_full_keys.has_queued(layer):
             flat[a:b] = jax_full_keys.restore(layer, flat[a:b], cp)
     use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
-    tables = [layer.table for layer in layers]
-    if insert and step_rows_together(tables, flat, use, bounds, out) is not None:
-        return
-    for layer, (a, b) in zip(layers, bounds):
+    left = range(len(layers))
+    if insert:
+        tables = [layer.table for layer in layers]
+        left = step_rows_together(tables, flat, use, bounds, out)
+    for i in left:
+        (a, b), layer = bounds[i], layers[i]
         layer._table_rows(flat[a:b], use[a:b], insert, cp, (out[0][a:b], out[1][a:b]))
 
 

@@ -224,7 +224,9 @@ def _calls(layer, field_calls):
     for node in getattr(layer, "_inbound_nodes", []):
         args, kwargs = node.arguments.args, node.arguments.kwargs
         if args:
-            calls.append((args[0], kwargs.get("weights", args[1] if args[1:] else None)))
+            calls.append(
+                (args[0], kwargs.get("weights", args[1] if args[1:] else None))
+            )
     return calls + field_calls.get(id(layer), [])
 
 

@@ -313,21 +313,35 @@ def step_rows_together(tables, keys, use, bounds, out):
 
     ``tables[i]`` maps the flat device keys ``keys[a:b]`` for ``(a, b) =
     bounds[i]`` (``use`` masks padding, or None) and writes ``out[0][a:b]``
-    (int32 rows) and ``out[1][a:b]`` (fresh flags). Returns ``out``, or None
-    with nothing done when one of them needs its own call (a CPU table, or
-    one `step_rows` would refuse); the caller then calls each table.
+    (int32 rows) and ``out[1][a:b]`` (fresh flags), as its own `step_rows`
+    call would. Returns the indices of the tables it left out, in order, for
+    the caller to call one by one afterwards: CPU tables, tables
+    `step_rows` refuses (``eviction=None``, a batch over 64K keys or over
+    the table's rows) and a table's repeated appearances.
+
+    Example (on a GPU):
+
+    >>> import cupy as cp                                  # doctest: +SKIP
+    >>> a, b = (HashTable(64, device="gpu") for _ in "ab")  # doctest: +SKIP
+    >>> out = (cp.empty(5, cp.int32), cp.empty(5, cp.bool_))  # doctest: +SKIP
+    >>> step_rows_together([a, b], cp.arange(5), None, [(0, 3), (3, 5)], out)
+    ... # doctest: +SKIP
+    []
     """
-    if not tables or any(getattr(t._impl, "step_rows", None) is None for t in tables):
-        return None
+    on_gpu = [i for i, t in enumerate(tables) if getattr(t._impl, "step_rows", None)]
+    if not on_gpu:
+        return list(range(len(tables)))
     from .insert_call import FusedInsert
     from .insert_call import step_rows_many
 
-    k, _ = tables[0]._convert(keys, "keys")
+    k, _ = tables[on_gpu[0]]._convert(keys, "keys")
+    gpu_tables = [tables[i] for i in on_gpu]
     with contextlib.ExitStack() as held:
-        for t in tables:
+        for t in gpu_tables:
             held.enter_context(t._lock)
-        fused = [FusedInsert.of(t._impl) for t in tables]
-        done = step_rows_many(fused, k, use, bounds, out)
-        for t in tables:
-            t._version += done is not None
-    return done
+        fused = [FusedInsert.of(t._impl) for t in gpu_tables]
+        left = step_rows_many(fused, k, use, [bounds[i] for i in on_gpu], out)
+        for j, t in enumerate(gpu_tables):
+            t._version += j not in left
+    left = {on_gpu[j] for j in left}
+    return [i for i in range(len(tables)) if i not in on_gpu or i in left]

@@ -270,27 +270,28 @@ def step_rows_many(fused, keys, use, bounds, out):
     Table ``i`` (``fused[i]``) maps ``keys[a:b]`` for ``(a, b) = bounds[i]``
     and writes ``out[0][a:b]`` (int32 rows) and ``out[1][a:b]`` (fresh);
     each block of the launch runs one table's call, so the results equal
-    separate `step_rows` calls. Returns ``out``, or None (nothing done) when
-    a table is not eligible alone or appears twice (two blocks would race).
+    separate `step_rows` calls. Returns the indices of the tables left out
+    (not eligible alone, or a table's later appearances: two blocks on one
+    table would race), which the caller must then call itself, in order.
     """
-    if len({id(f) for f in fused}) != len(fused) or any(
-        f.table.eviction is None or not f.eligible(b - a)
-        for f, (a, b) in zip(fused, bounds)
-    ):
-        return None
+    joined, left, seen = [], [], set()
+    for i, (f, (a, b)) in enumerate(zip(fused, bounds)):
+        if id(f) in seen or f.table.eviction is None or not f.eligible(b - a):
+            left.append(i)
+        else:
+            seen.add(id(f))
+            joined.append(i)
+    if not joined:
+        return left
     rows32, fresh = out
     with contextlib.ExitStack() as held:
-        for f in fused:
-            held.enter_context(f.lock)
-        records = [
-            f.record(
-                keys[a:b],
-                None if use is None else use[a:b],
-                True,
-                None,
-                (rows32[a:b], fresh[a:b]),
-            )[0]
-            for f, (a, b) in zip(fused, bounds)
-        ]
+        for i in joined:
+            held.enter_context(fused[i].lock)
+        records = []
+        for i in joined:
+            a, b = bounds[i]
+            part = None if use is None else use[a:b]
+            slots = (rows32[a:b], fresh[a:b])
+            records.append(fused[i].record(keys[a:b], part, True, None, slots)[0])
         launch(records)
-    return out
+    return left

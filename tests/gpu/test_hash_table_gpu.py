@@ -185,7 +185,7 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables():
         if counts:
             assert counts["kernels"] - before["kernels"] == 1
             assert counts["syncs"] == before["syncs"]
-        assert got is out
+        assert got == []
         for cpu, (a, b) in zip(cpus, bounds):
             k, u = keys[a:b], use[a:b]
             res, fresh = cpu.lookup_or_insert_fresh(k[u])
@@ -202,14 +202,23 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables():
         for x, y in zip(cpu.export(), gpu.export()):
             np.testing.assert_array_equal(x, y.get())
     assert cpus[0].stats()["evictions"] > 0 and cpus[1].stats()["evictions"] > 0
-    # Not for one launch: a CPU table, a table twice, eviction=None.
-    assert step_rows_together(cpus[:1], keys[:10], None, [(0, 10)], out) is None
-    twice = [gpus[0], gpus[0]]
-    assert step_rows_together(twice, out[0][:4], None, [(0, 2), (2, 4)], out) is None
+    # Left to the caller, in order: a CPU table, a table's second
+    # appearance, eviction=None, a batch over the table's rows; the others
+    # still share one launch.
     strict = HashTable(512, device="gpu", eviction=None)
-    assert (
-        step_rows_together([strict], cp.zeros(3, cp.int64), None, [(0, 3)], out) is None
-    )
+    small, other = HashTable(64, device="gpu"), HashTable(64, device="gpu")
+    mixed = [cpus[0], gpus[0], gpus[0], strict, small, other]
+    bounds = [(0, 4), (4, 8), (8, 12), (12, 16), (16, 116), (116, 120)]
+    keys = cp.arange(120, dtype=cp.int64)
+    out = (cp.full(120, -7, cp.int32), cp.zeros(120, cp.bool_))
+    before = dict(counts) if counts else None
+    assert step_rows_together(mixed, keys, None, bounds, out) == [0, 2, 3, 4]
+    if counts:
+        assert counts["kernels"] - before["kernels"] == 1
+    rows = out[0].get()
+    assert (rows[:4] == -7).all() and (rows[8:116] == -7).all()
+    assert (rows[4:8] >= 0).all() and (rows[116:] >= 0).all()
+    assert strict.stats()["size"] == small.stats()["size"] == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -32,6 +32,21 @@ def gpu_buffers(monkeypatch):
         monkeypatch.setattr(jax_step_mapping, "_xla_stream", lambda ctx: 0)
 
 
+class StepCounts(keras.callbacks.Callback):
+    """Host syncs and kernel launches of each training step (emulated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_step = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before = dict(cp.stats)
+
+    def on_train_batch_end(self, batch, logs=None):
+        counts = {k: cp.stats[k] - self.before[k] for k in ("syncs", "kernels")}
+        self.per_step.append(counts)
+
+
 def _model(table_device, **kwargs):
     return hashed_model(table_device, jit_compile=True, **kwargs)
 
@@ -205,25 +220,15 @@ def test_gpu_buffer_route_steps_without_host_syncs(gpu_buffers, monkeypatch):
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     cpu = layer.stats()
 
-    per_step = []
-
-    class Count(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.before = dict(cp.stats)
-
-        def on_train_batch_end(self, batch, logs=None):
-            per_step.append(
-                {k: cp.stats[k] - self.before[k] for k in ("syncs", "kernels")}
-            )
-
+    count = StepCounts()
     _forbid_host_mapping(monkeypatch)
     keras.utils.set_random_seed(0)
     model, layer = _model("gpu")
     model.fit(
-        x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[Count()]
+        x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[count]
     )
-    assert len(per_step) == len(x) // 32
-    assert per_step == [{"syncs": 0, "kernels": 1}] * len(per_step)
+    assert len(count.per_step) == len(x) // 32
+    assert count.per_step == [{"syncs": 0, "kernels": 1}] * len(count.per_step)
     assert layer.stats() == cpu and cpu["evictions"] > 0
 
 
@@ -244,22 +249,12 @@ def test_hash_fields_together_take_one_launch_per_step(gpu_buffers, monkeypatch)
     model, cpu_layers = fields_model(False, "cpu", jit_compile=True)
     cpu_loss = model.fit(x, y, **fit).history["loss"]
 
-    per_step = []
-
-    class Count(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.before = dict(cp.stats)
-
-        def on_train_batch_end(self, batch, logs=None):
-            per_step.append(
-                {k: cp.stats[k] - self.before[k] for k in ("syncs", "kernels")}
-            )
-
+    count = StepCounts()
     _forbid_host_mapping(monkeypatch)
     keras.utils.set_random_seed(0)
     model, gpu_layers = fields_model(True, "gpu", jit_compile=True)
-    gpu_loss = model.fit(x, y, callbacks=[Count()], **fit).history["loss"]
-    assert per_step == [{"syncs": 0, "kernels": 1}] * (len(y) // 16)
+    gpu_loss = model.fit(x, y, callbacks=[count], **fit).history["loss"]
+    assert count.per_step == [{"syncs": 0, "kernels": 1}] * (len(y) // 16)
     np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-5)
     for name in FIELDS:
         cpu, gpu = cpu_layers[name], gpu_layers[name]
