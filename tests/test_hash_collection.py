@@ -177,3 +177,28 @@ def test_prefetch_stage_feeds_the_fields():
         got, want = _sorted(layers[name].export()), _sorted(ref_layers[name].export())
         np.testing.assert_array_equal(got["keys"], want["keys"])
         np.testing.assert_allclose(got["values"], want["values"], rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "tensorflow",
+    reason="TF graphs wrap a tf.numpy_function's error (as for a single layer)",
+)
+def test_a_full_field_fails_fit_with_its_own_error():
+    """A field whose table fills with eviction=None stops ``fit`` with the
+    table's error naming that field's layer, whatever maps the fields."""
+    from keras_sparse.table import TableFullError
+
+    fields = {
+        "a": ks.DistributedHashEmbedding(
+            2, capacity=64, eviction=None, optimizer="sgd", name="strict_a"
+        ),
+        "b": ks.DistributedHashEmbedding(2, capacity=64, optimizer="sgd", name="b"),
+    }
+    inputs = {n: keras.Input((), dtype="int32", name=n) for n in fields}
+    out = ks.HashEmbeddingCollection(fields)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(out["a"] + out["b"]))
+    model.compile("sgd", "mse")
+    x = {n: np.arange(200, dtype="int32") for n in fields}
+    with pytest.raises(TableFullError, match="strict_a"):
+        model.fit(x, np.zeros((200, 1)), batch_size=50, verbose=0)
+    assert fields["a"].stats()["size"] <= 64
