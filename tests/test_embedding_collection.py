@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import keras_sparse as ks
+from keras_sparse.sharding import keras_integration
 from tests.helpers import fit_losses
 
 BATCH, STEPS = 16, 5
@@ -97,9 +98,32 @@ def test_matches_separate_layers(optimizer):
     if optimizer is not None:
         assert int(coll.sparse_iterations.numpy()) == STEPS
         assert int(layers["a"].sparse_iterations.numpy()) == STEPS
-    # Two widths -> two stacks, each looked up once per call.
-    assert [s.name for s in coll.stacks] == ["stack_8_data", "stack_4_data"]
-    assert coll.stacks[0].offsets == {"a": 0, "b": 50}
+    if keras_integration.per_table_stacks():  # JAX on the CPU
+        assert [s.tables for s in coll.stacks] == [(n,) for n in TABLES]
+    else:  # two widths -> two stacks, each looked up once per call
+        assert [s.name for s in coll.stacks] == ["stack_8_data", "stack_4_data"]
+        assert coll.stacks[0].offsets == {"a": 0, "b": 50}
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX stack layouts")
+def test_one_stack_per_table_trains_like_one_stack_per_width(monkeypatch):
+    """The CPU layout (a stack per table, `per_table_stacks`) and the
+    accelerator layout (a stack per width) train bit for bit alike."""
+    x, y = _data()
+    results = []
+    for per_table in (False, True):
+        monkeypatch.setattr(keras_integration, "PER_TABLE_STACKS_ON_CPU", per_table)
+        keras.utils.set_random_seed(0)
+        inputs = _inputs()
+        coll = _collection("adagrad")
+        model = keras.Model(inputs, _head(coll(inputs)))
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        losses = _fit(model, x, y)
+        assert len(coll.stacks) == (len(TABLES) if per_table else 2)
+        results.append((losses, [coll.get_table(n) for n in TABLES]))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_eager_outputs_and_weights_match():

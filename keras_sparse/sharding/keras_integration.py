@@ -787,15 +787,18 @@ def collection_stacks(tables, placement, num_devices):
 
     Tables group by ``(output_dim, strategy)``, groups ordered by their first
     table; a "table" stack packs each device's tables (in collection order)
-    into its block of ``B`` rows.
+    into its block of ``B`` rows. Without a distribution, on a JAX CPU
+    step, each table is a stack of its own (`per_table_stacks`).
     """
     groups = {}
+    split = placement is None and per_table_stacks()
     for name, config in tables.items():
         strategy = "data" if placement is None else placement[name][0]
-        groups.setdefault((config.output_dim, strategy), []).append(name)
+        key = (config.output_dim, strategy) + ((name,) if split else ())
+        groups.setdefault(key, []).append(name)
     d = int(num_devices)
     stacks = []
-    for (dim, strategy), names in groups.items():
+    for (dim, strategy, *own), names in groups.items():
         offsets, block = {}, None
         if strategy == "table":
             per_device = [[] for _ in range(d)]
@@ -821,12 +824,26 @@ def collection_stacks(tables, placement, num_devices):
                 rows += tables[name].input_dim
             if strategy == "row":  # an equal block per device
                 rows = padded_rows(rows, d)
-        stacks.append(
-            StackLayout(
-                f"stack_{dim}_{strategy}", strategy, dim, names, offsets, rows, block
-            )
-        )
+        name = f"stack_{dim}_{strategy}" + "".join(f"_{n}" for n in own)
+        stacks.append(StackLayout(name, strategy, dim, names, offsets, rows, block))
     return stacks
+
+
+# Without a distribution, a JAX step on the CPU updates a collection's
+# tables fastest one stack each: XLA:CPU runs the per-table update chains
+# side by side on its cores, where one stacked chain runs on one (26
+# tables of 1e5 rows: see BENCHMARKS.md). Accelerators keep one stack per
+# width (fewer, larger kernels). False: one stack per width everywhere.
+PER_TABLE_STACKS_ON_CPU = True
+
+
+def per_table_stacks():
+    """Whether an undistributed collection keeps one stack per table."""
+    if not PER_TABLE_STACKS_ON_CPU or keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return jax.default_backend() == "cpu"
 
 
 def collection_placement(layer):
