@@ -42,7 +42,8 @@ its tables by ``(output_dim, strategy)`` and keeps one variable per group
 * "row" group: the concatenation of its tables, padded to a multiple of
   ``D`` rows and row-sharded; "column" group: the concatenation, laid out
   ``(None, axis)``; "data" group (and every group without a distribution):
-  the concatenation, replicated.
+  the concatenation, replicated. Without a distribution on a JAX CPU step,
+  each table is a group of its own (`per_table_stacks`).
 
 The layer runs one sparse lookup per group per call (the ids of the group's
 tables, offset and concatenated; the rows split back), so exactly one
