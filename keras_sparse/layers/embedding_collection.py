@@ -168,7 +168,9 @@ class EmbeddingCollection(keras.layers.Layer):
     ``keras_sparse.distribution`` on the JAX backend, tables with
     ``sharding="table"`` each live whole on one device (the planner balances
     bytes and lookups), and "row", "column" and "data" tables are split or
-    replicated as for a standalone layer.
+    replicated as for a standalone layer. Without a distribution, a JAX
+    step on the CPU keeps one stack per table instead (XLA:CPU runs the
+    per-table updates side by side; the results are the same).
 
     Args:
         tables: ``{name: TableConfig(...) or dict of its arguments}``. Names
