@@ -28,6 +28,11 @@ _M_ARENA_MAX = -8
 # heaps that are unmapped when they shrink). Defaults: glibc's documented ones.
 _TUNED = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1, _M_ARENA_MAX: 1}
 _DEFAULTS = {_M_MMAP_MAX: 65536, _M_TRIM_THRESHOLD: 128 * 1024, _M_ARENA_MAX: 0}
+# madvise(2) advice: back with transparent huge pages; collapse now (Linux 6.1+).
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+_HUGE_PAGE = 2 << 20
+_SETTINGS = {"huge_pages": False}
 
 
 def _mallopt():
@@ -39,7 +44,7 @@ def _mallopt():
         return None
 
 
-def tune_cpu_allocator(enable=True):
+def tune_cpu_allocator(enable=True, huge_pages=True):
     """Makes the C allocator keep freed memory for reuse (Linux, glibc).
 
     Recommended before training on the JAX backend on a CPU: XLA's
@@ -47,6 +52,12 @@ def tune_cpu_allocator(enable=True):
     page by page on every step (see BENCHMARKS.md, "Side by side with
     TorchRec"). The setting is process-wide; memory freed later stays
     with the process. ``enable=False`` restores glibc's defaults.
+
+    With ``huge_pages`` (and ``enable``), the embedding tables and optimizer
+    slots that keras_sparse layers build afterwards on the JAX CPU backend
+    are backed by 2 MiB transparent huge pages where the kernel allows it
+    (``madvise``), so random row accesses to large tables miss the TLB
+    less (`back_with_huge_pages`).
 
     Returns:
         True if the allocator took the settings; False where there is no
@@ -61,9 +72,57 @@ def tune_cpu_allocator(enable=True):
     True
     """
     mallopt = _mallopt()
+    _SETTINGS["huge_pages"] = False
     if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     settings = _TUNED if enable else _DEFAULTS
     # musl and other C libraries may export a mallopt that accepts nothing.
-    return all(mallopt(name, value) == 1 for name, value in settings.items())
+    ok = all(mallopt(name, value) == 1 for name, value in settings.items())
+    _SETTINGS["huge_pages"] = bool(ok and enable and huge_pages)
+    return ok
+
+
+def _madvise():
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
+def back_with_huge_pages(variables):
+    """Asks the kernel to back the buffers of ``variables`` with huge pages.
+
+    Only after ``tune_cpu_allocator(huge_pages=True)``, on the JAX backend,
+    for single-device CPU arrays; the 2 MiB-aligned part of each buffer
+    gets ``MADV_HUGEPAGE`` (future faults) and ``MADV_COLLAPSE`` (the pages
+    already there, Linux 6.1+). Compiled steps donate and update these
+    buffers in place, so the advice lasts while the variables keep them.
+    Advice the kernel refuses changes nothing. Returns the bytes advised.
+    """
+    import keras
+
+    if not _SETTINGS["huge_pages"] or keras.backend.backend() != "jax":
+        return 0
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    advised = 0
+    for variable in variables:
+        value = variable.value
+        try:
+            if len(value.devices()) != 1 or value.device.platform != "cpu":
+                continue
+            start = value.unsafe_buffer_pointer()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+        hi = (start + value.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if hi <= lo:
+            continue
+        if madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
+            madvise(lo, hi - lo, _MADV_COLLAPSE)  # may be refused: harmless
+            advised += hi - lo
+    return advised

@@ -66,3 +66,50 @@ def test_defaults_can_be_restored():
     import keras_sparse as ks
 
     assert ks.tune_cpu_allocator(False) in (True, False)
+
+
+# Builds a 200,000-row table on JAX's CPU and prints the bytes advised and
+# whether the kernel marked the table's memory for huge pages ("hg").
+_HUGE_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["KERAS_BACKEND"] = "jax"
+    import keras_sparse as ks
+    from keras_sparse import cpu_allocator
+    took = ks.tune_cpu_allocator(huge_pages={huge})
+    layer = ks.AllToAllDenseEmbedding(200_000, 16, optimizer="adagrad")
+    layer.build()
+    start = layer.embeddings.value.unsafe_buffer_pointer()
+    flags = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start + (4 << 20) < hi
+        elif head == "VmFlags:" and inside:
+            flags = line.split()[1:]
+    again = cpu_allocator.back_with_huge_pages([layer.embeddings])
+    print(took, again, "hg" in (flags or []))
+    """
+)
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_huge_pages_back_the_tables_built_after_tuning(huge):
+    """With ``huge_pages`` the kernel marks a table's memory for 2 MiB pages
+    (VmFlags "hg"); without it, it does not."""
+    import os
+
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_SCRIPT.format(huge=huge)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.split()
+    if out[0] != "True":
+        pytest.skip("no glibc mallopt here")
+    advised, marked = int(out[1]), out[2] == "True"
+    assert marked == huge
+    assert (advised > 0) == huge  # 12.8 MB: whole 2 MiB pages inside

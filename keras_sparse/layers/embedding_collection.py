@@ -16,6 +16,7 @@ import numpy as np
 from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
+from keras_sparse.cpu_allocator import back_with_huge_pages
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
@@ -322,6 +323,7 @@ class EmbeddingCollection(keras.layers.Layer):
                     slot.overwrite_with_gradient = on_jax
                     slots[spec.name] = slot
                 add_dedup_scratch(self, table, stack.rows, f"{stack.name}_scratch")
+                back_with_huge_pages([table, *slots.values()])
             self._stack_tables[stack.name] = table
             self._stack_slots[stack.name] = slots
         if sparse:

@@ -9,6 +9,7 @@ import keras
 from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
+from keras_sparse.cpu_allocator import back_with_huge_pages
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.dedup_scratch import add_dedup_scratch
@@ -119,6 +120,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             slot.overwrite_with_gradient = on_jax
             self.slots[spec.name] = slot
         add_dedup_scratch(self, table, rows, "dedup_scratch")
+        back_with_huge_pages([table, *self.slots.values()])
         self.sparse_iterations = self.add_weight(
             shape=(),
             initializer="zeros",
