@@ -111,6 +111,8 @@ def back_with_huge_pages(variables):
         return 0
     advised = 0
     for variable in variables:
+        if getattr(variable, "_value", None) is None:
+            continue  # not initialized yet: no buffer to advise
         value = variable.value
         try:
             if len(value.devices()) != 1 or value.device.platform != "cpu":

@@ -202,3 +202,19 @@ def test_a_full_field_fails_fit_with_its_own_error():
     with pytest.raises(TableFullError, match="strict_a"):
         model.fit(x, np.zeros((200, 1)), batch_size=50, verbose=0)
     assert fields["a"].stats()["size"] <= 64
+
+
+def test_a_field_also_called_outside_counts_both_calls():
+    """A field layer the model also calls directly has two calls per step,
+    so its table calls keep their program order (ordered route), and the
+    collection maps its fields one by one."""
+    from keras_sparse.layers import jax_step_mapping
+
+    layers = field_layers()
+    inputs = {n: keras.Input((3,), dtype="int32", name=n) for n in FIELDS}
+    out = ks.HashEmbeddingCollection(layers)(inputs)
+    again = layers["user"](inputs["user"])
+    assert jax_step_mapping.calls_per_step(layers["user"]) == 2
+    assert not jax_step_mapping._called_once(layers["user"])
+    assert jax_step_mapping.calls_per_step(layers["item"]) == 1
+    assert again.shape[-1] == out["user"].shape[-1]

@@ -259,3 +259,18 @@ def test_plan_lists_collection_tables_and_refuses_what_cannot_run():
     built.build()
     with pytest.raises(ValueError, match=r"'features'.*re-stacked"):
         sharding.distribution([built], devices=8)
+
+
+def test_a_built_collection_goes_replicated_in_place():
+    """A collection built without a distribution (one stack per table on a
+    JAX CPU step) is laid out in place, replicated, by an all-"data"
+    distribution, as a stacked one was."""
+    coll = _collection(sharding_default="data")
+    coll.build()
+    before = [s.tables for s in coll.stacks]
+    sharding.distribution([coll], devices=8)
+    assert [s.tables for s in coll.stacks] == before
+    for stack in coll.stacks:
+        for variable in coll.stack_variables(stack.name):
+            assert len(variable.value.sharding.device_set) == 8
+            assert variable.value.sharding.is_fully_replicated

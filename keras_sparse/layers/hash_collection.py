@@ -1,8 +1,11 @@
 """HashEmbeddingCollection: many hash fields, one table call per step."""
 
+import weakref
+
 import keras
 
 from keras_sparse.layers import jax_group_mapping
+from keras_sparse.layers import jax_step_mapping
 from keras_sparse.layers import key_mapping
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
 from keras_sparse.layers.host_keys import string_kind
@@ -21,9 +24,12 @@ class HashEmbeddingCollection(keras.layers.Layer):
     blocks each run one field's table. Each field keeps its own layer,
     table, capacity, eviction, admission, optimizer and initializer, and
     gets exactly the rows, vectors and counts it would get as a separate
-    layer. Elsewhere (eager calls, TensorFlow, PyTorch, inference, a
-    distribution, prepared inputs from `keras_sparse.data.prefetch`) each
-    field is called as its own layer.
+    layer. Under a Keras distribution that one callback is an ordered
+    ``io_callback``, as for a single layer. Elsewhere (eager calls,
+    TensorFlow, PyTorch, inference, prepared inputs from
+    `keras_sparse.data.prefetch`, fields whose keys differ in dtype, a field
+    layer also called outside the collection) each field is called as its
+    own layer.
 
     Args:
         fields: dict ``{name: DistributedHashEmbedding}``, one layer per
@@ -86,6 +92,11 @@ class HashEmbeddingCollection(keras.layers.Layer):
         super().__init__(**kwargs)
         self.field_names = list(fields)
         self.fields = dict(fields)
+        for layer in fields.values():
+            # Read by the step mapping: a table reached from several calls
+            # per step must keep their program order.
+            owners = layer.__dict__.setdefault("_ks_hash_collections", [])
+            owners.append(weakref.ref(self))
         # Raw NumPy keys (int64, strings) reach the fields unconverted, as
         # with a single DistributedHashEmbedding.
         self._convert_input_args = False
@@ -148,10 +159,14 @@ class HashEmbeddingCollection(keras.layers.Layer):
         ``jax.jit``, where every field would take the in-step callback."""
         if not training or len(layers) < 2:
             return None
+        dtypes = {str(getattr(inputs[name], "dtype", None)) for name in inputs}
+        if len(dtypes) != 1:  # one key buffer: no promotion of any field's keys
+            return None
         for name, layer in zip(self.field_names, layers):
             keys = inputs[name]
             if (
                 not layer.trainable
+                or jax_step_mapping.calls_per_step(layer) > 1
                 or getattr(layer, "_prepared_inputs", 0)
                 or string_kind(keys)
                 or None in tuple(getattr(keys, "shape", (None,)))

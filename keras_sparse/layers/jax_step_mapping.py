@@ -106,9 +106,21 @@ def _cupy_stream(ctx):
     return stream
 
 
+def calls_per_step(layer):
+    """How many calls of ``layer`` a step of its functional model makes: its
+    own calls, and those of the `HashEmbeddingCollection`s it is a field of
+    (at least 1)."""
+    calls = len(getattr(layer, "_inbound_nodes", ()))
+    for owner in layer.__dict__.get("_ks_hash_collections", ()):
+        collection = owner()
+        if collection is not None:
+            calls += max(len(getattr(collection, "_inbound_nodes", ())), 1)
+    return max(calls, 1)
+
+
 def _called_once(layer):
     """False for a layer shared by several inputs of a functional model."""
-    return len(getattr(layer, "_inbound_nodes", ())) <= 1
+    return calls_per_step(layer) <= 1
 
 
 def choose_route(layer):

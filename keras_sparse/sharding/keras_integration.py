@@ -197,6 +197,10 @@ def distribution(
         _replicate_other_variables(layer, mesh)
     for layer, placement in collections.values():
         stacks = collection_stacks(layer.tables, placement, len(devices))
+        if layer.built and all(p[0] == "data" for p in placement.values()):
+            # Replicated either way: a built layer keeps its grouping (one
+            # stack per table when it was built for a CPU step).
+            stacks = layer.stacks
         for stack in stacks:
             axes = _axes(stack.strategy, axis)
             for name in stack.variable_names(layer.sparse_optimizer):
@@ -795,7 +799,9 @@ def collection_stacks(tables, placement, num_devices):
     split = placement is None and per_table_stacks()
     for name, config in tables.items():
         strategy = "data" if placement is None else placement[name][0]
-        key = (config.output_dim, strategy) + ((name,) if split else ())
+        # A table's own stack is named by its position: names of tables
+        # could collide with another stack's slot suffixes.
+        key = (config.output_dim, strategy) + ((f"t{len(groups)}",) if split else ())
         groups.setdefault(key, []).append(name)
     d = int(num_devices)
     stacks = []
@@ -840,7 +846,11 @@ PER_TABLE_STACKS_ON_CPU = True
 
 def per_table_stacks():
     """Whether an undistributed collection keeps one stack per table."""
-    if not PER_TABLE_STACKS_ON_CPU or keras.backend.backend() != "jax":
+    if (
+        not PER_TABLE_STACKS_ON_CPU
+        or keras.backend.backend() != "jax"
+        or keras.distribution.distribution() is not None
+    ):
         return False
     import jax
 

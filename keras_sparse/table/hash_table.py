@@ -337,8 +337,8 @@ def step_rows_together(tables, keys, use, bounds, out):
     k, _ = tables[on_gpu[0]]._convert(keys, "keys")
     gpu_tables = [tables[i] for i in on_gpu]
     with contextlib.ExitStack() as held:
-        for t in gpu_tables:
-            held.enter_context(t._lock)
+        for t in sorted({id(t): t for t in gpu_tables}.values(), key=id):
+            held.enter_context(t._lock)  # a fixed order: no deadlock
         fused = [FusedInsert.of(t._impl) for t in gpu_tables]
         left = step_rows_many(fused, k, use, [bounds[i] for i in on_gpu], out)
         for j, t in enumerate(gpu_tables):

@@ -276,17 +276,19 @@ def step_rows_many(fused, keys, use, bounds, out):
     """
     joined, left, seen = [], [], set()
     for i, (f, (a, b)) in enumerate(zip(fused, bounds)):
+        # After a table's first appearance its later ones wait their turn,
+        # whether or not the first joins the launch.
         if id(f) in seen or f.table.eviction is None or not f.eligible(b - a):
             left.append(i)
         else:
-            seen.add(id(f))
             joined.append(i)
+        seen.add(id(f))
     if not joined:
         return left
     rows32, fresh = out
     with contextlib.ExitStack() as held:
-        for i in joined:
-            held.enter_context(fused[i].lock)
+        for f in sorted({id(fused[i]): fused[i] for i in joined}.values(), key=id):
+            held.enter_context(f.lock)  # a fixed order: no deadlock
         records = []
         for i in joined:
             a, b = bounds[i]

@@ -207,17 +207,19 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables():
     # still share one launch.
     strict = HashTable(512, device="gpu", eviction=None)
     small, other = HashTable(64, device="gpu"), HashTable(64, device="gpu")
-    mixed = [cpus[0], gpus[0], gpus[0], strict, small, other]
-    bounds = [(0, 4), (4, 8), (8, 12), (12, 16), (16, 116), (116, 120)]
-    keys = cp.arange(120, dtype=cp.int64)
-    out = (cp.full(120, -7, cp.int32), cp.zeros(120, cp.bool_))
+    # `small` first appears with too many keys, then with few: both wait.
+    mixed = [cpus[0], gpus[0], gpus[0], strict, small, other, small]
+    bounds = [(0, 4), (4, 8), (8, 12), (12, 16), (16, 116), (116, 120), (120, 124)]
+    keys = cp.arange(124, dtype=cp.int64)
+    out = (cp.full(124, -7, cp.int32), cp.zeros(124, cp.bool_))
     before = dict(counts) if counts else None
-    assert step_rows_together(mixed, keys, None, bounds, out) == [0, 2, 3, 4]
+    assert step_rows_together(mixed, keys, None, bounds, out) == [0, 2, 3, 4, 6]
     if counts:
         assert counts["kernels"] - before["kernels"] == 1
     rows = out[0].get()
     assert (rows[:4] == -7).all() and (rows[8:116] == -7).all()
-    assert (rows[4:8] >= 0).all() and (rows[116:] >= 0).all()
+    assert (rows[4:8] >= 0).all() and (rows[116:120] >= 0).all()
+    assert (rows[120:] == -7).all()
     assert strict.stats()["size"] == small.stats()["size"] == 0
 
 
