@@ -54,6 +54,8 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
     from keras_sparse.table.keys import to_cupy_keys
 
     flat, _ = to_cupy_keys(keys)
+    # Restored keys exist only for int32 step keys (JAX without x64), whose
+    # int64 copy `flat` is: XLA's own buffer is never written.
     for layer, (a, b) in zip(layers, bounds):
         if jax_full_keys.has_queued(layer):
             flat[a:b] = jax_full_keys.restore(layer, flat[a:b], cp)
@@ -69,52 +71,25 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
 
 def map_group_in_step(owner, layers, keys, use, insert, route):
     """``[(rows int32, fresh bool)]`` per layer of traced flat ``keys`` /
-    ``use`` (one array per layer, static sizes), by one callback."""
-    import jax
+    ``use`` (one array per layer, one dtype, static sizes), by one callback."""
     import jax.numpy as jnp
 
-    sizes = [int(k.shape[0]) for k in keys]
-    bounds = _bounds(sizes)
-    n = sum(sizes)
-    dtype = jnp.result_type(*[k.dtype for k in keys])
-    all_keys = jnp.concatenate([k.astype(dtype) for k in keys])
-    all_use = jnp.concatenate([u.astype(bool) for u in use])
-    result_types = (
-        jax.ShapeDtypeStruct((n,), np.int32),
-        jax.ShapeDtypeStruct((n,), np.bool_),
+    bounds = _bounds([int(k.shape[0]) for k in keys])
+    n = bounds[-1][1]
+
+    def host_rows(k, u, out):
+        _host_rows(layers, bounds, k, u, insert, out)
+
+    def gpu_rows(k, u, out):
+        _gpu_rows(layers, bounds, k, u, insert, out)
+
+    rows, fresh = jax_step_mapping.rows_in_step(
+        owner,
+        route,
+        jnp.concatenate(keys),
+        jnp.concatenate([u.astype(bool) for u in use]),
+        n,
+        host_rows,
+        gpu_rows,
     )
-    if route == "io_callback":
-        from jax.experimental import io_callback
-
-        def host_callback(k, u):
-            out = (np.empty(n, np.int32), np.empty(n, bool))
-            _host_rows(layers, bounds, np.asarray(k), np.asarray(u), insert, out)
-            return out
-
-        callback = jax_step_mapping._failing_once(owner, host_callback)
-        rows, fresh = io_callback(
-            callback, result_types, all_keys, all_use, ordered=True
-        )
-    else:
-        if route == "cpu_buffers":
-
-            def callback(ctx, outputs, k, u):
-                out = (np.asarray(outputs[0]), np.asarray(outputs[1]))
-                _host_rows(layers, bounds, np.asarray(k), np.asarray(u), insert, out)
-
-        else:
-
-            def callback(ctx, outputs, k, u):
-                import cupy as cp
-
-                with jax_step_mapping._cupy_stream(ctx):
-                    out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
-                    _gpu_rows(layers, bounds, cp.asarray(k), cp.asarray(u), insert, out)
-
-        mapper = jax_step_mapping.buffer_callback_or_none()(
-            jax_step_mapping._failing_once(owner, callback),
-            result_types,
-            has_side_effect=True,
-        )
-        rows, fresh = mapper(all_keys, all_use)
     return [(rows[a:b], fresh[a:b]) for a, b in bounds]

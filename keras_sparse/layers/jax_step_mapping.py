@@ -257,12 +257,13 @@ def _failing_once(layer, callback):
     return guarded
 
 
-def map_in_step(layer, keys, use, insert, n):
-    """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``.
+def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
+    """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``
+    by one callback of ``route`` (see `choose_route`), final on its first
+    failure (recorded on ``owner``).
 
-    ``layer`` provides ``_map_step_keys(keys, use, insert, out=None)``
-    (NumPy, the high bits JAX dropped restored) and ``_gpu_rows(keys, use,
-    insert, out=None)`` (CuPy); both write into ``out`` when given.
+    ``host_rows(keys, use, out)`` (NumPy) and ``gpu_rows(keys, use, out)``
+    (CuPy, on XLA's stream) write the rows and fresh flags into ``out``.
     """
     import jax
 
@@ -270,22 +271,23 @@ def map_in_step(layer, keys, use, insert, n):
         jax.ShapeDtypeStruct((n,), np.int32),
         jax.ShapeDtypeStruct((n,), np.bool_),
     )
-    route = choose_route(layer)
     if route == "io_callback":
         from jax.experimental import io_callback
 
         def host_callback(k, u):
-            return layer._map_step_keys(k, u, insert)
+            out = (np.empty(n, np.int32), np.empty(n, bool))
+            host_rows(np.asarray(k), np.asarray(u), out)
+            return out
 
         return io_callback(
-            _failing_once(layer, host_callback), result_types, keys, use, ordered=True
+            _failing_once(owner, host_callback), result_types, keys, use, ordered=True
         )
 
     if route == "cpu_buffers":
 
         def callback(ctx, outputs, k, u):
             out = (np.asarray(outputs[0]), np.asarray(outputs[1]))
-            layer._map_step_keys(np.asarray(k), np.asarray(u), insert, out)
+            host_rows(np.asarray(k), np.asarray(u), out)
 
     else:
 
@@ -297,9 +299,27 @@ def map_in_step(layer, keys, use, insert, n):
             # before and finishes before the rows are read.
             with _cupy_stream(ctx):
                 out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
-                layer._gpu_rows(cp.asarray(k), cp.asarray(u), insert, out)
+                gpu_rows(cp.asarray(k), cp.asarray(u), out)
 
     mapper = buffer_callback_or_none()(
-        _failing_once(layer, callback), result_types, has_side_effect=True
+        _failing_once(owner, callback), result_types, has_side_effect=True
     )
     return mapper(keys, use)
+
+
+def map_in_step(layer, keys, use, insert, n):
+    """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``.
+
+    ``layer`` provides ``_map_step_keys(keys, use, insert, out=None)``
+    (NumPy, the high bits JAX dropped restored) and ``_gpu_rows(keys, use,
+    insert, out=None)`` (CuPy); both write into ``out`` when given.
+    """
+
+    def host_rows(k, u, out):
+        layer._map_step_keys(k, u, insert, out)
+
+    def gpu_rows(k, u, out):
+        layer._gpu_rows(k, u, insert, out)
+
+    route = choose_route(layer)
+    return rows_in_step(layer, route, keys, use, n, host_rows, gpu_rows)
