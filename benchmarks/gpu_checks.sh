@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The checks a lent GPU machine runs, in one call, most important first: the
+# GPU test suite, then the GPU benchmarks. Each step has its own time limit,
+# writes its full log to $OUT/<step>.log and prints the log's tail.
+#
+#   bash benchmarks/gpu_checks.sh                # every step
+#   bash benchmarks/gpu_checks.sh tests demo     # the named steps only
+#
+# Keras travels as wheels in .whl/ (the machine has JAX and CuPy, no Keras):
+# see BENCHMARKS.md, "GPU rows".
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export KERAS_BACKEND=jax XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests calls fields demo table)
+
+run_step() {  # name, seconds, command...
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "=== $name: exit $rc after $(($(date +%s) - start)) s"
+  tail -n "${TAIL:-18}" "$OUT/$name.log"
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+  tests) run_step tests 210 env XLA_FLAGS=--xla_gpu_deterministic_ops=true \
+    python3 -m pytest tests/gpu -q -p no:cacheprovider -n 4 --timeout 150 ;;
+  calls) run_step calls 40 python3 benchmarks/gpu_table_calls.py --calls 30 ;;
+  fields) run_step fields 130 python3 benchmarks/hash_embedding.py --gpu-table \
+    --only prefetch,raw-gpu,raw-gpu-together,baseline --repeats 3 ;;
+  demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
+  table) run_step table 40 python3 benchmarks/hash_table.py --device gpu ;;
+  *) echo "unknown step: $step" ;;
+  esac
+done
