@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 _ACTIVE = contextvars.ContextVar("keras_sparse_full_keys_model", default=None)
+_BUILDING = contextvars.ContextVar("keras_sparse_symbolic_build", default=False)
 _INT32 = np.iinfo(np.int32)
 _install_lock = threading.Lock()
 _installed = False
@@ -73,6 +74,19 @@ class _KeyQueue:
         with self._lock:
             self._items.clear()
             self._parts.clear()
+
+    def head(self):
+        """The oldest entry, or None; it stays queued (see `remove`)."""
+        with self._lock:
+            return self._items[0] if self._items else None
+
+    def remove(self, entry):
+        """Removes ``entry`` (an object `head` returned) if still queued."""
+        with self._lock:
+            for i, item in enumerate(self._items):
+                if item is entry:
+                    del self._items[i]
+                    return
 
     def take_match(self, keys, xp=np):
         """Removes and returns the oldest entry whose low 32 bits are ``keys``'.
@@ -359,8 +373,27 @@ def _clear_queues(model):
 
 def _noting(model, iterator):
     for batch in iterator:
-        note_batch(model, batch)
+        if not _BUILDING.get():
+            note_batch(model, batch)
         yield batch
+
+
+def _wrap_symbolic_build(cls):
+    """Keras builds an unbuilt model from the first batch of a fresh
+    iterator, then restarts it: that batch reaches no step, so its keys
+    are not queued (a stale head entry would cost every later step a
+    mismatched check)."""
+    original = cls._symbolic_build
+
+    @functools.wraps(original)
+    def _symbolic_build(self, *args, **kwargs):
+        token = _BUILDING.set(True)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _BUILDING.reset(token)
+
+    cls._symbolic_build = _symbolic_build
 
 
 @contextlib.contextmanager
@@ -579,6 +612,7 @@ def install():
         for name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
             _wrap_on_batch(jax_trainer.JAXTrainer, name)
         _wrap_epoch_iterator(jax_trainer.JAXEpochIterator)
+        _wrap_symbolic_build(jax_trainer.JAXTrainer)
         from keras.src.models.functional import Functional
 
         _wrap_functional_call(Functional)

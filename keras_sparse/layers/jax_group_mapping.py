@@ -44,6 +44,42 @@ def _host_rows(layers, bounds, keys, use, insert, out):
         layer._map_step_keys(keys[a:b], use[a:b], insert, (out[0][a:b], out[1][a:b]))
 
 
+def _restore_together(layers, bounds, flat, cp):
+    """``flat`` (the step's keys as int64 on the device) with the full
+    64-bit keys of every field that has queued keys (JAX without x64).
+
+    Restored keys exist only for int32 step keys, whose int64 copy ``flat``
+    is: XLA's own buffer is never written. When each field's oldest queued
+    batch is this step's (the usual order), all fields take one copy to the
+    device and one host read of the check, instead of two syncs per field;
+    otherwise each field finds its batch itself (`jax_full_keys.restore`,
+    which skips batches queued ahead, e.g. for validation).
+    """
+    queued = [i for i, layer in enumerate(layers) if jax_full_keys.has_queued(layer)]
+    if not queued:
+        return flat
+    queues = [jax_full_keys.key_queue(layers[i]) for i in queued]
+    heads = [q.head() for q in queues]
+    spans = [bounds[i] for i in queued]
+    if all(h is not None and h.size == b - a for h, (a, b) in zip(heads, spans)):
+        full = cp.asarray(np.concatenate(heads))
+        every = len(queued) == len(layers)
+        low = flat if every else cp.concatenate([flat[a:b] for a, b in spans])
+        if bool((full.astype(cp.int32) == low.astype(cp.int32)).all()):
+            for q, h in zip(queues, heads):
+                q.remove(h)
+            if every:
+                return full
+            at = 0
+            for a, b in spans:
+                flat[a:b] = full[at : at + b - a]
+                at += b - a
+            return flat
+    for i, (a, b) in zip(queued, spans):
+        flat[a:b] = jax_full_keys.restore(layers[i], flat[a:b], cp)
+    return flat
+
+
 def _gpu_rows(layers, bounds, keys, use, insert, out):
     """Every field's rows on the current CuPy stream: one launch for the
     tables that can take part (`step_rows_together`), then one call per
@@ -54,11 +90,7 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
     from keras_sparse.table.keys import to_cupy_keys
 
     flat, _ = to_cupy_keys(keys)
-    # Restored keys exist only for int32 step keys (JAX without x64), whose
-    # int64 copy `flat` is: XLA's own buffer is never written.
-    for layer, (a, b) in zip(layers, bounds):
-        if jax_full_keys.has_queued(layer):
-            flat[a:b] = jax_full_keys.restore(layer, flat[a:b], cp)
+    flat = _restore_together(layers, bounds, flat, cp)
     use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
     left = range(len(layers))
     if insert:

@@ -264,3 +264,46 @@ def test_hash_fields_together_take_one_launch_per_step(gpu_buffers, monkeypatch)
         for part in a:
             np.testing.assert_allclose(a[part], b[part], rtol=1e-5, err_msg=part)
     assert gpu_layers["user"].stats()["evictions"] > 0
+
+
+def test_hash_fields_together_restore_wide_keys_with_one_check(
+    gpu_buffers, monkeypatch
+):
+    """Wide int64 keys (JAX without x64) into a `HashEmbeddingCollection` of
+    GPU-table fields: the fields' full keys reach the device in one copy and
+    are checked with one host read per training step (two syncs in all,
+    however many fields), also around validation batches queued in between;
+    training equals the same fields as separate CPU-table layers."""
+    from tests.hash_fields import FIELDS
+    from tests.hash_fields import fields_data
+    from tests.hash_fields import fields_model
+
+    x, y = fields_data(samples=128)
+    rng = np.random.default_rng(2)
+    for name in FIELDS:
+        wide = rng.random(x[name].shape) < 0.5
+        x[name] = np.where(wide, x[name] + (np.int64(1) << 32), x[name]).astype("int64")
+    val = ({k: v[:32] for k, v in x.items()}, y[:32])
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0, validation_data=val)
+    keras.utils.set_random_seed(0)
+    model, cpu_layers = fields_model(False, "cpu", jit_compile=True, key_dtype="int64")
+    cpu = model.fit(x, y, **fit).history
+
+    count = StepCounts()
+    _forbid_host_mapping(monkeypatch)
+    keras.utils.set_random_seed(0)
+    model, gpu_layers = fields_model(True, "gpu", jit_compile=True, key_dtype="int64")
+    gpu = model.fit(x, y, callbacks=[count], **fit).history
+    if emulated():
+        assert count.per_step == [{"syncs": 1, "kernels": 1}] * (2 * len(y) // 16)
+    exact = emulated() or "deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+    rtol = 1e-5 if exact else 1e-2
+    np.testing.assert_allclose(gpu["loss"], cpu["loss"], rtol=rtol)
+    np.testing.assert_allclose(gpu["val_loss"], cpu["val_loss"], rtol=rtol)
+    for name in FIELDS:
+        a = sorted_records(cpu_layers[name].export())
+        b = sorted_records(gpu_layers[name].export())
+        np.testing.assert_array_equal(a["keys"], b["keys"])
+        assert (a["keys"] >= 1 << 32).any()
+        for part in a:
+            np.testing.assert_allclose(a[part], b[part], rtol=rtol, err_msg=part)
