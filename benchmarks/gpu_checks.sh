@@ -22,7 +22,7 @@ export KERAS_BACKEND=jax XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests calls fields demo table)
+[ ${#steps[@]} -eq 0 ] && steps=(tests calls fields profile demo table)
 
 run_step() {  # name, seconds, command...
   local name=$1 limit=$2 start rc
@@ -40,7 +40,8 @@ for step in "${steps[@]}"; do
     python3 -m pytest tests/gpu -q -p no:cacheprovider -n 4 --timeout 150 ;;
   calls) run_step calls 40 python3 benchmarks/gpu_table_calls.py --calls 30 ;;
   fields) run_step fields 130 python3 benchmarks/hash_embedding.py --gpu-table \
-    --only prefetch,raw-gpu,raw-gpu-together,baseline --repeats 3 ;;
+    --only "${FIELDS_ONLY:-prefetch,raw-gpu,raw-gpu-together,baseline}" --repeats 3 ;;
+  profile) run_step profile 150 python3 benchmarks/gpu_step_profile.py ;;
   demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
   table) run_step table 40 python3 benchmarks/hash_table.py --device gpu ;;
   *) echo "unknown step: $step" ;;

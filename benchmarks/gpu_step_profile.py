@@ -1,13 +1,20 @@
-"""Where a compiled step's time goes with GPU hash tables, per in-step route.
+"""Where a compiled step's time goes with GPU hash tables.
 
-The 26-field model of ``benchmarks/hash_embedding.py`` with
-``table_device="gpu"`` and raw int64 keys in ``fit``, once through the
-in-place GPU-buffer callback and once through ``io_callback`` (two rounds,
-interleaved). Host wall time inside the layer's table code is summed per
-step: the callback body (``_gpu_rows`` / ``_map_step_keys``), the table calls
-(``_lookup_or_insert``) and the full-key restore of JAX without x64. Also
-the eager cost of one 8,192-key ``lookup_or_insert`` on a field that evicts
-and on one whose keys all hit.
+The 26-field model of ``benchmarks/hash_embedding.py`` (batch 8192, dim 16,
+16,384 rows per field, Adagrad), one compiled training step per variant:
+
+* ``Embedding``: keras Embedding fed hashed bins (the floor: no table);
+* ``AllToAllDenseEmbedding``: the same bins into our fixed-vocabulary layer
+  (the sparse row updates, no table);
+* ``hash layers``: 26 ``DistributedHashEmbedding(table_device="gpu")``,
+  raw int64 keys into ``fit`` (in-step GPU-buffer callbacks);
+* ``collection``: the same fields in one ``HashEmbeddingCollection`` (one
+  callback, one launch per step);
+* ``collection, int32 keys``: the same with keys folded below 2**31, so no
+  full-key restore is needed (JAX without x64).
+
+Per step: wall time, and host time inside the callbacks (the callback
+body, the table launches, the full-key restore).
 
     python benchmarks/gpu_step_profile.py          # on a GPU with CuPy
 """
@@ -16,6 +23,7 @@ import collections
 import functools
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -23,17 +31,19 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import cupy as cp  # noqa: E402
 import hash_embedding as bench  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
+import keras_sparse.table  # noqa: E402
 from keras_sparse.data import criteo_like  # noqa: E402
+from keras_sparse.layers import AllToAllDenseEmbedding  # noqa: E402
 from keras_sparse.layers import jax_full_keys  # noqa: E402
-from keras_sparse.layers import jax_step_mapping  # noqa: E402
+from keras_sparse.layers import jax_group_mapping  # noqa: E402
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding  # noqa: E402
-from keras_sparse.table import HashTable  # noqa: E402
 
-SAMPLES, BATCH, CAPACITY = 1 << 16, 8192, 1 << 14
-spent, calls = collections.Counter(), collections.Counter()
+SAMPLES, BATCH, CAPACITY = 1 << 17, 8192, 1 << 14
+spent = collections.Counter()
 
 
 def timed(name, fn):
@@ -44,57 +54,90 @@ def timed(name, fn):
             return fn(*args, **kwargs)
         finally:
             spent[name] += time.perf_counter() - t0
-            calls[name] += 1
 
     return wrapper
 
 
-def eager_ms(keys):
-    table = HashTable(CAPACITY, device="gpu")
-    batches = [cp.asarray(keys[i : i + BATCH]) for i in range(0, SAMPLES, BATCH)]
-    for b in batches:  # fill: steady state from here
-        table.lookup_or_insert(b)
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        for b in batches:
-            table.lookup_or_insert(b)
-    cp.cuda.Device().synchronize()
-    return 1e3 * (time.perf_counter() - t0) / (3 * len(batches)), table.stats()
+def instrument():
+    """Host timers around the callback bodies, table calls and restores."""
+    for name in ("_gpu_rows", "_table_rows"):
+        fn = getattr(DistributedHashEmbedding, name)
+        setattr(DistributedHashEmbedding, name, timed(name, fn))
+    jax_full_keys.restore = timed("restore", jax_full_keys.restore)
+    for name in ("_gpu_rows", "_restore_together"):
+        fn = getattr(jax_group_mapping, name)
+        setattr(jax_group_mapping, name, timed(f"group{name}", fn))
+    together = keras_sparse.table.step_rows_together
+    keras_sparse.table.step_rows_together = timed("together", together)
+
+
+def dense_model(bins):
+    keras.utils.set_random_seed(0)
+    inputs = {
+        f"cat_{f}": keras.Input((), dtype="int32", name=f"cat_{f}")
+        for f in range(bench.FIELDS)
+    }
+    parts = [
+        AllToAllDenseEmbedding(bins, bench.DIM, optimizer="adagrad", name=f"e{f}")(k)
+        for f, k in enumerate(inputs.values())
+    ]
+    return bench._head(parts, inputs)
+
+
+def variants(keys, bins):
+    folded = {k: (v % (1 << 31)).astype(np.int32) for k, v in keys.items()}
+    hashed = {k: bench._splitmix64_bins(v, CAPACITY) for k, v in keys.items()}
+    return {
+        "Embedding (hashed bins)": (lambda: bench.baseline_model(CAPACITY), hashed),
+        "AllToAllDenseEmbedding (hashed bins)": (
+            lambda: dense_model(CAPACITY),
+            hashed,
+        ),
+        "hash layers, GPU tables": (
+            lambda: bench.hash_model(CAPACITY, "gpu", key_dtype="int64"),
+            keys,
+        ),
+        "collection, GPU tables": (
+            lambda: bench.hash_model(CAPACITY, "gpu", "int64", together=True),
+            keys,
+        ),
+        "collection, int32 keys": (
+            lambda: bench.hash_model(CAPACITY, "gpu", "int32", together=True),
+            folded,
+        ),
+    }
 
 
 def main():
     features, labels = criteo_like(SAMPLES, hashed_keys=True, scale=0.01, seed=0)
     keys = {f"cat_{f}": features[f"cat_{f}"] for f in range(bench.FIELDS)}
-    for cls_name in ("_gpu_rows", "_map_step_keys", "_lookup_or_insert"):
-        fn = getattr(DistributedHashEmbedding, cls_name)
-        setattr(DistributedHashEmbedding, cls_name, timed(cls_name, fn))
-    jax_full_keys.restore = timed("restore", jax_full_keys.restore)
+    instrument()
     steps = SAMPLES // BATCH
     print(f"device: {bench.device_description()}; {bench.FIELDS} fields, batch "
-          f"{BATCH}, capacity {CAPACITY:,} per field\n")  # fmt: skip
-    print("| route | step ms | callback ms | table calls ms | key restore ms |")
+          f"{BATCH}, {CAPACITY:,} rows per field; median of 2 epochs of "
+          f"{steps} steps\n")  # fmt: skip
+    print("| variant | step ms | callbacks ms | table ms | key restore ms |")
     print("|---|---:|---:|---:|---:|")
-    for gpu_buffers in (True, False, True, False):
-        jax_step_mapping.GPU_BUFFERS_IN_STEP = gpu_buffers
-        model = bench.hash_model(CAPACITY, table_device="gpu", key_dtype="int64")
-        fit = bench.epoch_on_arrays(model, keys, labels, BATCH)
+    for name, (build, x) in variants(keys, CAPACITY).items():
+        model = build()
+        fit = bench.epoch_on_arrays(model, x, labels, BATCH)
         fit()  # compiles, fills the tables
-        spent.clear()
-        calls.clear()
-        t0 = time.perf_counter()
-        fit()
-        step = 1e3 * (time.perf_counter() - t0) / steps
-        route = jax_step_mapping.choose_route(model.get_layer("hash_emb_0"))
-        body = spent["_gpu_rows"] + spent["_map_step_keys"]
-        cells = [body, spent["_lookup_or_insert"], spent["restore"]]
-        print(f"| {route} | {step:.1f} | "
-              + " | ".join(f"{1e3 * c / steps:.1f}" for c in cells) + " |")  # fmt: skip
-    for field, what in (("cat_2", "evicting field"), ("cat_0", "small field")):
-        ms, stats = eager_ms(keys[field])
-        evictions = stats["evictions"]
-        print(f"\neager lookup_or_insert, {BATCH:,} keys, {what} ({field}): "
-              f"{ms:.2f} ms per call ({evictions:,} evictions so far)")  # fmt: skip
+        times, parts = [], []
+        for _ in range(2):
+            spent.clear()
+            t0 = time.perf_counter()
+            fit()
+            times.append(time.perf_counter() - t0)
+            parts.append(dict(spent))
+        best = parts[int(np.argsort(times)[0])]
+        body = best.get("_gpu_rows", 0) + best.get("group_gpu_rows", 0)
+        table = best.get("_table_rows", 0) + best.get("together", 0)
+        restore = best.get("restore", 0) + best.get("group_restore_together", 0)
+        step = 1e3 * statistics.median(times) / steps
+        cells = [1e3 * c / steps for c in (body, table, restore)]
+        print(
+            f"| {name} | {step:.2f} | " + " | ".join(f"{c:.2f}" for c in cells) + " |"
+        )
 
 
 if __name__ == "__main__":
