@@ -42,6 +42,8 @@ for step in "${steps[@]}"; do
   fields) run_step fields 130 python3 benchmarks/hash_embedding.py --gpu-table \
     --only "${FIELDS_ONLY:-prefetch,raw-gpu,raw-gpu-together,baseline}" --repeats 3 ;;
   profile) run_step profile 150 python3 benchmarks/gpu_step_profile.py ;;
+  profile-nographs) run_step profile-nographs 150 env \
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/gpu_step_profile.py ;;
   demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
   table) run_step table 40 python3 benchmarks/hash_table.py --device gpu ;;
   *) echo "unknown step: $step" ;;

@@ -11,15 +11,21 @@ The 26-field model of ``benchmarks/hash_embedding.py`` (batch 8192, dim 16,
 * ``collection``: the same fields in one ``HashEmbeddingCollection`` (one
   callback, one launch per step);
 * ``collection, int32 keys``: the same with keys folded below 2**31, so no
-  full-key restore is needed (JAX without x64).
+  full-key restore is needed (JAX without x64);
+* ``collection, XLA stand-in``: the collection with its callback replaced
+  by ``rows = key % rows`` computed in XLA (no table, no callback): what the
+  step costs around the table call.
 
 Per step: wall time, and host time inside the callbacks (the callback
 body, the table launches, the full-key restore).
 
     python benchmarks/gpu_step_profile.py          # on a GPU with CuPy
+    python benchmarks/gpu_step_profile.py --only collection
 """
 
+import argparse
 import collections
+import contextlib
 import functools
 import os
 import pathlib
@@ -40,6 +46,7 @@ from keras_sparse.data import criteo_like  # noqa: E402
 from keras_sparse.layers import AllToAllDenseEmbedding  # noqa: E402
 from keras_sparse.layers import jax_full_keys  # noqa: E402
 from keras_sparse.layers import jax_group_mapping  # noqa: E402
+from keras_sparse.layers import jax_step_mapping  # noqa: E402
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding  # noqa: E402
 
 SAMPLES, BATCH, CAPACITY = 1 << 17, 8192, 1 << 14
@@ -84,6 +91,23 @@ def dense_model(bins):
     return bench._head(parts, inputs)
 
 
+@contextlib.contextmanager
+def xla_stand_in():
+    """The step's table callback replaced by rows computed in XLA."""
+    import jax.numpy as jnp
+
+    def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
+        rows = (keys.astype(jnp.uint32) % CAPACITY).astype(jnp.int32)
+        return rows, jnp.zeros((n,), bool)
+
+    original = jax_step_mapping.rows_in_step
+    jax_step_mapping.rows_in_step = rows_in_step
+    try:
+        yield
+    finally:
+        jax_step_mapping.rows_in_step = original
+
+
 def variants(keys, bins):
     folded = {k: (v % (1 << 31)).astype(np.int32) for k, v in keys.items()}
     hashed = {k: bench._splitmix64_bins(v, CAPACITY) for k, v in keys.items()}
@@ -105,10 +129,17 @@ def variants(keys, bins):
             lambda: bench.hash_model(CAPACITY, "gpu", "int32", together=True),
             folded,
         ),
+        "collection, XLA stand-in": (
+            lambda: bench.hash_model(CAPACITY, "gpu", "int32", together=True),
+            folded,
+        ),
     }
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="", help="variants whose name has this")
+    args = parser.parse_args()
     features, labels = criteo_like(SAMPLES, hashed_keys=True, scale=0.01, seed=0)
     keys = {f"cat_{f}": features[f"cat_{f}"] for f in range(bench.FIELDS)}
     instrument()
@@ -119,9 +150,13 @@ def main():
     print("| variant | step ms | callbacks ms | table ms | key restore ms |")
     print("|---|---:|---:|---:|---:|")
     for name, (build, x) in variants(keys, CAPACITY).items():
-        model = build()
-        fit = bench.epoch_on_arrays(model, x, labels, BATCH)
-        fit()  # compiles, fills the tables
+        if args.only not in name:
+            continue
+        stand_in = "stand-in" in name
+        with xla_stand_in() if stand_in else contextlib.nullcontext():
+            model = build()
+            fit = bench.epoch_on_arrays(model, x, labels, BATCH)
+            fit()  # compiles (the stand-in is traced here), fills the tables
         times, parts = [], []
         for _ in range(2):
             spent.clear()
