@@ -154,15 +154,21 @@ class FusedInsert:
         return a
 
     def _launch(self, k, use, first_only, step, out=None):
-        record, outputs = self.record(k, use, first_only, step, out)
-        launch([record])
+        clock = self.table.clock
+        try:
+            record, outputs = self.record(k, use, first_only, step, out)
+            launch([record])
+        except BaseException:
+            self.table.clock = clock  # the call never ran: no step passed
+            raise
         return outputs
 
     def record(self, k, use, first_only, step, out=None):
         """``(record, outputs)``: this table's call as a descriptor record of
         ``ks_insert_calls`` (`DESC_WORDS` int64 words) and its output arrays
         ``(rows, fresh, new_rows, ev_keys, ev_rows)``. Advances the table's
-        clock: the caller must launch the record. The arrays the record
+        clock: the caller must launch the record, or set the clock back
+        when it cannot. The arrays the record
         points at are held until this table's next record, so the launch
         may outlive the caller's references."""
         t = self.table
@@ -289,11 +295,20 @@ def step_rows_many(fused, keys, use, bounds, out):
     with contextlib.ExitStack() as held:
         for f in sorted({id(fused[i]): fused[i] for i in joined}.values(), key=id):
             held.enter_context(f.lock)  # a fixed order: no deadlock
-        records = []
-        for i in joined:
-            a, b = bounds[i]
-            part = None if use is None else use[a:b]
-            slots = (rows32[a:b], fresh[a:b])
-            records.append(fused[i].record(keys[a:b], part, True, None, slots)[0])
-        launch(records)
+        # `record` advances each table's clock; a failure before the launch
+        # (e.g. out of device memory for a later table's buffers) must leave
+        # every table as if it never saw the call.
+        clocks = [(fused[i].table, fused[i].table.clock) for i in joined]
+        try:
+            records = []
+            for i in joined:
+                a, b = bounds[i]
+                part = None if use is None else use[a:b]
+                slots = (rows32[a:b], fresh[a:b])
+                records.append(fused[i].record(keys[a:b], part, True, None, slots)[0])
+            launch(records)
+        except BaseException:
+            for table, clock in clocks:
+                table.clock = clock
+            raise
     return left

@@ -292,3 +292,53 @@ def test_random_call_sequences_match_the_cpu_table(seed, kw):
         assert cpu.stats() == gpu.stats(), what
     for x, y in zip(cpu.export(), gpu.export()):
         np.testing.assert_array_equal(x, y.get())
+
+
+def test_step_rows_together_failing_before_the_launch_leaves_tables_untouched(
+    monkeypatch,
+):
+    """A failure while the launch is prepared (here: the second table's
+    record, as an out-of-memory error would) leaves every table as if it
+    never saw the call: the next calls equal those of tables that did not."""
+    import numpy as np
+
+    from keras_sparse.table import HashTable
+    from keras_sparse.table import insert_call
+    from keras_sparse.table import step_rows_together
+
+    kws = [dict(capacity=256, eviction="lru"), dict(capacity=256, eviction="lfu")]
+    tried = [HashTable(device="gpu", **kw) for kw in kws]
+    clean = [HashTable(device="gpu", **kw) for kw in kws]
+    rng = np.random.default_rng(3)
+    bounds = [(0, 200), (200, 400)]
+
+    def step(tables, keys):
+        out = (cp.empty(400, cp.int32), cp.empty(400, cp.bool_))
+        assert step_rows_together(tables, cp.asarray(keys), None, bounds, out) == []
+        return out[0].get(), out[1].get()
+
+    for _ in range(3):
+        keys = (rng.zipf(1.2, 400) % 600).astype(np.int64)
+        step(tried, keys)
+        step(clean, keys)
+    record = insert_call.FusedInsert.record
+    calls = []
+
+    def failing_record(self, *args, **kwargs):
+        calls.append(self)
+        if len(calls) == 2:
+            raise MemoryError("out of device memory")
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(insert_call.FusedInsert, "record", failing_record)
+    with pytest.raises(MemoryError):
+        step(tried, (rng.zipf(1.2, 400) % 600).astype(np.int64))
+    monkeypatch.setattr(insert_call.FusedInsert, "record", record)
+    for _ in range(4):
+        keys = (rng.zipf(1.2, 400) % 600).astype(np.int64)
+        for got, want in zip(step(tried, keys), step(clean, keys)):
+            np.testing.assert_array_equal(got, want)
+    for a, b in zip(tried, clean):
+        assert a.stats() == b.stats()
+        for x, y in zip(a.export(), b.export()):
+            np.testing.assert_array_equal(x.get(), y.get())
