@@ -10,6 +10,7 @@ import pytest
 from keras_sparse.data import prefetch
 from keras_sparse.data.prefetch import PrefetchError
 from keras_sparse.layers import DistributedHashEmbedding
+from keras_sparse.ops import dense_row_updates
 
 N, BATCH = 192, 24
 
@@ -119,6 +120,9 @@ def test_step_uses_the_stage_segments_and_works_without_them(monkeypatch):
     import sys
 
     prefetch_module = sys.modules["keras_sparse.data.prefetch"]
+    # The segments serve the sparse route; a step with as many ids as rows
+    # would update the whole table without them (`dense_row_updates`).
+    monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
     ref = _reference(capacity=64)
     x, y = _data()
     model = _model(capacity=64)

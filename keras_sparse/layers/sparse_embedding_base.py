@@ -16,6 +16,7 @@ from keras_sparse.layers.dedup_scratch import add_dedup_scratch
 from keras_sparse.layers.dedup_scratch import scratch_segments
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
+from keras_sparse.ops import dense_row_updates
 
 SHARDING_CHOICES = ("auto", "data", "table", "row", "column")
 #: Hash layers may also own their keys per device.
@@ -294,7 +295,7 @@ def lookup_flat_rows(
         kwargs = {"apply_update": update} if on_jax else {}
         if reset is not None:
             kwargs["reset"] = reset
-        if segments is None and update and routing is None:
+        if _needs_segments(layer, table, flat_ids, segments, update, routing):
             segments = scratch_segments(layer, table, flat_ids, flat_valid)
         if segments is not None and update and routing is None:
             kwargs["segments"] = ops.reshape(segments, (-1,))
@@ -337,6 +338,17 @@ def lookup_flat_rows(
     safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))
     rows = ops.take(table, safe, axis=0)
     return ops.where(ops.expand_dims(flat_valid, -1), rows, 0)
+
+
+def _needs_segments(layer, table, flat_ids, segments, update, routing):
+    """Whether to find this call's segments by the dedup scratch: for an
+    unsharded sparse update that has none yet and does not update the whole
+    table (`keras_sparse.ops.dense_row_updates`, which needs no segments)."""
+    if segments is not None or not update or routing is not None:
+        return False
+    return not dense_row_updates.uses_dense_route(
+        flat_ids.shape[0], table.shape[0], layer.embeddings_constraint
+    )
 
 
 def _zero_that_reaches(rows):

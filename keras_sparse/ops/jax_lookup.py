@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from keras_sparse.ops import dense_row_updates
 from keras_sparse.ops import row_updates
 from keras_sparse.ops import take_rows
 from keras_sparse.ops.row_updates import compute_row_updates
@@ -40,6 +41,12 @@ def _backward(config, residuals, grads):
         return table, dict(slots), None, None, None, None
     state = {"table": table, **slots}
     num_rows = table.shape[0]
+    if dense_row_updates.uses_dense_route(ids.shape[0], num_rows, constraint):
+        updated = dense_row_updates.dense_row_updates(
+            optimizer, state, ids, valid, grads, iterations
+        )
+        table_out = updated.pop("table")
+        return table_out, updated, None, None, None, None
     unique_ids, is_real, new_values = compute_row_updates(
         optimizer,
         lambda name, rows: take_rows(state[name], rows),
