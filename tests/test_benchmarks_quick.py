@@ -40,3 +40,27 @@ def test_peers_quick_prints_positive_step_times(tmp_path):
         assert ratio == "-", (name, ratio)  # no torchrec in the quick run
         assert float(rss) > 0, (name, rss)
     assert (tmp_path / "peers.png").stat().st_size > 0
+
+
+def test_many_fields_quick_prints_every_variant():
+    """benchmarks/many_fields.py --quick (JAX): each variant's row with a
+    positive step time and a finite loss."""
+    import pytest
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the benchmark runs on JAX")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/many_fields.py", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in ("keras", "dense", "hash-cpu"):
+            rows[cells[0]] = cells
+    assert sorted(rows) == ["dense", "hash-cpu", "keras"], out[-4000:]
+    for name, (_, ms, ratio, loss) in rows.items():
+        assert float(ms) > 0 and ratio.endswith("x"), (name, ms, ratio)
+        assert 0 < float(loss) < 10, (name, loss)
