@@ -8,7 +8,11 @@ everywhere. Variants, one model each, the same batches:
 * ``keras``: 100 ``keras.layers.Embedding(8192, 4)`` summed over the bag
   axis, trained by the model's (dense) Adam;
 * ``dense``: 100 ``ks.AllToAllDenseEmbedding(8192, 4, combiner="sum",
-  optimizer="adam")`` (sparse Adam on the rows a batch touched);
+  optimizer="adam")`` (lazy Adam on the rows a batch touched; with this
+  many ids per row the update runs over the whole table,
+  `keras_sparse.ops.dense_row_updates`);
+* ``dense-sorted``: the same with that route switched off (the ids sorted
+  and deduplicated, only the touched rows gathered and scattered);
 * ``hash-gpu`` / ``hash-cpu``: a ``ks.HashEmbeddingCollection`` of 100
   ``ks.DistributedHashEmbedding(4, capacity=2 * 8192, combiner="sum",
   optimizer="adam")`` fields with CUDA / NumPy tables: exact rows for any
@@ -39,7 +43,7 @@ import numpy as np  # noqa: E402
 
 import keras_sparse as ks  # noqa: E402
 
-VARIANTS = ("keras", "dense", "hash-gpu", "hash-cpu")
+VARIANTS = ("keras", "dense", "dense-sorted", "hash-gpu", "hash-cpu")
 
 
 def field_names(args):
@@ -60,7 +64,7 @@ def embeddings(variant, args):
             return [keras.ops.sum(layers[n](x[n]), axis=1) for n in names]
 
         return pool, layers
-    if variant == "dense":
+    if variant.startswith("dense"):
         layers = {
             n: ks.AllToAllDenseEmbedding(
                 args.vocab, args.dim, combiner="sum", optimizer="adam", name=f"{n}_emb"
@@ -123,6 +127,10 @@ def on_device(x, y):
 
 
 def timed(variant, args, data):
+    from keras_sparse.ops import dense_row_updates
+
+    # The route is chosen when the step is traced (the first call).
+    dense_row_updates.FORCE_DENSE_ROUTE = False if variant == "dense-sorted" else None
     model = build(variant, args)
     for i in range(args.warmup):
         model.train_on_batch(*data[i % 2])
