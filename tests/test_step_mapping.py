@@ -88,6 +88,22 @@ def test_shared_layer_keeps_the_ordered_io_callback():
     assert jax_step_mapping.choose_route(layer) == "io_callback"
 
 
+def test_layers_given_one_table_keep_the_ordered_io_callback():
+    """Two layers sharing one table object: in-place callbacks of different
+    layers may run concurrently, so both take the ordered route and their
+    table calls keep the program order; a third layer keeps its own."""
+    first, second, own = _layer(name="a"), _layer(name="b"), _layer(name="c")
+    inputs = [keras.Input((FIELDS,), dtype="int64") for _ in range(3)]
+    outs = [layer(x) for layer, x in zip((first, second, own), inputs)]
+    keras.Model(inputs, keras.layers.Add()(outs))
+    assert jax_step_mapping.choose_route(second) == "cpu_buffers"
+    second.table = first.table
+    for layer in (first, second):
+        assert jax_step_mapping.calls_per_step(layer) == 2
+        assert jax_step_mapping.choose_route(layer) == "io_callback"
+    assert jax_step_mapping.choose_route(own) == "cpu_buffers"
+
+
 def _fit(monkeypatch, in_place):
     _set_in_place(monkeypatch, in_place)
     keras.utils.set_random_seed(0)

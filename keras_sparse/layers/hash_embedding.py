@@ -12,6 +12,7 @@ from keras_sparse.layers import key_mapping
 from keras_sparse.layers import placement
 from keras_sparse.layers import serving_hooks
 from keras_sparse.layers import serving_map
+from keras_sparse.layers import table_users
 from keras_sparse.layers.arguments import check_given
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.fresh_rows import fresh_row_values
@@ -667,6 +668,18 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         process's shards. They are not saved.
         """
         return self.table.stats()
+
+    @property
+    def table(self):
+        """The layer's hash table (`keras_sparse.table.HashTable` or a
+        sharded table). Assigning another layer's table shares it: the two
+        layers' calls then keep one order in a step."""
+        return self.__dict__.get("_ks_table")
+
+    @table.setter
+    def table(self, table):
+        self.__dict__["_ks_table"] = table
+        table_users.register(table, self)
 
     def get_config(self):
         config = super().get_config()

@@ -31,6 +31,8 @@ import warnings
 import keras
 import numpy as np
 
+from keras_sparse.layers import table_users
+
 # False forces the io_callback route everywhere: the escape hatch for a step
 # that is partitioned across devices without a Keras distribution (a
 # hand-written ``jax.jit`` with shardings), which the in-place route cannot
@@ -107,14 +109,17 @@ def _cupy_stream(ctx):
 
 
 def calls_per_step(layer):
-    """How many calls of ``layer`` a step of its functional model makes: its
-    own calls, and those of the `HashEmbeddingCollection`s it is a field of
-    (at least 1)."""
-    calls = len(getattr(layer, "_inbound_nodes", ()))
-    for owner in layer.__dict__.get("_ks_hash_collections", ()):
-        collection = owner()
-        if collection is not None:
-            calls += max(len(getattr(collection, "_inbound_nodes", ())), 1)
+    """How many calls of ``layer``'s table a step of its functional model
+    makes (at least 1): the layer's own calls, those of the
+    `HashEmbeddingCollection`s it is a field of, and the same for every
+    other layer given the same table object."""
+    calls = 0
+    for user in table_users.users(layer):
+        calls += len(getattr(user, "_inbound_nodes", ()))
+        for owner in user.__dict__.get("_ks_hash_collections", ()):
+            collection = owner()
+            if collection is not None:
+                calls += max(len(getattr(collection, "_inbound_nodes", ())), 1)
     return max(calls, 1)
 
 
