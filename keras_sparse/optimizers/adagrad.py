@@ -35,10 +35,11 @@ class Adagrad(SparseOptimizer):
     def slot_specs(self):
         return [SlotSpec("accumulator", self.initial_accumulator_value)]
 
-    def update_rows(self, rows, slots, grads, lr, iterations):
-        acc = slots["accumulator"] + ops.square(grads)
-        new_rows = rows - lr * grads / ops.sqrt(acc + self.epsilon)
-        return new_rows, {"accumulator": acc}
+    def new_slots(self, rows, slots, grads, lr, iterations):
+        return {"accumulator": slots["accumulator"] + ops.square(grads)}
+
+    def rows_from_slots(self, rows, new_slots, grads, lr, iterations):
+        return rows - lr * grads / ops.sqrt(new_slots["accumulator"] + self.epsilon)
 
     def get_config(self):
         return {

@@ -36,18 +36,21 @@ class Adam(SparseOptimizer):
     def slot_specs(self):
         return [SlotSpec("momentum"), SlotSpec("velocity")]
 
-    def update_rows(self, rows, slots, grads, lr, iterations):
+    def new_slots(self, rows, slots, grads, lr, iterations):
+        m = slots["momentum"]
+        v = slots["velocity"]
+        m = m + (grads - m) * (1 - self.beta_1)
+        v = v + (ops.square(grads) - v) * (1 - self.beta_2)
+        return {"momentum": m, "velocity": v}
+
+    def rows_from_slots(self, rows, new_slots, grads, lr, iterations):
         dtype = rows.dtype
         local_step = ops.cast(iterations + 1, dtype)
         beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
         beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        m = slots["momentum"]
-        v = slots["velocity"]
-        m = m + (grads - m) * (1 - self.beta_1)
-        v = v + (ops.square(grads) - v) * (1 - self.beta_2)
-        new_rows = rows - (m * alpha) / (ops.sqrt(v) + self.epsilon)
-        return new_rows, {"momentum": m, "velocity": v}
+        m, v = new_slots["momentum"], new_slots["velocity"]
+        return rows - (m * alpha) / (ops.sqrt(v) + self.epsilon)
 
     def get_config(self):
         return {

@@ -92,7 +92,43 @@ class SparseOptimizer:
         return self.update_rows(rows, slots, grads, lr, iterations)
 
     def update_rows(self, rows, slots, grads, lr, iterations):
+        """``(new_rows, new_slots)``: by default `new_slots`, then
+        `rows_from_slots` on them."""
+        new = self.new_slots(rows, slots, grads, lr, iterations)
+        return self.rows_from_slots(rows, new, grads, lr, iterations), new
+
+    def new_slots(self, rows, slots, grads, lr, iterations):
+        """The updated slots (dict); with `rows_from_slots`, the update in
+        two stages (optional: `update_rows` may do both at once)."""
         raise NotImplementedError
+
+    def rows_from_slots(self, rows, new_slots, grads, lr, iterations):
+        """The updated rows, from the updated slots (see `new_slots`)."""
+        raise NotImplementedError
+
+    def splits_update(self):
+        """True when `new_slots` and `rows_from_slots` define the update."""
+        cls = type(self)
+        return (
+            cls.new_slots is not SparseOptimizer.new_slots
+            and cls.rows_from_slots is not SparseOptimizer.rows_from_slots
+        )
+
+    def update_slots_then_rows(self, rows, slots, grads, iterations, keep):
+        """`update` in two stages (requires `splits_update`): the new slots,
+        passed through ``keep(name, new, old)`` (what the caller stores),
+        then the rows from the kept slots. Returns ``(new_rows, kept)``.
+
+        For a caller that keeps only some rows' updates (a whole-table
+        update), computing the rows from the kept slots lets the compiler
+        write each slot in place before the rows read it.
+        """
+        dtype = rows.dtype
+        grads = ops.cast(grads, dtype)
+        lr = self.current_learning_rate(iterations, dtype)
+        new = self.new_slots(rows, slots, grads, lr, iterations)
+        kept = {name: keep(name, value, slots[name]) for name, value in new.items()}
+        return self.rows_from_slots(rows, kept, grads, lr, iterations), kept
 
     def get_config(self):
         lr = self.learning_rate

@@ -62,9 +62,8 @@ class Ftrl(SparseOptimizer):
             SlotSpec("linear"),
         ]
 
-    def update_rows(self, rows, slots, grads, lr, iterations):
+    def new_slots(self, rows, slots, grads, lr, iterations):
         lr_power = self.learning_rate_power
-        l2_reg = self.l2_regularization_strength + self.beta / (2.0 * lr)
         grad_to_use = grads + 2 * self.l2_shrinkage_regularization_strength * rows
         accum = slots["accumulator"]
         new_accum = accum + ops.square(grads)
@@ -74,10 +73,15 @@ class Ftrl(SparseOptimizer):
             + grad_to_use
             - ((power_new - ops.power(accum, -lr_power)) / lr) * rows
         )
+        return {"accumulator": new_accum, "linear": linear}
+
+    def rows_from_slots(self, rows, new_slots, grads, lr, iterations):
+        l2_reg = self.l2_regularization_strength + self.beta / (2.0 * lr)
+        power_new = ops.power(new_slots["accumulator"], -self.learning_rate_power)
         quadratic = power_new / lr + 2 * l2_reg
         l1 = self.l1_regularization_strength
-        new_rows = (ops.clip(linear, -l1, l1) - linear) / quadratic
-        return new_rows, {"accumulator": new_accum, "linear": linear}
+        linear = new_slots["linear"]
+        return (ops.clip(linear, -l1, l1) - linear) / quadratic
 
     def get_config(self):
         return {

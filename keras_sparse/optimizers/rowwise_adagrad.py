@@ -26,7 +26,9 @@ class RowWiseAdagrad(Adagrad):
     def slot_specs(self):
         return [SlotSpec("accumulator", self.initial_accumulator_value, row_wise=True)]
 
-    def update_rows(self, rows, slots, grads, lr, iterations):
+    def new_slots(self, rows, slots, grads, lr, iterations):
         acc = slots["accumulator"] + ops.mean(ops.square(grads), axis=-1, keepdims=True)
-        new_rows = rows - lr * grads / ops.sqrt(acc + self.epsilon)
-        return new_rows, {"accumulator": acc}
+        return {"accumulator": acc}
+
+    def rows_from_slots(self, rows, new_slots, grads, lr, iterations):
+        return rows - lr * grads / ops.sqrt(new_slots["accumulator"] + self.epsilon)
