@@ -32,8 +32,10 @@ class SlotSpec:
 class SparseOptimizer:
     """Common behaviour of the sparse optimizers.
 
-    Subclasses define ``slot_specs()`` and ``update_rows``; they see only the
-    touched rows, with duplicate ids already summed.
+    Subclasses define ``slot_specs()`` and the update: ``update_rows``, or
+    ``new_slots`` and ``rows_from_slots`` (the rows from the updated slots,
+    which lets a whole-table update write the slots in place); they see
+    only the touched rows, with duplicate ids already summed.
 
     Args:
         learning_rate: a float, or a
