@@ -203,10 +203,13 @@ def test_reported_bytes_match_compiled_collectives(strategy, spec, monkeypatch):
     import jax
 
     from keras_sparse.ops import count_buckets
+    from keras_sparse.ops import dense_row_updates
 
     # No keras.distribution is set here; under one (as in real use, see
-    # test_update_keeps_n_rows_under_a_distribution) the update is not sized.
+    # test_update_keeps_n_rows_under_a_distribution) the update is not sized,
+    # and it never updates the whole table (`uses_dense_route`).
     monkeypatch.setattr(count_buckets, "FORCE_SIZED", False)
+    monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
     from jax.sharding import Mesh
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

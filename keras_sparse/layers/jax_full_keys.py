@@ -331,9 +331,10 @@ def _check_declared_int32(layer, keys):
         )
 
 
-def note_batch(model, batch):
+def note_batch(model, batch, queue=True):
     """Queues the full keys of one batch (``(x, ...)`` as Keras yields it)
-    and refuses ids that fixed-vocabulary layers would see wrapped."""
+    and refuses ids that fixed-vocabulary layers would see wrapped.
+    ``queue=False``: the checks only (a batch that reaches no step)."""
     from keras_sparse.layers.model_feeds import array_at
     from keras_sparse.layers.model_feeds import split_batch
 
@@ -361,7 +362,8 @@ def note_batch(model, batch):
             # (compiled inference reads the serving map, not the queue).
             _check_declared_int32(feed.layer, keys)
             continue
-        key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
+        if queue:
+            key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
     if model_feeds.fixed_layers:
         _check_ids_fit(model, x, model_feeds.fixed_layers)
 
@@ -373,16 +375,16 @@ def _clear_queues(model):
 
 def _noting(model, iterator):
     for batch in iterator:
-        if not _BUILDING.get():
-            note_batch(model, batch)
+        note_batch(model, batch, queue=not _BUILDING.get())
         yield batch
 
 
 def _wrap_symbolic_build(cls):
     """Keras builds an unbuilt model from the first batch of a fresh
     iterator, then restarts it: that batch reaches no step, so its keys
-    are not queued (a stale head entry would cost every later step a
-    mismatched check)."""
+    are checked but not queued (a stale head entry would cost every later
+    step a mismatched check). The check still refuses bad ids there, before
+    Keras hands the variables to the training loop."""
     original = cls._symbolic_build
 
     @functools.wraps(original)
