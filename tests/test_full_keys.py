@@ -65,6 +65,26 @@ def test_queues_are_empty_after_fit_and_predict():
     assert len(layer.export()["keys"]) == len(set(x[:32].ravel().tolist()))
 
 
+def test_the_build_batch_leaves_nothing_queued_during_fit():
+    """Keras builds an unbuilt model from one batch of a fresh iterator; that
+    batch reaches no step, so its keys must not wait in the queue (a stale
+    head costs each GPU step one more check): after every step of the
+    first fit, every queued batch has been taken."""
+    layer = _layer()
+    model = _functional(layer)
+    x = (np.arange(64).reshape(32, 2) + 3 * HIGH).astype(np.int64)
+    y = np.zeros((32, 1), np.float32)
+    left = []
+
+    class Queued(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            left.append(_queued(layer))
+
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Queued()])  # fmt: skip
+    assert left == [0, 0, 0, 0]
+
+
 class _Subclassed(keras.Model):
     def __init__(self):
         super().__init__()

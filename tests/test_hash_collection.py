@@ -218,3 +218,42 @@ def test_a_field_also_called_outside_counts_both_calls():
     assert not jax_step_mapping._called_once(layers["user"])
     assert jax_step_mapping.calls_per_step(layers["item"]) == 1
     assert again.shape[-1] == out["user"].shape[-1]
+
+
+def test_fields_restore_their_full_keys_together_or_one_by_one():
+    """A collection's full 64-bit keys (JAX without x64): every field's
+    oldest queued batch in one check when all match; otherwise each field
+    finds its own batch (an entry queued ahead of it stays); fields with
+    nothing queued keep the step's keys. NumPy stands in for CuPy."""
+    from keras_sparse.layers import jax_full_keys
+    from keras_sparse.layers import jax_group_mapping
+
+    class Field:
+        name = "field"
+
+    def low(*parts):  # what the step holds: the low 32 bits, widened
+        return np.concatenate(parts).astype(np.int32).astype(np.int64)
+
+    ka = np.array([(1 << 40) + 3, 7], np.int64)
+    kb = np.array([5, (7 << 33) + 2, 9], np.int64)
+    ahead = np.array([(1 << 35) + 8, 4], np.int64)
+    bounds = [(0, 2), (2, 5)]
+    a, b = Field(), Field()
+    jax_full_keys.key_queue(a).append(ka)
+    jax_full_keys.key_queue(b).append(kb)
+    got = jax_group_mapping._restore_together([a, b], bounds, low(ka, kb), np)
+    np.testing.assert_array_equal(got, np.concatenate([ka, kb]))
+    assert len(jax_full_keys.key_queue(a)) == len(jax_full_keys.key_queue(b)) == 0
+
+    jax_full_keys.key_queue(a).append(ahead)  # another iterator's batch first
+    jax_full_keys.key_queue(a).append(ka)
+    jax_full_keys.key_queue(b).append(kb)
+    got = jax_group_mapping._restore_together([a, b], bounds, low(ka, kb), np)
+    np.testing.assert_array_equal(got, np.concatenate([ka, kb]))
+    assert jax_full_keys.key_queue(a).head() is ahead
+    assert len(jax_full_keys.key_queue(b)) == 0
+
+    c = Field()  # nothing queued (x64 mode, or keys that fit in 32 bits)
+    jax_full_keys.key_queue(b).append(kb)
+    got = jax_group_mapping._restore_together([c, b], bounds, low(ka[:2], kb), np)
+    np.testing.assert_array_equal(got, np.concatenate([low(ka), kb]))

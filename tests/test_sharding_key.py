@@ -316,3 +316,20 @@ def test_docs_key_sharding_example_runs():
     items = scope["items"]
     assert isinstance(items.table, ShardedHashTable) and items.table.num_shards == 8
     assert items.stats()["size"] > 0
+
+
+def test_layers_sharing_a_table_refuse_key_sharding():
+    """Key sharding gives each layer its own sharded table: two layers that
+    share one table are refused, naming both, instead of silently parting."""
+    first, second = _layer(name="first"), _layer(name="second")
+    second.table = first.table
+    keras.distribution.set_distribution(
+        sharding.distribution([first, second], devices=8)
+    )
+    try:
+        keys = keras.Input((BAG,), dtype="int64")
+        with pytest.raises(ValueError, match=r"'first'.*shared.*'second'"):
+            keras.Model(keys, keras.layers.Add()([first(keys), second(keys)]))
+    finally:
+        keras.distribution.set_distribution(None)
+    assert second.table is first.table

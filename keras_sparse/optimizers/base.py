@@ -109,12 +109,20 @@ class SparseOptimizer:
         raise NotImplementedError
 
     def splits_update(self):
-        """True when `new_slots` and `rows_from_slots` define the update."""
-        cls = type(self)
-        return (
-            cls.new_slots is not SparseOptimizer.new_slots
-            and cls.rows_from_slots is not SparseOptimizer.rows_from_slots
-        )
+        """True when `new_slots` and `rows_from_slots` define the update:
+        both are defined, and no class at or below them in the hierarchy
+        redefines `update_rows` or `update` (a subclass of `Adam` that
+        clips its gradients in `update_rows` must be used as it is)."""
+        mro = type(self).__mro__
+
+        def defined_at(name):  # index in the MRO of the class defining it
+            return next(i for i, c in enumerate(mro) if name in c.__dict__)
+
+        base = mro.index(SparseOptimizer)
+        split = [defined_at("new_slots"), defined_at("rows_from_slots")]
+        if base in split:
+            return False
+        return min(defined_at("update_rows"), defined_at("update")) > max(split)
 
     def update_slots_then_rows(self, rows, slots, grads, iterations, keep):
         """`update` in two stages (requires `splits_update`): the new slots,

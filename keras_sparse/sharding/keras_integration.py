@@ -61,6 +61,7 @@ import re
 
 import keras
 
+from keras_sparse.layers import table_users
 from keras_sparse.sharding import planner as planner_lib
 
 #: Strategies the Keras integration can run ("table": for the tables of an
@@ -561,6 +562,14 @@ def place_hash_table(layer):
             device=table.device,
             seed=layer.table_seed,
             gpus=_shard_gpus(local, shards[2][1]) if table.device == "gpu" else None,
+        )
+    sharing = [u.name for u in table_users.users(layer) if u is not layer]
+    if sharing:
+        raise ValueError(
+            f"Layer '{layer.name}': its hash table is shared with layer(s) "
+            f"{sharing}, and a distribution gives each layer its own sharded "
+            "table. Give each layer its own table, or train without a "
+            "distribution."
         )
     if table.size:
         raise ValueError(

@@ -158,7 +158,7 @@ class FusedInsert:
         try:
             record, outputs = self.record(k, use, first_only, step, out)
             launch([record])
-        except BaseException:
+        except Exception:
             self.table.clock = clock  # the call never ran: no step passed
             raise
         return outputs
@@ -307,7 +307,7 @@ def step_rows_many(fused, keys, use, bounds, out):
                 slots = (rows32[a:b], fresh[a:b])
                 records.append(fused[i].record(keys[a:b], part, True, None, slots)[0])
             launch(records)
-        except BaseException:
+        except Exception:
             for table, clock in clocks:
                 table.clock = clock
             raise
