@@ -15,7 +15,9 @@ optimizer math on every row and keeps the result only where a row was
 touched. It is the same lazy update: untouched rows and their slots keep
 their exact bits, and touched rows get the same gradient sums (a
 scatter-add in position order, as the sparse route's segment sum) and the
-same element-wise math.
+same element-wise math. That math is compiled into other loops, so a few
+elements may differ from the sparse route's in the last bit (XLA:CPU
+contracts some multiply-adds differently).
 """
 
 import keras
