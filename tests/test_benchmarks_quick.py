@@ -16,24 +16,32 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = {"jax": "jax", "tensorflow": "tf", "torch": "torch"}
 
 
-def test_peers_quick_prints_positive_step_times(tmp_path):
-    short = SHORT[keras.backend.backend()]
-    variants = [f"ks-{short}-layers", f"ks-{short}-collection"]
+def _table_rows(args, variants, width):
+    """Runs a benchmark script; its markdown rows ``{variant: cells}`` of
+    ``width`` cells, checked to cover exactly ``variants``."""
     done = subprocess.run(
-        # One torch thread: the other test lane shares the two cores, and
-        # torch's OpenMP pool slows down many times when oversubscribed.
-        [sys.executable, "benchmarks/peers.py", "--quick", "--torch-threads",
-         "1", "--variants", ",".join(variants), "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
     )  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     rows = {}
     for line in done.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[0] in variants:
+        if len(cells) == width and cells[0] in variants:
             rows[cells[0]] = cells
     assert sorted(rows) == sorted(variants), out[-4000:]
+    return rows
+
+
+def test_peers_quick_prints_positive_step_times(tmp_path):
+    short = SHORT[keras.backend.backend()]
+    variants = [f"ks-{short}-layers", f"ks-{short}-collection"]
+    # One torch thread: the other test lane shares the two cores, and
+    # torch's OpenMP pool slows down many times when oversubscribed.
+    args = ["benchmarks/peers.py", "--quick", "--torch-threads", "1",
+            "--variants", ",".join(variants), "--out", str(tmp_path)]  # fmt: skip
+    rows = _table_rows(args, variants, 5)
     for name, (_, table_rows, ms, ratio, rss) in rows.items():
         assert table_rows == "1e+04", (name, table_rows)
         assert re.fullmatch(r"\d+\.\d", ms) and float(ms) > 0, (name, ms)
@@ -50,18 +58,7 @@ def test_many_fields_quick_prints_every_variant():
     if keras.backend.backend() != "jax":
         pytest.skip("the benchmark runs on JAX")
     variants = ("keras", "dense", "dense-sorted", "hash-cpu")
-    done = subprocess.run(
-        [sys.executable, "benchmarks/many_fields.py", "--quick"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    rows = {}
-    for line in done.stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[0] in variants:
-            rows[cells[0]] = cells
-    assert sorted(rows) == sorted(variants), out[-4000:]
+    rows = _table_rows(["benchmarks/many_fields.py", "--quick"], variants, 4)
     for name, (_, ms, ratio, loss) in rows.items():
         assert float(ms) > 0 and ratio.endswith("x"), (name, ms, ratio)
         assert 0 < float(loss) < 10, (name, loss)

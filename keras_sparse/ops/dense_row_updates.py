@@ -89,21 +89,21 @@ def dense_row_updates(optimizer, state, ids, valid, grads, iterations):
     slots = {name: value for name, value in state.items() if name != "table"}
     keep = ops.expand_dims(touched, -1)
 
-    def kept(name, new, old):
+    def kept(new, old):
         return ops.where(keep, ops.cast(new, old.dtype), old)
 
     if optimizer.splits_update():
         # Rows from the stored slots: each slot is then written in place
         # before the rows read it. From the old slots, XLA:CPU recomputed
         # the new ones inside the rows' loop and so copied every slot first
-        # (Adam at 1e5 x 32 rows: 22 ms against 4 ms).
+        # (Adam at 1e5 x 32 rows: 22 ms, 8 ms this way).
         new_rows, new_slots = optimizer.update_slots_then_rows(
             table, slots, summed, iterations, kept
         )
     else:
         new_rows, new_slots = optimizer.update(table, slots, summed, iterations)
-        new_slots = {name: kept(name, v, slots[name]) for name, v in new_slots.items()}
-    return {"table": kept("table", new_rows, table), **new_slots}
+        new_slots = {name: kept(v, slots[name]) for name, v in new_slots.items()}
+    return {"table": kept(new_rows, table), **new_slots}
 
 
 def _sum_by_row(ids, valid, grads, num_rows):

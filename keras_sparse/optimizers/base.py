@@ -88,10 +88,12 @@ class SparseOptimizer:
         Returns:
             ``(new_rows, new_slots)`` with the same shapes.
         """
-        dtype = rows.dtype
-        grads = ops.cast(grads, dtype)
-        lr = self.current_learning_rate(iterations, dtype)
+        grads, lr = self._grads_and_rate(rows, grads, iterations)
         return self.update_rows(rows, slots, grads, lr, iterations)
+
+    def _grads_and_rate(self, rows, grads, iterations):
+        dtype = rows.dtype
+        return ops.cast(grads, dtype), self.current_learning_rate(iterations, dtype)
 
     def update_rows(self, rows, slots, grads, lr, iterations):
         """``(new_rows, new_slots)``: by default `new_slots`, then
@@ -126,18 +128,16 @@ class SparseOptimizer:
 
     def update_slots_then_rows(self, rows, slots, grads, iterations, keep):
         """`update` in two stages (requires `splits_update`): the new slots,
-        passed through ``keep(name, new, old)`` (what the caller stores),
-        then the rows from the kept slots. Returns ``(new_rows, kept)``.
+        passed through ``keep(new, old)`` (what the caller stores), then the
+        rows from the kept slots. Returns ``(new_rows, kept)``.
 
         For a caller that keeps only some rows' updates (a whole-table
         update), computing the rows from the kept slots lets the compiler
         write each slot in place before the rows read it.
         """
-        dtype = rows.dtype
-        grads = ops.cast(grads, dtype)
-        lr = self.current_learning_rate(iterations, dtype)
+        grads, lr = self._grads_and_rate(rows, grads, iterations)
         new = self.new_slots(rows, slots, grads, lr, iterations)
-        kept = {name: keep(name, value, slots[name]) for name, value in new.items()}
+        kept = {name: keep(value, slots[name]) for name, value in new.items()}
         return self.rows_from_slots(rows, kept, grads, lr, iterations), kept
 
     def get_config(self):

@@ -154,13 +154,9 @@ class FusedInsert:
         return a
 
     def _launch(self, k, use, first_only, step, out=None):
-        clock = self.table.clock
-        try:
+        with clocks_kept_on_error([self.table]):
             record, outputs = self.record(k, use, first_only, step, out)
             launch([record])
-        except Exception:
-            self.table.clock = clock  # the call never ran: no step passed
-            raise
         return outputs
 
     def record(self, k, use, first_only, step, out=None):
@@ -295,11 +291,7 @@ def step_rows_many(fused, keys, use, bounds, out):
     with contextlib.ExitStack() as held:
         for f in sorted({id(fused[i]): fused[i] for i in joined}.values(), key=id):
             held.enter_context(f.lock)  # a fixed order: no deadlock
-        # `record` advances each table's clock; a failure before the launch
-        # (e.g. out of device memory for a later table's buffers) must leave
-        # every table as if it never saw the call.
-        clocks = [(fused[i].table, fused[i].table.clock) for i in joined]
-        try:
+        with clocks_kept_on_error([fused[i].table for i in joined]):
             records = []
             for i in joined:
                 a, b = bounds[i]
@@ -307,8 +299,20 @@ def step_rows_many(fused, keys, use, bounds, out):
                 slots = (rows32[a:b], fresh[a:b])
                 records.append(fused[i].record(keys[a:b], part, True, None, slots)[0])
             launch(records)
-        except Exception:
-            for table, clock in clocks:
-                table.clock = clock
-            raise
     return left
+
+
+@contextlib.contextmanager
+def clocks_kept_on_error(tables):
+    """Sets the tables' clocks back when the block raises: `record` advances
+    a table's clock, and a failure before the launch (e.g. out of device
+    memory for a later table's buffers) must leave every table as if it
+    never saw the call. Interrupts are let through as they are: the
+    launch may already be queued."""
+    clocks = [(table, table.clock) for table in tables]
+    try:
+        yield
+    except Exception:
+        for table, clock in clocks:
+            table.clock = clock
+        raise
