@@ -175,28 +175,27 @@ def test_distributed_steps_keep_the_sparse_route():
     assert dense_row_updates.uses_dense_route(40960, 8192)
 
 
-@pytest.mark.parametrize("rows,dense", [(64, True), (4096, False)])
-def test_training_takes_the_route_its_shapes_choose(rows, dense, monkeypatch):
-    """128 ids per step: the dense route for 64 rows, not for 4096 rows; the
-    sparse route's dedup scratch is written only when it runs."""
+def _counted(monkeypatch, module, name):
+    """A list that grows by one at each call of ``module.name``."""
     calls = []
-    original = dense_row_updates.dense_row_updates
+    original = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(dense_row_updates, "dense_row_updates", spy)
-    scratch_calls = []
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("rows,dense", [(64, True), (4096, False)])
+def test_training_takes_the_route_its_shapes_choose(rows, dense, monkeypatch):
+    """128 ids per step: the dense route for 64 rows, not for 4096 rows; the
+    sparse route's dedup scratch is written only when it runs."""
     from keras_sparse.ops import row_updates
 
-    scratch = row_updates.scratch_segments
-
-    def scratch_spy(*args, **kwargs):
-        scratch_calls.append(1)
-        return scratch(*args, **kwargs)
-
-    monkeypatch.setattr(row_updates, "scratch_segments", scratch_spy)
+    calls = _counted(monkeypatch, dense_row_updates, "dense_row_updates")
+    scratch_calls = _counted(monkeypatch, row_updates, "scratch_segments")
     ids_in = keras.Input((BAG,), dtype="int32")
     layer = ks.AllToAllDenseEmbedding(rows, DIM, combiner="sum", optimizer="adam")
     model = keras.Model(ids_in, keras.layers.Dense(1)(layer(ids_in)))
