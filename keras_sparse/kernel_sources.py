@@ -1,11 +1,12 @@
-"""Finds the CUDA sources of ``kernels/`` in a checkout or an installed wheel."""
+"""Finds the sources of ``kernels/`` (CUDA, and C for CPUs) in a checkout or an
+installed wheel."""
 
 import pathlib
 import re
 import sys
 
 _REPO_KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-# setup.cfg installs kernels/*.cu and *.cuh here as data files.
+# setup.cfg installs the files of kernels/ here as data files.
 _INSTALLED_KERNELS = pathlib.Path(sys.prefix) / "share" / "keras_sparse" / "kernels"
 # A local include of another file of kernels/ (NVRTC compiles one string, so
 # such includes are expanded here; nvcc resolves them itself).
@@ -18,7 +19,7 @@ def _read(name):
         if path.is_file():
             return path.read_text()
     raise FileNotFoundError(
-        f"CUDA source {name!r} not found in {', '.join(str(p) for p in places)}; "
+        f"Kernel source {name!r} not found in {', '.join(str(p) for p in places)}; "
         "reinstall keras-sparse."
     )
 

@@ -8,6 +8,7 @@ from keras_sparse.backend_utils import is_tf_ragged
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
+from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 
@@ -246,6 +247,11 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
 
     def _embed(self, inputs, weights, training):
         ids, weights, valid = self._ids(inputs, weights)
+        if self.combiner is not None and weights is None:
+            sums = self.bag_sums(ids, valid, training)
+            if sums is not None:
+                out = pooling.scale_sum(sums, ops.shape(ids)[-1], self.combiner)
+                return ops.cast(out, self.compute_dtype)
         rows = self.lookup_rows(ids, valid, training)
         out = self.combine(rows, weights, valid)
         return ops.cast(out, self.compute_dtype)

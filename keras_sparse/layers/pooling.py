@@ -21,14 +21,7 @@ def pool(vectors, weights, combiner):
     every weight 1.
     """
     if weights is None:
-        total = ops.sum(vectors, axis=-2)
-        if combiner == "sum":
-            return total
-        bag = ops.shape(vectors)[-2]
-        if bag == 0:
-            return total  # empty bags pool to zeros
-        bag = ops.cast(bag, vectors.dtype)
-        return total / (bag if combiner == "mean" else ops.sqrt(bag))
+        return scale_sum(ops.sum(vectors, axis=-2), ops.shape(vectors)[-2], combiner)
     weights = ops.cast(weights, vectors.dtype)
     total = ops.sum(vectors * ops.expand_dims(weights, -1), axis=-2)
     if combiner == "sum":
@@ -38,6 +31,14 @@ def pool(vectors, weights, combiner):
     else:
         denom = ops.sqrt(ops.sum(ops.square(weights), axis=-1, keepdims=True))
     return _divide(total, denom)
+
+
+def scale_sum(total, bag, combiner):
+    """Pools from the sum ``total`` of bags of ``bag`` vectors, all weight 1."""
+    if combiner == "sum" or bag == 0:
+        return total  # empty bags pool to zeros
+    bag = ops.cast(bag, total.dtype)
+    return total / (bag if combiner == "mean" else ops.sqrt(bag))
 
 
 def pool_unweighted(vectors, valid, combiner):

@@ -9,6 +9,7 @@ import keras
 from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
+from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.cpu_allocator import back_with_huge_pages
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
@@ -177,6 +178,36 @@ class SparseEmbeddingBase(keras.layers.Layer):
         )
         out_shape = tuple(ops.shape(ids)) + (self.output_dim,)
         return ops.reshape(rows, out_shape)
+
+    def bag_sums(self, ids, valid, training):
+        """``[batch, dim]`` sums of each bag's rows, or None.
+
+        Where the backend fuses the gather and the sum of a bag and the
+        sparse update runs (PyTorch on a CPU: ``embedding_bag``; every id
+        valid, one process, no row regularizer, no sharding), this is one
+        operation instead of `lookup_rows` and `combine`, and the backward
+        pass never expands the bags' gradients to their positions. None
+        where that route does not apply.
+        """
+        module = backend_module()
+        if (
+            not hasattr(module, "bag_sums_with_sparse_update")
+            or not (self.uses_sparse_update and self.trainable and bool(training))
+            or self.embeddings_regularizer is not None
+            or is_symbolic(ids)
+            or placement.provider().route(self) is not None
+            or not module.bag_sums_apply(self.embeddings, ids, valid)
+        ):
+            return None
+        return module.bag_sums_with_sparse_update(
+            self.embeddings,
+            self.slots,
+            self.sparse_anchor,
+            self.sparse_optimizer,
+            ids,
+            sparse_step(self, training),
+            self.embeddings_constraint,
+        )
 
     def combine(self, rows, weights, valid):
         """Pools (combiner set) or scales (weights given) looked-up rows."""

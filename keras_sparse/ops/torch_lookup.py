@@ -29,6 +29,37 @@ def gather_valid(table, ids, valid):
     return torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype))
 
 
+def _apply_update(context, ids, valid, grads, bag=1):
+    """The sparse update of one backward pass (gradients per position, or
+    per bag of ``bag`` positions), under no_grad."""
+    state = context["state"]
+    with torch.no_grad():
+        if context["group"] is not None:
+            ids, valid, grads = torch_distributed.gather_batch(
+                context["group"], ids, valid, grads
+            )
+        table = state["table"]
+        scratch = scratch_for(context["table_var"], table.shape[0] + 1, table.device)
+        blocks = context["blocks"]
+        if blocks is None or context["segments"] is not None:
+            parts = [(ids, valid, grads, 0, table.shape[0])]
+        else:
+            parts = blocks.split(ids, valid, grads)
+        for part_ids, part_valid, part_grads, first, end in parts:
+            apply_row_updates(
+                {name: tensor[first:end] for name, tensor in state.items()},
+                scratch,
+                context["optimizer"],
+                part_ids,
+                part_valid,
+                part_grads,
+                context["iterations"],
+                context["constraint"],
+                context["segments"],
+                bag=bag,
+            )
+
+
 class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, ids, valid, context):
@@ -39,36 +70,25 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, upstream):
         anchor, ids, valid = ctx.saved_tensors
-        context = ctx.context
-        state = context["state"]
-        with torch.no_grad():
-            grads = upstream
-            if context["group"] is not None:
-                ids, valid, grads = torch_distributed.gather_batch(
-                    context["group"], ids, valid, upstream
-                )
-            table = state["table"]
-            scratch = scratch_for(
-                context["table_var"], table.shape[0] + 1, table.device
-            )
-            blocks = context["blocks"]
-            if blocks is None or context["segments"] is not None:
-                parts = [(ids, valid, grads, 0, table.shape[0])]
-            else:
-                parts = blocks.split(ids, valid, grads)
-            for part_ids, part_valid, part_grads, first, end in parts:
-                apply_row_updates(
-                    {name: tensor[first:end] for name, tensor in state.items()},
-                    scratch,
-                    context["optimizer"],
-                    part_ids,
-                    part_valid,
-                    part_grads,
-                    context["iterations"],
-                    context["constraint"],
-                    context["segments"],
-                )
+        _apply_update(ctx.context, ids, valid, upstream)
         return torch.zeros_like(anchor), None, None, None
+
+
+class _SparseBagSums(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, ids, context):
+        ctx.context = context
+        ctx.save_for_backward(anchor, ids)
+        table = context["state"]["table"]
+        return torch.nn.functional.embedding_bag(ids, table, mode="sum")
+
+    @staticmethod
+    def backward(ctx, upstream):
+        anchor, ids = ctx.saved_tensors
+        flat = ids.reshape(-1)
+        valid = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
+        _apply_update(ctx.context, flat, valid, upstream, bag=ids.shape[1])
+        return torch.zeros_like(anchor), None, None
 
 
 def reset_rows(state, optimizer, ids, mask, values):
@@ -110,11 +130,22 @@ def lookup_with_sparse_update(
         if blocks is not None and not blocks.batch_major:
             blocks = None  # the gathered batch repeats the table order
 
+    context = _context(
+        table_var, slot_vars, optimizer, iterations, constraint, segments, blocks, group
+    )
+    if reset is not None:
+        reset_rows(context["state"], optimizer, ids.long(), reset[0].bool(), reset[1])
+    return _SparseLookup.apply(anchor_var.value, ids.long(), valid.bool(), context)
+
+
+def _context(
+    table_var, slot_vars, optimizer, iterations, constraint,
+    segments=None, blocks=None, group=None,
+):  # fmt: skip
+    """What a lookup's backward pass needs for its update."""
     state = {"table": table_var.value}
     state.update({name: var.value for name, var in slot_vars.items()})
-    if reset is not None:
-        reset_rows(state, optimizer, ids.long(), reset[0].bool(), reset[1])
-    context = {
+    return {
         "state": state,
         "table_var": table_var,
         "optimizer": optimizer,
@@ -124,4 +155,29 @@ def lookup_with_sparse_update(
         "blocks": blocks,
         "group": group,
     }
-    return _SparseLookup.apply(anchor_var.value, ids.long(), valid.bool(), context)
+
+
+def bag_sums_apply(table_var, ids, valid):
+    """Whether `bag_sums_with_sparse_update` serves a call: ``[batch, bag]``
+    ids of a CPU table, every position valid, one process (no DDP)."""
+    table = table_var.value
+    return (
+        len(ids.shape) == 2
+        and ids.shape[1] > 0
+        and table.device.type == "cpu"
+        and bool(valid.all())  # a free host check on the CPU
+        and torch_distributed.replica_group(table_var, None) is None
+    )
+
+
+@torch.compiler.disable
+def bag_sums_with_sparse_update(
+    table_var, slot_vars, anchor_var, optimizer, ids, iterations, constraint=None
+):
+    """``[batch, dim]`` sums of each bag's rows (``ids`` ``[batch, bag]``, all
+    valid) by one fused gather-and-sum, ``embedding_bag``; its backward pass
+    applies ``optimizer`` to the touched rows as `lookup_with_sparse_update`
+    does, each position taking its bag's gradient.
+    """
+    context = _context(table_var, slot_vars, optimizer, iterations, constraint)
+    return _SparseBagSums.apply(anchor_var.value, ids.long(), context)

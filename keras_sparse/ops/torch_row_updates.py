@@ -16,6 +16,8 @@ its contents between steps do not matter.
 
 import torch
 
+from keras_sparse.ops import native_rows
+
 
 def scratch_for(table_var, num_entries, device):
     """``table_var``'s dedup scratch of ``num_entries`` int32 (made once).
@@ -46,7 +48,16 @@ def distinct_keys(keys, scratch):
 
 
 def apply_row_updates(
-    state, scratch, optimizer, ids, valid, grads, iterations, constraint, segments
+    state,
+    scratch,
+    optimizer,
+    ids,
+    valid,
+    grads,
+    iterations,
+    constraint,
+    segments,
+    bag=1,
 ):
     """Sums the gradients of duplicate ids and updates their rows in place.
 
@@ -55,7 +66,9 @@ def apply_row_updates(
         scratch: int32 tensor of at least ``rows + 1`` entries (any values;
             see `scratch_for`), unused with ``segments``.
         optimizer: a `keras_sparse.optimizers.SparseOptimizer`.
-        ids, valid, grads: ``[n]`` int64 ids, ``[n]`` bool, ``[n, dim]``.
+        ids, valid, grads: ``[n]`` int64 ids, ``[n]`` bool, ``[n // bag, dim]``
+            (position ``p``'s gradient is row ``p // bag``: bags of ``bag``
+            ids pooled by a sum share their bag's gradient).
         iterations: updates applied before this one.
         constraint: optional callable applied to the new rows.
         segments: optional ``[n]`` dense numbering of the distinct keys
@@ -66,6 +79,37 @@ def apply_row_updates(
     num_rows = table.shape[0]
     if ids.shape[0] == 0:
         return
+    native = native_rows.library()
+    if segments is None and native_rows.usable(native, table, grads):
+        # One compiled pass: same distinct rows, same sums, to the bit.
+        unique, summed = native.distinct_sum(
+            ids, valid, grads, scratch, num_rows, bag=bag
+        )
+        if unique.shape[0] == 0:
+            return
+    else:
+        native = None
+        if bag > 1:
+            grads = grads.repeat_interleave(bag, 0)
+        unique, summed = _distinct_sum(ids, valid, grads, scratch, segments, num_rows)
+        if unique is None:
+            return
+    slots = {name: tensor.index_select(0, unique) for name, tensor in state.items()}
+    rows = slots.pop("table")
+    new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
+    if constraint is not None:
+        new_rows = constraint(new_rows)
+    for name, values in {"table": new_rows, **new_slots}.items():
+        tensor = state[name]
+        values = values.to(tensor.dtype)
+        if native_rows.usable(native, tensor) and tensor.is_contiguous():
+            native.scatter_rows(tensor, unique, values)
+        else:
+            tensor.index_copy_(0, unique, values)
+
+
+def _distinct_sum(ids, valid, grads, scratch, segments, num_rows):
+    """``(unique, summed)`` by torch operations; ``(None, None)`` if empty."""
     keys = torch.where(valid, ids, torch.full_like(ids, num_rows))
     if segments is None:
         unique, inverse = distinct_keys(keys, scratch[: num_rows + 1])
@@ -82,12 +126,5 @@ def apply_row_updates(
     if not bool(real.all()):
         unique, summed = unique[real], summed[real]
         if unique.shape[0] == 0:
-            return
-    slots = {name: tensor.index_select(0, unique) for name, tensor in state.items()}
-    rows = slots.pop("table")
-    new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
-    if constraint is not None:
-        new_rows = constraint(new_rows)
-    for name, values in {"table": new_rows, **new_slots}.items():
-        tensor = state[name]
-        tensor.index_copy_(0, unique, values.to(tensor.dtype))
+            return None, None
+    return unique, summed

@@ -1,0 +1,166 @@
+"""Compiled CPU helpers for the PyTorch sparse update (optional, automatic).
+
+`kernels/cpu_rows.c` is compiled on first use by the system C compiler
+(``$CC``, else ``cc``) into a per-user cache (``$KERAS_SPARSE_CACHE``, else
+``$XDG_CACHE_HOME/keras_sparse`` or ``~/.cache/keras_sparse``) and loaded
+with ctypes: no build step at install time and no compiler at run time
+once built. Each helper does in one pass over a batch what takes several
+eager torch operations, with the same arithmetic in the same order, so the
+tables train to the same bits either way.
+
+Without a compiler, on an unsupported platform, or with
+``KERAS_SPARSE_NATIVE=0``, `library()` is None and callers use torch
+operations; `status()` says which and why.
+"""
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import torch
+
+from keras_sparse.kernel_sources import kernel_source
+
+SOURCE = "cpu_rows.c"
+# No -march=native: a cache shared by machines of different CPUs stays safe.
+# No contraction of a * b + c into one rounding: results equal torch's.
+FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
+_LOCK = threading.Lock()
+_STATE = {}
+
+
+class NativeRows:
+    """The loaded helpers, called on contiguous CPU tensors."""
+
+    def __init__(self, lib):
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._distinct_sum = lib.ks_distinct_sum_f32
+        self._distinct_sum.restype = i64
+        self._distinct_sum.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+        self._scatter_rows = lib.ks_scatter_rows_f32
+        self._scatter_rows.restype = None
+        self._scatter_rows.argtypes = [ptr, ptr, ptr, i64, i64]
+
+    def distinct_sum(self, ids, valid, grads, scratch, rows, bag=1):
+        """``(unique, summed)``: the distinct valid ids (ordered by their
+        last position) and their gradients summed in position order.
+
+        ``ids`` ``[n]`` int64, ``valid`` ``[n]`` bool, ``grads``
+        ``[n // bag, dim]`` float32 (position ``p`` reads row ``p // bag``),
+        ``scratch`` int32 of at least ``rows`` entries (any values).
+        Raises IndexError, changing nothing but ``scratch``, when a valid id
+        is outside ``[0, rows)``.
+        """
+        ids, valid, grads = ids.contiguous(), valid.contiguous(), grads.contiguous()
+        n, dim = ids.shape[0], grads.shape[1]
+        if n >= 2**31:
+            raise ValueError(f"sparse update: {n} ids in one call; at most 2**31 - 1.")
+        # The C code trusts these dtypes and shapes: check them here.
+        kinds = (ids.dtype, valid.dtype, scratch.dtype)
+        if kinds != (torch.int64, torch.bool, torch.int32):
+            raise TypeError(f"sparse update: ids, valid, scratch of dtypes {kinds}.")
+        if (
+            valid.shape != ids.shape
+            or grads.shape[0] * bag != n
+            or scratch.numel() < rows
+        ):
+            raise ValueError(
+                f"sparse update: {n} ids, {valid.shape[0]} valid flags, "
+                f"{grads.shape[0]} gradient rows for bags of {bag}, "
+                f"{scratch.numel()} scratch entries for {rows} rows do not fit."
+            )
+        unique = torch.empty(n, dtype=torch.int64)
+        summed = torch.empty((n, dim), dtype=torch.float32)
+        count = self._distinct_sum(
+            ids.data_ptr(), valid.data_ptr(), n, rows, grads.data_ptr(), bag, dim,
+            scratch.data_ptr(), unique.data_ptr(), summed.data_ptr(),
+        )  # fmt: skip
+        if count < 0:
+            bad = -1 - count
+            raise IndexError(
+                f"sparse update: id {int(ids[bad])} at position {bad} is "
+                f"outside the table's rows [0, {rows})."
+            )
+        return unique[:count], summed[:count]
+
+    def scatter_rows(self, dst, rows, src):
+        """``dst[rows] = src`` for distinct ``rows`` (int64), float32 rows."""
+        src = src.contiguous()
+        self._scatter_rows(
+            dst.data_ptr(), rows.data_ptr(), src.data_ptr(), rows.shape[0], dst.shape[1]
+        )
+
+
+def library():
+    """The `NativeRows` helpers, built or loaded once per process; or None."""
+    with _LOCK:
+        if "library" not in _STATE:
+            _STATE["library"], _STATE["status"] = _load()
+        return _STATE["library"]
+
+
+def status():
+    """Why `library()` is what it is, in words (builds it first if needed)."""
+    library()
+    return _STATE["status"]
+
+
+def usable(native, *tensors):
+    """True where ``native`` exists and every tensor is float32 on the CPU."""
+    return native is not None and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+    )
+
+
+def _cache_dir():
+    if os.environ.get("KERAS_SPARSE_CACHE"):
+        return pathlib.Path(os.environ["KERAS_SPARSE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "keras_sparse"
+
+
+def _load():
+    if os.environ.get("KERAS_SPARSE_NATIVE", "1") == "0":
+        return None, "off: KERAS_SPARSE_NATIVE=0"
+    if not sys.platform.startswith(("linux", "darwin")):
+        return None, f"off: no build recipe for platform {sys.platform!r}"
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None:
+        return None, "off: no C compiler found ($CC or cc)"
+    source = kernel_source(SOURCE)
+    key = hashlib.sha256(
+        "\0".join([source, compiler, platform.machine(), *FLAGS]).encode()
+    ).hexdigest()[:16]
+    path = _cache_dir() / f"cpu_rows-{key}.so"
+    try:
+        if not path.is_file():
+            _build(compiler, source, path)
+        return NativeRows(ctypes.CDLL(str(path))), f"on: {path}"
+    except (OSError, subprocess.SubprocessError, AttributeError) as error:
+        return None, f"off: building or loading {path} failed: {error}"
+
+
+def _build(compiler, source, path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed: processes that build at the
+    # same time (one per replica) never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=path.parent) as work:
+        c_file = pathlib.Path(work) / SOURCE
+        c_file.write_text(source)
+        built = pathlib.Path(work) / path.name
+        result = subprocess.run(
+            [compiler, *FLAGS, str(c_file), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode != 0:
+            raise subprocess.SubprocessError(result.stderr.strip()[-2000:])
+        os.replace(built, path)

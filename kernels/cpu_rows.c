@@ -1,0 +1,67 @@
+/* CPU helpers of the sparse row update on PyTorch (keras_sparse.ops.native_rows).
+ *
+ * Built on first use by the system C compiler into a shared library and
+ * called through ctypes on the data of contiguous CPU tensors. Each helper
+ * replaces a chain of eager torch operations by one pass over the batch,
+ * with the same floating-point operations in the same order (the library is
+ * built with -ffp-contract=off), so results equal the torch route's to the
+ * bit.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* Positions ahead whose scratch entry is prefetched (random accesses). */
+#define KS_AHEAD 16
+
+/* Distinct valid ids of a batch and their gradients summed.
+ *
+ * ids[n], valid[n] (0/1 bytes, or NULL for all valid), grads[n / bag][dim]
+ * (position p reads gradient row p / bag). scratch[rows] is any int32
+ * memory: every entry read was written in this call first. Writes
+ * unique[count], ordered by each id's last position (the order in which the
+ * torch route's dedup lists them, so that both routes run the optimizer on
+ * the same rows at the same places), and summed[count][dim], each row 0 plus
+ * the gradients of its positions in position order (as index_add_ into zeros
+ * sums them). Returns count, or -1 - p for the first valid position p whose
+ * id is outside [0, rows) (then nothing but scratch was written).
+ */
+int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
+                            int64_t n, int64_t rows, const float *grads,
+                            int64_t bag, int64_t dim, int32_t *scratch,
+                            int64_t *unique, float *summed) {
+  /* Each id's entry ends holding its last position. */
+  for (int64_t p = 0; p < n; ++p) {
+    if (p + KS_AHEAD < n) __builtin_prefetch(scratch + ids[p + KS_AHEAD], 1);
+    if (valid && !valid[p]) continue;
+    if (ids[p] < 0 || ids[p] >= rows) return -1 - p;
+    scratch[ids[p]] = (int32_t)p;
+  }
+  /* At its last position an id takes the next slot, stored as -1 - slot. */
+  int64_t count = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    if (valid && !valid[p]) continue;
+    const int64_t id = ids[p];
+    if (scratch[id] == (int32_t)p) {
+      unique[count] = id;
+      scratch[id] = (int32_t)(-1 - count);
+      ++count;
+    }
+  }
+  memset(summed, 0, (size_t)(count * dim) * sizeof(float));
+  for (int64_t p = 0; p < n; ++p) {
+    if (valid && !valid[p]) continue;
+    float *out = summed + (int64_t)(-1 - scratch[ids[p]]) * dim;
+    const float *g = grads + (p / bag) * dim;
+    for (int64_t j = 0; j < dim; ++j) out[j] += g[j];
+  }
+  return count;
+}
+
+/* dst[rows[i]][:] = src[i][:] for i < count (rows distinct). */
+void ks_scatter_rows_f32(float *dst, const int64_t *rows, const float *src,
+                         int64_t count, int64_t dim) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + KS_AHEAD < count) __builtin_prefetch(dst + rows[i + KS_AHEAD] * dim, 1);
+    memcpy(dst + rows[i] * dim, src + i * dim, (size_t)dim * sizeof(float));
+  }
+}

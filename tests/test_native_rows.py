@@ -1,0 +1,226 @@
+"""The compiled CPU helpers of the PyTorch update (keras_sparse.ops.native_rows):
+equal to the torch-operations route to the bit, checked against NumPy, safe
+on bad ids, and a loader that falls back cleanly."""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="the torch backend's own update"
+)
+
+
+def _modules():
+    import torch
+
+    from keras_sparse.ops import native_rows
+    from keras_sparse.ops import torch_row_updates
+
+    return torch, native_rows, torch_row_updates
+
+
+def _native():
+    _, native_rows, _ = _modules()
+    lib = native_rows.library()
+    if lib is None:
+        pytest.skip(f"compiled helpers unavailable: {native_rows.status()}")
+    return lib
+
+
+@contextlib.contextmanager
+def _torch_operations_route():
+    """As on a machine without a compiler: the update runs as torch ops."""
+    _, native_rows, _ = _modules()
+    lib = native_rows.library()
+    native_rows._STATE["library"] = None
+    try:
+        yield
+    finally:
+        native_rows._STATE["library"] = lib
+
+
+def _optimizers():
+    from keras_sparse import optimizers
+
+    return {
+        "sgd": optimizers.SGD(0.3),
+        "adagrad": optimizers.Adagrad(0.1),
+        "rowwise_adagrad": optimizers.RowWiseAdagrad(0.1),
+        "adam": optimizers.Adam(0.01),
+        "ftrl": optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(0, 300),
+    bag=st.sampled_from([1, 2, 5]),
+    num_rows=st.integers(1, 40),
+    invalid_share=st.sampled_from([0.0, 0.4, 1.0]),
+)
+def test_distinct_sum_matches_numpy(seed, n, bag, num_rows, invalid_share):
+    native = _native()
+    torch, _, _ = _modules()
+    rng = np.random.default_rng(seed)
+    n = n // bag * bag
+    ids = rng.integers(0, num_rows, n)
+    valid = rng.random(n) >= invalid_share
+    grads = rng.normal(size=(n // bag, 3)).astype("float32")
+    scratch = torch.randint(-9, 9, (num_rows,), dtype=torch.int32)
+    unique, summed = native.distinct_sum(
+        torch.tensor(ids), torch.tensor(valid), torch.tensor(grads), scratch,
+        num_rows, bag=bag,
+    )  # fmt: skip
+    # Each id once, ordered by its last position.
+    last = [int(i) for i in ids[valid][::-1]]
+    assert unique.tolist() == list(dict.fromkeys(last))[::-1]
+    per_position = np.repeat(grads, bag, axis=0)
+    for row, key in zip(summed.numpy(), unique.tolist()):
+        np.testing.assert_allclose(
+            row, per_position[valid & (ids == key)].sum(0), rtol=1e-5, atol=1e-6
+        )
+
+
+def _update(optimizer, seed, n, num_rows, invalid_share, dim=4):
+    """The state after one `apply_row_updates` of a random batch."""
+    torch, _, updates = _modules()
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(num_rows, dim))
+    state = {"table": torch.tensor(table, dtype=torch.float32)}
+    for spec in optimizer.slot_specs():
+        shape = (num_rows, 1 if spec.row_wise else dim)
+        state[spec.name] = spec.initial_value + torch.tensor(
+            rng.uniform(0, 1, shape), dtype=torch.float32
+        )
+    ids = torch.tensor(rng.integers(0, num_rows, n))
+    valid = torch.tensor(rng.random(n) >= invalid_share)
+    grads = torch.tensor(rng.normal(size=(n, dim)), dtype=torch.float32)
+    scratch = torch.randint(-9, 9, (num_rows + 1,), dtype=torch.int32)
+    updates.apply_row_updates(
+        state, scratch, optimizer, ids, valid, grads, torch.tensor(3), None, None
+    )
+    return {name: tensor.numpy() for name, tensor in state.items()}
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 200),
+    num_rows=st.integers(1, 30),
+    invalid_share=st.sampled_from([0.0, 0.3, 1.0]),
+)
+def test_compiled_route_trains_to_the_bit_like_torch_operations(
+    name, seed, n, num_rows, invalid_share
+):
+    _native()
+    compiled = _update(_optimizers()[name], seed, n, num_rows, invalid_share)
+    with _torch_operations_route():
+        reference = _update(_optimizers()[name], seed, n, num_rows, invalid_share)
+    assert compiled.keys() == reference.keys()
+    for key in compiled:
+        np.testing.assert_array_equal(compiled[key], reference[key], err_msg=key)
+
+
+def test_an_id_outside_the_table_raises_and_changes_no_row():
+    _native()
+    torch, _, updates = _modules()
+    from keras_sparse import optimizers
+
+    table = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    state = {"table": table.clone(), "accumulator": torch.ones(4, 3)}
+    ids = torch.tensor([1, 2, 4, 0])
+    with pytest.raises(IndexError, match=r"id 4 at position 2 .*\[0, 4\)"):
+        updates.apply_row_updates(
+            state, torch.zeros(5, dtype=torch.int32), optimizers.Adagrad(0.1),
+            ids, torch.ones(4, dtype=torch.bool), torch.ones(4, 3),
+            torch.tensor(0), None, None,
+        )  # fmt: skip
+    assert torch.equal(state["table"], table)
+    assert torch.equal(state["accumulator"], torch.ones(4, 3))
+
+
+def test_an_invalid_position_may_hold_any_id():
+    native = _native()
+    torch, _, _ = _modules()
+    unique, summed = native.distinct_sum(
+        torch.tensor([-7, 2, 99, 2]), torch.tensor([False, True, False, True]),
+        torch.ones(4, 2), torch.zeros(3, dtype=torch.int32), 3,
+    )  # fmt: skip
+    assert unique.tolist() == [2]
+    assert summed.tolist() == [[2.0, 2.0]]
+
+
+def test_layers_train_to_the_bit_alike_with_and_without_the_helpers():
+    _native()
+    import keras_sparse as ks
+
+    def train():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((4,), dtype="int32")
+        pooled = ks.AllToAllDenseEmbedding(
+            50, 6, combiner="mean", optimizer=ks.optimizers.Adam(0.05)
+        )(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1)(pooled))
+        model.compile(optimizer="sgd", loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 50, (64, 4)).astype("int32")
+        model.fit(x, rng.normal(size=(64, 1)), batch_size=16, epochs=2, verbose=0)
+        return [np.array(v) for v in model.layers[1].variables]
+
+    compiled = train()
+    with _torch_operations_route():
+        reference = train()
+    for got, want in zip(compiled, reference):
+        np.testing.assert_array_equal(got, want)
+
+
+def _load_in_subprocess(tmp_path, **env):
+    code = (
+        "from keras_sparse.ops import native_rows as n;"
+        "print(n.library() is not None);print(n.status())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "KERAS_SPARSE_CACHE": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return result.stdout.strip().splitlines()[-2:]
+
+
+def test_the_loader_builds_once_and_reuses_the_cache(tmp_path):
+    _native()
+    assert _load_in_subprocess(tmp_path)[0] == "True"
+    built = list(tmp_path.glob("cpu_rows-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    loaded, status = _load_in_subprocess(tmp_path)
+    assert loaded == "True" and str(built[0]) in status
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({"KERAS_SPARSE_NATIVE": "0"}, "KERAS_SPARSE_NATIVE=0"),
+        ({"CC": "/no/such/compiler"}, "no C compiler"),
+        ({"CC": "false"}, "failed"),
+    ],
+)
+def test_the_loader_falls_back_with_a_reason(tmp_path, env, reason):
+    loaded, status = _load_in_subprocess(tmp_path, **env)
+    assert loaded == "False"
+    assert status.startswith("off") and reason in status
+    assert not list(tmp_path.glob("*.so"))

@@ -1,0 +1,70 @@
+"""PyTorch's fused bag route (``embedding_bag`` forward, per-bag gradients in
+the sparse update) against the per-position route it replaces."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_sparse as ks
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="the torch backend's own route"
+)
+
+
+def _train(combiner, constraint=None, mask_zero=False, optimizer="adagrad"):
+    keras.utils.set_random_seed(11)
+    inputs = keras.Input((5,), dtype="int32")
+    layer = ks.AllToAllDenseEmbedding(
+        40, 6, combiner=combiner, mask_zero=mask_zero,
+        embeddings_constraint=constraint,
+        optimizer=ks.optimizers.get(optimizer),
+    )  # fmt: skip
+    model = keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 40, (96, 5)).astype("int32")
+    x[:, 0] = rng.integers(0, 3, 96)  # hot ids, duplicated across bags
+    model.fit(x, rng.normal(size=(96, 1)), batch_size=32, epochs=3, verbose=0)
+    return [np.array(v) for v in layer.variables], model.predict(x, verbose=0)
+
+
+def _calls(monkeypatch, fused):
+    from keras_sparse.ops import torch_lookup
+
+    calls = []
+    real = torch_lookup.bag_sums_with_sparse_update
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_lookup, "bag_sums_with_sparse_update", counted)
+    if not fused:
+        monkeypatch.setattr(torch_lookup, "bag_sums_apply", lambda *a: False)
+    return calls
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_bag_route_trains_like_the_per_position_route(monkeypatch, combiner, optimizer):
+    constraint = keras.constraints.MaxNorm(0.5) if combiner == "sum" else None
+    with monkeypatch.context() as patch:
+        calls = _calls(patch, fused=True)
+        fused, fused_out = _train(combiner, constraint, optimizer=optimizer)
+    assert len(calls) == 9  # 3 epochs x 3 batches, then predict (no update)
+    with monkeypatch.context() as patch:
+        calls = _calls(patch, fused=False)
+        reference, reference_out = _train(combiner, constraint, optimizer=optimizer)
+    assert not calls
+    # embedding_bag may sum a bag in another order than torch.sum: the
+    # routes agree to float32 rounding, not to the bit.
+    for got, want in zip(fused, reference):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(fused_out, reference_out, rtol=2e-5, atol=2e-6)
+
+
+def test_bags_with_padding_keep_the_per_position_route(monkeypatch):
+    calls = _calls(monkeypatch, fused=True)
+    _train("mean", mask_zero=True)  # id 0 is padding: not every id is valid
+    assert not calls
