@@ -68,3 +68,39 @@ def test_bags_with_padding_keep_the_per_position_route(monkeypatch):
     calls = _calls(monkeypatch, fused=True)
     _train("mean", mask_zero=True)  # id 0 is padding: not every id is valid
     assert not calls
+
+
+def _train_collection():
+    keras.utils.set_random_seed(5)
+    tables = {
+        "a": ks.TableConfig(30, 4, combiner="sum"),
+        "b": ks.TableConfig(20, 4, combiner="mean"),  # a's stack, other bag size
+        "c": ks.TableConfig(25, 6, combiner="sqrtn"),  # a stack of its own
+    }
+    bags = {"a": 2, "b": 3, "c": 3}
+    inputs = {n: keras.Input((bags[n],), dtype="int32", name=n) for n in tables}
+    collection = ks.EmbeddingCollection(tables, optimizer=ks.optimizers.Adagrad(0.2))
+    outputs = collection(inputs)
+    joined = keras.layers.Concatenate()([outputs[n] for n in tables])
+    model = keras.Model(inputs, keras.layers.Dense(1)(joined))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(2)
+    x = {
+        n: rng.integers(0, t.input_dim, (64, bags[n])).astype("int32")
+        for n, t in tables.items()
+    }
+    model.fit(x, rng.normal(size=(64, 1)), batch_size=16, epochs=2, verbose=0)
+    return [np.array(v) for v in collection.variables]
+
+
+def test_collection_bag_route_trains_like_the_per_position_route(monkeypatch):
+    with monkeypatch.context() as patch:
+        calls = _calls(patch, fused=True)
+        fused = _train_collection()
+    assert len(calls) == 16  # 2 stacks x 2 epochs x 4 batches
+    with monkeypatch.context() as patch:
+        calls = _calls(patch, fused=False)
+        reference = _train_collection()
+    assert not calls
+    for got, want in zip(fused, reference):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

@@ -16,6 +16,7 @@ import numpy as np
 from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
+from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.cpu_allocator import back_with_huge_pages
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
@@ -28,6 +29,7 @@ from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
 from keras_sparse.layers.sparse_embedding_base import sparse_step
+from keras_sparse.ops import backend_module
 
 
 def _check_positive_int(where, name, value):
@@ -383,6 +385,13 @@ class EmbeddingCollection(keras.layers.Layer):
         iterations = sparse_step(self, training)
         outputs = {}
         for stack in self.stacks:
+            sums = self._bag_sums(stack, prepared, training, iterations)
+            if sums is not None:
+                for name, total in sums.items():
+                    bag = ops.shape(prepared[name][0])[-1]
+                    out = pooling.scale_sum(total, bag, self.tables[name].combiner)
+                    outputs[name] = ops.cast(out, self.compute_dtype)
+                continue
             rows = self._lookup_stack(stack, prepared, training, iterations)
             for name in stack.tables:
                 _, table_weights, valid = prepared[name]
@@ -391,6 +400,42 @@ class EmbeddingCollection(keras.layers.Layer):
                 )
                 outputs[name] = ops.cast(out, self.compute_dtype)
         return {name: outputs[name] for name in self.tables}
+
+    def _bag_sums(self, stack, prepared, training, iterations):
+        """``{name: [batch, dim] sums of its bags}`` for the tables of
+        ``stack`` by the backend's fused gather-and-sum with the sparse update
+        (see `SparseEmbeddingBase.bag_sums`), or None where that route does
+        not apply: then `_lookup_stack` and the combiners."""
+        module = backend_module()
+        names = list(stack.tables)
+        if (
+            iterations is None
+            or not hasattr(module, "bag_sums_with_sparse_update")
+            or not (self.uses_sparse_update and self.trainable and bool(training))
+            or any(self.tables[n].combiner is None for n in names)
+            or any(prepared[n][1] is not None for n in names)  # weights
+            or any(is_symbolic(prepared[n][0]) for n in names)
+            or placement.provider().route_stack(stack) is not None
+        ):
+            return None
+        table = self._stack_tables[stack.name]
+        ids = [prepared[n][0] for n in names]
+        if not module.bag_sums_apply(table, ids, [prepared[n][2] for n in names]):
+            return None
+        sums = module.bag_sums_with_sparse_update(
+            table,
+            self._stack_slots[stack.name],
+            self.sparse_anchor,
+            self.sparse_optimizer,
+            [ops.cast(x, "int32") + stack.offsets[n] for x, n in zip(ids, names)],
+            iterations,
+            row_ranges=[
+                (stack.offsets[n], stack.offsets[n] + self.tables[n].input_dim)
+                for n in names
+            ],
+        )
+        cuts = np.cumsum([x.shape[0] for x in ids])[:-1].tolist()
+        return dict(zip(names, ops.split(sums, cuts) if cuts else [sums]))
 
     def _lookup_stack(self, stack, prepared, training, iterations):
         """One lookup for all tables of ``stack``: ``{name: [..., dim] rows}``."""

@@ -196,7 +196,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             or self.embeddings_regularizer is not None
             or is_symbolic(ids)
             or placement.provider().route(self) is not None
-            or not module.bag_sums_apply(self.embeddings, ids, valid)
+            or not module.bag_sums_apply(self.embeddings, [ids], [valid])
         ):
             return None
         return module.bag_sums_with_sparse_update(
@@ -204,7 +204,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             self.slots,
             self.sparse_anchor,
             self.sparse_optimizer,
-            ids,
+            [ids],
             sparse_step(self, training),
             self.embeddings_constraint,
         )

@@ -29,9 +29,8 @@ def gather_valid(table, ids, valid):
     return torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype))
 
 
-def _apply_update(context, ids, valid, grads, bag=1):
-    """The sparse update of one backward pass (gradients per position, or
-    per bag of ``bag`` positions), under no_grad."""
+def _apply_update(context, ids, valid, grads):
+    """The sparse update of one backward pass, under no_grad."""
     state = context["state"]
     with torch.no_grad():
         if context["group"] is not None:
@@ -56,7 +55,6 @@ def _apply_update(context, ids, valid, grads, bag=1):
                 context["iterations"],
                 context["constraint"],
                 context["segments"],
-                bag=bag,
             )
 
 
@@ -75,20 +73,54 @@ class _SparseLookup(torch.autograd.Function):
 
 
 class _SparseBagSums(torch.autograd.Function):
+    """Sums of bags: ``bags`` are ``[batch_t, bag_t]`` ids (table ``t`` of a
+    stack, offset into it), the output their ``[sum of batch_t, dim]`` sums."""
+
     @staticmethod
-    def forward(ctx, anchor, ids, context):
+    def forward(ctx, anchor, context, *bags):
         ctx.context = context
-        ctx.save_for_backward(anchor, ids)
+        ctx.save_for_backward(anchor, *bags)
         table = context["state"]["table"]
-        return torch.nn.functional.embedding_bag(ids, table, mode="sum")
+        if len({bag.shape[1] for bag in bags}) == 1:
+            ids = bags[0] if len(bags) == 1 else torch.cat(bags)
+            return torch.nn.functional.embedding_bag(ids, table, mode="sum")
+        starts = [torch.arange(b.shape[0], device=b.device) * b.shape[1] for b in bags]
+        base = 0
+        for i, bag in enumerate(bags):
+            starts[i], base = starts[i] + base, base + bag.numel()
+        flat = torch.cat([bag.reshape(-1) for bag in bags])
+        return torch.nn.functional.embedding_bag(
+            flat, table, torch.cat(starts), mode="sum"
+        )
 
     @staticmethod
     def backward(ctx, upstream):
-        anchor, ids = ctx.saved_tensors
-        flat = ids.reshape(-1)
-        valid = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
-        _apply_update(ctx.context, flat, valid, upstream, bag=ids.shape[1])
-        return torch.zeros_like(anchor), None, None
+        anchor, *bags = ctx.saved_tensors
+        context = ctx.context
+        state = context["state"]
+        table = state["table"]
+        ranges = context["row_ranges"] or [(0, table.shape[0])]
+        with torch.no_grad():
+            scratch = scratch_for(
+                context["table_var"], table.shape[0] + 1, table.device
+            )
+            start = 0
+            for bag, (first, end) in zip(bags, ranges):
+                ids = bag.reshape(-1) - first if first else bag.reshape(-1)
+                apply_row_updates(
+                    {name: tensor[first:end] for name, tensor in state.items()},
+                    scratch,
+                    context["optimizer"],
+                    ids,
+                    torch.ones(ids.shape, dtype=torch.bool, device=ids.device),
+                    upstream[start : start + bag.shape[0]],
+                    context["iterations"],
+                    context["constraint"],
+                    None,
+                    bag=bag.shape[1],
+                )
+                start += bag.shape[0]
+        return (torch.zeros_like(anchor), None) + (None,) * len(bags)
 
 
 def reset_rows(state, optimizer, ids, mask, values):
@@ -157,27 +189,33 @@ def _context(
     }
 
 
-def bag_sums_apply(table_var, ids, valid):
-    """Whether `bag_sums_with_sparse_update` serves a call: ``[batch, bag]``
-    ids of a CPU table, every position valid, one process (no DDP)."""
-    table = table_var.value
+def bag_sums_apply(table_var, bags, valids):
+    """Whether `bag_sums_with_sparse_update` serves a call: bags of ids
+    (``[batch, bag]`` each) of a CPU table, every position valid, one
+    process (no DDP)."""
     return (
-        len(ids.shape) == 2
-        and ids.shape[1] > 0
-        and table.device.type == "cpu"
-        and bool(valid.all())  # a free host check on the CPU
+        table_var.value.device.type == "cpu"
+        and all(len(bag.shape) == 2 and bag.shape[1] > 0 for bag in bags)
+        and all(bool(valid.all()) for valid in valids)  # free host checks on CPUs
         and torch_distributed.replica_group(table_var, None) is None
     )
 
 
 @torch.compiler.disable
 def bag_sums_with_sparse_update(
-    table_var, slot_vars, anchor_var, optimizer, ids, iterations, constraint=None
-):
-    """``[batch, dim]`` sums of each bag's rows (``ids`` ``[batch, bag]``, all
-    valid) by one fused gather-and-sum, ``embedding_bag``; its backward pass
-    applies ``optimizer`` to the touched rows as `lookup_with_sparse_update`
-    does, each position taking its bag's gradient.
+    table_var, slot_vars, anchor_var, optimizer, bags, iterations,
+    constraint=None, row_ranges=None,
+):  # fmt: skip
+    """``[sum of batch_t, dim]``: the sums of each bag's rows, bag after bag.
+
+    ``bags``: ``[batch_t, bag_t]`` ids, all valid, one per table of a stack
+    (``row_ranges``, its tables' rows; None: one table, the whole variable)
+    with the table's first row added. One fused gather-and-sum,
+    ``embedding_bag``; its backward pass applies ``optimizer`` to the
+    touched rows as `lookup_with_sparse_update` does, table by table, each
+    position taking its bag's gradient.
     """
     context = _context(table_var, slot_vars, optimizer, iterations, constraint)
-    return _SparseBagSums.apply(anchor_var.value, ids.long(), context)
+    context["row_ranges"] = row_ranges
+    bags = [bag.long() for bag in bags]
+    return _SparseBagSums.apply(anchor_var.value, context, *bags)
