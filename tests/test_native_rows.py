@@ -70,22 +70,21 @@ def _optimizers():
 )
 def test_distinct_sum_matches_numpy(seed, n, bag, num_rows, invalid_share):
     native = _native()
-    torch, _, _ = _modules()
     rng = np.random.default_rng(seed)
     n = n // bag * bag
-    ids = rng.integers(0, num_rows, n)
+    ids = rng.integers(0, num_rows, n).astype("int64")
     valid = rng.random(n) >= invalid_share
     grads = rng.normal(size=(n // bag, 3)).astype("float32")
-    scratch = torch.randint(-9, 9, (num_rows,), dtype=torch.int32)
-    unique, summed = native.distinct_sum(
-        torch.tensor(ids), torch.tensor(valid), torch.tensor(grads), scratch,
-        num_rows, bag=bag,
-    )  # fmt: skip
+    scratch = rng.integers(-9, 9, num_rows).astype("int32")
+    count, unique, summed = native.distinct_sum(
+        ids, valid, grads, scratch, num_rows, bag=bag
+    )
+    unique, summed = unique[:count], summed[:count]
     # Each id once, ordered by its last position.
     last = [int(i) for i in ids[valid][::-1]]
     assert unique.tolist() == list(dict.fromkeys(last))[::-1]
     per_position = np.repeat(grads, bag, axis=0)
-    for row, key in zip(summed.numpy(), unique.tolist()):
+    for row, key in zip(summed, unique.tolist()):
         np.testing.assert_allclose(
             row, per_position[valid & (ids == key)].sum(0), rtol=1e-5, atol=1e-6
         )
@@ -152,13 +151,24 @@ def test_an_id_outside_the_table_raises_and_changes_no_row():
 
 def test_an_invalid_position_may_hold_any_id():
     native = _native()
-    torch, _, _ = _modules()
-    unique, summed = native.distinct_sum(
-        torch.tensor([-7, 2, 99, 2]), torch.tensor([False, True, False, True]),
-        torch.ones(4, 2), torch.zeros(3, dtype=torch.int32), 3,
+    count, unique, summed = native.distinct_sum(
+        np.array([-7, 2, 99, 2]), np.array([False, True, False, True]),
+        np.ones((4, 2), "float32"), np.zeros(3, "int32"), 3,
     )  # fmt: skip
-    assert unique.tolist() == [2]
-    assert summed.tolist() == [[2.0, 2.0]]
+    assert count == 1 and unique[:1].tolist() == [2]
+    assert summed[:1].tolist() == [[2.0, 2.0]]
+
+
+def test_arguments_that_do_not_fit_are_refused_before_the_call():
+    native = _native()
+    ids, valid = np.array([0, 1, 2]), np.ones(3, bool)
+    grads, scratch = np.ones((3, 2), "float32"), np.zeros(3, "int32")
+    with pytest.raises(TypeError, match="dtypes"):
+        native.distinct_sum(ids.astype("int32"), valid, grads, scratch, 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.distinct_sum(ids, valid, grads, scratch, 3, bag=2)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.distinct_sum(ids, valid, grads, scratch[:2], 3)
 
 
 def test_layers_train_to_the_bit_alike_with_and_without_the_helpers():

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 
-import torch
+import numpy as np
 
 from keras_sparse.kernel_sources import kernel_source
 
@@ -37,7 +37,7 @@ _STATE = {}
 
 
 class NativeRows:
-    """The loaded helpers, called on contiguous CPU tensors."""
+    """The loaded helpers, called on NumPy arrays (CPU tensors' memory)."""
 
     def __init__(self, lib):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -48,39 +48,48 @@ class NativeRows:
         self._scatter_rows.restype = None
         self._scatter_rows.argtypes = [ptr, ptr, ptr, i64, i64]
 
-    def distinct_sum(self, ids, valid, grads, scratch, rows, bag=1):
-        """``(unique, summed)``: the distinct valid ids (ordered by their
-        last position) and their gradients summed in position order.
+    def distinct_sum(self, ids, valid, grads, scratch, rows, bag=1, unique=None):
+        """``count``: writes the distinct valid ids (ordered by their last
+        position) to ``unique[:count]`` and their gradients, summed in
+        position order, to the first ``count`` rows of the returned array.
 
         ``ids`` ``[n]`` int64, ``valid`` ``[n]`` bool, ``grads``
         ``[n // bag, dim]`` float32 (position ``p`` reads row ``p // bag``),
-        ``scratch`` int32 of at least ``rows`` entries (any values).
-        Raises IndexError, changing nothing but ``scratch``, when a valid id
-        is outside ``[0, rows)``.
+        ``scratch`` int32 of at least ``rows`` entries (any values),
+        ``unique`` ``[n]`` int64 (made if None). Returns ``(count, unique,
+        summed)`` with ``summed`` ``[n, dim]`` float32, rows past ``count``
+        unwritten. Raises IndexError, changing nothing but ``scratch``, when
+        a valid id is outside ``[0, rows)``.
         """
-        ids, valid, grads = ids.contiguous(), valid.contiguous(), grads.contiguous()
+        ids = np.ascontiguousarray(ids)
+        valid = np.ascontiguousarray(valid)
+        grads = np.ascontiguousarray(grads)
         n, dim = ids.shape[0], grads.shape[1]
         if n >= 2**31:
             raise ValueError(f"sparse update: {n} ids in one call; at most 2**31 - 1.")
         # The C code trusts these dtypes and shapes: check them here.
-        kinds = (ids.dtype, valid.dtype, scratch.dtype)
-        if kinds != (torch.int64, torch.bool, torch.int32):
-            raise TypeError(f"sparse update: ids, valid, scratch of dtypes {kinds}.")
+        kinds = (ids.dtype, valid.dtype, grads.dtype, scratch.dtype)
+        if kinds != (np.int64, np.bool_, np.float32, np.int32):
+            raise TypeError(
+                f"sparse update: ids, valid, grads, scratch of dtypes {kinds}."
+            )
         if (
             valid.shape != ids.shape
             or grads.shape[0] * bag != n
-            or scratch.numel() < rows
+            or scratch.size < rows
+            or not scratch.flags.c_contiguous
         ):
             raise ValueError(
                 f"sparse update: {n} ids, {valid.shape[0]} valid flags, "
                 f"{grads.shape[0]} gradient rows for bags of {bag}, "
-                f"{scratch.numel()} scratch entries for {rows} rows do not fit."
+                f"{scratch.size} scratch entries for {rows} rows do not fit."
             )
-        unique = torch.empty(n, dtype=torch.int64)
-        summed = torch.empty((n, dim), dtype=torch.float32)
+        if unique is None:
+            unique = np.empty(n, np.int64)
+        summed = np.empty((n, dim), np.float32)
         count = self._distinct_sum(
-            ids.data_ptr(), valid.data_ptr(), n, rows, grads.data_ptr(), bag, dim,
-            scratch.data_ptr(), unique.data_ptr(), summed.data_ptr(),
+            ids.ctypes.data, valid.ctypes.data, n, rows, grads.ctypes.data, bag,
+            dim, scratch.ctypes.data, unique.ctypes.data, summed.ctypes.data,
         )  # fmt: skip
         if count < 0:
             bad = -1 - count
@@ -88,14 +97,16 @@ class NativeRows:
                 f"sparse update: id {int(ids[bad])} at position {bad} is "
                 f"outside the table's rows [0, {rows})."
             )
-        return unique[:count], summed[:count]
+        return count, unique, summed
 
     def scatter_rows(self, dst, rows, src):
-        """``dst[rows] = src`` for distinct ``rows`` (int64), float32 rows."""
-        src = src.contiguous()
+        """``dst[rows] = src`` for distinct ``rows`` (int64), float32 rows;
+        ``dst`` a C-contiguous array written in place."""
+        src = np.ascontiguousarray(src)
         self._scatter_rows(
-            dst.data_ptr(), rows.data_ptr(), src.data_ptr(), rows.shape[0], dst.shape[1]
-        )
+            dst.ctypes.data, rows.ctypes.data, src.ctypes.data, rows.shape[0],
+            dst.shape[1],
+        )  # fmt: skip
 
 
 def library():
@@ -110,13 +121,6 @@ def status():
     """Why `library()` is what it is, in words (builds it first if needed)."""
     library()
     return _STATE["status"]
-
-
-def usable(native, *tensors):
-    """True where ``native`` exists and every tensor is float32 on the CPU."""
-    return native is not None and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
-    )
 
 
 def _cache_dir():

@@ -80,13 +80,16 @@ def apply_row_updates(
     if ids.shape[0] == 0:
         return
     native = native_rows.library()
-    if segments is None and native_rows.usable(native, table, grads):
+    if segments is None and _usable(native, table, grads):
         # One compiled pass: same distinct rows, same sums, to the bit.
-        unique, summed = native.distinct_sum(
-            ids, valid, grads, scratch, num_rows, bag=bag
-        )
-        if unique.shape[0] == 0:
+        count, unique, summed = native.distinct_sum(
+            ids.numpy(), valid.numpy(), grads.detach().numpy(), scratch.numpy(),
+            num_rows, bag=bag,
+        )  # fmt: skip
+        if count == 0:
             return
+        unique = torch.from_numpy(unique[:count])
+        summed = torch.from_numpy(summed[:count])
     else:
         native = None
         if bag > 1:
@@ -102,10 +105,19 @@ def apply_row_updates(
     for name, values in {"table": new_rows, **new_slots}.items():
         tensor = state[name]
         values = values.to(tensor.dtype)
-        if native_rows.usable(native, tensor) and tensor.is_contiguous():
-            native.scatter_rows(tensor, unique, values)
+        if _usable(native, tensor) and tensor.is_contiguous():
+            native.scatter_rows(
+                tensor.detach().numpy(), unique.numpy(), values.detach().numpy()
+            )
         else:
             tensor.index_copy_(0, unique, values)
+
+
+def _usable(native, *tensors):
+    """True where ``native`` exists and every tensor is float32 on the CPU."""
+    return native is not None and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+    )
 
 
 def _distinct_sum(ids, valid, grads, scratch, segments, num_rows):
