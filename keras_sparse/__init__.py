@@ -21,6 +21,8 @@ Public API:
         Criteo-like data for examples and benchmarks.
     tune_cpu_allocator: keep freed memory for reuse (glibc), so JAX steps
         on a CPU stop page-faulting their temporary buffer in.
+    compiled_cpu_helpers: whether PyTorch's CPU update runs its compiled
+        helpers (built on first use) or torch operations, and why.
     set_progress: whether long exports, imports, saves and loads of big hash
         tables show a progress bar (by default: in interactive sessions).
 
@@ -43,6 +45,7 @@ from keras_sparse.layers import HashEmbeddingCollection
 from keras_sparse.layers import TableConfig
 from keras_sparse.layers import ragged_to_padded
 from keras_sparse.layers import refresh_serving_maps
+from keras_sparse.ops.native_rows import compiled_cpu_helpers
 from keras_sparse.progress import set_progress
 from keras_sparse.sharding import distribution
 from keras_sparse.sharding import plan
@@ -61,6 +64,7 @@ __all__ = [
     "HashTable",
     "InsertResult",
     "TableFullError",
+    "compiled_cpu_helpers",
     "data",
     "distribution",
     "hash_strings",

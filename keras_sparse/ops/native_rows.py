@@ -123,6 +123,25 @@ def status():
     return _STATE["status"]
 
 
+def compiled_cpu_helpers():
+    """Whether the compiled CPU helpers of the sparse update are in use.
+
+    PyTorch's sparse update on a CPU finds a batch's distinct ids, sums
+    their gradients and writes the new rows back with a small C library,
+    built on first use with the system C compiler and cached per user;
+    without one it runs the same arithmetic as torch operations (the same
+    bits, about half the speed). Returns ``"on: <library path>"`` or
+    ``"off: <reason>"``, building the library first if needed.
+
+    Example:
+
+    >>> import keras_sparse as ks
+    >>> ks.compiled_cpu_helpers().split(":")[0] in ("on", "off")
+    True
+    """
+    return status()
+
+
 def _cache_dir():
     if os.environ.get("KERAS_SPARSE_CACHE"):
         return pathlib.Path(os.environ["KERAS_SPARSE_CACHE"])
