@@ -211,3 +211,27 @@ def test_checkpoint_missing_an_entry_is_refused_and_changes_nothing():
         sparse.load_own_variables(bad)
     for old, new in zip(before, sparse.weights, strict=True):
         np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(new))
+
+
+@pytest.mark.parametrize("optimizer", [None, "adagrad"])
+def test_each_table_starts_with_what_its_own_initializer_draws(optimizer):
+    # Stacks are drawn table by table (into one buffer on torch, into the
+    # variable on TensorFlow, joined on JAX): each table's rows must still
+    # be its initializer's draw, and its optimizer slot its initial value.
+    inits = {n: keras.initializers.RandomUniform(-1, 1, seed=i) for i, n in
+             enumerate(TABLES)}  # fmt: skip
+    collection = ks.EmbeddingCollection(
+        {n: ks.TableConfig(**cfg, embeddings_initializer=inits[n])
+         for n, cfg in TABLES.items()},
+        optimizer=optimizer,
+    )  # fmt: skip
+    collection.build({n: (None,) + SHAPES[n] for n in TABLES})
+    for name, cfg in TABLES.items():
+        expected = inits[name]((cfg["input_dim"], cfg["output_dim"]))
+        np.testing.assert_array_equal(
+            collection.get_table(name), keras.ops.convert_to_numpy(expected)
+        )
+    if optimizer is not None:
+        for slots in collection._stack_slots.values():
+            for slot in slots.values():
+                np.testing.assert_array_equal(slot.numpy(), np.float32(0.1))

@@ -114,7 +114,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
         for spec in self.sparse_optimizer.slot_specs():
             slot = self.add_weight(
                 shape=spec.shape(rows, self.output_dim),
-                initializer=keras.initializers.Constant(spec.initial_value),
+                initializer=spec.initializer(),
                 trainable=on_jax,
                 autocast=False,
                 name=spec.name,

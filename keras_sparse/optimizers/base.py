@@ -28,6 +28,21 @@ class SlotSpec:
     def shape(self, num_rows, dim):
         return (num_rows, 1 if self.row_wise else dim)
 
+    def initializer(self):
+        """The slot variable's initializer: ``initial_value`` everywhere."""
+        return _Fill(self.initial_value)
+
+
+class _Fill:
+    """Every entry ``value``, in one allocation (Keras's ``Constant`` scales
+    a tensor of ones, which holds a gigabyte slot twice while it builds)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, shape, dtype=None):
+        return ops.full(shape, self.value, dtype=dtype)
+
 
 class SparseOptimizer:
     """Common behaviour of the sparse optimizers.
