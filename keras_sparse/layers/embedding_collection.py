@@ -215,9 +215,9 @@ class EmbeddingCollection(keras.layers.Layer):
     ``keras_sparse.distribution`` on the JAX backend, tables with
     ``sharding="table"`` each live whole on one device (the planner balances
     bytes and lookups), and "row", "column" and "data" tables are split or
-    replicated as for a standalone layer. Without a distribution, a JAX
-    step on the CPU keeps one stack per table instead (XLA:CPU runs the
-    per-table updates side by side; the results are the same).
+    replicated as for a standalone layer. Without a distribution, JAX and
+    TensorFlow steps on a CPU keep one stack per table instead (the
+    per-table updates run side by side; the results are the same).
 
     Args:
         tables: ``{name: TableConfig(...) or dict of its arguments}``. Names

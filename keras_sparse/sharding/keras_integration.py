@@ -42,8 +42,8 @@ its tables by ``(output_dim, strategy)`` and keeps one variable per group
 * "row" group: the concatenation of its tables, padded to a multiple of
   ``D`` rows and row-sharded; "column" group: the concatenation, laid out
   ``(None, axis)``; "data" group (and every group without a distribution):
-  the concatenation, replicated. Without a distribution on a JAX CPU step,
-  each table is a group of its own (`per_table_stacks`).
+  the concatenation, replicated. Without a distribution, on a JAX or
+  TensorFlow CPU step, each table is a group of its own (`per_table_stacks`).
 
 The layer runs one sparse lookup per group per call (the ids of the group's
 tables, offset and concatenated; the rows split back), so exactly one
@@ -845,21 +845,26 @@ def collection_stacks(tables, placement, num_devices):
     return stacks
 
 
-# Without a distribution, a JAX step on the CPU updates a collection's
-# tables fastest one stack each: XLA:CPU runs the per-table update chains
-# side by side on its cores, where one stacked chain runs on one (26
-# tables of 1e5 rows: see BENCHMARKS.md). Accelerators keep one stack per
-# width (fewer, larger kernels). False: one stack per width everywhere.
+# Without a distribution, JAX and TensorFlow steps on a CPU update a
+# collection's tables fastest one stack each: XLA:CPU and TensorFlow's
+# graph executor run the per-table update chains side by side on the cores,
+# where the writes into one stacked variable run one after another (26
+# tables: see BENCHMARKS.md). Accelerators keep one stack per width (fewer,
+# larger kernels), and so does eager PyTorch (one fused gather-and-sum per
+# stack). False: one stack per width everywhere.
 PER_TABLE_STACKS_ON_CPU = True
 
 
 def per_table_stacks():
     """Whether an undistributed collection keeps one stack per table."""
-    if (
-        not PER_TABLE_STACKS_ON_CPU
-        or keras.backend.backend() != "jax"
-        or keras.distribution.distribution() is not None
-    ):
+    backend = keras.backend.backend()
+    if not PER_TABLE_STACKS_ON_CPU or backend not in ("jax", "tensorflow"):
+        return False
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.config.list_logical_devices("GPU")
+    if keras.distribution.distribution() is not None:
         return False
     import jax
 
