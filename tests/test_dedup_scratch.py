@@ -33,11 +33,13 @@ def test_segments_number_the_distinct_keys_whatever_the_scratch_holds(
     assert sorted(set(segments.tolist())) == list(range(len(set(keys.tolist()))))
     same_key = keys[:, None] == keys[None, :]
     np.testing.assert_array_equal(segments[:, None] == segments[None, :], same_key)
-    # Entries written are cleared again; others keep what they held.
+    # A written entry holds a position of its key (not cleared: see
+    # `scratch_segments`); the others keep what they held.
     written = keras.ops.convert_to_numpy(written)
     touched = np.zeros(num_rows + 1, bool)
     touched[keys] = True
-    np.testing.assert_array_equal(written[touched], 0)
+    for key in np.flatnonzero(touched):
+        assert keys[written[key]] == key
     np.testing.assert_array_equal(written[~touched], garbage)
 
 
@@ -81,6 +83,7 @@ def test_training_equals_the_sort_route(monkeypatch, collection):
     assert len(got) == len(want)  # the scratch is not a weight
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    for variable in layer.variables:
-        if "scratch" in variable.path:
-            assert not np.any(keras.ops.convert_to_numpy(variable.value))
+    if keras.backend.backend() == "jax":  # TF uses it under XLA only
+        # The scratch route ran: its scratch holds the last batch's positions.
+        scratches = [v for v in layer.variables if "scratch" in v.path]
+        assert all(np.any(keras.ops.convert_to_numpy(v.value)) for v in scratches)

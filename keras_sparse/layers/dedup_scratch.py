@@ -9,10 +9,12 @@ The scratch is layer state, not a weight: it is tracked the way Keras
 tracks a `keras.random.SeedGenerator`'s state, so it travels through the
 compiled step (JAX's trainer donates it and XLA writes it in place) and
 appears in ``layer.variables`` but not in ``layer.weights``,
-``get_weights``/``set_weights`` or saved files. It is all zeros between
-steps. Sharded tables (a JAX distribution) and replicas (tf.distribute)
-keep the sort: their ids and rows live on several devices. PyTorch keeps
-its own scratch (`keras_sparse.ops.torch_row_updates`).
+``get_weights``/``set_weights`` or saved files. Each step reads only
+entries it wrote itself, so its contents between steps do not matter (a
+trained layer's differs from a fresh one's; neither is saved). Sharded
+tables (a JAX distribution) and replicas (tf.distribute) keep the sort:
+their ids and rows live on several devices. PyTorch keeps its own scratch
+(`keras_sparse.ops.torch_row_updates`).
 """
 
 import keras

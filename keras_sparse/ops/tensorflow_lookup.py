@@ -67,7 +67,6 @@ def scratch_segments(scratch_var, ids, valid, num_rows):
     # Automatic control dependencies order the accesses of the variable.
     variable.scatter_nd_update(keys[:, None], position)
     representative = tf.gather(variable, keys)
-    variable.scatter_nd_update(keys[:, None], tf.zeros_like(position))
     return number_representatives(representative)
 
 
