@@ -4,7 +4,10 @@ Eager PyTorch keeps no static shapes, so the update runs on exactly the
 distinct rows of the batch: no size buckets, no padding, no sort. The
 backend-neutral `keras_sparse.ops.row_updates` path (kept for JAX and
 TensorFlow under XLA) costs ~400 small eager operations per table and step
-on torch; this one costs about a dozen.
+on torch; this one costs about a dozen. On a CPU the dedup, the gradient
+sum and the row writes run in the compiled helper
+(`keras_sparse.ops.native_rows`) instead, with the same arithmetic in the
+same order: the torch operations below are its fallback and its reference.
 
 Duplicates are found with a scratch array of one int32 per table row: each
 position writes its own index at its id's entry, then reads the entry back,
