@@ -31,7 +31,8 @@ int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
                             int64_t *unique, float *summed) {
   /* Each id's entry ends holding its last position. */
   for (int64_t p = 0; p < n; ++p) {
-    if (p + KS_AHEAD < n) __builtin_prefetch(scratch + ids[p + KS_AHEAD], 1);
+    if (p + KS_AHEAD < n && (uint64_t)ids[p + KS_AHEAD] < (uint64_t)rows)
+      __builtin_prefetch(scratch + ids[p + KS_AHEAD], 1);
     if (valid && !valid[p]) continue;
     if (ids[p] < 0 || ids[p] >= rows) return -1 - p;
     scratch[ids[p]] = (int32_t)p;

@@ -234,3 +234,98 @@ def test_the_loader_falls_back_with_a_reason(tmp_path, env, reason):
     assert loaded == "False"
     assert status.startswith("off") and reason in status
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_big_batches_keep_one_row_order_on_both_routes():
+    # Past 32768 ids torch writes from several threads; both routes must
+    # still list the rows alike, which a constraint across rows can see.
+    torch, _, updates = _modules()
+    from keras_sparse import optimizers
+
+    native = _native()
+    rng = np.random.default_rng(0)
+    n = 200_000
+    ids = torch.tensor(rng.zipf(1.3, n).clip(max=300) - 1)
+    grads = torch.tensor(rng.normal(size=(n, 4)), dtype=torch.float32)
+    valid = torch.ones(n, dtype=torch.bool)
+    count, order, _ = native.distinct_sum(
+        ids.numpy(), valid.numpy(), grads.numpy(), np.zeros(301, "int32"), 301
+    )
+    unique, _ = updates.distinct_keys(ids, torch.zeros(301, dtype=torch.int32))
+    np.testing.assert_array_equal(unique.numpy(), order[:count])
+    constraint = keras.constraints.MaxNorm(0.5)  # axis 0: across the rows
+
+    def run():
+        state = {"table": torch.ones(300, 4), "accumulator": torch.ones(300, 4)}
+        updates.apply_row_updates(
+            state, torch.zeros(301, dtype=torch.int32), optimizers.Adagrad(0.3),
+            ids, valid, grads, torch.tensor(0), constraint, None,
+        )  # fmt: skip
+        return state["table"].numpy()
+
+    compiled = run()
+    with _torch_operations_route():
+        first, second = run(), run()
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(compiled, first)
+
+
+def test_a_slot_of_the_wrong_shape_raises_on_both_routes_and_corrupts_nothing():
+    torch, _, updates = _modules()
+    from keras_sparse import optimizers
+
+    _native()
+
+    class NarrowSlot(optimizers.Adagrad):
+        def new_slots(self, rows, slots, grads, lr, iterations):
+            return {"accumulator": torch.full((grads.shape[0], 1), 7.0)}
+
+    for route in (contextlib.nullcontext, _torch_operations_route):
+        state = {"table": torch.zeros(6, 3), "accumulator": torch.ones(6, 3)}
+        with route(), pytest.raises(RuntimeError):
+            updates.apply_row_updates(
+                state, torch.zeros(7, dtype=torch.int32), NarrowSlot(0.1),
+                torch.tensor([1, 4]), torch.ones(2, dtype=torch.bool),
+                torch.ones(2, 3), torch.tensor(0), None, None,
+            )  # fmt: skip
+        assert torch.equal(state["accumulator"], torch.ones(6, 3))
+
+
+def test_a_graph_that_saved_the_table_sees_the_update():
+    torch, _, updates = _modules()
+    from keras_sparse import optimizers
+
+    _native()
+    table = torch.zeros(5, 2, requires_grad=True)
+    state = {"table": table.detach(), "accumulator": torch.ones(5, 2)}
+    x = torch.ones(3, 2, requires_grad=True)
+    y = x @ state["table"].T  # saves the table for x's gradient
+    updates.apply_row_updates(
+        state, torch.zeros(6, dtype=torch.int32), optimizers.Adagrad(0.1),
+        torch.tensor([0, 3]), torch.ones(2, dtype=torch.bool), torch.ones(2, 2),
+        torch.tensor(0), None, None,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+
+
+def test_a_missing_source_or_a_shared_cache_turns_the_helpers_off(
+    monkeypatch, tmp_path
+):
+    _native()
+    _, native_rows, _ = _modules()
+
+    def missing(name):
+        raise FileNotFoundError(f"{name} not found")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(native_rows, "kernel_source", missing)
+        lib, status = native_rows._load()
+    assert lib is None and "cpu_rows.c not found" in status
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("KERAS_SPARSE_CACHE", str(shared))
+    lib, status = native_rows._load()
+    assert lib is None and "not private" in status
+    assert not list(shared.iterdir())

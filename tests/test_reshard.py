@@ -50,7 +50,7 @@ def _state(model):
 
     Weights, not ``model.variables``: a single-device table also carries a
     dedup scratch (`keras_sparse.layers.dedup_scratch`), step state that is
-    all zeros between steps and that sharded tables do without.
+    never saved and that sharded tables do without.
     """
     out = {v.path: np.array(v.value) for v in model.weights}
     out.update({v.path: np.array(v.value) for v in model.optimizer.variables})

@@ -18,6 +18,7 @@ import hashlib
 import os
 import pathlib
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -69,7 +70,10 @@ class NativeRows:
             raise ValueError(f"sparse update: {n} ids in one call; at most 2**31 - 1.")
         # The C code trusts these dtypes and shapes: check them here.
         kinds = (ids.dtype, valid.dtype, grads.dtype, scratch.dtype)
-        if kinds != (np.int64, np.bool_, np.float32, np.int32):
+        if kinds != (np.int64, np.bool_, np.float32, np.int32) or (
+            ids.ndim,
+            grads.ndim,
+        ) != (1, 2):
             raise TypeError(
                 f"sparse update: ids, valid, grads, scratch of dtypes {kinds}."
             )
@@ -86,6 +90,10 @@ class NativeRows:
             )
         if unique is None:
             unique = np.empty(n, np.int64)
+        elif (
+            unique.dtype != np.int64 or unique.size < n or not unique.flags.c_contiguous
+        ):
+            raise ValueError(f"sparse update: `unique` must hold {n} int64 ids.")
         summed = np.empty((n, dim), np.float32)
         count = self._distinct_sum(
             ids.ctypes.data, valid.ctypes.data, n, rows, grads.ctypes.data, bag,
@@ -100,9 +108,22 @@ class NativeRows:
         return count, unique, summed
 
     def scatter_rows(self, dst, rows, src):
-        """``dst[rows] = src`` for distinct ``rows`` (int64), float32 rows;
-        ``dst`` a C-contiguous array written in place."""
+        """``dst[rows] = src`` for distinct ``rows`` (int64, in range),
+        float32 rows; ``dst`` a C-contiguous array written in place."""
         src = np.ascontiguousarray(src)
+        rows = np.ascontiguousarray(rows)
+        if (
+            dst.dtype != np.float32
+            or src.dtype != np.float32
+            or rows.dtype != np.int64
+            or dst.ndim != 2
+            or not dst.flags.c_contiguous
+            or src.shape != (rows.shape[0], dst.shape[1])
+        ):
+            raise ValueError(
+                f"scatter_rows: {rows.shape} rows ({rows.dtype}) of {src.shape} "
+                f"({src.dtype}) into {dst.shape} ({dst.dtype}) do not fit."
+            )
         self._scatter_rows(
             dst.ctypes.data, rows.ctypes.data, src.ctypes.data, rows.shape[0],
             dst.shape[1],
@@ -154,24 +175,43 @@ def _load():
         return None, "off: KERAS_SPARSE_NATIVE=0"
     if not sys.platform.startswith(("linux", "darwin")):
         return None, f"off: no build recipe for platform {sys.platform!r}"
-    compiler = shutil.which(os.environ.get("CC") or "cc")
+    command = shlex.split(os.environ.get("CC") or "cc")
+    compiler = shutil.which(command[0]) if command else None
     if compiler is None:
         return None, "off: no C compiler found ($CC or cc)"
-    source = kernel_source(SOURCE)
-    key = hashlib.sha256(
-        "\0".join([source, compiler, platform.machine(), *FLAGS]).encode()
-    ).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_rows-{key}.so"
     try:
+        source = kernel_source(SOURCE)
+        key = hashlib.sha256(
+            "\0".join(
+                [source, *command, platform.machine(), *platform.libc_ver(), *FLAGS]
+            ).encode()
+        ).hexdigest()[:16]
+        folder = _cache_dir()
+        _check_private(folder)
+        path = folder / f"cpu_rows-{key}.so"
         if not path.is_file():
-            _build(compiler, source, path)
+            _build([compiler, *command[1:]], source, path)
         return NativeRows(ctypes.CDLL(str(path))), f"on: {path}"
-    except (OSError, subprocess.SubprocessError, AttributeError) as error:
-        return None, f"off: building or loading {path} failed: {error}"
+    except Exception as error:  # any failure: the torch route runs instead
+        return None, f"off: building or loading the helpers failed: {error}"
 
 
-def _build(compiler, source, path):
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _check_private(folder):
+    """Refuses a cache folder that others may write to: its library is
+    loaded into this process."""
+    if not folder.exists() or not hasattr(os, "getuid"):
+        return
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o002:
+        raise PermissionError(
+            f"{folder} is not private to this user (owner {info.st_uid}, mode "
+            f"{oct(info.st_mode & 0o777)}); set KERAS_SPARSE_CACHE to a "
+            "folder of your own."
+        )
+
+
+def _build(command, source, path):
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Built beside its final name and renamed: processes that build at the
     # same time (one per replica) never load a half-written file.
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
@@ -179,7 +219,7 @@ def _build(compiler, source, path):
         c_file.write_text(source)
         built = pathlib.Path(work) / path.name
         result = subprocess.run(
-            [compiler, *FLAGS, str(c_file), "-o", str(built)],
+            [*command, *FLAGS, str(c_file), "-o", str(built)],
             capture_output=True,
             text=True,
             timeout=120,

@@ -10,11 +10,11 @@ sum and the row writes run in the compiled helper
 same order: the torch operations below are its fallback and its reference.
 
 Duplicates are found with a scratch array of one int32 per table row: each
-position writes its own index at its id's entry, then reads the entry back,
-so every position learns one representative position of its id (the last
-writer) in two O(n) passes instead of an O(n log n) sort. Entries are
-always written before they are read, so the scratch needs no clearing and
-its contents between steps do not matter.
+position writes its own index at its id's entry (keeping the largest),
+then reads the entry back, so every position learns one representative
+position of its id (its last) in two O(n) passes instead of an O(n log n)
+sort. Entries are always written before they are read, so the scratch
+needs no clearing and its contents between steps do not matter.
 """
 
 import torch
@@ -37,11 +37,14 @@ def scratch_for(table_var, num_entries, device):
 def distinct_keys(keys, scratch):
     """``(unique, inverse)`` of ``keys`` (``[n]`` ints in ``[0, len(scratch))``).
 
-    ``unique[inverse] == keys``; ``unique`` is in no particular order.
+    ``unique[inverse] == keys``; ``unique`` lists each key once, ordered by
+    its last position (the compiled helper's order, `native_rows`).
     """
     n = keys.shape[0]
     position = torch.arange(n, dtype=torch.int32, device=keys.device)
-    scratch.index_put_((keys,), position)
+    # The largest position, not index_put_'s last writer: torch writes big
+    # batches from several threads, and the order must not depend on them.
+    scratch.scatter_reduce_(0, keys, position, "amax", include_self=False)
     representative = scratch.index_select(0, keys)
     is_first = representative == position
     numbering = torch.cumsum(is_first, 0, dtype=torch.int32) - 1
@@ -82,8 +85,10 @@ def apply_row_updates(
     num_rows = table.shape[0]
     if ids.shape[0] == 0:
         return
-    native = native_rows.library()
-    if segments is None and _usable(native, table, grads):
+    native = None
+    if segments is None and _usable(table, grads):
+        native = native_rows.library()
+    if native is not None:
         # One compiled pass: same distinct rows, same sums, to the bit.
         count, unique, summed = native.distinct_sum(
             ids.numpy(), valid.numpy(), grads.detach().numpy(), scratch.numpy(),
@@ -94,7 +99,6 @@ def apply_row_updates(
         unique = torch.from_numpy(unique[:count])
         summed = torch.from_numpy(summed[:count])
     else:
-        native = None
         if bag > 1:
             grads = grads.repeat_interleave(bag, 0)
         unique, summed = _distinct_sum(ids, valid, grads, scratch, segments, num_rows)
@@ -108,18 +112,32 @@ def apply_row_updates(
     for name, values in {"table": new_rows, **new_slots}.items():
         tensor = state[name]
         values = values.to(tensor.dtype)
-        if _usable(native, tensor) and tensor.is_contiguous():
+        if native is not None and _scatter_fits(tensor, unique, values):
             native.scatter_rows(
                 tensor.detach().numpy(), unique.numpy(), values.detach().numpy()
             )
+            # Writes through NumPy bypass autograd's version counter; a
+            # graph that saved the table must still see it changed.
+            tensor[:0].zero_()
         else:
             tensor.index_copy_(0, unique, values)
 
 
-def _usable(native, *tensors):
-    """True where ``native`` exists and every tensor is float32 on the CPU."""
-    return native is not None and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+def _usable(*tensors):
+    """True where every tensor is float32 on the CPU (what the compiled
+    helpers take)."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _scatter_fits(tensor, unique, values):
+    """Whether ``tensor[unique] = values`` suits the compiled scatter; where
+    not (say a custom optimizer's slot of another shape), ``index_copy_``
+    runs and raises as torch does."""
+    return (
+        _usable(tensor, values)
+        and tensor.dim() == 2
+        and tensor.is_contiguous()
+        and tuple(values.shape) == (unique.shape[0], tensor.shape[1])
     )
 
 
