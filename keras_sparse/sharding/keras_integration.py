@@ -863,9 +863,9 @@ def per_table_stacks():
     if backend == "tensorflow":
         import tensorflow as tf
 
-        return not (
-            tf.distribute.has_strategy() or tf.config.list_logical_devices("GPU")
-        )
+        # Under tf.distribute too (CPU replicas): a model's weights then
+        # keep one layout with and without a strategy.
+        return not tf.config.list_logical_devices("GPU")
     if keras.distribution.distribution() is not None:
         return False
     import jax
