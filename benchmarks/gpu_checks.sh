@@ -44,6 +44,12 @@ for step in "${steps[@]}"; do
   profile) run_step profile 150 python3 benchmarks/gpu_step_profile.py ;;
   profile-nographs) run_step profile-nographs 150 env \
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/gpu_step_profile.py ;;
+  trace) run_step trace 240 python3 benchmarks/gpu_step_profile.py \
+    --only "${TRACE_ONLY:-AllToAll,collection}" --trace /tmp/gpu_traces
+    mkdir -p "$OUT/traces"
+    for f in /tmp/gpu_traces/*/plugins/profile/*/perfetto_trace.json.gz; do
+      [ -e "$f" ] && cp "$f" "$OUT/traces/$(echo "$f" | cut -d/ -f4).json.gz"
+    done ;;
   demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
   table) run_step table 40 python3 benchmarks/hash_table.py --device gpu ;;
   *) echo "unknown step: $step" ;;

@@ -21,6 +21,12 @@ body, the table launches, the full-key restore).
 
     python benchmarks/gpu_step_profile.py          # on a GPU with CuPy
     python benchmarks/gpu_step_profile.py --only collection
+    python benchmarks/gpu_step_profile.py --trace out/trace  # + profiler traces
+
+With ``--trace DIR`` each variant also records a JAX profiler trace of
+``--trace-steps`` steps into ``DIR/<variant>/`` and prints its summary
+(device streams and host threads, busy time per step and the costliest
+events: `benchmarks/trace_summary.py`).
 """
 
 import argparse
@@ -40,6 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import hash_embedding as bench  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import trace_summary  # noqa: E402
 
 import keras_sparse.table  # noqa: E402
 from keras_sparse.data import criteo_like  # noqa: E402
@@ -138,7 +145,17 @@ def variants(keys, bins):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="", help="variants whose name has this")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="variants whose name has one of these (comma-separated)",
+    )
+    parser.add_argument("--trace", default="", help="folder for profiler traces")
+    parser.add_argument("--trace-steps", type=int, default=4)
+    parser.add_argument("--top", type=int, default=12, help="events per track")
+    parser.add_argument(
+        "--trace-python", action="store_true", help="trace Python calls too (slower)"
+    )
     args = parser.parse_args()
     features, labels = criteo_like(SAMPLES, hashed_keys=True, scale=0.01, seed=0)
     keys = {f"cat_{f}": features[f"cat_{f}"] for f in range(bench.FIELDS)}
@@ -147,16 +164,19 @@ def main():
     print(f"device: {bench.device_description()}; {bench.FIELDS} fields, batch "
           f"{BATCH}, {CAPACITY:,} rows per field; median of 2 epochs of "
           f"{steps} steps\n")  # fmt: skip
+    traces = []
     print("| variant | step ms | callbacks ms | table ms | key restore ms |")
     print("|---|---:|---:|---:|---:|")
     for name, (build, x) in variants(keys, CAPACITY).items():
-        if args.only not in name:
+        if not any(part in name for part in args.only.split(",")):
             continue
         stand_in = "stand-in" in name
         with xla_stand_in() if stand_in else contextlib.nullcontext():
             model = build()
             fit = bench.epoch_on_arrays(model, x, labels, BATCH)
             fit()  # compiles (the stand-in is traced here), fills the tables
+            if args.trace:
+                traces.append((name, record_trace(model, x, labels, args, name)))
         times, parts = [], []
         for _ in range(2):
             spent.clear()
@@ -173,6 +193,28 @@ def main():
         print(
             f"| {name} | {step:.2f} | " + " | ".join(f"{c:.2f}" for c in cells) + " |"
         )
+    for name, lines in traces:
+        print(f"\n### trace: {name}\n")
+        print("\n".join(lines))
+
+
+def record_trace(model, x, labels, args, name):
+    """Profile ``--trace-steps`` steps of ``model``; the summary's lines."""
+    import jax
+
+    n = args.trace_steps * BATCH
+    part = {k: v[:n] for k, v in x.items()}
+    fit = bench.epoch_on_arrays(model, part, labels[:n], BATCH)
+    fit()  # a new data adapter: keep its first-call costs out of the trace
+    folder = pathlib.Path(args.trace) / "".join(c if c.isalnum() else "_" for c in name)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = int(args.trace_python)
+    with jax.profiler.trace(
+        str(folder), create_perfetto_trace=True, profiler_options=options
+    ):
+        fit()
+    events = trace_summary.load(folder)
+    return trace_summary.summarize(events, args.top, args.trace_steps)
 
 
 if __name__ == "__main__":
