@@ -519,10 +519,15 @@ def step_error(model, error):
     when ``error`` is JAX's wrapper of it (``JaxRuntimeError``); else None.
 
     JAX reports a callback's exception as a runtime error whose text holds
-    the traceback; the user should see the original type (e.g.
-    `TableFullError`) and message, which name the layer.
+    the traceback (a ``ValueError`` from the C++ dispatch path, which steps
+    with in-place callbacks take); the user should see the original type
+    (e.g. `TableFullError`) and message, which name the layer.
     """
-    if type(error).__name__ != "JaxRuntimeError":
+    wrapped = type(error).__name__ == "JaxRuntimeError" or (
+        isinstance(error, ValueError)
+        and "Error when calling buffer callback" in str(error)
+    )
+    if not wrapped:
         return None
     for layer in model._flatten_layers(include_self=False, recursive=True):
         failures = layer.__dict__.get("_ks_step_failures")
