@@ -167,22 +167,7 @@ class FusedInsert:
         when it cannot. The arrays the record
         points at are held until this table's next record, so the launch
         may outlive the caller's references."""
-        t = self.table
         n = int(k.shape[0])
-        clock0 = t.clock
-        step = t._next_step(step)
-        score_prot = t._step_marks_touched(step, clock0)
-        use_stamp = not score_prot and t.eviction is not None
-        stamp = self._next_stamp() if use_stamp else self.dummy_u32
-        if getattr(t, "_bids", None) is None:
-            t._bids = cp.full(t.num_buckets, _NO_BID, dtype=cp.int64)
-        set_size = 1 << max(2 * n - 1, 1).bit_length()
-        words = _WORDS_PER_KEY * n + _SET_ARRAYS * set_size
-        if self.workspace.shape[0] < words:
-            self.workspace = cp.empty(words, dtype=cp.int64)
-        sketch = t.sketch
-        if sketch is not None and self.sketch_salts is None:
-            self.sketch_salts = cp.asarray(np.asarray(sketch._salts, dtype=np.uint64))
         if out is None:
             rows = cp.empty(n, dtype=cp.int64)
             fresh = cp.empty(n, dtype=cp.bool_)
@@ -190,61 +175,132 @@ class FusedInsert:
             ev_keys = cp.empty(n, dtype=cp.int64)
             ev_rows = cp.empty(n, dtype=cp.int64)
             rows32 = self.dummy_i32
+            outputs = (rows, new_rows, ev_keys, ev_rows)
         else:  # outputs the step does not read: reused buffers
             rows32, fresh = out
-            if self.step_outputs.shape[1] < n:
-                self.step_outputs = cp.empty((4, n), dtype=cp.int64)
-            rows, new_rows, ev_keys, ev_rows = self.step_outputs[:, :n]
+            rows, new_rows, ev_keys, ev_rows = self._step_outputs(n)
+            outputs = None
         k = cp.ascontiguousarray(k, dtype=cp.int64)
         use_arg = fresh if use is None else cp.ascontiguousarray(use, dtype=cp.bool_)
-        no_sketch = sketch is None
-        # (pointer, array) or a host integer, in the kernel's record order.
-        fields = (
-            k,
-            use_arg,
-            int(use is not None),
-            int(first_only),
+        record = self.record_at(
             n,
+            k.data.ptr,
+            use_arg.data.ptr,
+            use is not None,
+            first_only,
+            step,
+            rows32.data.ptr,
+            fresh.data.ptr,
+            out is not None,
+            outputs,
+        )
+        self.held += [k, use_arg, rows32, fresh]
+        return record, (rows, fresh, new_rows, ev_keys, ev_rows)
+
+    def record_at(
+        self, n, keys, use, has_use, first_only, step, rows32, fresh, step_out, out=None
+    ):
+        """The record of one call on device pointers: ``n`` int64 ``keys``,
+        bool ``use`` (read when ``has_use``), int32 ``rows32`` (written when
+        ``step_out``) and bool ``fresh``; ``out``: the int64 ``(rows,
+        new_rows, ev_keys, ev_rows)`` arrays, or None for the reused step
+        buffers. The caller keeps the four pointed-at arrays alive until the
+        launch is queued. Advances the table's clock (see `record`)."""
+        t = self.table
+        clock0 = t.clock
+        step = t._next_step(step)
+        score_prot = t._step_marks_touched(step, clock0)
+        use_stamp = not score_prot and t.eviction is not None
+        stamp = self._next_stamp() if use_stamp else self.dummy_u32
+        set_size = 1 << max(2 * n - 1, 1).bit_length()
+        words = _WORDS_PER_KEY * n + _SET_ARRAYS * set_size
+        if self.workspace.shape[0] < words:
+            self.workspace = cp.empty(words, dtype=cp.int64)
+        if out is None:  # the reused step buffers: rows of one [4, m] array
+            if self.step_outputs.shape[1] < n:
+                self.step_outputs = cp.empty((4, n), dtype=cp.int64)
+            base, stride = self.step_outputs.data.ptr, 8 * self.step_outputs.shape[1]
+            ptrs = [base + i * stride for i in range(4)]
+            out = (self.step_outputs,)
+        else:
+            ptrs = [a.data.ptr for a in out]
+        record = list(self._static_words())
+        record[0:5] = (keys, use, int(has_use), int(first_only), n)
+        record[9] = t._size  # the host's part; the kernel adds the account's
+        record[11:13] = (step, int(score_prot))
+        record[20:22] = (stamp.data.ptr, self.call_stamp)
+        record[29:39] = (
+            self.workspace.data.ptr,
+            set_size,
+            ptrs[0],
+            rows32,
+            int(step_out),
+            fresh,
+            *ptrs[1:],
+            self.account.data.ptr,
+        )
+        self.held = [stamp, self.workspace, *out]
+        self.unread = True
+        return record
+
+    def _step_outputs(self, n):
+        if self.step_outputs.shape[1] < n:
+            self.step_outputs = cp.empty((4, n), dtype=cp.int64)
+        return tuple(self.step_outputs[:, :n])
+
+    def _static_words(self):
+        """The record's words fixed by the table's arrays and settings
+        (rebuilt when any of them is replaced, e.g. by a resize or import):
+        a step's record then costs a few pointer sums, not 40 lookups."""
+        t = self.table
+        sketch = t.sketch
+        if getattr(t, "_bids", None) is None:
+            t._bids = cp.full(t.num_buckets, _NO_BID, dtype=cp.int64)
+        if sketch is not None and self.sketch_salts is None:
+            self.sketch_salts = cp.asarray(np.asarray(sketch._salts, dtype=np.uint64))
+        arrays = (t.keys, t.digest, t.score, t.load, t.holey, t.bucket_sentinel)
+        arrays += (t._bids, sketch, self.sketch_salts)
+        settings = (t.salt, t.num_buckets, t.bucket_size, t.capacity, t.eviction)
+        settings += (t.admit_after,)
+        cached = self.__dict__.get("_static")
+        if (
+            cached is not None
+            and cached[1] == settings
+            and all(a is b for a, b in zip(cached[0], arrays))
+        ):
+            return cached[2]
+        words = [0] * DESC_WORDS
+        words[5:9] = (
             int(np.uint64(t.salt).view(np.int64)),
             t.num_buckets,
             t.bucket_size,
             t.capacity,
-            t._size,  # the host's part; the kernel adds the account's
-            _EVICTION_CODE[t.eviction],
-            step,
-            int(score_prot),
-            t.admit_after,
-            t.keys,
-            t.digest,
-            t.score,
-            t.load,
-            t.holey,
-            t.bucket_sentinel,
-            stamp,
-            self.call_stamp,
-            t._bids,
-            int(not no_sketch),
-            self.dummy_u32 if no_sketch else sketch.counts,
-            0 if no_sketch else sketch.depth,
-            0 if no_sketch else sketch.width,
-            0 if no_sketch else int(sketch._shift),
-            self.dummy_u64 if no_sketch else self.sketch_salts,
-            self.workspace,
-            set_size,
-            rows,
-            rows32,
-            int(out is not None),
-            fresh,
-            new_rows,
-            ev_keys,
-            ev_rows,
-            self.account,
         )
-        self.held = [f for f in fields if not isinstance(f, (int, np.integer))]
-        record = [f if isinstance(f, (int, np.integer)) else f.data.ptr for f in fields]
-        record += [0] * (DESC_WORDS - len(record))
-        self.unread = True
-        return record, (rows, fresh, new_rows, ev_keys, ev_rows)
+        words[10] = _EVICTION_CODE[t.eviction]
+        words[13] = t.admit_after
+        words[14:20] = [a.data.ptr for a in arrays[:6]]
+        words[22] = t._bids.data.ptr
+        if sketch is None:
+            words[23:29] = (
+                0,
+                self.dummy_u32.data.ptr,
+                0,
+                0,
+                0,
+                self.dummy_u64.data.ptr,
+            )
+        else:
+            words[23:29] = (
+                1,
+                sketch.counts.data.ptr,
+                sketch.depth,
+                sketch.width,
+                int(sketch._shift),
+                self.sketch_salts.data.ptr,
+            )
+        # The arrays stay referenced here, so their pointers stay valid.
+        self._static = (arrays, settings, tuple(words))
+        return self._static[2]
 
     def _next_stamp(self):
         """The protection marks for a new call (no row carries its stamp)."""
@@ -288,18 +344,51 @@ def step_rows_many(fused, keys, use, bounds, out):
     if not joined:
         return left
     rows32, fresh = out
+    flat = (keys, use, rows32, fresh)
+    by_pointer = _contiguous(flat, (cp.int64, cp.bool_, cp.int32, cp.bool_))
     with contextlib.ExitStack() as held:
         for f in sorted({id(fused[i]): fused[i] for i in joined}.values(), key=id):
             held.enter_context(f.lock)  # a fixed order: no deadlock
         with clocks_kept_on_error([fused[i].table for i in joined]):
             records = []
-            for i in joined:
-                a, b = bounds[i]
-                part = None if use is None else use[a:b]
-                slots = (rows32[a:b], fresh[a:b])
-                records.append(fused[i].record(keys[a:b], part, True, None, slots)[0])
+            if by_pointer:  # no views: each table's part is a pointer sum
+                k0, r0, f0 = keys.data.ptr, rows32.data.ptr, fresh.data.ptr
+                u0 = f0 if use is None else use.data.ptr
+                for i in joined:
+                    a, b = (int(v) for v in bounds[i])
+                    records.append(
+                        fused[i].record_at(
+                            b - a,
+                            k0 + 8 * a,
+                            u0 + a,
+                            use is not None,
+                            True,
+                            None,
+                            r0 + 4 * a,
+                            f0 + a,
+                            True,
+                        )
+                    )
+            else:
+                for i in joined:
+                    a, b = bounds[i]
+                    part = None if use is None else use[a:b]
+                    slots = (rows32[a:b], fresh[a:b])
+                    records.append(
+                        fused[i].record(keys[a:b], part, True, None, slots)[0]
+                    )
             launch(records)
+            # Held like a record's own arrays (until this table's next call).
+            fused[joined[0]].held += [a for a in flat if a is not None]
     return left
+
+
+def _contiguous(arrays, dtypes):
+    """True when each array (or None) is C-contiguous of its dtype."""
+    return all(
+        a is None or (a.dtype == d and a.flags.c_contiguous and a.ndim == 1)
+        for a, d in zip(arrays, dtypes)
+    )
 
 
 @contextlib.contextmanager

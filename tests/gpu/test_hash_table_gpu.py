@@ -321,7 +321,8 @@ def test_step_rows_together_failing_before_the_launch_leaves_tables_untouched(
         keys = (rng.zipf(1.2, 400) % 600).astype(np.int64)
         step(tried, keys)
         step(clean, keys)
-    record = insert_call.FusedInsert.record
+    # Every record, on views or on pointers, is built by record_at.
+    record = insert_call.FusedInsert.record_at
     calls = []
 
     def failing_record(self, *args, **kwargs):
@@ -330,10 +331,11 @@ def test_step_rows_together_failing_before_the_launch_leaves_tables_untouched(
             raise MemoryError("out of device memory")
         return record(self, *args, **kwargs)
 
-    monkeypatch.setattr(insert_call.FusedInsert, "record", failing_record)
+    monkeypatch.setattr(insert_call.FusedInsert, "record_at", failing_record)
     with pytest.raises(MemoryError):
         step(tried, (rng.zipf(1.2, 400) % 600).astype(np.int64))
-    monkeypatch.setattr(insert_call.FusedInsert, "record", record)
+    assert len(calls) == 2
+    monkeypatch.setattr(insert_call.FusedInsert, "record_at", record)
     for _ in range(4):
         keys = (rng.zipf(1.2, 400) % 600).astype(np.int64)
         for got, want in zip(step(tried, keys), step(clean, keys)):
