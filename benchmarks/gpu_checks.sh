@@ -38,7 +38,7 @@ for step in "${steps[@]}"; do
   case $step in
   tests) run_step tests 210 env XLA_FLAGS=--xla_gpu_deterministic_ops=true \
     python3 -m pytest tests/gpu -q -p no:cacheprovider -n 4 --timeout 150 ;;
-  calls) run_step calls 40 python3 benchmarks/gpu_table_calls.py --calls 30 ;;
+  calls) run_step calls 90 python3 benchmarks/gpu_table_calls.py --calls 30 ;;
   fields) run_step fields 130 python3 benchmarks/hash_embedding.py --gpu-table \
     --only "${FIELDS_ONLY:-prefetch,raw-gpu,raw-gpu-together,baseline}" --repeats 3 ;;
   profile) run_step profile 150 python3 benchmarks/gpu_step_profile.py ;;

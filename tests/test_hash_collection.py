@@ -231,8 +231,8 @@ def test_fields_restore_their_full_keys_together_or_one_by_one():
     class Field:
         name = "field"
 
-    def low(*parts):  # what the step holds: the low 32 bits, widened
-        return np.concatenate(parts).astype(np.int32).astype(np.int64)
+    def low(*parts):  # what the step holds: the low 32 bits
+        return np.concatenate(parts).astype(np.int32)
 
     ka = np.array([(1 << 40) + 3, 7], np.int64)
     kb = np.array([5, (7 << 33) + 2, 9], np.int64)
@@ -257,3 +257,4 @@ def test_fields_restore_their_full_keys_together_or_one_by_one():
     jax_full_keys.key_queue(b).append(kb)
     got = jax_group_mapping._restore_together([c, b], bounds, low(ka[:2], kb), np)
     np.testing.assert_array_equal(got, np.concatenate([low(ka), kb]))
+    assert got.dtype == np.int64

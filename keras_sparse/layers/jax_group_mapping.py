@@ -44,37 +44,52 @@ def _host_rows(layers, bounds, keys, use, insert, out):
         layer._map_step_keys(keys[a:b], use[a:b], insert, (out[0][a:b], out[1][a:b]))
 
 
-def _restore_together(layers, bounds, flat, cp):
-    """``flat`` (the step's keys as int64 on the device) with the full
-    64-bit keys of every field that has queued keys (JAX without x64).
+def _as_int64(keys, xp, copy=True):
+    """Flat int64 keys (uint64 reinterpreted); a copy unless ``copy=False``
+    and they are int64 already (then XLA's buffer: read only)."""
+    if keys.dtype == xp.uint64:
+        keys = keys.view(xp.int64)
+        return keys.copy() if copy else keys
+    return keys.astype(xp.int64, copy=copy)
 
-    Restored keys exist only for int32 step keys, whose int64 copy ``flat``
-    is: XLA's own buffer is never written. When each field's oldest queued
-    batch is this step's (the usual order), all fields take one copy to the
-    device and one host read of the check, instead of two syncs per field;
-    otherwise each field finds its batch itself (`jax_full_keys.restore`,
-    which skips batches queued ahead, e.g. for validation).
+
+def _restore_together(layers, bounds, keys, cp):
+    """The step's flat ``keys`` (XLA's buffer on the device) as int64, with
+    the full 64-bit keys of every field that has queued keys (JAX without
+    x64).
+
+    Restored keys exist only for int32 step keys; XLA's own buffer is never
+    written. When each field's oldest queued batch is this step's (the usual
+    order), all fields take one copy to the device and one host read of the
+    check, instead of two syncs per field; otherwise each field finds its
+    batch itself (`jax_full_keys.restore`, which skips batches queued ahead,
+    e.g. for validation).
     """
     queued = [i for i, layer in enumerate(layers) if jax_full_keys.has_queued(layer)]
     if not queued:
-        return flat
+        return _as_int64(keys, cp, copy=False)
     queues = [jax_full_keys.key_queue(layers[i]) for i in queued]
     heads = [q.head() for q in queues]
     spans = [bounds[i] for i in queued]
-    if all(h is not None and h.size == b - a for h, (a, b) in zip(heads, spans)):
+    every = len(queued) == len(layers)
+    if keys.dtype == cp.int32 and all(
+        h is not None and h.size == b - a for h, (a, b) in zip(heads, spans)
+    ):
         full = cp.asarray(np.concatenate(heads))
-        every = len(queued) == len(layers)
-        low = flat if every else cp.concatenate([flat[a:b] for a, b in spans])
-        if bool((full.astype(cp.int32) == low.astype(cp.int32)).all()):
+        low = keys if every else cp.concatenate([keys[a:b] for a, b in spans])
+        # The low 32-bit words of the little-endian int64 keys, as a view.
+        if bool((full.view(cp.int32)[::2] == low).all()):
             for q, h in zip(queues, heads):
                 q.remove(h)
             if every:
                 return full
+            flat = _as_int64(keys, cp)
             at = 0
             for a, b in spans:
                 flat[a:b] = full[at : at + b - a]
                 at += b - a
             return flat
+    flat = _as_int64(keys, cp)
     for i, (a, b) in zip(queued, spans):
         flat[a:b] = jax_full_keys.restore(layers[i], flat[a:b], cp)
     return flat
@@ -87,10 +102,8 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
     import cupy as cp
 
     from keras_sparse.table import step_rows_together
-    from keras_sparse.table.keys import to_cupy_keys
 
-    flat, _ = to_cupy_keys(keys)
-    flat = _restore_together(layers, bounds, flat, cp)
+    flat = _restore_together(layers, bounds, cp.asarray(keys).reshape(-1), cp)
     use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
     left = range(len(layers))
     if insert:
