@@ -167,7 +167,10 @@ def _probe_gpu_buffers():
     step = buffer_callback_or_none()(
         callback, jax.ShapeDtypeStruct((8,), np.int32), has_side_effect=True
     )
-    x = np.arange(-3, 5, dtype=np.int32)
+    # A fresh offset per probe: an output buffer that the callback failed to
+    # write may still hold an earlier probe's (right) answer, reused memory.
+    offset = int(np.random.default_rng().integers(1, 1 << 20))
+    x = np.arange(-3, 5, dtype=np.int32) + np.int32(offset)
     # Evaluated now even when called while a step is being traced.
     with jax.ensure_compile_time_eval():
         got = np.asarray(jax.jit(lambda v: step(v + 1) - 1)(x))
