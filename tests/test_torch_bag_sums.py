@@ -104,3 +104,48 @@ def test_collection_bag_route_trains_like_the_per_position_route(monkeypatch):
     assert not calls
     for got, want in zip(fused, reference):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def _train_variant(kind):
+    """A model that must keep the per-position route: ``kind`` is
+    "weights" (per-id weights), "regularizer" (a row regularizer) or
+    "rank3" (``[batch, 2, bag]`` ids)."""
+    keras.utils.set_random_seed(3)
+    shape = (2, 4) if kind == "rank3" else (4,)
+    ids_in = keras.Input(shape, dtype="int32")
+    layer = ks.AllToAllDenseEmbedding(
+        30, 5, combiner="sum", optimizer="adagrad",
+        embeddings_regularizer="l2" if kind == "regularizer" else None,
+    )  # fmt: skip
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 30, (64, *shape)).astype("int32")
+    if kind == "weights":
+        w_in = keras.Input(shape, dtype="float32")
+        out = layer(ids_in, weights=w_in)
+        inputs, data = [ids_in, w_in], [x, rng.random((64, *shape)).astype("float32")]
+    else:
+        out = layer(ids_in)
+        inputs, data = ids_in, x
+    out = keras.layers.Flatten()(out)
+    model = keras.Model(inputs, keras.layers.Dense(1)(out))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(data, rng.normal(size=(64, 1)), batch_size=32, epochs=2, verbose=0)
+    return [np.array(v) for v in layer.variables]
+
+
+@pytest.mark.parametrize("kind", ["weights", "regularizer", "rank3"])
+def test_weights_regularizers_and_rank3_ids_keep_the_per_position_route(
+    monkeypatch, kind
+):
+    """The bag route fuses plain bags only: with per-id weights, a row
+    regularizer or rank-3 ids the layer never takes it, and trains exactly as
+    with the route switched off."""
+    with monkeypatch.context() as patch:
+        calls = _calls(patch, fused=True)
+        got = _train_variant(kind)
+    assert not calls
+    with monkeypatch.context() as patch:
+        _calls(patch, fused=False)
+        want = _train_variant(kind)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)

@@ -29,32 +29,45 @@ def gather_valid(table, ids, valid):
     return torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype))
 
 
+def _scratch(context):
+    table = context["state"]["table"]
+    return scratch_for(context["table_var"], table.shape[0] + 1, table.device)
+
+
+def _update_rows(context, scratch, first, end, ids, valid, grads, segments=None, bag=1):
+    """The sparse update of rows ``[first, end)`` of the state (a table of a
+    stack, or the whole table) from ``ids`` relative to ``first``."""
+    apply_row_updates(
+        {name: tensor[first:end] for name, tensor in context["state"].items()},
+        scratch,
+        context["optimizer"],
+        ids,
+        valid,
+        grads,
+        context["iterations"],
+        context["constraint"],
+        segments,
+        bag=bag,
+    )
+
+
 def _apply_update(context, ids, valid, grads):
     """The sparse update of one backward pass, under no_grad."""
-    state = context["state"]
     with torch.no_grad():
         if context["group"] is not None:
             ids, valid, grads = torch_distributed.gather_batch(
                 context["group"], ids, valid, grads
             )
-        table = state["table"]
-        scratch = scratch_for(context["table_var"], table.shape[0] + 1, table.device)
-        blocks = context["blocks"]
-        if blocks is None or context["segments"] is not None:
-            parts = [(ids, valid, grads, 0, table.shape[0])]
+        rows = context["state"]["table"].shape[0]
+        scratch = _scratch(context)
+        blocks, segments = context["blocks"], context["segments"]
+        if blocks is None or segments is not None:
+            parts = [(ids, valid, grads, 0, rows)]
         else:
             parts = blocks.split(ids, valid, grads)
         for part_ids, part_valid, part_grads, first, end in parts:
-            apply_row_updates(
-                {name: tensor[first:end] for name, tensor in state.items()},
-                scratch,
-                context["optimizer"],
-                part_ids,
-                part_valid,
-                part_grads,
-                context["iterations"],
-                context["constraint"],
-                context["segments"],
+            _update_rows(
+                context, scratch, first, end, part_ids, part_valid, part_grads, segments
             )
 
 
@@ -97,27 +110,16 @@ class _SparseBagSums(torch.autograd.Function):
     def backward(ctx, upstream):
         anchor, *bags = ctx.saved_tensors
         context = ctx.context
-        state = context["state"]
-        table = state["table"]
-        ranges = context["row_ranges"] or [(0, table.shape[0])]
+        ranges = context["row_ranges"] or [(0, context["state"]["table"].shape[0])]
         with torch.no_grad():
-            scratch = scratch_for(
-                context["table_var"], table.shape[0] + 1, table.device
-            )
+            scratch = _scratch(context)
             start = 0
             for bag, (first, end) in zip(bags, ranges):
                 ids = bag.reshape(-1) - first if first else bag.reshape(-1)
-                apply_row_updates(
-                    {name: tensor[first:end] for name, tensor in state.items()},
-                    scratch,
-                    context["optimizer"],
-                    ids,
-                    torch.ones(ids.shape, dtype=torch.bool, device=ids.device),
-                    upstream[start : start + bag.shape[0]],
-                    context["iterations"],
-                    context["constraint"],
-                    None,
-                    bag=bag.shape[1],
+                every = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+                grads = upstream[start : start + bag.shape[0]]
+                _update_rows(
+                    context, scratch, first, end, ids, every, grads, bag=bag.shape[1]
                 )
                 start += bag.shape[0]
         return (torch.zeros_like(anchor), None) + (None,) * len(bags)
