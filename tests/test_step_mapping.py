@@ -65,6 +65,53 @@ def test_one_device_step_uses_the_in_place_callback(monkeypatch):
     assert IN_PLACE_TARGET not in _mapping_hlo(_layer())
 
 
+def _mapping_effects(layer):
+    import jax
+
+    keys = np.zeros((8, FIELDS), np.int32)
+    use = np.ones((8 * FIELDS,), bool)
+    layer.build((None, FIELDS))
+    closed = jax.make_jaxpr(lambda k, u: layer._map_keys(k, u, insert=True))
+    return closed(keys, use).effects
+
+
+def test_in_place_step_mapping_has_no_effects_outside_remat():
+    """JAX dispatches a step from C++ only when its program has no effects,
+    so the in-place callback declares none; under a Keras ``RematScope``
+    (which would call the table again to recompute the rows) it keeps its
+    effect, which rematerialization then refuses."""
+    assert not _mapping_effects(_layer())
+    with keras.RematScope(mode="full"):
+        assert _mapping_effects(_layer(name="remat"))
+
+
+def test_in_place_step_is_dispatched_by_the_fast_path(monkeypatch):
+    """After its first call, the compiled training step of a hash layer runs
+    from JAX's C++ dispatch: the Python dispatch path (which an effect
+    forces, 2-5 ms of host time per step) is never entered, and training
+    still looks each key up once per step."""
+    from jax._src.interpreters import pxla
+
+    layer = _layer()
+    model = _model(layer)
+    keys, y = _data()
+    model.fit(keys[:64], y[:64], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    before = layer.stats()
+    python_dispatches = []
+    real = pxla.ExecuteReplicated.__call__
+
+    def counted(self, *args):
+        python_dispatches.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(pxla.ExecuteReplicated, "__call__", counted)
+    model.fit(keys[64:128], y[64:128], batch_size=16, shuffle=False, verbose=0)
+    assert python_dispatches == []
+    after = layer.stats()
+    looked_up = sum(after[k] - before[k] for k in ("hits", "misses"))
+    assert looked_up == 64 * FIELDS
+
+
 def test_distributed_step_uses_the_io_callback():
     import jax
 

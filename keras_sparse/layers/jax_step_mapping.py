@@ -267,6 +267,15 @@ def _failing_once(layer, callback):
     return guarded
 
 
+def _rematerializing():
+    """True inside an active Keras ``RematScope`` (recomputed forward)."""
+    try:
+        from keras.src.backend.common.remat import get_current_remat_mode
+    except ImportError:  # a Keras without rematerialization
+        return False
+    return get_current_remat_mode() is not None
+
+
 def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
     """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``
     by one callback of ``route`` (see `choose_route`), final on its first
@@ -319,8 +328,12 @@ def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
     # a step runs once, and steps run in order (each takes the state the
     # previous one donated). Only a field whose output reaches no result of
     # the step is pruned, and it then inserts nothing, as it needs no rows.
+    # Under a Keras RematScope the backward pass would recompute the rows by
+    # calling the table again: there the effect stays (as before).
     mapper = buffer_callback_or_none()(
-        _failing_once(owner, callback), result_types, has_side_effect=False
+        _failing_once(owner, callback),
+        result_types,
+        has_side_effect=_rematerializing(),
     )
     return mapper(keys, use)
 
