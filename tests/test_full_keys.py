@@ -185,3 +185,23 @@ def test_truncation_warning_only_for_inputs_keras_sparse_does_not_handle():
     mixed.compile(keras.optimizers.SGD(0.1), "mse")
     tokens = np.array([[1, 2], [3, 4]], np.int64)
     assert _warnings_of(lambda: mixed.fit([x, tokens], y, verbose=0))
+
+
+def test_a_layer_queue_keeps_a_bounded_number_of_batches():
+    """A hash layer pruned from the compiled step (its rows reach no result)
+    never takes its queued full keys: the queue drops its oldest batches
+    beyond `MAX_QUEUED_BATCHES` instead of growing for the whole fit."""
+    from keras_sparse.layers import jax_full_keys
+
+    class Field:
+        name = "pruned"
+
+    field = Field()
+    queue = jax_full_keys.key_queue(field)
+    batches = [
+        np.full(4, i, np.int64) for i in range(jax_full_keys.MAX_QUEUED_BATCHES + 9)
+    ]
+    for batch in batches:
+        queue.append(batch)
+    assert len(queue) == jax_full_keys.MAX_QUEUED_BATCHES
+    assert queue.head() is batches[9]

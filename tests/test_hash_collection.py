@@ -258,3 +258,15 @@ def test_fields_restore_their_full_keys_together_or_one_by_one():
     got = jax_group_mapping._restore_together([c, b], bounds, low(ka[:2], kb), np)
     np.testing.assert_array_equal(got, np.concatenate([low(ka), kb]))
     assert got.dtype == np.int64
+
+    # uint64 keys: the step holds their low words as uint32 and the queue
+    # their bits as int64; one check restores both fields.
+    ua = np.array([2**64 - 5, 3], np.uint64)
+    ub = np.array([(1 << 63) + 9, 11, 2**40], np.uint64)
+    jax_full_keys.key_queue(a).clear()
+    jax_full_keys.key_queue(a).append(ua.view(np.int64))
+    jax_full_keys.key_queue(b).append(ub.view(np.int64))
+    step = np.concatenate([ua, ub]).astype(np.uint32)
+    got = jax_group_mapping._restore_together([a, b], bounds, step, np)
+    np.testing.assert_array_equal(got, np.concatenate([ua, ub]).view(np.int64))
+    assert len(jax_full_keys.key_queue(a)) == len(jax_full_keys.key_queue(b)) == 0

@@ -85,6 +85,29 @@ def test_in_place_step_mapping_has_no_effects_outside_remat():
         assert _mapping_effects(_layer(name="remat"))
 
 
+def test_calls_keras_rematerializes_are_seen_when_traced():
+    """A layer built under a ``RematScope`` and called outside it is
+    rematerialized (its forward pass may run again in the backward pass):
+    step callbacks traced inside it keep their effect."""
+    from keras_sparse.layers import jax_full_keys
+
+    jax_full_keys.install()  # installs the watch, as building a layer does
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(jax_step_mapping._rematerializing())
+            return x * 2.0
+
+    with keras.RematScope(mode="full"):
+        remat_layer = Probe()
+    plain_layer = Probe()
+    x = np.ones((2, 3), "float32")
+    remat_layer(x)
+    plain_layer(x)
+    assert seen == [True, False]
+
+
 def test_in_place_step_is_dispatched_by_the_fast_path(monkeypatch):
     """After its first call, the compiled training step of a hash layer runs
     from JAX's C++ dispatch: the Python dispatch path (which an effect

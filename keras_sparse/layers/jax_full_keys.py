@@ -51,6 +51,10 @@ class KeyMismatchError(RuntimeError):
 
 
 # ------------------------------------------------------------- layer side
+#: Batches of full keys one layer keeps queued at most (oldest dropped).
+MAX_QUEUED_BATCHES = 64
+
+
 class _KeyQueue:
     """Full-width host keys of the batches a layer has not mapped yet.
 
@@ -69,6 +73,12 @@ class _KeyQueue:
     def append(self, keys):
         with self._lock:
             self._items.append(keys)
+            # A layer whose rows reach no result of the step is pruned from
+            # it and never takes its batches: keep the memory bounded. The
+            # steps of a running fit take theirs within a batch or two, and
+            # a step whose batch was dropped raises KeyMismatchError.
+            while len(self._items) > MAX_QUEUED_BATCHES:
+                self._parts.pop(id(self._items.popleft()), None)
 
     def clear(self):
         with self._lock:
@@ -623,4 +633,7 @@ def install():
         from keras.src.models.functional import Functional
 
         _wrap_functional_call(Functional)
+        from keras_sparse.layers import jax_step_mapping
+
+        jax_step_mapping.watch_remat()
         _installed = True

@@ -72,11 +72,12 @@ def _restore_together(layers, bounds, keys, cp):
     heads = [q.head() for q in queues]
     spans = [bounds[i] for i in queued]
     every = len(queued) == len(layers)
-    if keys.dtype == cp.int32 and all(
+    if keys.dtype in (cp.int32, cp.uint32) and all(
         h is not None and h.size == b - a for h, (a, b) in zip(heads, spans)
     ):
         full = cp.asarray(np.concatenate(heads))
-        low = keys if every else cp.concatenate([keys[a:b] for a, b in spans])
+        words = keys.view(cp.int32)  # uint64 keys reach the step as uint32
+        low = words if every else cp.concatenate([words[a:b] for a, b in spans])
         # The low 32-bit words of the little-endian int64 keys, as a view.
         if bool((full.view(cp.int32)[::2] == low).all()):
             for q, h in zip(queues, heads):

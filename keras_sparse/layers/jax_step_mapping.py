@@ -27,6 +27,8 @@ C++ dispatch fast path for the step (see `rows_in_step`).
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import threading
 import warnings
 
@@ -158,23 +160,25 @@ def _probe_gpu_buffers():
     import cupy as cp
     import jax
 
+    # A fresh offset per probe: an output buffer that the callback failed to
+    # write may still hold an earlier probe's (right) answer, reused memory.
+    offset = int(np.random.default_rng().integers(1, 1 << 20))
+
     def callback(ctx, out, x):
         with _cupy_stream(ctx):
             keys = cp.asarray(x)
-            live = int((keys > 0).sum())  # waits for the step's earlier work
+            # A host read of the step's data: waits for its earlier work.
+            live = int((keys > offset).sum())
             cp.asarray(out)[...] = keys * 2 + live
 
     step = buffer_callback_or_none()(
         callback, jax.ShapeDtypeStruct((8,), np.int32), has_side_effect=True
     )
-    # A fresh offset per probe: an output buffer that the callback failed to
-    # write may still hold an earlier probe's (right) answer, reused memory.
-    offset = int(np.random.default_rng().integers(1, 1 << 20))
     x = np.arange(-3, 5, dtype=np.int32) + np.int32(offset)
     # Evaluated now even when called while a step is being traced.
     with jax.ensure_compile_time_eval():
         got = np.asarray(jax.jit(lambda v: step(v + 1) - 1)(x))
-    return bool(np.array_equal(got, (x + 1) * 2 + int((x + 1 > 0).sum()) - 1))
+    return bool(np.array_equal(got, (x + 1) * 2 + int((x + 1 > offset).sum()) - 1))
 
 
 def gpu_buffers_work():
@@ -267,8 +271,46 @@ def _failing_once(layer, callback):
     return guarded
 
 
+_IN_REMAT = contextvars.ContextVar("keras_sparse_in_remat", default=False)
+_REMAT_WATCHED = []
+
+
+def watch_remat():
+    """Marks the calls Keras rematerializes (layers built under a
+    ``RematScope``, and everything they call), so that `_rematerializing`
+    sees them when the step is traced (idempotent)."""
+    try:
+        from keras.src.ops.operation import Operation
+    except ImportError:  # a Keras without rematerialization
+        return
+    with _PROBE_LOCK:
+        if _REMAT_WATCHED or not hasattr(Operation, "rematerialized_call"):
+            return
+        original = Operation.rematerialized_call
+
+        @functools.wraps(original)
+        def rematerialized_call(self, layer_call, *args, **kwargs):
+            call = original(self, layer_call, *args, **kwargs)
+
+            @functools.wraps(call)
+            def marked(*call_args, **call_kwargs):
+                token = _IN_REMAT.set(True)
+                try:
+                    return call(*call_args, **call_kwargs)
+                finally:
+                    _IN_REMAT.reset(token)
+
+            return marked
+
+        Operation.rematerialized_call = rematerialized_call
+        _REMAT_WATCHED.append(original)
+
+
 def _rematerializing():
-    """True inside an active Keras ``RematScope`` (recomputed forward)."""
+    """True while Keras traces a rematerialized call (its forward pass may
+    run again in the backward pass), or inside an active ``RematScope``."""
+    if _IN_REMAT.get():
+        return True
     try:
         from keras.src.backend.common.remat import get_current_remat_mode
     except ImportError:  # a Keras without rematerialization
@@ -328,8 +370,10 @@ def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
     # a step runs once, and steps run in order (each takes the state the
     # previous one donated). Only a field whose output reaches no result of
     # the step is pruned, and it then inserts nothing, as it needs no rows.
-    # Under a Keras RematScope the backward pass would recompute the rows by
-    # calling the table again: there the effect stays (as before).
+    # Where Keras rematerializes (`watch_remat`) the backward pass would
+    # recompute the rows by calling the table again: there the effect stays,
+    # and JAX then keeps the callback's output instead of recomputing it. A
+    # hand-written jax.checkpoint around a hash layer is not detected.
     mapper = buffer_callback_or_none()(
         _failing_once(owner, callback),
         result_types,
