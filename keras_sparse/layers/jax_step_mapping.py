@@ -272,38 +272,36 @@ def _failing_once(layer, callback):
 
 
 _IN_REMAT = contextvars.ContextVar("keras_sparse_in_remat", default=False)
-_REMAT_WATCHED = []
 
 
 def watch_remat():
     """Marks the calls Keras rematerializes (layers built under a
     ``RematScope``, and everything they call), so that `_rematerializing`
-    sees them when the step is traced (idempotent)."""
+    sees them when the step is traced. Installed once, by
+    `keras_sparse.layers.jax_full_keys.install`."""
     try:
         from keras.src.ops.operation import Operation
     except ImportError:  # a Keras without rematerialization
         return
-    with _PROBE_LOCK:
-        if _REMAT_WATCHED or not hasattr(Operation, "rematerialized_call"):
-            return
-        original = Operation.rematerialized_call
+    original = getattr(Operation, "rematerialized_call", None)
+    if original is None:
+        return
 
-        @functools.wraps(original)
-        def rematerialized_call(self, layer_call, *args, **kwargs):
-            call = original(self, layer_call, *args, **kwargs)
+    @functools.wraps(original)
+    def rematerialized_call(self, layer_call, *args, **kwargs):
+        call = original(self, layer_call, *args, **kwargs)
 
-            @functools.wraps(call)
-            def marked(*call_args, **call_kwargs):
-                token = _IN_REMAT.set(True)
-                try:
-                    return call(*call_args, **call_kwargs)
-                finally:
-                    _IN_REMAT.reset(token)
+        @functools.wraps(call)
+        def marked(*call_args, **call_kwargs):
+            token = _IN_REMAT.set(True)
+            try:
+                return call(*call_args, **call_kwargs)
+            finally:
+                _IN_REMAT.reset(token)
 
-            return marked
+        return marked
 
-        Operation.rematerialized_call = rematerialized_call
-        _REMAT_WATCHED.append(original)
+    Operation.rematerialized_call = rematerialized_call
 
 
 def _rematerializing():

@@ -178,7 +178,7 @@ class FusedInsert:
             outputs = (rows, new_rows, ev_keys, ev_rows)
         else:  # outputs the step does not read: reused buffers
             rows32, fresh = out
-            rows, new_rows, ev_keys, ev_rows = self._step_outputs(n)
+            rows, new_rows, ev_keys, ev_rows = self._step_buffers(n)[:, :n]
             outputs = None
         k = cp.ascontiguousarray(k, dtype=cp.int64)
         use_arg = fresh if use is None else cp.ascontiguousarray(use, dtype=cp.bool_)
@@ -217,11 +217,10 @@ class FusedInsert:
         if self.workspace.shape[0] < words:
             self.workspace = cp.empty(words, dtype=cp.int64)
         if out is None:  # the reused step buffers: rows of one [4, m] array
-            if self.step_outputs.shape[1] < n:
-                self.step_outputs = cp.empty((4, n), dtype=cp.int64)
-            base, stride = self.step_outputs.data.ptr, 8 * self.step_outputs.shape[1]
+            buffers = self._step_buffers(n)
+            base, stride = buffers.data.ptr, 8 * buffers.shape[1]
             ptrs = [base + i * stride for i in range(4)]
-            out = (self.step_outputs,)
+            out = (buffers,)
         else:
             ptrs = [a.data.ptr for a in out]
         record = list(self._static_words())
@@ -243,10 +242,12 @@ class FusedInsert:
         self.unread = True
         return record
 
-    def _step_outputs(self, n):
+    def _step_buffers(self, n):
+        """The reused ``[4, >= n]`` int64 outputs that a step's call writes
+        and nobody reads (rows, new rows, evicted keys and rows)."""
         if self.step_outputs.shape[1] < n:
             self.step_outputs = cp.empty((4, n), dtype=cp.int64)
-        return tuple(self.step_outputs[:, :n])
+        return self.step_outputs
 
     def _static_words(self):
         """The record's words fixed by the table's arrays and settings
