@@ -210,6 +210,9 @@ def test_reported_bytes_match_compiled_collectives(strategy, spec, monkeypatch):
     # and it never updates the whole table (`uses_dense_route`).
     monkeypatch.setattr(count_buckets, "FORCE_SIZED", False)
     monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
+    # Nor does it read the touched rows from the forward's (batch-split)
+    # rows, which would take an all-reduce (`jax_lookup._reuses_forward_rows`).
+    monkeypatch.setattr(jax_lookup, "REUSE_FORWARD_ROWS", False)
     from jax.sharding import Mesh
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -219,6 +219,7 @@ def compute_row_updates(
     num_rows,
     constraint=None,
     segments=None,
+    looked_up=None,
 ):
     """New values of the touched rows and of their optimizer slots.
 
@@ -238,6 +239,9 @@ def compute_row_updates(
         constraint: optional callable applied to the new rows.
         segments: optional ``[N]`` segment index of each position, computed
             ahead of the step (see `segments_from_positions`); skips the sort.
+        looked_up: optional ``[N, dim]`` table rows of each position as the
+            forward pass gathered them (any values where not ``valid``); the
+            touched rows are then read from it instead of from the table.
 
     Returns:
         ``(unique_ids, is_real, new_values)`` where new_values maps "table" and
@@ -250,6 +254,13 @@ def compute_row_updates(
     n = ids.shape[0]
     if n is None:
         n = ops.shape(ids)[0]
+    if looked_up is not None:
+        # One position of each segment (equal ids: any one will do).
+        holder = ops.scatter_update(
+            ops.zeros((n,), "int32"),
+            ops.expand_dims(seg.position, -1),
+            ops.arange(n, dtype="int32"),
+        )
 
     def branch(size):
         def update():
@@ -260,7 +271,16 @@ def compute_row_updates(
                 unique_ids < num_rows,
             )
             safe_ids = ops.where(is_real, unique_ids, 0)
-            rows = gather("table", safe_ids)
+            if looked_up is None:
+                rows = gather("table", safe_ids)
+            else:
+                # Unused entries hold row 0, as the gather gives them: a
+                # constraint may see every entry (``MaxNorm(axis=0)``).
+                rows = ops.where(
+                    ops.expand_dims(is_real, -1),
+                    take_rows(looked_up, holder[:size]),
+                    gather("table", ops.zeros((1,), "int32")),
+                )
             slots = {name: gather(name, safe_ids) for name in slot_names}
             new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
             if constraint is not None:

@@ -53,6 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from keras_sparse.ops.jax_lookup import chained_state
+from keras_sparse.ops.jax_lookup import instantiate
+from keras_sparse.ops.jax_lookup import primal_values
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.exchange_buckets import overflow_message
@@ -264,18 +267,26 @@ def row_gather(mesh, axis, table, ids, valid, slack=None, exchange_slot=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _row_lookup(cfg, table, slots, ids, valid, iterations, exchange_slot):
-    return row_gather(cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot)
+    """``(rows, table, slots)``; the state passed on as in `jax_lookup._lookup`."""
+    rows = row_gather(cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot)
+    return rows, table, slots
 
 
 def _row_fwd(cfg, table, slots, ids, valid, iterations, exchange_slot):
+    table, slots, ids, valid, iterations, exchange_slot = primal_values(
+        (table, slots, ids, valid, iterations, exchange_slot)
+    )
     rows, owner, slot, recv = _row_forward(
         cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot, 4
     )
-    return rows, (table, slots, owner, slot, recv, iterations)
+    return (rows, table, slots), (table, slots, owner, slot, recv, iterations)
 
 
-def _row_bwd(cfg, residuals, grads):
+def _row_bwd(cfg, residuals, cotangents):
     table, slots, owner, slot, recv, iterations = residuals
+    grads, table_after, slots_after = cotangents
+    table, slots, _ = chained_state(table, slots, table_after, slots_after)
+    grads = instantiate(grads)
     if not cfg.apply_update:  # inference under a gradient: state unchanged
         return table, dict(slots), None, None, None, None
     axis, d = cfg.axis, cfg.num_shards
@@ -336,7 +347,7 @@ def _row_bwd(cfg, residuals, grads):
     return new_table, dict(zip(slot_names, new_slots)), None, None, None, None
 
 
-_row_lookup.defvjp(_row_fwd, _row_bwd)
+_row_lookup.defvjp(_row_fwd, _row_bwd, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------- column-wise
@@ -367,10 +378,14 @@ def column_gather(mesh, axis, table, ids, valid):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _column_lookup(cfg, table, slots, ids, valid, iterations):
-    return column_gather(cfg.mesh, cfg.axis, table, ids, valid)
+    """``(rows, table, slots)``; the state passed on as in `jax_lookup._lookup`."""
+    return column_gather(cfg.mesh, cfg.axis, table, ids, valid), table, slots
 
 
 def _column_fwd(cfg, table, slots, ids, valid, iterations):
+    table, slots, ids, valid, iterations = primal_values(
+        (table, slots, ids, valid, iterations)
+    )
     d, axis = cfg.num_shards, cfg.axis
     _check_divisible("embedding dim", table.shape[1], d)
     _check_divisible("number of ids", ids.shape[0], d)
@@ -386,11 +401,14 @@ def _column_fwd(cfg, table, slots, ids, valid, iterations):
         (P(None, axis), P(axis), P(axis)),
         (P(axis), P(axis), P(axis)),
     )(table, ids, valid)
-    return rows, (table, slots, all_ids, all_valid, iterations)
+    return (rows, table, slots), (table, slots, all_ids, all_valid, iterations)
 
 
-def _column_bwd(cfg, residuals, grads):
+def _column_bwd(cfg, residuals, cotangents):
     table, slots, all_ids, all_valid, iterations = residuals
+    grads, table_after, slots_after = cotangents
+    table, slots, _ = chained_state(table, slots, table_after, slots_after)
+    grads = instantiate(grads)
     if not cfg.apply_update:  # inference under a gradient: state unchanged
         return table, dict(slots), None, None, None
     axis, d = cfg.axis, cfg.num_shards
@@ -422,7 +440,7 @@ def _column_bwd(cfg, residuals, grads):
     return new_table, dict(zip(slot_names, new_slots)), None, None, None
 
 
-_column_lookup.defvjp(_column_fwd, _column_bwd)
+_column_lookup.defvjp(_column_fwd, _column_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------- row resets
@@ -569,11 +587,14 @@ def sharded_lookup_with_sparse_update(
     apply_update=True,
     slack=None,
     exchange_slot=None,
+    with_state=False,
 ):
     """Lookup whose backward applies the sparse optimizer on the owning shards.
 
     Returns ``[N, dim]`` rows; the "gradients" of ``table`` and ``slots`` are
     their updated values (for ``overwrite_with_gradient`` variables).
+    ``with_state``: returns ``(rows, table, slots)``, the state passed on
+    for a later call of the layer in the step (`jax_lookup.pass_on`).
     ``slack`` sizes the row exchange buffers (`row_capacity`);
     ``exchange_slot`` (row only, with a slack): each id's slot in its
     owner's buffer, from `exchange_buckets.exchange_slots`.
@@ -587,7 +608,8 @@ def sharded_lookup_with_sparse_update(
         jnp.asarray(iterations, jnp.int32),
     )
     if strategy == "row":
-        return _row_lookup(cfg, *args, _slot_or_none(exchange_slot))
+        out = _row_lookup(cfg, *args, _slot_or_none(exchange_slot))
+        return out if with_state else out[0]
     if strategy == "column":
         if constraint is not None:
             raise ValueError(
@@ -599,7 +621,8 @@ def sharded_lookup_with_sparse_update(
                 "column sharding needs an element-wise optimizer; row-wise "
                 "slots (e.g. rowwise_adagrad) need whole rows. Use row sharding."
             )
-        return _column_lookup(cfg, *args)
+        out = _column_lookup(cfg, *args)
+        return out if with_state else out[0]
     raise NotImplementedError(f"sharded lookup for strategy {strategy!r}")
 
 

@@ -618,6 +618,7 @@ def map_keys_in_step(layer, keys, use, insert, draw=None):
 def routed_lookup(routing):
     """A drop-in for ``ops.jax_lookup.lookup_with_sparse_update`` that runs the
     sharded primitive for ``routing`` (from `route`)."""
+    from keras_sparse.ops import jax_lookup
     from keras_sparse.sharding import jax_sharded_lookup
 
     strategy, mesh, axis, slack = routing
@@ -643,7 +644,7 @@ def routed_lookup(routing):
             table, slots = _routed_reset(
                 routing, table_var, slot_vars, optimizer, table, slots, ids, reset
             )
-        return jax_sharded_lookup.sharded_lookup_with_sparse_update(
+        rows, table, slots = jax_sharded_lookup.sharded_lookup_with_sparse_update(
             strategy,
             mesh,
             axis,
@@ -657,7 +658,10 @@ def routed_lookup(routing):
             apply_update=apply_update,
             slack=slack,
             exchange_slot=exchange_slot,
+            with_state=True,
         )
+        jax_lookup.pass_on(table_var, table, slot_vars, slots)
+        return rows
 
     return lookup
 
