@@ -273,6 +273,8 @@ def compute_row_updates(
             safe_ids = ops.where(is_real, unique_ids, 0)
             if looked_up is None:
                 rows = gather("table", safe_ids)
+            elif constraint is None:
+                rows = take_rows(looked_up, holder[:size])
             else:
                 # Unused entries hold row 0, as the gather gives them: a
                 # constraint may see every entry (``MaxNorm(axis=0)``).
