@@ -84,7 +84,7 @@ def test_a_constraint_sees_the_same_rows(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-def _table_rows_read(monkeypatch, reuse):
+def _table_rows_read(monkeypatch, reuse, constraint=None):
     """Rows gathered from the table in one forward + backward of the lookup."""
     import jax
     import jax.numpy as jnp
@@ -94,7 +94,7 @@ def _table_rows_read(monkeypatch, reuse):
     monkeypatch.setattr(jax_lookup, "REUSE_FORWARD_ROWS", reuse)
     monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
     # Row-wise Adagrad: its slot ([ROWS, 1]) is told from the table by shape.
-    config = jax_lookup._Config(ks.optimizers.RowWiseAdagrad(0.1), None)
+    config = jax_lookup._Config(ks.optimizers.RowWiseAdagrad(0.1), constraint)
     table = jnp.zeros((ROWS, DIM))
     slots = {"accumulator": jnp.full((ROWS, 1), 0.1)}
     ids = jnp.arange(BATCH, dtype=jnp.int32) % 7
@@ -126,10 +126,12 @@ def _equations(jaxpr):
 
 def test_the_backward_reads_no_table_row_again(monkeypatch):
     # The forward reads BATCH rows. The backward, without reuse, reads the
-    # (padded) distinct rows again, BATCH entries; with it only row 0 (the
-    # unused entries' value).
+    # (padded) distinct rows again, BATCH entries; with it none, or under a
+    # constraint row 0 once (the unused entries' value).
     assert _table_rows_read(monkeypatch, False) == 2 * BATCH
-    assert _table_rows_read(monkeypatch, True) == BATCH + 1
+    assert _table_rows_read(monkeypatch, True) == BATCH
+    constraint = keras.constraints.MaxNorm(0.06)
+    assert _table_rows_read(monkeypatch, True, constraint) == BATCH + 1
 
 
 def test_not_under_a_distribution():
