@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = {"jax": "jax", "tensorflow": "tf", "torch": "torch"}
@@ -62,3 +63,16 @@ def test_many_fields_quick_prints_every_variant():
     for name, (_, ms, ratio, loss) in rows.items():
         assert float(ms) > 0 and ratio.endswith("x"), (name, ms, ratio)
         assert 0 < float(loss) < 10, (name, loss)
+
+
+def test_switch_ab_quick_prints_both_settings():
+    """benchmarks/switch_ab.py --quick (JAX): a row per setting of the
+    forward-rows switch, positive step times and the same last loss."""
+    import pytest
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the benchmark runs on JAX")
+    rows = _table_rows(["benchmarks/switch_ab.py", "--quick"], ["off", "on"], 4)
+    for name, (_, median, p25, _) in rows.items():
+        assert float(median) > 0 and float(p25) > 0, (name, median, p25)
+    np.testing.assert_allclose(float(rows["on"][3]), float(rows["off"][3]), rtol=1e-5)

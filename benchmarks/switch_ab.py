@@ -1,0 +1,138 @@
+"""A JAX step switch, off against on, in one process (the peers workload).
+
+The workload of `benchmarks/peers.py` (26 tables of ``--rows`` x 16, bags of
+4 Zipf(1.1) ids, sum pooling, Dense(64)-ReLU-Dense(1), Adagrad, batch
+4096), built twice: once with the switch off, once on, each model traced
+with its setting. Their epochs then alternate (off/on, then on/off), so a
+noisy machine slows both alike; the table gives the median and 25th
+percentile ms per step of each and their ratios, and the last loss (equal
+when the switch changes speed only).
+
+    python benchmarks/switch_ab.py --rows 1e6 --form layers \\
+        --switch keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS
+    python benchmarks/switch_ab.py --quick   # CI smoke run, tiny sizes
+"""
+
+import argparse
+import importlib
+import os
+import pathlib
+import statistics
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_sparse as ks  # noqa: E402
+
+DIM, BAG, HIDDEN, LR, ZIPF_A = 16, 4, 64, 0.01, 1.1
+
+
+def build(form, tables, rows):
+    keras.utils.set_random_seed(0)
+    names = [f"f{t}" for t in range(tables)]
+
+    def optimizer():
+        return ks.optimizers.Adagrad(LR, initial_accumulator_value=0.0)
+
+    inputs = {n: keras.Input((BAG,), dtype="int32", name=n) for n in names}
+    if form == "layers":
+        parts = [
+            ks.AllToAllDenseEmbedding(
+                rows, DIM, combiner="sum", optimizer=optimizer(), name=f"t_{n}"
+            )(x)
+            for n, x in inputs.items()
+        ]
+    else:
+        configs = {n: ks.TableConfig(rows, DIM, combiner="sum") for n in names}
+        out = ks.EmbeddingCollection(configs, optimizer=optimizer())(inputs)
+        parts = [out[n] for n in names]
+    hidden = keras.layers.Dense(HIDDEN, activation="relu")(
+        keras.layers.Concatenate()(parts)
+    )
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.0),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    return model, names
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--switch",
+        default="keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS",
+        help="module.ATTRIBUTE, a bool read when the step is traced",
+    )
+    p.add_argument("--form", choices=("layers", "collection"), default="layers")
+    p.add_argument("--rows", type=float, default=1e6)
+    p.add_argument("--tables", type=int, default=26)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=16, help="steps per epoch")
+    p.add_argument("--rounds", type=int, default=6, help="epochs of each model")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)  # fmt: skip
+    if args.quick:
+        args.rows, args.tables, args.batch, args.steps, args.rounds = 1e4, 2, 256, 3, 2
+    module_name, attribute = args.switch.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    ks.tune_cpu_allocator()
+    rows = int(args.rows)
+    rng = np.random.default_rng(0)
+    n = (1 + args.steps) * args.batch
+    ids = np.stack(
+        [ks.data.zipf_ids(n * BAG, rows, ZIPF_A, rng).reshape(n, BAG)
+         for _ in range(args.tables)],
+        axis=1,
+    ).astype(np.int32)  # fmt: skip
+    labels = (rng.random((n, 1)) < 0.25).astype(np.float32)
+    from step_timer import StepTimer
+
+    fit = dict(batch_size=args.batch, shuffle=False, verbose=0)
+    models, names = {}, None
+    for setting in (False, True):
+        setattr(module, attribute, setting)
+        model, names = build(args.form, args.tables, rows)
+        warm = {nm: ids[: args.batch, t] for t, nm in enumerate(names)}
+        model.fit(warm, labels[: args.batch], **fit)  # traces with the setting
+        models[setting] = model
+    timed = {
+        nm: np.ascontiguousarray(ids[args.batch :, t]) for t, nm in enumerate(names)
+    }
+    times = {False: [], True: []}
+    losses = {}
+    for r in range(args.rounds):
+        for setting in (False, True) if r % 2 == 0 else (True, False):
+            timer = StepTimer()
+            history = models[setting].fit(
+                timed, labels[args.batch :], callbacks=[timer], **fit
+            )
+            times[setting] += timer.gaps
+            losses[setting] = history.history["loss"][-1]
+    print(
+        f"{args.switch}: {args.form}, {args.tables} tables x {rows:.0e} rows, "
+        f"batch {args.batch}, {args.rounds} alternating epochs of {args.steps} steps"
+    )
+    print("| switch | median ms/step | p25 ms/step | last loss |")
+    print("|---|---:|---:|---:|")
+    stats = {}
+    for setting in (False, True):
+        gaps = [1e3 * g for g in times[setting]]
+        stats[setting] = (statistics.median(gaps), float(np.percentile(gaps, 25)))
+        median, p25 = stats[setting]
+        label = "on" if setting else "off"
+        print(f"| {label} | {median:.1f} | {p25:.1f} | {losses[setting]:.6f} |")
+    print(
+        f"on / off: median {stats[True][0] / stats[False][0]:.3f}, "
+        f"p25 {stats[True][1] / stats[False][1]:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
