@@ -134,17 +134,24 @@ def test_the_backward_reads_no_table_row_again(monkeypatch):
     assert _table_rows_read(monkeypatch, True, constraint) == BATCH + 1
 
 
-def test_not_under_a_distribution():
-    # The rows are split by batch there; the table read needs no collective.
-    import jax
+def test_large_tables_only_and_not_under_a_distribution():
+    import jax.numpy as jnp
 
     from keras_sparse.ops import jax_lookup
 
-    assert jax_lookup._reuses_forward_rows()
+    small = jnp.zeros((1000, 16))
+    large = jnp.zeros((jax_lookup.FORWARD_ROWS_MIN_BYTES // 64, 16))
+    assert jax_lookup.REUSE_FORWARD_ROWS is None  # the default: by size
+    assert not jax_lookup._reuses_forward_rows(small)
+    assert jax_lookup._reuses_forward_rows(large)
+    # Under a distribution the rows are split by batch; the table read
+    # needs no collective.
+    import jax
+
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=jax.devices()[:1])
     )
     try:
-        assert not jax_lookup._reuses_forward_rows()
+        assert not jax_lookup._reuses_forward_rows(large)
     finally:
         keras.distribution.set_distribution(None)

@@ -19,9 +19,13 @@ from keras_sparse.ops import row_updates
 from keras_sparse.ops import take_rows
 from keras_sparse.ops.row_updates import compute_row_updates
 
-# False: the backward reads the touched rows from the table again, as the
-# other backends do (tests compare both).
-REUSE_FORWARD_ROWS = True
+# Whether the backward takes the touched rows from the forward's gather
+# (see `_forward`). None: for tables of at least FORWARD_ROWS_MIN_BYTES, the
+# ones the CPU caches cannot hold (26 tables of 1e5 x 16, 6.4 MB each: no
+# gain, 1-5% slower; of 1e6 x 16, 64 MB: 6-20% faster per step). True/False
+# force it (tests and benchmarks/switch_ab.py compare both).
+REUSE_FORWARD_ROWS = None
+FORWARD_ROWS_MIN_BYTES = 16 << 20
 
 
 def gather_valid(table, ids, valid):
@@ -52,7 +56,7 @@ def _forward(config, table, slots, ids, valid, iterations, segments):
     # from the table: one random read of a large table less per distinct
     # row (26 tables of 1e6 rows on a CPU: ~20% of the step). The table in
     # the residuals is the one gathered from, so the values are the same.
-    looked_up = rows if _reuses_forward_rows() else None
+    looked_up = rows if _reuses_forward_rows(table) else None
     residuals = (table, slots, ids, valid, iterations, segments, looked_up)
     return (rows, table, slots), residuals
 
@@ -65,11 +69,15 @@ def primal_values(tree):
     )
 
 
-def _reuses_forward_rows():
+def _reuses_forward_rows(table):
     # Under a distribution the rows are split by batch while the update's
     # distinct ids span the global batch: reading them from the rows would
     # take a collective, from the (replicated) table none.
-    return REUSE_FORWARD_ROWS and keras.distribution.distribution() is None
+    if keras.distribution.distribution() is not None:
+        return False
+    if REUSE_FORWARD_ROWS is not None:
+        return bool(REUSE_FORWARD_ROWS)
+    return table.size * table.dtype.itemsize >= FORWARD_ROWS_MIN_BYTES
 
 
 def instantiate(cotangent):
