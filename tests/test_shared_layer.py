@@ -156,3 +156,21 @@ def test_shared_hash_layer_matches_a_dict_model():
     assert np.abs(got).max() > 1e-3
     np.testing.assert_allclose(got, np.stack([want[int(k)] for k in keys]),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_collection_called_twice_chains_its_updates(route):
+    optimizer = ks.optimizers.Adagrad(0.1, initial_accumulator_value=0.0)
+    collection = ks.EmbeddingCollection(
+        {"t": ks.TableConfig(ROWS, DIM)}, optimizer=optimizer
+    )
+    a_in = keras.Input((BAG,), dtype="int32", name="a")
+    b_in = keras.Input((BAG,), dtype="int32", name="b")
+    pooled = [keras.ops.sum(collection({"t": x})["t"], axis=1) for x in (a_in, b_in)]
+    out = keras.ops.sum(keras.layers.Concatenate()(pooled), axis=1, keepdims=True)
+    model = keras.Model([a_in, b_in], out)
+    collection.set_table("t", INIT)
+    model.compile("sgd", "mse")
+    a, b, y = _data()
+    model.fit([a, b], y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    want = _numpy_chained_adagrad(0.1, optimizer.epsilon)
+    np.testing.assert_allclose(collection.get_table("t"), want, rtol=1e-4, atol=1e-5)
