@@ -179,6 +179,52 @@ def load_data(path):
         return data["ids"], data["labels"]
 
 
+def keras_model(form, names, rows):
+    """The compiled Keras model of the workload: ``form`` is "dense",
+    "layers" or "collection", one table of ``rows`` per name in ``names``
+    (benchmarks/switch_ab.py builds it too)."""
+    import keras
+
+    import keras_sparse as ks
+
+    keras.utils.set_random_seed(0)
+
+    def sparse_optimizer():
+        return ks.optimizers.Adagrad(LR, initial_accumulator_value=0.0)
+
+    inputs = {n: keras.Input((BAG,), dtype="int32", name=n) for n in names}
+    if form == "dense":
+        parts = [
+            keras.ops.sum(keras.layers.Embedding(rows, DIM, name=f"t_{n}")(x), 1)
+            for n, x in inputs.items()
+        ]
+    elif form == "layers":
+        parts = [
+            ks.AllToAllDenseEmbedding(
+                rows, DIM, combiner="sum", optimizer=sparse_optimizer(),
+                name=f"t_{n}",
+            )(x)
+            for n, x in inputs.items()
+        ]  # fmt: skip
+    else:
+        collection = ks.EmbeddingCollection(
+            {n: ks.TableConfig(rows, DIM, combiner="sum") for n in names},
+            optimizer=sparse_optimizer(),
+            name="tables",
+        )
+        outputs = collection(inputs)
+        parts = [outputs[n] for n in names]
+    hidden = keras.layers.Dense(HIDDEN, activation="relu")(
+        keras.layers.Concatenate()(parts)
+    )
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(
+        optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.0),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    return model
+
+
 def keras_child(args):
     import numpy as np
 
@@ -199,43 +245,8 @@ def keras_child(args):
     if backend == "jax" and args.variant not in DEFAULT_ALLOCATOR:
         extra["tuned_allocator"] = ks.tune_cpu_allocator()
     ids, labels = load_data(args.data)
-    tables = ids.shape[1]
-    names = [f"f{t}" for t in range(tables)]
-    keras.utils.set_random_seed(0)
-
-    def sparse_optimizer():
-        return ks.optimizers.Adagrad(LR, initial_accumulator_value=0.0)
-
-    inputs = {n: keras.Input((BAG,), dtype="int32", name=n) for n in names}
-    if form == "dense":
-        parts = [
-            keras.ops.sum(keras.layers.Embedding(args.rows, DIM, name=f"t_{n}")(x), 1)
-            for n, x in inputs.items()
-        ]
-    elif form == "layers":
-        parts = [
-            ks.AllToAllDenseEmbedding(
-                args.rows, DIM, combiner="sum", optimizer=sparse_optimizer(),
-                name=f"t_{n}",
-            )(x)
-            for n, x in inputs.items()
-        ]  # fmt: skip
-    else:
-        collection = ks.EmbeddingCollection(
-            {n: ks.TableConfig(args.rows, DIM, combiner="sum") for n in names},
-            optimizer=sparse_optimizer(),
-            name="tables",
-        )
-        outputs = collection(inputs)
-        parts = [outputs[n] for n in names]
-    hidden = keras.layers.Dense(HIDDEN, activation="relu")(
-        keras.layers.Concatenate()(parts)
-    )
-    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
-    model.compile(
-        optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.0),
-        loss=keras.losses.BinaryCrossentropy(from_logits=True),
-    )
+    names = [f"f{t}" for t in range(ids.shape[1])]
+    model = keras_model(form, names, args.rows)
 
     from step_timer import StepTimer
 

@@ -25,42 +25,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from peers import BAG  # noqa: E402
+from peers import ZIPF_A  # noqa: E402
+from peers import keras_model  # noqa: E402
 
 import keras_sparse as ks  # noqa: E402
-
-DIM, BAG, HIDDEN, LR, ZIPF_A = 16, 4, 64, 0.01, 1.1
-
-
-def build(form, tables, rows):
-    keras.utils.set_random_seed(0)
-    names = [f"f{t}" for t in range(tables)]
-
-    def optimizer():
-        return ks.optimizers.Adagrad(LR, initial_accumulator_value=0.0)
-
-    inputs = {n: keras.Input((BAG,), dtype="int32", name=n) for n in names}
-    if form == "layers":
-        parts = [
-            ks.AllToAllDenseEmbedding(
-                rows, DIM, combiner="sum", optimizer=optimizer(), name=f"t_{n}"
-            )(x)
-            for n, x in inputs.items()
-        ]
-    else:
-        configs = {n: ks.TableConfig(rows, DIM, combiner="sum") for n in names}
-        out = ks.EmbeddingCollection(configs, optimizer=optimizer())(inputs)
-        parts = [out[n] for n in names]
-    hidden = keras.layers.Dense(HIDDEN, activation="relu")(
-        keras.layers.Concatenate()(parts)
-    )
-    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
-    model.compile(
-        optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.0),
-        loss=keras.losses.BinaryCrossentropy(from_logits=True),
-    )
-    return model, names
 
 
 def main(argv=None):
@@ -95,10 +65,11 @@ def main(argv=None):
     from step_timer import StepTimer
 
     fit = dict(batch_size=args.batch, shuffle=False, verbose=0)
-    models, names = {}, None
+    models = {}
+    names = [f"f{t}" for t in range(args.tables)]
     for setting in (False, True):
         setattr(module, attribute, setting)
-        model, names = build(args.form, args.tables, rows)
+        model = keras_model(args.form, names, rows)
         warm = {nm: ids[: args.batch, t] for t, nm in enumerate(names)}
         model.fit(warm, labels[: args.batch], **fit)  # traces with the setting
         models[setting] = model
