@@ -96,16 +96,13 @@ def chained_state(table, slots, table_after, slots_after):
     this update goes on top (``chained``). Otherwise the lookup's own input
     state.
     """
+
+    def passed_back(after, own):
+        return own if isinstance(after, SymbolicZero) else after
+
+    slots = {name: passed_back(slots_after[name], own) for name, own in slots.items()}
     chained = not isinstance(table_after, SymbolicZero)
-    if chained:
-        table = table_after
-    slots = {
-        name: value
-        if isinstance(slots_after[name], SymbolicZero)
-        else slots_after[name]
-        for name, value in slots.items()
-    }
-    return table, slots, chained
+    return passed_back(table_after, table), slots, chained
 
 
 def _backward(config, residuals, cotangents):
@@ -115,13 +112,12 @@ def _backward(config, residuals, cotangents):
     table, slots, chained = chained_state(table, slots, table_after, slots_after)
     if chained:
         looked_up = None  # the later call may have changed these rows
-    state = {"table": table, **slots}
-    grads = instantiate(grads)
     if not apply_update:
         # Inference call inside a gradient computation: hand the state back
         # unchanged, since the optimizer assigns whatever is returned.
-        table_out = state.pop("table")
-        return table_out, state, None, None, None, None
+        return table, slots, None, None, None, None
+    state = {"table": table, **slots}
+    grads = instantiate(grads)
     num_rows = table.shape[0]
     if dense_row_updates.uses_dense_route(ids.shape[0], num_rows, constraint):
         updated = dense_row_updates.dense_row_updates(

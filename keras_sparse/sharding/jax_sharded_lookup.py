@@ -286,9 +286,9 @@ def _row_bwd(cfg, residuals, cotangents):
     table, slots, owner, slot, recv, iterations = residuals
     grads, table_after, slots_after = cotangents
     table, slots, _ = chained_state(table, slots, table_after, slots_after)
-    grads = instantiate(grads)
     if not cfg.apply_update:  # inference under a gradient: state unchanged
         return table, dict(slots), None, None, None, None
+    grads = instantiate(grads)
     axis, d = cfg.axis, cfg.num_shards
     slot_names = tuple(slots)
 
@@ -408,9 +408,9 @@ def _column_bwd(cfg, residuals, cotangents):
     table, slots, all_ids, all_valid, iterations = residuals
     grads, table_after, slots_after = cotangents
     table, slots, _ = chained_state(table, slots, table_after, slots_after)
-    grads = instantiate(grads)
     if not cfg.apply_update:  # inference under a gradient: state unchanged
         return table, dict(slots), None, None, None
+    grads = instantiate(grads)
     axis, d = cfg.axis, cfg.num_shards
     slot_names = tuple(slots)
 
