@@ -1,4 +1,4 @@
-"""A JAX step switch, off against on, in one process (the peers workload).
+"""A step switch, off against on, in one process (the peers workload).
 
 The workload of `benchmarks/peers.py` (26 tables of ``--rows`` x 16, bags of
 4 Zipf(1.1) ids, sum pooling, Dense(64)-ReLU-Dense(1), Adagrad, batch
@@ -11,6 +11,11 @@ when the switch changes speed only).
     python benchmarks/switch_ab.py --rows 1e6 --form layers \\
         --switch keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS
     python benchmarks/switch_ab.py --quick   # CI smoke run, tiny sizes
+    KERAS_BACKEND=torch python benchmarks/switch_ab.py --rows 1e6 \
+        --switch keras_sparse.ops.native_optimizers.FUSED_OPTIMIZERS
+
+On JAX a switch is read when the step is traced; on PyTorch and TensorFlow
+(eager updates) at every call, so it is set again before each epoch.
 """
 
 import argparse
@@ -38,7 +43,7 @@ def main(argv=None):
     p.add_argument(
         "--switch",
         default="keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS",
-        help="module.ATTRIBUTE, a bool read when the step is traced",
+        help="module.ATTRIBUTE, a bool read when the step is traced or run",
     )
     p.add_argument("--form", choices=("layers", "collection"), default="layers")
     p.add_argument("--rows", type=float, default=1e6)
@@ -52,7 +57,8 @@ def main(argv=None):
         args.rows, args.tables, args.batch, args.steps, args.rounds = 1e4, 2, 256, 3, 2
     module_name, attribute = args.switch.rsplit(".", 1)
     module = importlib.import_module(module_name)
-    ks.tune_cpu_allocator()
+    if os.environ["KERAS_BACKEND"] == "jax":
+        ks.tune_cpu_allocator()  # as peers.py: the docs advise it for JAX only
     rows = int(args.rows)
     rng = np.random.default_rng(0)
     n = (1 + args.steps) * args.batch
@@ -80,6 +86,7 @@ def main(argv=None):
     losses = {}
     for r in range(args.rounds):
         for setting in (False, True) if r % 2 == 0 else (True, False):
+            setattr(module, attribute, setting)  # eager backends read it per call
             timer = StepTimer()
             history = models[setting].fit(
                 timed, labels[args.batch :], callbacks=[timer], **fit

@@ -66,3 +66,70 @@ void ks_scatter_rows_f32(float *dst, const int64_t *rows, const float *src,
     memcpy(dst + rows[i] * dim, src + i * dim, (size_t)dim * sizeof(float));
   }
 }
+
+/* The optimizer updates below change rows[i] of the table and its slots in
+ * place from grads[i] (summed gradients, one row per distinct row), for
+ * i < count, rows distinct and in range. Each is the arithmetic of the
+ * optimizer's torch route (keras_sparse.optimizers), operation for
+ * operation, so both routes give the same bits. Rows ahead are prefetched:
+ * a table far larger than the caches misses on nearly every row, and the
+ * prefetches let those misses overlap. */
+#define KS_PREFETCH_ROW(ptr, i)                                               \
+  do {                                                                        \
+    if ((i) + KS_AHEAD < count)                                               \
+      __builtin_prefetch((ptr) + rows[(i) + KS_AHEAD] * dim, 1);              \
+  } while (0)
+
+/* SGD: row - lr * g. */
+void ks_sgd_rows_f32(float *table, const int64_t *rows, const float *grads,
+                     int64_t count, int64_t dim, float lr) {
+  for (int64_t i = 0; i < count; ++i) {
+    KS_PREFETCH_ROW(table, i);
+    float *row = table + rows[i] * dim;
+    const float *g = grads + i * dim;
+    for (int64_t j = 0; j < dim; ++j) row[j] = row[j] - lr * g[j];
+  }
+}
+
+/* Adagrad: acc + g * g, then row - lr * g / sqrt(acc + eps). */
+void ks_adagrad_rows_f32(float *table, float *acc, const int64_t *rows,
+                         const float *grads, int64_t count, int64_t dim,
+                         float lr, float eps) {
+  for (int64_t i = 0; i < count; ++i) {
+    KS_PREFETCH_ROW(table, i);
+    KS_PREFETCH_ROW(acc, i);
+    float *row = table + rows[i] * dim;
+    float *a = acc + rows[i] * dim;
+    const float *g = grads + i * dim;
+    for (int64_t j = 0; j < dim; ++j) {
+      const float sum = a[j] + g[j] * g[j];
+      a[j] = sum;
+      row[j] = row[j] - lr * g[j] / __builtin_sqrtf(sum + eps);
+    }
+  }
+}
+
+/* Adam: m + (g - m) * keep_1, v + (g * g - v) * keep_2, then
+ * row - (m * alpha) / (sqrt(v) + eps); alpha is the step's bias-corrected
+ * learning rate. */
+void ks_adam_rows_f32(float *table, float *momentum, float *velocity,
+                      const int64_t *rows, const float *grads, int64_t count,
+                      int64_t dim, float keep_1, float keep_2, float alpha,
+                      float eps) {
+  for (int64_t i = 0; i < count; ++i) {
+    KS_PREFETCH_ROW(table, i);
+    KS_PREFETCH_ROW(momentum, i);
+    KS_PREFETCH_ROW(velocity, i);
+    float *row = table + rows[i] * dim;
+    float *m = momentum + rows[i] * dim;
+    float *v = velocity + rows[i] * dim;
+    const float *g = grads + i * dim;
+    for (int64_t j = 0; j < dim; ++j) {
+      const float new_m = m[j] + (g[j] - m[j]) * keep_1;
+      const float new_v = v[j] + (g[j] * g[j] - v[j]) * keep_2;
+      m[j] = new_m;
+      v[j] = new_v;
+      row[j] = row[j] - (new_m * alpha) / (__builtin_sqrtf(new_v) + eps);
+    }
+  }
+}

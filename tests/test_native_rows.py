@@ -1,6 +1,7 @@
 """The compiled CPU helpers of the PyTorch update (keras_sparse.ops.native_rows):
-equal to the torch-operations route to the bit, checked against NumPy, safe
-on bad ids, and a loader that falls back cleanly."""
+the dedup and row writes equal to the torch-operations route to the bit,
+checked against NumPy, safe on bad ids, and a loader that falls back
+cleanly (the compiled optimizers: tests/test_native_optimizers.py)."""
 
 import contextlib
 import os
@@ -46,6 +47,18 @@ def _torch_operations_route():
         yield
     finally:
         native_rows._STATE["library"] = lib
+
+
+@contextlib.contextmanager
+def _unfused_optimizers():
+    """The compiled dedup and writes, the optimizer as torch operations."""
+    from keras_sparse.ops import native_optimizers
+
+    native_optimizers.FUSED_OPTIMIZERS = False
+    try:
+        yield
+    finally:
+        native_optimizers.FUSED_OPTIMIZERS = True
 
 
 def _optimizers():
@@ -123,7 +136,8 @@ def test_compiled_route_trains_to_the_bit_like_torch_operations(
     name, seed, n, num_rows, invalid_share
 ):
     _native()
-    compiled = _update(_optimizers()[name], seed, n, num_rows, invalid_share)
+    with _unfused_optimizers():  # their own test: tests/test_native_optimizers.py
+        compiled = _update(_optimizers()[name], seed, n, num_rows, invalid_share)
     with _torch_operations_route():
         reference = _update(_optimizers()[name], seed, n, num_rows, invalid_share)
     assert compiled.keys() == reference.keys()
@@ -188,7 +202,8 @@ def test_layers_train_to_the_bit_alike_with_and_without_the_helpers():
         model.fit(x, rng.normal(size=(64, 1)), batch_size=16, epochs=2, verbose=0)
         return [np.array(v) for v in model.layers[1].variables]
 
-    compiled = train()
+    with _unfused_optimizers():
+        compiled = train()
     with _torch_operations_route():
         reference = train()
     for got, want in zip(compiled, reference):
@@ -291,20 +306,23 @@ def test_a_slot_of_the_wrong_shape_raises_on_both_routes_and_corrupts_nothing():
         assert torch.equal(state["accumulator"], torch.ones(6, 3))
 
 
-def test_a_graph_that_saved_the_table_sees_the_update():
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_graph_that_saved_the_table_sees_the_update(fused):
     torch, _, updates = _modules()
     from keras_sparse import optimizers
 
     _native()
+    route = contextlib.nullcontext() if fused else _unfused_optimizers()
     table = torch.zeros(5, 2, requires_grad=True)
     state = {"table": table.detach(), "accumulator": torch.ones(5, 2)}
     x = torch.ones(3, 2, requires_grad=True)
     y = x @ state["table"].T  # saves the table for x's gradient
-    updates.apply_row_updates(
-        state, torch.zeros(6, dtype=torch.int32), optimizers.Adagrad(0.1),
-        torch.tensor([0, 3]), torch.ones(2, dtype=torch.bool), torch.ones(2, 2),
-        torch.tensor(0), None, None,
-    )  # fmt: skip
+    with route:
+        updates.apply_row_updates(
+            state, torch.zeros(6, dtype=torch.int32), optimizers.Adagrad(0.1),
+            torch.tensor([0, 3]), torch.ones(2, dtype=torch.bool), torch.ones(2, 2),
+            torch.tensor(0), None, None,
+        )  # fmt: skip
     with pytest.raises(RuntimeError, match="inplace"):
         y.sum().backward()
 

@@ -32,7 +32,8 @@ from keras_sparse.kernel_sources import kernel_source
 SOURCE = "cpu_rows.c"
 # No -march=native: a cache shared by machines of different CPUs stays safe.
 # No contraction of a * b + c into one rounding: results equal torch's.
-FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared")
+# No errno from sqrt (its results are the same): its loops vectorize.
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 _LOCK = threading.Lock()
 _STATE = {}
 
@@ -48,6 +49,15 @@ class NativeRows:
         self._scatter_rows = lib.ks_scatter_rows_f32
         self._scatter_rows.restype = None
         self._scatter_rows.argtypes = [ptr, ptr, ptr, i64, i64]
+        f32 = ctypes.c_float
+        self._optimizer_rows = {
+            "sgd": (lib.ks_sgd_rows_f32, 1, [f32]),
+            "adagrad": (lib.ks_adagrad_rows_f32, 2, [f32, f32]),
+            "adam": (lib.ks_adam_rows_f32, 3, [f32] * 4),
+        }
+        for function, arrays, scalars in self._optimizer_rows.values():
+            function.restype = None
+            function.argtypes = [ptr] * (arrays + 2) + [i64, i64] + scalars
 
     def distinct_sum(self, ids, valid, grads, scratch, rows, bag=1, unique=None):
         """``count``: writes the distinct valid ids (ordered by their last
@@ -127,6 +137,38 @@ class NativeRows:
         self._scatter_rows(
             dst.ctypes.data, rows.ctypes.data, src.ctypes.data, rows.shape[0],
             dst.shape[1],
+        )  # fmt: skip
+
+    def optimizer_rows(self, rule, arrays, rows, grads, scalars):
+        """Applies the optimizer ``rule`` ("sgd", "adagrad" or "adam", see
+        `kernels/cpu_rows.c`) in place to ``rows`` (distinct int64, in
+        range) of ``arrays`` (the table, then the rule's slots: C-contiguous
+        float32 ``[num_rows, dim]``) from ``grads`` (``[len(rows), dim]``
+        float32), with the rule's float ``scalars``."""
+        function, count, names = self._optimizer_rows[rule]
+        grads = np.ascontiguousarray(grads)
+        rows = np.ascontiguousarray(rows)
+        shape = arrays[0].shape
+        if (
+            len(arrays) != count
+            or len(scalars) != len(names)
+            or any(
+                a.dtype != np.float32 or a.shape != shape or not a.flags.c_contiguous
+                for a in arrays
+            )
+            or len(shape) != 2
+            or rows.dtype != np.int64
+            or grads.dtype != np.float32
+            or grads.shape != (rows.shape[0], shape[1])
+        ):
+            raise ValueError(
+                f"optimizer_rows {rule!r}: {len(arrays)} arrays of "
+                f"{[(a.shape, a.dtype) for a in arrays]}, {rows.shape} rows, "
+                f"gradients {grads.shape} ({grads.dtype}) do not fit."
+            )
+        function(
+            *(a.ctypes.data for a in arrays), rows.ctypes.data, grads.ctypes.data,
+            rows.shape[0], shape[1], *scalars,
         )  # fmt: skip
 
 

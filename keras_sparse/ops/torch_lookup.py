@@ -7,13 +7,19 @@ Inside a DistributedDataParallel forward every process applies the update
 of the global batch (see `keras_sparse.ops.torch_distributed`).
 """
 
+import concurrent.futures
+
 import torch
 
 from keras_sparse.ops import torch_distributed
 from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.torch_row_updates import apply_row_updates
+from keras_sparse.ops.torch_row_updates import compiled_route
 from keras_sparse.ops.torch_row_updates import scratch_for
 
+#: Whether a stack's tables update side by side on a CPU (`_update_tables`).
+PARALLEL_TABLES = True
+_POOL = {}
 # Scales a layer's row-regularizer penalty (see `torch_distributed.replica_count`).
 replica_count = torch_distributed.replica_count
 # Refuses, before any state changes, what replicas cannot train exactly.
@@ -36,10 +42,13 @@ def _scratch(context):
 
 def _update_rows(context, scratch, first, end, ids, valid, grads, segments=None, bag=1):
     """The sparse update of rows ``[first, end)`` of the state (a table of a
-    stack, or the whole table) from ``ids`` relative to ``first``."""
+    stack, or the whole table) from ``ids`` relative to ``first``.
+
+    Uses only the scratch entries of those rows (and the one after), so the
+    tables of a stack may update at the same time (`_update_tables`)."""
     apply_row_updates(
         {name: tensor[first:end] for name, tensor in context["state"].items()},
-        scratch,
+        scratch[first:],
         context["optimizer"],
         ids,
         valid,
@@ -65,10 +74,63 @@ def _apply_update(context, ids, valid, grads):
             parts = [(ids, valid, grads, 0, rows)]
         else:
             parts = blocks.split(ids, valid, grads)
-        for part_ids, part_valid, part_grads, first, end in parts:
-            _update_rows(
-                context, scratch, first, end, part_ids, part_valid, part_grads, segments
-            )
+        _update_tables(
+            [
+                (
+                    context,
+                    scratch,
+                    first,
+                    end,
+                    part_ids,
+                    part_valid,
+                    part_grads,
+                    segments,
+                )
+                for part_ids, part_valid, part_grads, first, end in parts
+            ]
+        )
+
+
+def _update_tables(jobs):
+    """`_update_rows` of each job (``(context, scratch, first, end, ids,
+    valid, grads, segments, bag)``, disjoint row ranges of one state).
+
+    On a CPU the tables of a stack update side by side on torch's intra-op
+    threads: their compiled passes release the GIL, and each writes only
+    its own rows and scratch entries. The result is the same bits as one
+    after another; an error of any table is raised after all have run.
+    """
+    workers = min(len(jobs), torch.get_num_threads())
+    table = jobs[0][0]["state"]["table"]
+    if (
+        workers < 2
+        or not PARALLEL_TABLES
+        # The torch route's dedup also writes the entry after its rows,
+        # the next table's first: only the compiled route runs side by side.
+        or any(compiled_route(table, job[6], job[7]) is None for job in jobs)
+    ):
+        for job in jobs:
+            _update_rows(*job)
+        return
+    futures = [_pool(workers).submit(_update_rows_no_grad, *job) for job in jobs]
+    concurrent.futures.wait(futures)
+    for future in futures:
+        future.result()
+
+
+def _update_rows_no_grad(*job):
+    with torch.no_grad():  # grad mode is per thread
+        _update_rows(*job)
+
+
+def _pool(workers):
+    """A process-wide thread pool of ``workers`` threads (made on demand)."""
+    pool = _POOL.get(workers)
+    if pool is None:
+        pool = _POOL[workers] = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="keras_sparse_rows"
+        )
+    return pool
 
 
 class _SparseLookup(torch.autograd.Function):
@@ -113,15 +175,26 @@ class _SparseBagSums(torch.autograd.Function):
         ranges = context["row_ranges"] or [(0, context["state"]["table"].shape[0])]
         with torch.no_grad():
             scratch = _scratch(context)
-            start = 0
+            start, jobs = 0, []
             for bag, (first, end) in zip(bags, ranges):
                 ids = bag.reshape(-1) - first if first else bag.reshape(-1)
                 every = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
                 grads = upstream[start : start + bag.shape[0]]
-                _update_rows(
-                    context, scratch, first, end, ids, every, grads, bag=bag.shape[1]
+                jobs.append(
+                    (
+                        context,
+                        scratch,
+                        first,
+                        end,
+                        ids,
+                        every,
+                        grads,
+                        None,
+                        bag.shape[1],
+                    )
                 )
                 start += bag.shape[0]
+            _update_tables(jobs)
         return (torch.zeros_like(anchor), None) + (None,) * len(bags)
 
 

@@ -19,6 +19,7 @@ needs no clearing and its contents between steps do not matter.
 
 import torch
 
+from keras_sparse.ops import native_optimizers
 from keras_sparse.ops import native_rows
 
 
@@ -85,9 +86,7 @@ def apply_row_updates(
     num_rows = table.shape[0]
     if ids.shape[0] == 0:
         return
-    native = None
-    if segments is None and _usable(table, grads):
-        native = native_rows.library()
+    native = compiled_route(table, grads, segments)
     if native is not None:
         # One compiled pass: same distinct rows, same sums, to the bit.
         count, unique, summed = native.distinct_sum(
@@ -95,6 +94,11 @@ def apply_row_updates(
             num_rows, bag=bag,
         )  # fmt: skip
         if count == 0:
+            return
+        if native_optimizers.fused_update(
+            native, optimizer, state, unique[:count], summed[:count], iterations,
+            constraint,
+        ):  # fmt: skip
             return
         unique = torch.from_numpy(unique[:count])
         summed = torch.from_numpy(summed[:count])
@@ -121,6 +125,15 @@ def apply_row_updates(
             tensor[:0].zero_()
         else:
             tensor.index_copy_(0, unique, values)
+
+
+def compiled_route(table, grads, segments=None):
+    """The compiled helpers where `apply_row_updates` uses them for this
+    table (which then reads only scratch entries below its row count); else
+    None."""
+    if segments is None and _usable(table, grads):
+        return native_rows.library()
+    return None
 
 
 def _usable(*tensors):

@@ -43,12 +43,15 @@ class Adam(SparseOptimizer):
         v = v + (ops.square(grads) - v) * (1 - self.beta_2)
         return {"momentum": m, "velocity": v}
 
-    def rows_from_slots(self, rows, new_slots, grads, lr, iterations):
-        dtype = rows.dtype
+    def step_size(self, lr, iterations, dtype):
+        """The bias-corrected learning rate of update ``iterations + 1``."""
         local_step = ops.cast(iterations + 1, dtype)
         beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
         beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
-        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        return lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+    def rows_from_slots(self, rows, new_slots, grads, lr, iterations):
+        alpha = self.step_size(lr, iterations, rows.dtype)
         m, v = new_slots["momentum"], new_slots["velocity"]
         return rows - (m * alpha) / (ops.sqrt(v) + self.epsilon)
 
