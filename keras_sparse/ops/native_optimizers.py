@@ -16,34 +16,11 @@ benchmarks compare the two).
 
 import numpy as np
 
-from keras_sparse.optimizers import SGD
-from keras_sparse.optimizers import Adagrad
-from keras_sparse.optimizers import Adam
+from keras_sparse.ops.optimizer_rules import rule_of
+from keras_sparse.ops.optimizer_rules import rule_scalars
 
 #: Read at every update: False sends every optimizer down the torch route.
 FUSED_OPTIMIZERS = True
-
-
-def _scalars(optimizer, iterations, dtype):
-    """``(rule, slot names, float scalars)`` of ``optimizer``'s compiled
-    update at ``iterations``, or None where it has none."""
-    kind = type(optimizer)
-    if kind not in (SGD, Adagrad, Adam):
-        return None
-    # The torch route's learning rate: a float32 scalar tensor, read here
-    # (a free read on a CPU) and passed on as that same float32.
-    lr = optimizer.current_learning_rate(iterations, dtype)
-    if kind is SGD:
-        return "sgd", (), (float(lr),)
-    if kind is Adagrad:
-        return "adagrad", ("accumulator",), (float(lr), optimizer.epsilon)
-    alpha = optimizer.step_size(lr, iterations, dtype)
-    keep_1, keep_2 = 1 - optimizer.beta_1, 1 - optimizer.beta_2
-    return (
-        "adam",
-        ("momentum", "velocity"),
-        (keep_1, keep_2, float(alpha), optimizer.epsilon),
-    )
 
 
 def fused_update(native, optimizer, state, unique, summed, iterations, constraint):
@@ -57,10 +34,10 @@ def fused_update(native, optimizer, state, unique, summed, iterations, constrain
     if not FUSED_OPTIMIZERS or constraint is not None:
         return False
     table = state["table"]
-    found = _scalars(optimizer, iterations, table.dtype)
+    found = rule_of(optimizer)
     if found is None:
         return False
-    rule, slot_names, scalars = found
+    rule, slot_names = found
     if set(state) != {"table", *slot_names}:
         return False
     tensors = [table, *(state[name] for name in slot_names)]
@@ -77,6 +54,9 @@ def fused_update(native, optimizer, state, unique, summed, iterations, constrain
     ):
         return False
     arrays = [t.detach().numpy() for t in tensors]
+    # The torch route's float32 scalars, read here (free on a CPU) and
+    # passed on as the same float32 values.
+    scalars = [float(x) for x in rule_scalars(optimizer, iterations, table.dtype)]
     native.optimizer_rows(rule, arrays, unique, np.asarray(summed), scalars)
     for tensor in tensors:
         # Writes through NumPy bypass autograd's version counter; a graph

@@ -14,20 +14,12 @@ operations; `status()` says which and why.
 """
 
 import ctypes
-import hashlib
-import os
-import pathlib
-import platform
-import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 
 import numpy as np
 
 from keras_sparse.kernel_sources import kernel_source
+from keras_sparse.ops import native_build
 
 SOURCE = "cpu_rows.c"
 # No -march=native: a cache shared by machines of different CPUs stays safe.
@@ -189,12 +181,15 @@ def status():
 def compiled_cpu_helpers():
     """Whether the compiled CPU helpers of the sparse update are in use.
 
-    PyTorch's sparse update on a CPU finds a batch's distinct ids, sums
-    their gradients and writes the new rows back with a small C library,
-    built on first use with the system C compiler and cached per user;
-    without one it runs the same arithmetic as torch operations (the same
-    bits, about half the speed). Returns ``"on: <library path>"`` or
-    ``"off: <reason>"``, building the library first if needed.
+    On a CPU the PyTorch and TensorFlow backends run the sparse update of
+    a table as compiled code, built on first use with the system compiler
+    and cached per user: PyTorch calls a small C library (the dedup, the
+    gradient sums, and SGD, Adagrad and Adam on the rows), TensorFlow one
+    op of its own (the same C code, built against the installed
+    TensorFlow). Without a compiler both run the same arithmetic as their
+    own operations, about half as fast. Returns ``"on: <library path>"``
+    or ``"off: <reason>"`` for the current backend, building first if
+    needed (JAX compiles its update with XLA: always "off").
 
     Example:
 
@@ -202,70 +197,25 @@ def compiled_cpu_helpers():
     >>> ks.compiled_cpu_helpers().split(":")[0] in ("on", "off")
     True
     """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from keras_sparse.ops import tf_native_rows
+
+        return tf_native_rows.status()
+    if backend != "torch":
+        return f"off: the {backend} backend compiles its update itself"
     return status()
 
 
-def _cache_dir():
-    if os.environ.get("KERAS_SPARSE_CACHE"):
-        return pathlib.Path(os.environ["KERAS_SPARSE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(base) / "keras_sparse"
-
-
 def _load():
-    if os.environ.get("KERAS_SPARSE_NATIVE", "1") == "0":
-        return None, "off: KERAS_SPARSE_NATIVE=0"
-    if not sys.platform.startswith(("linux", "darwin")):
-        return None, f"off: no build recipe for platform {sys.platform!r}"
-    command = shlex.split(os.environ.get("CC") or "cc")
-    compiler = shutil.which(command[0]) if command else None
-    if compiler is None:
-        return None, "off: no C compiler found ($CC or cc)"
-    try:
-        source = kernel_source(SOURCE)
-        key = hashlib.sha256(
-            "\0".join(
-                [source, *command, platform.machine(), *platform.libc_ver(), *FLAGS]
-            ).encode()
-        ).hexdigest()[:16]
-        folder = _cache_dir()
-        _check_private(folder)
-        path = folder / f"cpu_rows-{key}.so"
-        if not path.is_file():
-            _build([compiler, *command[1:]], source, path)
-        return NativeRows(ctypes.CDLL(str(path))), f"on: {path}"
-    except Exception as error:  # any failure: the torch route runs instead
-        return None, f"off: building or loading the helpers failed: {error}"
-
-
-def _check_private(folder):
-    """Refuses a cache folder that others may write to: its library is
-    loaded into this process."""
-    if not folder.exists() or not hasattr(os, "getuid"):
-        return
-    info = folder.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o002:
-        raise PermissionError(
-            f"{folder} is not private to this user (owner {info.st_uid}, mode "
-            f"{oct(info.st_mode & 0o777)}); set KERAS_SPARSE_CACHE to a "
-            "folder of your own."
-        )
-
-
-def _build(command, source, path):
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # Built beside its final name and renamed: processes that build at the
-    # same time (one per replica) never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=path.parent) as work:
-        c_file = pathlib.Path(work) / SOURCE
-        c_file.write_text(source)
-        built = pathlib.Path(work) / path.name
-        result = subprocess.run(
-            [*command, *FLAGS, str(c_file), "-o", str(built)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if result.returncode != 0:
-            raise subprocess.SubprocessError(result.stderr.strip()[-2000:])
-        os.replace(built, path)
+    return native_build.build_library(
+        "cpu_rows",
+        lambda: {SOURCE: kernel_source(SOURCE)},
+        SOURCE,
+        "CC",
+        "cc",
+        FLAGS,
+        lambda path: NativeRows(ctypes.CDLL(str(path))),
+    )

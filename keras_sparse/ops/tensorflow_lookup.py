@@ -10,6 +10,7 @@ every replica applies the update of the global batch (see
 
 import tensorflow as tf
 
+from keras_sparse.ops import tf_native_rows
 from keras_sparse.ops import tf_replicas
 from keras_sparse.ops import tf_row_updates
 from keras_sparse.ops.row_updates import TableBlocks
@@ -154,10 +155,18 @@ def lookup_with_sparse_update(
                 else:
                     parts = blocks.split(step_ids, step_valid, grads)
                 writes = []
-                for part_ids, part_valid, part_grads, first, _ in parts:
-                    writes += tf_row_updates.apply_row_updates(
-                        state, optimizer, part_ids + first, part_valid,
-                        part_grads, iterations, num_rows, constraint, segments,
+                for part_ids, part_valid, part_grads, first, end in parts:
+                    fused = None
+                    if replicas is None and segments is None:
+                        fused = tf_native_rows.fused_update(
+                            state, optimizer, part_ids, part_valid, part_grads,
+                            iterations, first, end - first, constraint,
+                        )  # fmt: skip
+                    writes += [fused] if fused is not None else (
+                        tf_row_updates.apply_row_updates(
+                            state, optimizer, part_ids + first, part_valid,
+                            part_grads, iterations, num_rows, constraint, segments,
+                        )
                     )  # fmt: skip
                 indices = tf.zeros((1,), tf.int32)
             # Grappler prunes control-only dependencies here, so the zero

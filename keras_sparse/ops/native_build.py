@@ -1,0 +1,91 @@
+"""Builds a compiled helper on first use and caches it per user.
+
+The sources are compiled by the system compiler into
+``$KERAS_SPARSE_CACHE`` (else ``$XDG_CACHE_HOME/keras_sparse`` or
+``~/.cache/keras_sparse``), under a name keyed by the sources, the
+compiler, the flags and the platform: no build step at install time, and
+no compiler at run time once built. Any failure leaves the caller on its
+pure-Python route, with the reason in words.
+"""
+
+import hashlib
+import os
+import pathlib
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+
+def build_library(name, sources, main, compiler_env, compiler, flags, load):
+    """``(loaded, status)``: ``load(path)`` of the library built from
+    ``sources()`` (``{file name: text}``; ``main`` is compiled, the others
+    are there to include) with ``$compiler_env`` (else ``compiler``) and
+    ``flags``; or ``(None, "off: <reason>")``. ``status`` is
+    ``"on: <path>"`` when loaded."""
+    if os.environ.get("KERAS_SPARSE_NATIVE", "1") == "0":
+        return None, "off: KERAS_SPARSE_NATIVE=0"
+    if not sys.platform.startswith(("linux", "darwin")):
+        return None, f"off: no build recipe for platform {sys.platform!r}"
+    command = shlex.split(os.environ.get(compiler_env) or compiler)
+    found = shutil.which(command[0]) if command else None
+    if found is None:
+        return None, f"off: no C compiler found (${compiler_env} or {compiler})"
+    try:
+        texts = sources()
+        key = hashlib.sha256(
+            "\0".join(
+                [*texts, *texts.values(), *command, platform.machine(),
+                 *platform.libc_ver(), *flags]
+            ).encode()
+        ).hexdigest()[:16]  # fmt: skip
+        folder = cache_dir()
+        check_private(folder)
+        path = folder / f"{name}-{key}.so"
+        if not path.is_file():
+            _build([found, *command[1:]], texts, main, flags, path)
+        return load(path), f"on: {path}"
+    except Exception as error:  # any failure: the caller's other route runs
+        return None, f"off: building or loading the helpers failed: {error}"
+
+
+def cache_dir():
+    if os.environ.get("KERAS_SPARSE_CACHE"):
+        return pathlib.Path(os.environ["KERAS_SPARSE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "keras_sparse"
+
+
+def check_private(folder):
+    """Refuses a cache folder that others may write to: its library is
+    loaded into this process."""
+    if not folder.exists() or not hasattr(os, "getuid"):
+        return
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o002:
+        raise PermissionError(
+            f"{folder} is not private to this user (owner {info.st_uid}, mode "
+            f"{oct(info.st_mode & 0o777)}); set KERAS_SPARSE_CACHE to a "
+            "folder of your own."
+        )
+
+
+def _build(command, texts, main, flags, path):
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Built beside its final name and renamed: processes that build at the
+    # same time (one per replica) never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=path.parent) as work:
+        for file_name, text in texts.items():
+            (pathlib.Path(work) / file_name).write_text(text)
+        built = pathlib.Path(work) / path.name
+        result = subprocess.run(
+            [*command, str(pathlib.Path(work) / main), "-o", str(built), *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise subprocess.SubprocessError(result.stderr.strip()[-2000:])
+        os.replace(built, path)

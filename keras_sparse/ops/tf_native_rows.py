@@ -1,0 +1,97 @@
+"""TensorFlow on a CPU: the sparse row update of SGD, Adagrad and Adam as one op.
+
+Outside XLA the graph route (`keras_sparse.ops.tf_row_updates`) runs a
+dozen operations per table and step, two of them gathers and two scatters
+that each fetch every touched row from memory. `kernels/tf_rows_op.cc`
+does the same update in one op: the dedup and gradient sums of
+`kernels/cpu_rows.c`, then one read and one write of each touched row of
+the table and its slots. It is compiled on first use against the
+installed TensorFlow (``$CXX``, else ``c++``; about 15 s, cached per user
+like `keras_sparse.ops.native_rows`). Without a compiler, or with
+``KERAS_SPARSE_NATIVE=0``, the graph route runs; `status()` says which.
+
+Its arithmetic is the optimizer's, operation for operation, with a
+correctly rounded square root; TensorFlow's own ops may round an ulp
+differently (tests/test_tf_native_rows.py).
+"""
+
+import threading
+
+import tensorflow as tf
+
+from keras_sparse.kernel_sources import kernel_source
+from keras_sparse.ops import native_build
+from keras_sparse.ops.optimizer_rules import rule_of
+from keras_sparse.ops.optimizer_rules import rule_scalars
+
+SOURCE = "tf_rows_op.cc"
+#: Read when a step is traced: False sends every update down the graph route.
+FUSED_OPTIMIZERS = True
+_LOCK = threading.Lock()
+_STATE = {}
+
+
+def _flags():
+    # As cpu_rows.c: no contraction into fused multiply-adds, no -march.
+    return (
+        "-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-w",
+        *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(),
+    )  # fmt: skip
+
+
+def library():
+    """The loaded op module (``tf.load_op_library``), built once; or None."""
+    with _LOCK:
+        if "library" not in _STATE:
+            _STATE["library"], _STATE["status"] = native_build.build_library(
+                "tf_rows_op",
+                lambda: {SOURCE: kernel_source(SOURCE)},
+                SOURCE,
+                "CXX",
+                "c++",
+                _flags(),
+                lambda path: tf.load_op_library(str(path)),
+            )
+        return _STATE["library"]
+
+
+def status():
+    """Why `library()` is what it is, in words (builds it first if needed)."""
+    library()
+    return _STATE["status"]
+
+
+def fused_update(
+    state, optimizer, ids, valid, grads, iterations, first, rows, constraint
+):
+    """The update of rows ``[first, first + rows)`` of ``state``
+    (``{"table": tf.Variable, slot: tf.Variable}``) from ``ids`` (int32,
+    relative to ``first``), ``valid`` and per-position ``grads``, as one
+    op. Returns its output, the number of rows updated (eagerly: after
+    the update); or None, having run nothing, where the optimizer, the
+    constraint, the dtypes or the build do not suit it, and the caller
+    runs the graph route. An id outside ``[0, rows)`` raises, changing
+    no row.
+    """
+    found = rule_of(optimizer)
+    if not FUSED_OPTIMIZERS or constraint is not None or found is None:
+        return None
+    rule, slot_names = found
+    variables = [state["table"], *(state.get(name) for name in slot_names)]
+    if set(state) != {"table", *slot_names} or any(
+        v.dtype != tf.float32
+        or len(v.shape) != 2
+        or tf.DeviceSpec.from_string(v.device).device_type not in (None, "CPU")
+        for v in variables
+    ):
+        return None
+    if grads.dtype != tf.float32 or library() is None:
+        return None
+    scalars = tf.stack(
+        [tf.cast(x, tf.float32) for x in rule_scalars(optimizer, iterations, "float32")]
+    )
+    return library().keras_sparse_row_update(
+        [v.handle for v in variables], tf.cast(ids, tf.int32),
+        tf.cast(valid, tf.bool), grads, scalars, rule=rule, first=int(first),
+        rows=int(rows),
+    )  # fmt: skip

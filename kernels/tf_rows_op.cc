@@ -1,0 +1,162 @@
+/* A TensorFlow CPU op: the sparse row update of a table and its optimizer
+ * slots, in place, in one pass (keras_sparse.ops.tf_native_rows).
+ *
+ * The graph route runs a dozen TensorFlow operations per table (unique,
+ * segment sum, two gathers, the optimizer, two scatters), each a pass over
+ * the batch and, for the gathers and scatters, a random access to every
+ * touched row. This op dedups with the compiled helpers of cpu_rows.c and
+ * updates each distinct row with one read and one write of each array.
+ * Built on first use against the installed TensorFlow's headers.
+ */
+#define EIGEN_USE_THREADS
+
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+
+extern "C" {
+#include "cpu_rows.c"
+}
+
+namespace {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+REGISTER_OP("KerasSparseRowUpdate")
+    .Input("variables: N * resource")
+    .Input("ids: int32")
+    .Input("valid: bool")
+    .Input("grads: float")
+    .Input("scalars: float")
+    .Attr("N: int >= 1")
+    .Attr("rule: {'sgd', 'adagrad', 'adam'}")
+    .Attr("first: int >= 0")
+    .Attr("rows: int >= 1")
+    .Output("updated: int64")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+
+class KerasSparseRowUpdateOp : public OpKernel {
+ public:
+  explicit KerasSparseRowUpdateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n_vars_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
+    const int wanted = rule_ == "sgd" ? 1 : rule_ == "adagrad" ? 2 : 3;
+    OP_REQUIRES(ctx, n_vars_ == wanted,
+                absl::InvalidArgumentError("KerasSparseRowUpdate: rule " +
+                                           rule_ + " takes " +
+                                           std::to_string(wanted) +
+                                           " variables"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(n_vars_);
+    const Tensor& valid = ctx->input(n_vars_ + 1);
+    const Tensor& grads = ctx->input(n_vars_ + 2);
+    const Tensor& scalars = ctx->input(n_vars_ + 3);
+    const int64_t n = ids.NumElements();
+    OP_REQUIRES(
+        ctx,
+        ids.dims() == 1 && valid.shape() == ids.shape() && grads.dims() == 2 &&
+            grads.dim_size(0) == n && n < (int64_t{1} << 31),
+        absl::InvalidArgumentError(
+            "KerasSparseRowUpdate: ids [n], valid [n] and grads [n, dim] do "
+            "not fit: " + ids.shape().DebugString() + ", " +
+            valid.shape().DebugString() + ", " + grads.shape().DebugString()));
+    const int64_t dim = grads.dim_size(1);
+    const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adagrad" ? 2 : 4;
+    OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
+                absl::InvalidArgumentError("KerasSparseRowUpdate: scalars"));
+
+    // The number of distinct rows updated: an output, so that callers see
+    // the op ran in eager mode too (an op without outputs returns None).
+    Tensor* updated = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &updated));
+    updated->scalar<int64_t>()() = 0;
+
+    std::vector<int> inputs(n_vars_);
+    std::iota(inputs.begin(), inputs.end(), 0);
+    // Exclusive locks in address order; sparse access copies a variable
+    // first only where a dense read still holds its buffer.
+    auto locks = tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+        ctx, /*do_lock=*/true, /*sparse=*/true, inputs);
+    std::vector<float*> arrays;
+    for (int i = 0; i < n_vars_; ++i) {
+      Tensor var;
+      OP_REQUIRES_OK(ctx, tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
+                              ctx, i, /*lock_held=*/true, /*sparse=*/true, &var));
+      OP_REQUIRES(
+          ctx,
+          var.dtype() == tensorflow::DT_FLOAT && var.dims() == 2 &&
+              var.dim_size(1) == dim && var.dim_size(0) >= first_ + rows_,
+          absl::InvalidArgumentError(
+              "KerasSparseRowUpdate: variable " + std::to_string(i) + " " +
+              var.shape().DebugString() + " does not hold rows [" +
+              std::to_string(first_) + ", " + std::to_string(first_ + rows_) +
+              ") of width " + std::to_string(dim)));
+      arrays.push_back(var.flat<float>().data() + first_ * dim);
+    }
+    if (n == 0) return;
+
+    Tensor scratch, wide_ids, unique, summed;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT32,
+                                           TensorShape({rows_}), &scratch));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
+                                           TensorShape({n}), &wide_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
+                                           TensorShape({n}), &unique));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT,
+                                           TensorShape({n, dim}), &summed));
+    const int32_t* narrow = ids.flat<int32_t>().data();
+    int64_t* wide = wide_ids.flat<int64_t>().data();
+    for (int64_t p = 0; p < n; ++p) wide[p] = narrow[p];
+    const int64_t count = ks_distinct_sum_f32(
+        wide, reinterpret_cast<const uint8_t*>(valid.flat<bool>().data()), n,
+        rows_, grads.flat<float>().data(), 1, dim,
+        scratch.flat<int32_t>().data(), unique.flat<int64_t>().data(),
+        summed.flat<float>().data());
+    OP_REQUIRES(ctx, count >= 0,
+                absl::InvalidArgumentError(
+                    "KerasSparseRowUpdate: id " +
+                    std::to_string(wide[-1 - count]) + " at position " +
+                    std::to_string(-1 - count) + " is outside the table's rows [0, " +
+                    std::to_string(rows_) + ")"));
+    updated->scalar<int64_t>()() = count;
+    const float* s = scalars.flat<float>().data();
+    const int64_t* rows = unique.flat<int64_t>().data();
+    const float* g = summed.flat<float>().data();
+    if (rule_ == "sgd") {
+      ks_sgd_rows_f32(arrays[0], rows, g, count, dim, s[0]);
+    } else if (rule_ == "adagrad") {
+      ks_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0], s[1]);
+    } else {
+      ks_adam_rows_f32(arrays[0], arrays[1], arrays[2], rows, g, count, dim,
+                       s[0], s[1], s[2], s[3]);
+    }
+  }
+
+ private:
+  int n_vars_;
+  std::string rule_;
+  int64_t first_;
+  int64_t rows_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("KerasSparseRowUpdate").Device(DEVICE_CPU),
+                        KerasSparseRowUpdateOp);
+
+}  // namespace

@@ -1,0 +1,111 @@
+"""Shared by the tests of the compiled row updates (PyTorch helpers and the
+TensorFlow op): the optimizers they run, NumPy float32 models of them, and
+a small two-table model to train on either route."""
+
+import keras
+import numpy as np
+
+F = np.float32
+NAMES = ("sgd", "sgd_schedule", "adagrad", "adam")
+
+
+def optimizer(name):
+    from keras_sparse import optimizers
+
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.2, 2, 0.5)
+    return {
+        "sgd": optimizers.SGD(0.3),
+        "sgd_schedule": optimizers.SGD(schedule),
+        "adagrad": optimizers.Adagrad(0.1, epsilon=1e-3),
+        "adam": optimizers.Adam(0.05, beta_1=0.8, beta_2=0.9, epsilon=1e-4),
+    }[name]
+
+
+def random_state(opt, rng, num_rows, dim):
+    """``(table, slots)``: float32 arrays, slots above their initial value."""
+    table = rng.normal(size=(num_rows, dim)).astype(F)
+    slots = {
+        spec.name: (spec.initial_value + rng.uniform(0, 1, (num_rows, dim))).astype(F)
+        for spec in opt.slot_specs()
+    }
+    return table, slots
+
+
+def numpy_update(name, opt, table, slots, ids, valid, grads, iterations, first=0):
+    """The optimizer's update in NumPy float32 (a correctly rounded sqrt),
+    one distinct row (``first + id``) at a time; returns the new state."""
+    table = table.copy()
+    slots = {k: v.copy() for k, v in slots.items()}
+    lr = F(float(opt.current_learning_rate(iterations)))
+    for key in dict.fromkeys(ids[valid].tolist()):
+        g = np.zeros(table.shape[1], F)
+        for p in np.flatnonzero(valid & (ids == key)):
+            g = g + grads[p]
+        row = first + key
+        if name.startswith("sgd"):
+            table[row] = table[row] - lr * g
+        elif name == "adagrad":
+            acc = slots["accumulator"][row] + g * g
+            slots["accumulator"][row] = acc
+            table[row] = table[row] - lr * g / np.sqrt(acc + F(opt.epsilon))
+        else:
+            alpha = F(float(opt.step_size(lr, iterations, "float32")))
+            m, v = slots["momentum"][row], slots["velocity"][row]
+            m = m + (g - m) * F(1 - opt.beta_1)
+            v = v + (g * g - v) * F(1 - opt.beta_2)
+            slots["momentum"][row], slots["velocity"][row] = m, v
+            table[row] = table[row] - (m * alpha) / (np.sqrt(v) + F(opt.epsilon))
+    return {"table": table, **slots}
+
+
+def train(form, name, eager=False):
+    """Trains two tables (separate layers or one collection) of optimizer
+    ``name`` for 8 steps; returns every weight of the model."""
+    import keras_sparse as ks
+
+    keras.utils.set_random_seed(3)
+    inputs = {n: keras.Input((4,), dtype="int32", name=n) for n in ("a", "b")}
+    if form == "layers":
+        parts = [
+            ks.AllToAllDenseEmbedding(
+                50, 6, combiner="sum", optimizer=optimizer(name), name=f"t_{n}"
+            )(x)
+            for n, x in inputs.items()
+        ]
+    else:
+        collection = ks.EmbeddingCollection(
+            {n: ks.TableConfig(50 + 7 * i, 6, combiner="sum")
+             for i, n in enumerate(inputs)},
+            optimizer=optimizer(name),
+        )  # fmt: skip
+        outputs = collection(inputs)
+        parts = [outputs[n] for n in inputs]
+    pooled = keras.layers.Concatenate()(parts)
+    model = keras.Model(inputs, keras.layers.Dense(1)(pooled))
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=eager)
+    rng = np.random.default_rng(0)
+    x = {n: rng.integers(0, 50, (64, 4)).astype("int32") for n in inputs}
+    model.fit(x, rng.normal(size=(64, 1)), batch_size=16, epochs=2, verbose=0)
+    return [np.array(v) for v in model.weights]
+
+
+def route_cases():
+    """``(optimizer, constraint, compiled)``: what the compiled updates take
+    (exact built-in classes, no constraint) and what they leave to the
+    backend's own operations, with a batch that updates rows 0 and 2."""
+    from keras_sparse import optimizers
+
+    class ClippedAdagrad(optimizers.Adagrad):
+        def new_slots(self, rows, slots, grads, lr, iterations):
+            return super().new_slots(rows, slots, keras.ops.clip(grads, -1, 1), lr, 0)
+
+    rng = np.random.default_rng(0)
+    batch = (np.array([0, 2, 2]), np.ones(3, bool), rng.normal(size=(3, 4)).astype(F))
+    cases = [
+        (optimizers.Adagrad(0.1), None, True),
+        (ClippedAdagrad(0.1), None, False),
+        (optimizers.Adagrad(0.1), keras.constraints.MaxNorm(1.0), False),
+        (optimizers.RowWiseAdagrad(0.1), None, False),
+        (optimizers.Ftrl(0.1), None, False),
+    ]
+    return cases, batch
