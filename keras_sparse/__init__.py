@@ -21,8 +21,9 @@ Public API:
         Criteo-like data for examples and benchmarks.
     tune_cpu_allocator: keep freed memory for reuse (glibc), so JAX steps
         on a CPU stop page-faulting their temporary buffer in.
-    compiled_cpu_helpers: whether PyTorch's CPU update runs its compiled
-        helpers (built on first use) or torch operations, and why.
+    compiled_cpu_helpers: whether the PyTorch or TensorFlow CPU update runs
+        its compiled code (built on first use) or the backend's own
+        operations, and why.
     set_progress: whether long exports, imports, saves and loads of big hash
         tables show a progress bar (by default: in interactive sessions).
 
