@@ -11,11 +11,12 @@ when the switch changes speed only).
     python benchmarks/switch_ab.py --rows 1e6 --form layers \\
         --switch keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS
     python benchmarks/switch_ab.py --quick   # CI smoke run, tiny sizes
-    KERAS_BACKEND=torch python benchmarks/switch_ab.py --rows 1e6 \
+    KERAS_BACKEND=torch python benchmarks/switch_ab.py --rows 1e6 \\
         --switch keras_sparse.ops.native_optimizers.FUSED_OPTIMIZERS
 
-On JAX a switch is read when the step is traced; on PyTorch and TensorFlow
-(eager updates) at every call, so it is set again before each epoch.
+A switch read when the step is traced (JAX, TensorFlow graphs) takes each
+model's setting at its first fit; one read at every call (the PyTorch
+update) is set again before each epoch.
 """
 
 import argparse

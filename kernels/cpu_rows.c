@@ -70,8 +70,9 @@ void ks_scatter_rows_f32(float *dst, const int64_t *rows, const float *src,
 /* The optimizer updates below change rows[i] of the table and its slots in
  * place from grads[i] (summed gradients, one row per distinct row), for
  * i < count, rows distinct and in range. Each is the arithmetic of the
- * optimizer's torch route (keras_sparse.optimizers), operation for
- * operation, so both routes give the same bits. Rows ahead are prefetched:
+ * optimizer (keras_sparse.optimizers), operation for operation, with a
+ * correctly rounded square root (torch's and TensorFlow's vectorized ones
+ * may round an ulp apart). Rows ahead are prefetched:
  * a table far larger than the caches misses on nearly every row, and the
  * prefetches let those misses overlap. */
 #define KS_PREFETCH_ROW(ptr, i)                                               \

@@ -4,6 +4,7 @@ optimizer to the bit, within an ulp of the torch route (whose vectorized
 sqrt may round differently), and only where they apply."""
 
 import contextlib
+import os
 
 import keras
 import numpy as np
@@ -72,7 +73,14 @@ def test_fused_update_equals_numpy_and_the_torch_route(
     ids = rng.integers(0, num_rows, n)
     valid = rng.random(n) >= 0.2
     grads = rng.normal(size=(n, dim)).astype(F)
-    fused = _apply(optimizer, table, slots, ids, valid, grads, iterations)
+    _, native_optimizers, _ = _modules()
+    real, passes = native_optimizers.fused_update, []
+    native_optimizers.fused_update = lambda *a: passes.append(real(*a)) or passes[-1]
+    try:
+        fused = _apply(optimizer, table, slots, ids, valid, grads, iterations)
+    finally:
+        native_optimizers.fused_update = real
+    assert passes == ([True] if valid.any() else []), passes
     want = models.numpy_update(
         name, optimizer, table, slots, ids, valid, grads, iterations
     )
@@ -133,3 +141,34 @@ def test_models_train_alike_on_both_routes(form, monkeypatch):
             reference = models.train(form, name)
         for got, want in zip(fused, reference):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stacks_tables_update_side_by_side_to_the_same_bits(monkeypatch):
+    torch, _, _ = _modules()
+    from keras_sparse.ops import torch_lookup
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: the tables update one after another")
+    ran = []
+    real = torch_lookup._update_rows_no_grad
+    monkeypatch.setattr(
+        torch_lookup, "_update_rows_no_grad", lambda *job: ran.append(1) or real(*job)
+    )
+    side_by_side = models.train("collection", "adagrad")
+    assert ran  # the pool ran the tables
+    monkeypatch.setattr(torch_lookup, "PARALLEL_TABLES", False)
+    ran.clear()
+    one_by_one = models.train("collection", "adagrad")
+    assert not ran
+    for got, want in zip(side_by_side, one_by_one):
+        np.testing.assert_array_equal(got, want)
+    # A forked child gets pools of its own (the inherited ones have no
+    # threads and would never run its work).
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os._exit(0 if torch_lookup._pool(2).submit(int, 7).result(30) == 7 else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0

@@ -6,8 +6,15 @@ as a dozen eager operations and scatters every array back: each row of a
 large table is fetched from memory twice, and the eager operations cost
 more than the arithmetic. For the built-in optimizers without a constraint
 one C loop reads each row, updates it and writes it back instead
-(`kernels/cpu_rows.c`), with the torch route's operations in its order, so
-the two give the same bits (tests/test_native_rows.py).
+(`kernels/cpu_rows.c`), with the torch route's operations in its order and
+a correctly rounded square root: it equals a NumPy float32 model of the
+optimizer to the bit, and the torch route, whose vectorized square root may
+round an ulp away, to within an ulp (tests/test_native_optimizers.py). The
+input stage's segments replace the dedup only, so a batch takes this pass
+with or without the stage. Under DistributedDataParallel every process
+must take the same route (the same compiler available, or
+``KERAS_SPARSE_NATIVE=0`` everywhere), or the replicas' tables drift apart
+by ulps.
 
 Subclasses of these optimizers take the torch route: they may change the
 update. ``FUSED_OPTIMIZERS = False`` turns the compiled pass off (the

@@ -5,8 +5,10 @@
 ``$XDG_CACHE_HOME/keras_sparse`` or ``~/.cache/keras_sparse``) and loaded
 with ctypes: no build step at install time and no compiler at run time
 once built. Each helper does in one pass over a batch what takes several
-eager torch operations, with the same arithmetic in the same order, so the
-tables train to the same bits either way.
+eager torch operations. The dedup, the gradient sums and the row writes
+have the same arithmetic in the same order as those operations, to the
+bit; the optimizer passes (`keras_sparse.ops.native_optimizers`) may round
+a square root an ulp apart from torch's.
 
 Without a compiler, on an unsupported platform, or with
 ``KERAS_SPARSE_NATIVE=0``, `library()` is None and callers use torch

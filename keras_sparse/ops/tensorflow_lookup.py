@@ -97,6 +97,22 @@ def _static_shape_update(
     return writes, indices
 
 
+def _fused_update(
+    state, optimizer, ids, valid, grads, iterations, first, rows, constraint,
+    segments,
+):  # fmt: skip
+    """`tf_native_rows.fused_update`; with the input stage's ``segments``,
+    of the distinct ids they number (each once, so the op's own dedup
+    changes nothing), so that a batch trains alike with or without the
+    stage."""
+    if segments is not None:
+        ids, grads = tf_row_updates.distinct_sums(ids, valid, grads, rows, segments)
+        valid = tf.ones_like(ids, tf.bool)
+    return tf_native_rows.fused_update(
+        state, optimizer, ids, valid, grads, iterations, first, rows, constraint
+    )
+
+
 def lookup_with_sparse_update(
     table_var,
     slot_vars,
@@ -157,10 +173,10 @@ def lookup_with_sparse_update(
                 writes = []
                 for part_ids, part_valid, part_grads, first, end in parts:
                     fused = None
-                    if replicas is None and segments is None:
-                        fused = tf_native_rows.fused_update(
+                    if replicas is None:
+                        fused = _fused_update(
                             state, optimizer, part_ids, part_valid, part_grads,
-                            iterations, first, end - first, constraint,
+                            iterations, first, end - first, constraint, segments,
                         )  # fmt: skip
                     writes += [fused] if fused is not None else (
                         tf_row_updates.apply_row_updates(

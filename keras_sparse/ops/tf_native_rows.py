@@ -33,10 +33,20 @@ _STATE = {}
 
 def _flags():
     # As cpu_rows.c: no contraction into fused multiply-adds, no -march.
+    # The version define keys the cache: an upgraded TensorFlow gets a
+    # fresh build, not a library compiled against the old headers.
+    version = f"-DKS_TF_VERSION={tf.version.VERSION}-{tf.version.GIT_VERSION}"
     return (
         "-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-w",
-        *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(),
+        version, *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(),
     )  # fmt: skip
+
+
+def _local_cpu(device):
+    """Whether ``device`` is a CPU of this process (the op is loaded
+    here only, and built for CPUs)."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    return spec.device_type in (None, "CPU") and spec.job in (None, "localhost")
 
 
 def library():
@@ -79,9 +89,7 @@ def fused_update(
     rule, slot_names = found
     variables = [state["table"], *(state.get(name) for name in slot_names)]
     if set(state) != {"table", *slot_names} or any(
-        v.dtype != tf.float32
-        or len(v.shape) != 2
-        or tf.DeviceSpec.from_string(v.device).device_type not in (None, "CPU")
+        v.dtype != tf.float32 or len(v.shape) != 2 or not _local_cpu(v.device)
         for v in variables
     ):
         return None

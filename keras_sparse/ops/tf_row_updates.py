@@ -37,19 +37,7 @@ def apply_row_updates(
     Returns:
         The list of write operations.
     """
-    keys = tf.where(valid, ids, num_rows)
-    if segments is None:
-        unique, inverse = tf.unique(keys, out_idx=tf.int32)
-    else:
-        inverse = tf.cast(segments, tf.int32)
-        count = tf.reduce_max(tf.concat([inverse, [-1]], 0)) + 1  # 0 if empty
-        unique = tf.tensor_scatter_nd_update(
-            tf.fill([count], num_rows), inverse[:, None], keys
-        )
-    summed = tf.math.unsorted_segment_sum(grads, inverse, tf.size(unique))
-    real = unique < num_rows
-    unique = tf.boolean_mask(unique, real)
-    summed = tf.boolean_mask(summed, real)
+    unique, summed = distinct_sums(ids, valid, grads, num_rows, segments)
     slots = {name: tf.gather(var, unique) for name, var in state.items()}
     rows = slots.pop("table")
     new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
@@ -61,3 +49,20 @@ def apply_row_updates(
         )
         for name, values in {"table": new_rows, **new_slots}.items()
     ]
+
+
+def distinct_sums(ids, valid, grads, num_rows, segments=None):
+    """``(unique, summed)``: the distinct valid ids and their gradients
+    summed, by ``tf.unique`` or by the input stage's ``segments``."""
+    keys = tf.where(valid, ids, num_rows)
+    if segments is None:
+        unique, inverse = tf.unique(keys, out_idx=tf.int32)
+    else:
+        inverse = tf.cast(segments, tf.int32)
+        count = tf.reduce_max(tf.concat([inverse, [-1]], 0)) + 1  # 0 if empty
+        unique = tf.tensor_scatter_nd_update(
+            tf.fill([count], num_rows), inverse[:, None], keys
+        )
+    summed = tf.math.unsorted_segment_sum(grads, inverse, tf.size(unique))
+    real = unique < num_rows
+    return tf.boolean_mask(unique, real), tf.boolean_mask(summed, real)

@@ -8,10 +8,14 @@ of the global batch (see `keras_sparse.ops.torch_distributed`).
 """
 
 import concurrent.futures
+import os
+import threading
 
 import torch
 
+from keras_sparse.ops import native_optimizers
 from keras_sparse.ops import torch_distributed
+from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.torch_row_updates import apply_row_updates
 from keras_sparse.ops.torch_row_updates import compiled_route
@@ -20,6 +24,7 @@ from keras_sparse.ops.torch_row_updates import scratch_for
 #: Whether a stack's tables update side by side on a CPU (`_update_tables`).
 PARALLEL_TABLES = True
 _POOL = {}
+_POOL_LOCK = threading.Lock()
 # Scales a layer's row-regularizer penalty (see `torch_distributed.replica_count`).
 replica_count = torch_distributed.replica_count
 # Refuses, before any state changes, what replicas cannot train exactly.
@@ -98,17 +103,15 @@ def _update_tables(jobs):
     On a CPU the tables of a stack update side by side on torch's intra-op
     threads: their compiled passes release the GIL, and each writes only
     its own rows and scratch entries. The result is the same bits as one
-    after another; an error of any table is raised after all have run.
+    after another. Only updates that stay in compiled code run side by
+    side (no torch or Keras operations in the workers, whose thread-local
+    settings they would not see), and only batches whose ids all fit their
+    tables, so that a bad id fails as it does one table after another.
     """
+    if not jobs:
+        return
     workers = min(len(jobs), torch.get_num_threads())
-    table = jobs[0][0]["state"]["table"]
-    if (
-        workers < 2
-        or not PARALLEL_TABLES
-        # The torch route's dedup also writes the entry after its rows,
-        # the next table's first: only the compiled route runs side by side.
-        or any(compiled_route(table, job[6], job[7]) is None for job in jobs)
-    ):
+    if workers < 2 or not PARALLEL_TABLES or not all(map(_all_compiled, jobs)):
         for job in jobs:
             _update_rows(*job)
         return
@@ -118,6 +121,23 @@ def _update_tables(jobs):
         future.result()
 
 
+def _all_compiled(job):
+    """Whether `_update_rows` of ``job`` runs in compiled code only, with
+    every valid id inside its table (checked here: a few vector ops)."""
+    context, _, first, end, ids, valid, grads, segments, _ = job
+    if (
+        context["constraint"] is not None
+        or rule_of(context["optimizer"]) is None
+        or not native_optimizers.FUSED_OPTIMIZERS
+        # The torch route's dedup also writes the entry after its rows,
+        # the next table's first.
+        or compiled_route(context["state"]["table"], grads, segments) is None
+    ):
+        return False
+    kept = ids[valid]
+    return kept.numel() == 0 or (int(kept.min()) >= 0 and int(kept.max()) < end - first)
+
+
 def _update_rows_no_grad(*job):
     with torch.no_grad():  # grad mode is per thread
         _update_rows(*job)
@@ -125,12 +145,25 @@ def _update_rows_no_grad(*job):
 
 def _pool(workers):
     """A process-wide thread pool of ``workers`` threads (made on demand)."""
-    pool = _POOL.get(workers)
-    if pool is None:
-        pool = _POOL[workers] = concurrent.futures.ThreadPoolExecutor(
-            workers, thread_name_prefix="keras_sparse_rows"
-        )
-    return pool
+    with _POOL_LOCK:
+        pool = _POOL.get(workers)
+        if pool is None:
+            pool = _POOL[workers] = concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix="keras_sparse_rows"
+            )
+        return pool
+
+
+def _forget_pools():
+    # A forked child inherits the pools but not their threads: it would
+    # wait forever on work no thread takes.
+    _POOL.clear()
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 class _SparseLookup(torch.autograd.Function):

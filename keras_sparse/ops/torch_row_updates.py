@@ -108,6 +108,14 @@ def apply_row_updates(
         unique, summed = _distinct_sum(ids, valid, grads, scratch, segments, num_rows)
         if unique is None:
             return
+        # The input stage's segments replace the dedup, not the optimizer:
+        # a batch trains the same with or without the stage.
+        native = native_rows.library() if _usable(table, summed) else None
+        if native is not None and native_optimizers.fused_update(
+            native, optimizer, state, unique.numpy(), summed.numpy(), iterations,
+            constraint,
+        ):  # fmt: skip
+            return
     slots = {name: tensor.index_select(0, unique) for name, tensor in state.items()}
     rows = slots.pop("table")
     new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
