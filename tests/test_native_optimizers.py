@@ -172,3 +172,29 @@ def test_a_stacks_tables_update_side_by_side_to_the_same_bits(monkeypatch):
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_only_compiled_in_range_updates_run_side_by_side():
+    torch, _, _ = _modules()
+    from keras_sparse import optimizers
+    from keras_sparse.ops import torch_lookup
+
+    def job(ids, valid, optimizer=None, constraint=None):
+        context = {
+            "state": {"table": torch.zeros(10, 2), "accumulator": torch.zeros(10, 2)},
+            "optimizer": optimizer or optimizers.Adagrad(0.1),
+            "constraint": constraint,
+        }
+        ids, valid = torch.tensor(ids), torch.tensor(valid)
+        return (context, None, 4, 8, ids, valid, torch.ones(len(ids), 2), None, 1)
+
+    assert torch_lookup._all_compiled(job([0, 3], [True, True]))
+    # An invalid position may hold any id; a valid one outside rows [4, 8)
+    # of the stack sends every table down the serial route, which raises
+    # at that table as before.
+    assert torch_lookup._all_compiled(job([0, 9], [True, False]))
+    assert not torch_lookup._all_compiled(job([0, 4], [True, True]))
+    assert not torch_lookup._all_compiled(job([-1, 2], [True, True]))
+    assert not torch_lookup._all_compiled(job([0], [True], optimizers.Ftrl(0.1)))
+    max_norm = keras.constraints.MaxNorm(1.0)
+    assert not torch_lookup._all_compiled(job([0], [True], constraint=max_norm))

@@ -134,8 +134,17 @@ def _all_compiled(job):
         or compiled_route(context["state"]["table"], grads, segments) is None
     ):
         return False
-    kept = ids[valid]
-    return kept.numel() == 0 or (int(kept.min()) >= 0 and int(kept.max()) < end - first)
+    if ids.numel() == 0:
+        return True
+    # One pass over all ids; invalid positions may hold any id, so a miss
+    # here checks the valid ones alone.
+    low, high = torch.aminmax(ids)
+    if int(low) < 0 or int(high) >= end - first:
+        kept = ids[valid]
+        return kept.numel() == 0 or (
+            0 <= int(kept.min()) and int(kept.max()) < end - first
+        )
+    return True
 
 
 def _update_rows_no_grad(*job):
