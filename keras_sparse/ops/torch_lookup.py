@@ -124,7 +124,7 @@ def _update_tables(jobs):
 def _all_compiled(job):
     """Whether `_update_rows` of ``job`` runs in compiled code only, with
     every valid id inside its table (checked here: a few vector ops)."""
-    context, _, first, end, ids, valid, grads, segments, _ = job
+    context, _, first, end, ids, valid, grads, segments = job[:8]
     if (
         context["constraint"] is not None
         or rule_of(context["optimizer"]) is None
