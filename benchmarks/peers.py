@@ -85,6 +85,14 @@ default since their placement differs anyway):
   updates the tables too (a dense ``[rows, 16]`` gradient and accumulator
   per table, every step).
 
+``--together`` measures the growth of the step with table size within
+one process: each child builds the variant at every ``--rows`` size and
+alternates them epoch by epoch (``--epochs`` each, A B then B A), so a slow
+spell of a noisy machine slows both sizes alike. Separate processes on a
+2-core machine can differ by more than the growth itself (one process of
+the same variant ran at 55 ms/step, the next at 80). The growth table then
+gives each child's own ratio beside the pooled one.
+
 Run it alone on the machine; compare ratios from one run only. torch's
 OpenMP pool (TorchRec, Keras on torch) suffers most when other work shares
 the cores: on the 2-core machine, with a test suite running beside it, a
@@ -95,6 +103,8 @@ and ~390 ms (ks-torch-layers) with torch's default 2 threads, 8-13 ms and
     python benchmarks/peers.py --torchrec-python /work/torchrec-venv/bin/python
     python benchmarks/peers.py --variants torchrec,ks-jax-layers --rows 1e5
     python benchmarks/peers.py --quick      # CI smoke run: ks variants, tiny
+    python benchmarks/peers.py --together --variants torchrec,ks-tf-layers \\
+        --torchrec-python /work/torchrec-venv/bin/python   # growth 1e5 -> 1e6
 
 Writes a markdown table to stdout and a bar chart to
 ``<--out>/peers.png`` (default benchmarks/out).
@@ -127,7 +137,6 @@ import json
 import os
 import pathlib
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -136,27 +145,16 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "benchmarks" / "out"
-DIM = 16
-BAG = 4
-ZIPF_A = 1.1
-HIDDEN = 64
-LR = 0.01
-FBGEMM_EPS = 1e-8
-VARIANTS = {  # name: (KERAS_BACKEND, model form); torchrec: no Keras
-    "torchrec": (None, "torchrec"),
-    "ks-jax-layers": ("jax", "layers"),
-    "ks-jax-layers-glibc": ("jax", "layers"),
-    "ks-jax-collection": ("jax", "collection"),
-    "ks-tf-layers": ("tensorflow", "layers"),
-    "ks-tf-collection": ("tensorflow", "collection"),
-    "ks-torch-layers": ("torch", "layers"),
-    "ks-torch-collection": ("torch", "collection"),
-    "keras-dense": ("jax", "dense"),
-}
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from peers_runners import BAG  # noqa: E402
+from peers_runners import DIM  # noqa: E402
+from peers_runners import VARIANTS  # noqa: E402
+from peers_runners import ZIPF_A  # noqa: E402
+from peers_runners import child  # noqa: E402
+
 KS_VARIANTS = [n for n in VARIANTS if n.startswith("ks-")]
-# JAX processes call ks.tune_cpu_allocator() (what the docs advise for JAX on
-# a CPU) except this one, which shows the step with glibc's defaults.
-DEFAULT_ALLOCATOR = {"ks-jax-layers-glibc"}
 HEADERS = ("variant", "rows", "median ms/step", "vs torchrec", "peak RSS MiB")
 
 
@@ -164,196 +162,6 @@ def markdown(headers, rows):
     out = ["| " + " | ".join(headers) + " |", "|---|" + "---:|" * (len(headers) - 1)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
-
-
-def peak_rss_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-# ------------------------------------------------------------ child process
-def load_data(path):
-    """``(ids [n, tables, BAG] int32, labels [n, 1] float32)``."""
-    import numpy as np
-
-    with np.load(path) as data:
-        return data["ids"], data["labels"]
-
-
-def keras_model(form, names, rows):
-    """The compiled Keras model of the workload: ``form`` is "dense",
-    "layers" or "collection", one table of ``rows`` per name in ``names``
-    (benchmarks/switch_ab.py builds it too)."""
-    import keras
-
-    import keras_sparse as ks
-
-    keras.utils.set_random_seed(0)
-
-    def sparse_optimizer():
-        return ks.optimizers.Adagrad(LR, initial_accumulator_value=0.0)
-
-    inputs = {n: keras.Input((BAG,), dtype="int32", name=n) for n in names}
-    if form == "dense":
-        parts = [
-            keras.ops.sum(keras.layers.Embedding(rows, DIM, name=f"t_{n}")(x), 1)
-            for n, x in inputs.items()
-        ]
-    elif form == "layers":
-        parts = [
-            ks.AllToAllDenseEmbedding(
-                rows, DIM, combiner="sum", optimizer=sparse_optimizer(),
-                name=f"t_{n}",
-            )(x)
-            for n, x in inputs.items()
-        ]  # fmt: skip
-    else:
-        collection = ks.EmbeddingCollection(
-            {n: ks.TableConfig(rows, DIM, combiner="sum") for n in names},
-            optimizer=sparse_optimizer(),
-            name="tables",
-        )
-        outputs = collection(inputs)
-        parts = [outputs[n] for n in names]
-    hidden = keras.layers.Dense(HIDDEN, activation="relu")(
-        keras.layers.Concatenate()(parts)
-    )
-    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
-    model.compile(
-        optimizer=keras.optimizers.Adagrad(LR, initial_accumulator_value=0.0),
-        loss=keras.losses.BinaryCrossentropy(from_logits=True),
-    )
-    return model
-
-
-def keras_child(args):
-    import numpy as np
-
-    sys.path.insert(0, str(ROOT))
-    import keras
-
-    import keras_sparse as ks
-
-    backend, form = VARIANTS[args.variant]
-    assert keras.backend.backend() == backend, keras.backend.backend()
-    extra = {}
-    if backend == "torch":
-        import torch
-
-        if args.torch_threads:
-            torch.set_num_threads(args.torch_threads)
-        extra["torch_threads"] = torch.get_num_threads()
-    if backend == "jax" and args.variant not in DEFAULT_ALLOCATOR:
-        extra["tuned_allocator"] = ks.tune_cpu_allocator()
-    ids, labels = load_data(args.data)
-    names = [f"f{t}" for t in range(ids.shape[1])]
-    model = keras_model(form, names, args.rows)
-
-    from step_timer import StepTimer
-
-    def feed(lo, hi):
-        return {n: np.ascontiguousarray(ids[lo:hi, t]) for t, n in enumerate(names)}
-
-    fit = dict(batch_size=args.batch, shuffle=False, verbose=0)
-    split = args.warmup * args.batch
-    t0 = time.perf_counter()
-    model.fit(feed(0, split), labels[:split], **fit)  # compiles
-    warm_s = time.perf_counter() - t0
-    timer = StepTimer()
-    model.fit(feed(split, len(ids)), labels[split:], callbacks=[timer], **fit)
-    versions = {"keras": keras.__version__, backend: _version(backend), **extra}
-    return timer.gaps, warm_s, versions
-
-
-def _version(module):
-    try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001 - informational only
-        return "?"
-
-
-def torchrec_child(args):
-    import torch
-    from torchrec import EmbeddingBagConfig
-    from torchrec import KeyedJaggedTensor
-    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    ids, labels = load_data(args.data)
-    tables = ids.shape[1]
-    names = [f"f{t}" for t in range(tables)]
-    torch.manual_seed(0)
-    configs = [
-        EmbeddingBagConfig(
-            name=f"t_{n}", embedding_dim=DIM, num_embeddings=args.rows,
-            feature_names=[n], weight_init_min=-0.05, weight_init_max=0.05,
-        )
-        for n in names
-    ]  # fmt: skip
-    ebc = FusedEmbeddingBagCollection(
-        tables=configs,
-        optimizer_type=torch.optim.Adagrad,  # -> fused EXACT_ADAGRAD
-        optimizer_kwargs={"lr": LR, "eps": FBGEMM_EPS},
-        device=torch.device("cpu"),
-    )
-    head = torch.nn.Sequential(
-        torch.nn.Linear(tables * DIM, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 1),
-    )  # fmt: skip
-    head_optimizer = torch.optim.Adagrad(head.parameters(), lr=LR)
-    loss_fn = torch.nn.BCEWithLogitsLoss()
-
-    batches = []  # KJT layout: feature-major values, one length per bag
-    lengths = torch.full((tables * args.batch,), BAG, dtype=torch.int64)
-    for lo in range(0, len(ids), args.batch):
-        block = ids[lo : lo + args.batch].transpose(1, 0, 2).reshape(-1)
-        values = torch.from_numpy(block.astype("int64"))
-        batches.append((values, torch.from_numpy(labels[lo : lo + args.batch])))
-
-    def step(values, y):
-        kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths)
-        head_optimizer.zero_grad()
-        loss = loss_fn(head(ebc(kjt).values()), y)
-        loss.backward()  # the tables are updated in here
-        head_optimizer.step()
-        return loss.item()
-
-    hot = int(ids[0, 0, 0])  # a row the first step updates
-    before = ebc.embedding_bags[configs[0].name].weight[hot].clone()
-    t0 = time.perf_counter()
-    for values, y in batches[: args.warmup]:
-        step(values, y)
-    warm_s = time.perf_counter() - t0
-    gaps, last = [], None
-    for values, y in batches[args.warmup :]:
-        step(values, y)
-        now = time.perf_counter()
-        if last is not None:
-            gaps.append(now - last)
-        last = now
-    after = ebc.embedding_bags[configs[0].name].weight[hot]
-    # The fused update happened (a no-op step would time nothing).
-    assert not torch.equal(before, after), "the fused Adagrad left the tables"
-    import fbgemm_gpu
-
-    versions = {
-        "torch": torch.__version__,
-        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
-        "torchrec": _version("torchrec"),
-        "torch_threads": torch.get_num_threads(),
-    }
-    return gaps, warm_s, versions
-
-
-def child(args):
-    run = torchrec_child if args.variant == "torchrec" else keras_child
-    gaps, warm_s, versions = run(args)
-    ms = [1e3 * g for g in gaps]
-    result = dict(
-        variant=args.variant, rows=args.rows, ms=ms, median_ms=statistics.median(ms),
-        warm_s=warm_s, peak_rss_mib=peak_rss_mib(), versions=versions,
-    )  # fmt: skip
-    print(json.dumps(result), flush=True)
 
 
 # ----------------------------------------------------------- parent process
@@ -396,14 +204,18 @@ def torchrec_python(args):
 
 
 def run_child(args, variant, rows, data):
+    """Runs one child for ``variant`` at the table sizes ``rows`` (data files
+    ``data``, one per size): its JSON result, or None and why."""
     backend = VARIANTS[variant][0]
     python = args.torchrec_python if backend is None else sys.executable
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     if backend:
         env["KERAS_BACKEND"] = backend
-    cmd = [python, __file__, "--variant", variant, "--rows", str(rows),
-           "--data", str(data), "--batch", str(args.batch),
-           "--warmup", str(args.warmup)]  # fmt: skip
+    cmd = [python, __file__, "--variant", variant,
+           "--rows", ",".join(str(r) for r in rows),
+           "--data", ",".join(str(d) for d in data), "--batch", str(args.batch),
+           "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--epochs", str(args.epochs)]  # fmt: skip
     if args.torch_threads and backend in (None, "torch"):
         env["OMP_NUM_THREADS"] = str(args.torch_threads)
         cmd += ["--torch-threads", str(args.torch_threads)]
@@ -473,32 +285,47 @@ def parent(args):
         return 1
     t0 = time.perf_counter()
     results = {(v, r): [] for v in variants for r in args.rows}
+    growths = {v: [] for v in variants}  # --together: one ratio per child
     errors, versions = {}, {}
-    n = (args.warmup + args.steps + 1) * args.batch  # steps + 1 ends: steps gaps
+    epochs = args.epochs if args.together else 1
+    n = (args.warmup + args.steps + epochs) * args.batch  # per epoch: steps+1 ends
+    groups = [args.rows] if args.together else [[r] for r in args.rows]
     with tempfile.TemporaryDirectory() as tmp:
         data = {}
         for i, rows in enumerate(args.rows):
             data[rows] = pathlib.Path(tmp) / f"rows{rows}.npz"
             make_data(rows, args.tables, n, i, data[rows])
         for k in range(args.rounds):
-            for rows in args.rows:
+            for group in groups:
                 for variant in variants:
-                    if (variant, rows) in errors:
+                    if (variant, group[0]) in errors:
                         continue
-                    out, error = run_child(args, variant, rows, data[rows])
-                    if error:
-                        errors[variant, rows] = error
-                        print(f"  round {k + 1} {variant} rows={rows:.0e}: {error}")
-                        continue
-                    results[variant, rows].append(out)
-                    versions[variant] = out["versions"]
-                    print(
-                        f"  round {k + 1} {variant} rows={rows:.0e}: median "
-                        f"{out['median_ms']:.1f} ms/step, peak RSS "
-                        f"{out['peak_rss_mib']:.0f} MiB, warm-up "
-                        f"{out['warm_s']:.1f} s",
-                        flush=True,
+                    sizes = "+".join(f"{r:.0e}" for r in group)
+                    out, error = run_child(
+                        args, variant, group, [data[r] for r in group]
                     )
+                    if error:
+                        errors.update({(variant, r): error for r in group})
+                        print(f"  round {k + 1} {variant} rows={sizes}: {error}")
+                        continue
+                    versions[variant] = out["versions"]
+                    per_size = [out["sizes"][str(r)] for r in group]
+                    for rows, size in zip(group, per_size):
+                        results[variant, rows].append(
+                            dict(size, peak_rss_mib=out["peak_rss_mib"])
+                        )
+                    if len(group) > 1:
+                        growths[variant].append(
+                            per_size[-1]["median_ms"] / per_size[0]["median_ms"]
+                        )
+                    print(
+                        f"  round {k + 1} {variant} rows={sizes}: median "
+                        + ", ".join(f"{s['median_ms']:.1f}" for s in per_size)
+                        + f" ms/step, peak RSS {out['peak_rss_mib']:.0f} MiB, "
+                        "warm-up " + ", ".join(f"{s['warm_s']:.1f}" for s in per_size)
+                        + " s",
+                        flush=True,
+                    )  # fmt: skip
     summary = {}
     for key, outs in results.items():
         if outs and key not in errors:
@@ -523,6 +350,9 @@ def parent(args):
     print()
     print(markdown(HEADERS, table))
     print("\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower)")
+    if len(args.rows) > 1:
+        print()
+        print(growth_table(args, variants, summary, growths))
     print("\nmedian ms/step per round: " + "; ".join(
         f"{v} {r:.0e}: " + ", ".join(f"{m:.1f}" for m in s["rounds"])
         for (v, r), s in summary.items()
@@ -546,6 +376,30 @@ def parent(args):
     return 0
 
 
+def growth_table(args, variants, summary, growths):
+    """Markdown: each variant's ms/step at the largest size over the
+    smallest; with ``--together`` also the ratio of each child process."""
+    small, large = args.rows[0], args.rows[-1]
+    headers = ["variant", f"growth {large:.0e} / {small:.0e} (pooled medians)"]
+    if args.together:
+        headers.append("per process")
+    table = []
+    for variant in variants:
+        a, b = summary.get((variant, small)), summary.get((variant, large))
+        if a is None or b is None:
+            continue
+        row = [variant, f"{b['median'] / a['median']:.2f}x"]
+        if args.together:
+            row.append(", ".join(f"{g:.2f}" for g in growths[variant]))
+        table.append(row)
+    where = (
+        "each child process trained both sizes; peak RSS is that process's"
+        if args.together
+        else "each size in its own processes"
+    )
+    return markdown(headers, table) + f"\n({where})"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -557,6 +411,15 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3)")
     parser.add_argument("--batch", type=int, help="samples per step (default 4096)")
     parser.add_argument("--tables", type=int, default=26)
+    parser.add_argument(
+        "--together", action="store_true",
+        help="each child trains every --rows size, alternating epochs, so the "
+        "growth with table size is measured within one process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--epochs", type=int, default=4,
+        help="with --together: alternating epochs per size (default 4)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, help="s per child (default 1800)")
     parser.add_argument("--torchrec-python", help="Python of a venv with torchrec")
     parser.add_argument(
@@ -581,7 +444,7 @@ def main(argv=None):
             setattr(args, k, v)
     args.rows = [int(float(r)) for r in str(args.rows).split(",")]
     if args.variant:
-        args.rows = args.rows[0]
+        args.data = args.data.split(",")
         child(args)
         return 0
     default = KS_VARIANTS if args.quick else list(VARIANTS)
@@ -591,8 +454,10 @@ def main(argv=None):
         parser.error(
             f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}"
         )
-    if min(args.steps, args.warmup, args.rounds, args.batch) < 1:
-        parser.error("--steps, --warmup, --rounds and --batch must be >= 1")
+    if min(args.steps, args.warmup, args.rounds, args.batch, args.epochs) < 1:
+        parser.error("--steps, --warmup, --rounds, --batch, --epochs must be >= 1")
+    if args.together and (len(args.rows) < 2 or args.steps < 2 * args.epochs):
+        parser.error("--together needs two --rows sizes and --steps >= 2 x --epochs")
     return parent(args)
 
 

@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
-from peers import BAG  # noqa: E402
-from peers import ZIPF_A  # noqa: E402
-from peers import keras_model  # noqa: E402
+from peers_runners import BAG  # noqa: E402
+from peers_runners import ZIPF_A  # noqa: E402
+from peers_runners import keras_model  # noqa: E402
 
 import keras_sparse as ks  # noqa: E402
 

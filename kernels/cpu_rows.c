@@ -1,4 +1,5 @@
-/* CPU helpers of the sparse row update on PyTorch (keras_sparse.ops.native_rows).
+/* CPU helpers of the sparse row update on PyTorch (keras_sparse.ops.native_rows)
+ * and TensorFlow (included by tf_rows_op.cc).
  *
  * Built on first use by the system C compiler into a shared library and
  * called through ctypes on the data of contiguous CPU tensors. Each helper
@@ -64,6 +65,33 @@ void ks_scatter_rows_f32(float *dst, const int64_t *rows, const float *src,
   for (int64_t i = 0; i < count; ++i) {
     if (i + KS_AHEAD < count) __builtin_prefetch(dst + rows[i + KS_AHEAD] * dim, 1);
     memcpy(dst + rows[i] * dim, src + i * dim, (size_t)dim * sizeof(float));
+  }
+}
+
+/* The first position p < n with valid[p] (0/1 bytes) whose id is outside
+ * [0, rows), or -1. */
+int64_t ks_first_outside(const int32_t *ids, const uint8_t *valid, int64_t n,
+                         int64_t rows) {
+  for (int64_t p = 0; p < n; ++p)
+    if (valid[p] && (ids[p] < 0 || ids[p] >= rows)) return p;
+  return -1;
+}
+
+/* dst[p][:] = table[ids[p]][:] where valid[p], else zeros, for lo <= p < hi
+ * (ids checked by ks_first_outside). The row KS_AHEAD positions on is
+ * prefetched while this one is copied, so that the cache misses of a large
+ * table overlap instead of following each other. */
+void ks_gather_rows_f32(const float *table, const int32_t *ids,
+                        const uint8_t *valid, int64_t lo, int64_t hi,
+                        int64_t dim, float *dst) {
+  for (int64_t p = lo; p < hi; ++p) {
+    if (p + KS_AHEAD < hi && valid[p + KS_AHEAD])
+      __builtin_prefetch(table + (int64_t)ids[p + KS_AHEAD] * dim, 0);
+    if (valid[p])
+      memcpy(dst + p * dim, table + (int64_t)ids[p] * dim,
+             (size_t)dim * sizeof(float));
+    else
+      memset(dst + p * dim, 0, (size_t)dim * sizeof(float));
   }
 }
 

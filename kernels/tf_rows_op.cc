@@ -1,5 +1,6 @@
-/* A TensorFlow CPU op: the sparse row update of a table and its optimizer
- * slots, in place, in one pass (keras_sparse.ops.tf_native_rows).
+/* TensorFlow CPU ops (keras_sparse.ops.tf_native_rows): the sparse row
+ * update of a table and its optimizer slots, in place, in one pass; and the
+ * forward's gather of a table's rows, prefetched.
  *
  * The graph route runs a dozen TensorFlow operations per table (unique,
  * segment sum, two gathers, the optimizer, two scatters), each a pass over
@@ -16,9 +17,11 @@
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tensorflow/core/util/work_sharder.h"
 
 extern "C" {
 #include "cpu_rows.c"
@@ -158,5 +161,82 @@ class KerasSparseRowUpdateOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("KerasSparseRowUpdate").Device(DEVICE_CPU),
                         KerasSparseRowUpdateOp);
+
+// rows[p] = table[ids[p]] where valid[p], else zeros. A lookup's rows are
+// random accesses into a table far larger than the caches; TensorFlow's
+// gather copies them one after another, each waiting for its miss. Here the
+// row KS_AHEAD positions on is prefetched while the current one is copied,
+// so the misses overlap (ks_gather_rows_f32).
+REGISTER_OP("KerasSparseGatherRows")
+    .Input("table: resource")
+    .Input("ids: int32")
+    .Input("valid: bool")
+    .Attr("dim: int >= 1")
+    .Output("rows: float")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(0, c->Matrix(c->Dim(c->input(1), 0), dim));
+      return absl::OkStatus();
+    });
+
+class KerasSparseGatherRowsOp : public OpKernel {
+ public:
+  explicit KerasSparseGatherRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(1);
+    const Tensor& valid = ctx->input(2);
+    OP_REQUIRES(ctx, ids.dims() == 1 && valid.shape() == ids.shape(),
+                absl::InvalidArgumentError(
+                    "KerasSparseGatherRows: ids [n] and valid [n] do not fit: " +
+                    ids.shape().DebugString() + ", " +
+                    valid.shape().DebugString()));
+    const int64_t n = ids.NumElements();
+    tensorflow::core::RefCountPtr<tensorflow::Var> var;
+    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
+                            ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+    // As TensorFlow's own ResourceGather: a sparse read under a shared lock.
+    OP_REQUIRES_OK(ctx, tensorflow::EnsureSparseVariableAccess<CPUDevice, float>(
+                            ctx, var.get()));
+    tensorflow::tf_shared_lock lock(*var->mu());
+    const Tensor& table = *var->tensor();
+    OP_REQUIRES(ctx,
+                table.dtype() == tensorflow::DT_FLOAT && table.dims() == 2 &&
+                    table.dim_size(1) == dim_,
+                absl::InvalidArgumentError(
+                    "KerasSparseGatherRows: the table " +
+                    table.shape().DebugString() + " is not float32 of width " +
+                    std::to_string(dim_)));
+    const int64_t num_rows = table.dim_size(0);
+    const int32_t* id = ids.flat<int32_t>().data();
+    const uint8_t* ok = reinterpret_cast<const uint8_t*>(valid.flat<bool>().data());
+    const int64_t bad = ks_first_outside(id, ok, n, num_rows);
+    OP_REQUIRES(ctx, bad < 0,
+                absl::InvalidArgumentError(
+                    "KerasSparseGatherRows: id " + std::to_string(id[bad]) +
+                    " at position " + std::to_string(bad) +
+                    " is outside the table's rows [0, " +
+                    std::to_string(num_rows) + ")"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out));
+    const float* src = table.flat<float>().data();
+    float* dst = out->flat<float>().data();
+    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+    // A row costs a cache miss (~100 ns) more than its copy.
+    tensorflow::Shard(workers.num_threads, workers.workers, n, 300 + dim_,
+                      [&](int64_t lo, int64_t hi) {
+                        ks_gather_rows_f32(src, id, ok, lo, hi, dim_, dst);
+                      });
+  }
+
+ private:
+  int64_t dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("KerasSparseGatherRows").Device(DEVICE_CPU),
+                        KerasSparseGatherRowsOp);
 
 }  // namespace

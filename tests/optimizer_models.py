@@ -58,7 +58,7 @@ def numpy_update(name, opt, table, slots, ids, valid, grads, iterations, first=0
     return {"table": table, **slots}
 
 
-def train(form, name, eager=False):
+def train(form, name, eager=False, jit_compile="auto"):
     """Trains two tables (separate layers or one collection) of optimizer
     ``name`` for 8 steps; returns every weight of the model."""
     import keras_sparse as ks
@@ -82,7 +82,9 @@ def train(form, name, eager=False):
         parts = [outputs[n] for n in inputs]
     pooled = keras.layers.Concatenate()(parts)
     model = keras.Model(inputs, keras.layers.Dense(1)(pooled))
-    model.compile(optimizer="sgd", loss="mse", run_eagerly=eager)
+    model.compile(
+        optimizer="sgd", loss="mse", run_eagerly=eager, jit_compile=jit_compile
+    )
     rng = np.random.default_rng(0)
     x = {n: rng.integers(0, 50, (64, 4)).astype("int32") for n in inputs}
     model.fit(x, rng.normal(size=(64, 1)), batch_size=16, epochs=2, verbose=0)

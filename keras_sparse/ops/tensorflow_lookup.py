@@ -150,7 +150,11 @@ def lookup_with_sparse_update(
 
     @tf.custom_gradient
     def lookup(anchor):
-        out = gather_valid(state["table"], ids, valid)
+        out = None
+        if replicas is None and not tf_row_updates.in_xla():
+            out = tf_native_rows.gather_rows(state["table"], ids, valid)
+        if out is None:
+            out = gather_valid(state["table"], ids, valid)
 
         def grad(upstream):
             step_ids, step_valid, grads = ids, valid, tf.convert_to_tensor(upstream)

@@ -1,4 +1,5 @@
-"""TensorFlow on a CPU: the sparse row update of SGD, Adagrad and Adam as one op.
+"""TensorFlow on a CPU: the sparse row update of SGD, Adagrad and Adam as one op,
+and the forward's gather of rows with prefetching.
 
 Outside XLA the graph route (`keras_sparse.ops.tf_row_updates`) runs a
 dozen operations per table and step, two of them gathers and two scatters
@@ -10,7 +11,12 @@ installed TensorFlow (``$CXX``, else ``c++``; about 15 s, cached per user
 like `keras_sparse.ops.native_rows`). Without a compiler, or with
 ``KERAS_SPARSE_NATIVE=0``, the graph route runs; `status()` says which.
 
-Its arithmetic is the optimizer's, operation for operation, with a
+The gather (`gather_rows`) copies the same rows as ``tf.gather`` and
+zeros where an id is not valid, as `tensorflow_lookup.gather_valid`; it
+prefetches the row 16 positions ahead, so that the cache misses of a
+table larger than the caches overlap (tf.gather takes them one by one).
+
+The update's arithmetic is the optimizer's, operation for operation, with a
 correctly rounded square root; TensorFlow's own ops may round an ulp
 differently (tests/test_tf_native_rows.py).
 """
@@ -27,6 +33,8 @@ from keras_sparse.ops.optimizer_rules import rule_scalars
 SOURCE = "tf_rows_op.cc"
 #: Read when a step is traced: False sends every update down the graph route.
 FUSED_OPTIMIZERS = True
+#: Read when a step is traced: False gathers the forward's rows by tf.gather.
+PREFETCH_GATHER = True
 _LOCK = threading.Lock()
 _STATE = {}
 
@@ -102,4 +110,20 @@ def fused_update(
         [v.handle for v in variables], tf.cast(ids, tf.int32),
         tf.cast(valid, tf.bool), grads, scalars, rule=rule, first=int(first),
         rows=int(rows),
+    )  # fmt: skip
+
+
+def gather_rows(table, ids, valid):
+    """``table[ids]`` where ``valid``, else zero rows, as one prefetching op;
+    or None where the switch, the dtype, the device or the build do not
+    suit it (the caller then uses ``tf.gather``). An id outside the table
+    raises ``InvalidArgumentError``, as ``tf.gather`` does on a CPU.
+    """
+    if not PREFETCH_GATHER or table.dtype != tf.float32 or len(table.shape) != 2:
+        return None
+    if not _local_cpu(table.device) or library() is None:
+        return None
+    return library().keras_sparse_gather_rows(
+        table.handle, tf.cast(ids, tf.int32), tf.cast(valid, tf.bool),
+        dim=int(table.shape[1]),
     )  # fmt: skip

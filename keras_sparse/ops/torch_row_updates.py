@@ -95,11 +95,6 @@ def apply_row_updates(
         )  # fmt: skip
         if count == 0:
             return
-        if native_optimizers.fused_update(
-            native, optimizer, state, unique[:count], summed[:count], iterations,
-            constraint,
-        ):  # fmt: skip
-            return
         unique = torch.from_numpy(unique[:count])
         summed = torch.from_numpy(summed[:count])
     else:
@@ -111,11 +106,11 @@ def apply_row_updates(
         # The input stage's segments replace the dedup, not the optimizer:
         # a batch trains the same with or without the stage.
         native = native_rows.library() if _usable(table, summed) else None
-        if native is not None and native_optimizers.fused_update(
-            native, optimizer, state, unique.numpy(), summed.numpy(), iterations,
-            constraint,
-        ):  # fmt: skip
-            return
+    if native is not None and native_optimizers.fused_update(
+        native, optimizer, state, unique.numpy(), summed.numpy(), iterations,
+        constraint,
+    ):  # fmt: skip
+        return
     slots = {name: tensor.index_select(0, unique) for name, tensor in state.items()}
     rows = slots.pop("table")
     new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)

@@ -1,0 +1,118 @@
+"""The TensorFlow forward's prefetching gather (`tf_native_rows.gather_rows`):
+the rows of ``tf.gather`` and zeros where an id is not valid, to the bit;
+bad ids raise as ``tf.gather`` does; models train to the bit as with
+``tf.gather``; never inside XLA."""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from tests import optimizer_models as models
+from tests.optimizer_models import F
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="the TensorFlow op"
+)
+
+
+def _modules():
+    import tensorflow as tf
+
+    from keras_sparse.ops import tf_native_rows
+
+    if tf_native_rows.library() is None:
+        pytest.skip(f"TensorFlow op unavailable: {tf_native_rows.status()}")
+    return tf, tf_native_rows
+
+
+@contextlib.contextmanager
+def _prefetch(on):
+    _, tf_native_rows = _modules()
+    tf_native_rows.PREFETCH_GATHER = on
+    try:
+        yield
+    finally:
+        tf_native_rows.PREFETCH_GATHER = True
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(0, 300),
+    rows=st.integers(1, 50),
+    dim=st.sampled_from([1, 3, 16, 33]),
+)
+def test_rows_equal_tf_gather_and_zeros_where_not_valid(seed, n, rows, dim):
+    tf, tf_native_rows = _modules()
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(rows, dim)).astype(F)
+    valid = rng.random(n) < 0.8
+    # Ids that are not valid may be anything: they are never read.
+    ids = np.where(valid, rng.integers(0, rows, n), rng.integers(-9, rows + 9, n))
+    got = tf_native_rows.gather_rows(
+        tf.Variable(table), tf.constant(ids, tf.int32), tf.constant(valid)
+    )
+    want = np.where(valid[:, None], table[np.where(valid, ids, 0)], F(0))
+    assert got.shape == (n, dim)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_an_id_outside_the_table_raises():
+    tf, tf_native_rows = _modules()
+    table = tf.Variable(np.arange(12, dtype=F).reshape(4, 3))
+    for bad, position in (([1, 4, 0], 1), ([2, 0, -1], 2)):
+        with pytest.raises(
+            tf.errors.InvalidArgumentError,
+            match=rf"id {bad[position]} at position {position} is outside the "
+            r"table's rows \[0, 4\)",
+        ):
+            tf_native_rows.gather_rows(table, tf.constant(bad), tf.constant([True] * 3))
+
+
+def test_other_dtypes_take_tf_gather():
+    tf, tf_native_rows = _modules()
+    table = tf.Variable(np.ones((4, 2), np.float64))
+    assert (
+        tf_native_rows.gather_rows(table, tf.constant([1]), tf.constant([True])) is None
+    )
+
+
+@pytest.mark.parametrize("form,eager", [("layers", False), ("collection", False),
+                                        ("layers", True)])  # fmt: skip
+def test_models_train_to_the_bit_as_with_tf_gather(form, eager, monkeypatch):
+    """The forward of each step reads the rows the last step's update wrote."""
+    _, tf_native_rows = _modules()
+    used = []
+    real = tf_native_rows.gather_rows
+
+    def spy(*args):
+        rows = real(*args)
+        used.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(tf_native_rows, "gather_rows", spy)
+    for name in ("sgd", "adam"):
+        used.clear()
+        prefetched = models.train(form, name, eager)
+        assert used and all(used), name
+        with _prefetch(False):
+            reference = models.train(form, name, eager)
+        for got, want in zip(prefetched, reference):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_not_inside_xla(monkeypatch):
+    _, tf_native_rows = _modules()
+    calls = []
+    monkeypatch.setattr(tf_native_rows, "gather_rows", lambda *a: calls.append(a))
+    trained = models.train("layers", "adagrad", jit_compile=True)
+    assert not calls
+    with _prefetch(False):
+        reference = models.train("layers", "adagrad", jit_compile=True)
+    for got, want in zip(trained, reference):
+        np.testing.assert_array_equal(got, want)
