@@ -2,6 +2,8 @@
 TensorFlow op): the optimizers they run, NumPy float32 models of them, and
 a small two-table model to train on either route."""
 
+import contextlib
+
 import keras
 import numpy as np
 
@@ -111,3 +113,41 @@ def route_cases():
         (optimizers.Ftrl(0.1), None, False),
     ]
     return cases, batch
+
+
+def tf_op():
+    """``(tf, tf_native_rows)``; skips the test where the op cannot be built."""
+    import pytest
+    import tensorflow as tf
+
+    from keras_sparse.ops import tf_native_rows
+
+    if tf_native_rows.library() is None:
+        pytest.skip(f"TensorFlow op unavailable: {tf_native_rows.status()}")
+    return tf, tf_native_rows
+
+
+@contextlib.contextmanager
+def tf_switch(name, on):
+    """``tf_native_rows.<name>`` set to ``on`` inside, back to True after."""
+    _, tf_native_rows = tf_op()
+    setattr(tf_native_rows, name, on)
+    try:
+        yield
+    finally:
+        setattr(tf_native_rows, name, True)
+
+
+def record_use(monkeypatch, module, name):
+    """Wraps ``module.name``; returns a list that gets, per call, whether
+    the call returned something (the compiled route) or None."""
+    real = getattr(module, name)
+    used = []
+
+    def wrapper(*args):
+        result = real(*args)
+        used.append(result is not None)
+        return result
+
+    monkeypatch.setattr(module, name, wrapper)
+    return used

@@ -3,7 +3,6 @@ equal to a NumPy float32 model of SGD, Adagrad and Adam to the bit, within
 an ulp of the graph route, safe on bad ids, used only where it applies, and
 a clean fallback when it cannot be built."""
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -24,23 +23,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _modules():
-    import tensorflow as tf
-
-    from keras_sparse.ops import tf_native_rows
-
-    if tf_native_rows.library() is None:
-        pytest.skip(f"TensorFlow op unavailable: {tf_native_rows.status()}")
-    return tf, tf_native_rows
+    return models.tf_op()
 
 
-@contextlib.contextmanager
 def _fused(on):
-    _, tf_native_rows = _modules()
-    tf_native_rows.FUSED_OPTIMIZERS = on
-    try:
-        yield
-    finally:
-        tf_native_rows.FUSED_OPTIMIZERS = True
+    return models.tf_switch("FUSED_OPTIMIZERS", on)
 
 
 def _apply(
@@ -129,15 +116,7 @@ def test_subclasses_constraints_and_other_optimizers_take_the_graph_route():
                                         ("layers", True)])  # fmt: skip
 def test_models_train_alike_on_both_routes(form, eager, monkeypatch):
     _, tf_native_rows = _modules()
-    built = []
-    real = tf_native_rows.fused_update
-
-    def spy(*args):
-        op = real(*args)
-        built.append(op is not None)
-        return op
-
-    monkeypatch.setattr(tf_native_rows, "fused_update", spy)
+    built = models.record_use(monkeypatch, tf_native_rows, "fused_update")
     for name in ("sgd", "adagrad", "adam"):
         built.clear()
         fused = models.train(form, name, eager)

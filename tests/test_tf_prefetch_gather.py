@@ -3,8 +3,6 @@ the rows of ``tf.gather`` and zeros where an id is not valid, to the bit;
 bad ids raise as ``tf.gather`` does; models train to the bit as with
 ``tf.gather``; never inside XLA."""
 
-import contextlib
-
 import keras
 import numpy as np
 import pytest
@@ -21,23 +19,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _modules():
-    import tensorflow as tf
-
-    from keras_sparse.ops import tf_native_rows
-
-    if tf_native_rows.library() is None:
-        pytest.skip(f"TensorFlow op unavailable: {tf_native_rows.status()}")
-    return tf, tf_native_rows
+    return models.tf_op()
 
 
-@contextlib.contextmanager
 def _prefetch(on):
-    _, tf_native_rows = _modules()
-    tf_native_rows.PREFETCH_GATHER = on
-    try:
-        yield
-    finally:
-        tf_native_rows.PREFETCH_GATHER = True
+    return models.tf_switch("PREFETCH_GATHER", on)
 
 
 @settings(max_examples=40, deadline=None)
@@ -87,15 +73,7 @@ def test_other_dtypes_take_tf_gather():
 def test_models_train_to_the_bit_as_with_tf_gather(form, eager, monkeypatch):
     """The forward of each step reads the rows the last step's update wrote."""
     _, tf_native_rows = _modules()
-    used = []
-    real = tf_native_rows.gather_rows
-
-    def spy(*args):
-        rows = real(*args)
-        used.append(rows is not None)
-        return rows
-
-    monkeypatch.setattr(tf_native_rows, "gather_rows", spy)
+    used = models.record_use(monkeypatch, tf_native_rows, "gather_rows")
     for name in ("sgd", "adam"):
         used.clear()
         prefetched = models.train(form, name, eager)
