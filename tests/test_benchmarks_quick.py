@@ -51,6 +51,37 @@ def test_peers_quick_prints_positive_step_times(tmp_path):
     assert (tmp_path / "peers.png").stat().st_size > 0
 
 
+def test_peers_together_prints_the_growth_of_each_process(tmp_path):
+    """``--together``: both sizes trained in one child per round, and the
+    growth table's ratio equals the two sizes' medians (TensorFlow only:
+    the parent's code is the same for every backend)."""
+    import pytest
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("one backend suffices")
+    variant = "ks-tf-layers"
+    args = ["benchmarks/peers.py", "--quick", "--together", "--rows", "1e3,1e4",
+            "--steps", "4", "--epochs", "2", "--variants", variant,
+            "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    medians, growth = {}, None
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == variant and len(cells) == 5:
+            medians[cells[1]] = float(cells[2])
+        elif cells[0] == variant and len(cells) == 3:
+            growth, per_process = cells[1], cells[2]
+    assert sorted(medians) == ["1e+03", "1e+04"], done.stdout
+    want = medians["1e+04"] / medians["1e+03"]
+    assert growth.endswith("x") and abs(float(growth[:-1]) - want) < 0.02, growth
+    assert float(per_process) > 0, done.stdout  # one round: one process's ratio
+    assert "rows=1e+03+1e+04" in done.stdout  # one child trained both sizes
+
+
 def test_many_fields_quick_prints_every_variant():
     """benchmarks/many_fields.py --quick (JAX): each variant's row with a
     positive step time and a finite loss."""
