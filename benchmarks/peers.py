@@ -350,6 +350,8 @@ def parent(args):
     print()
     print(markdown(HEADERS, table))
     print("\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower)")
+    if args.together:
+        print("(peak RSS: of the process that held both sizes)")
     if len(args.rows) > 1:
         print()
         print(growth_table(args, variants, summary, growths))
@@ -456,8 +458,13 @@ def main(argv=None):
         )
     if min(args.steps, args.warmup, args.rounds, args.batch, args.epochs) < 1:
         parser.error("--steps, --warmup, --rounds, --batch, --epochs must be >= 1")
-    if args.together and (len(args.rows) < 2 or args.steps < 2 * args.epochs):
-        parser.error("--together needs two --rows sizes and --steps >= 2 x --epochs")
+    if args.together and (
+        len(args.rows) < 2 or args.steps < 2 * args.epochs or args.steps % args.epochs
+    ):
+        parser.error(
+            "--together needs two --rows sizes and --steps a multiple of "
+            "--epochs, at least 2 x --epochs"
+        )
     return parent(args)
 
 

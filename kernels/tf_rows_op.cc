@@ -176,7 +176,10 @@ REGISTER_OP("KerasSparseGatherRows")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       int64_t dim;
       TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      c->set_output(0, c->Matrix(c->Dim(c->input(1), 0), dim));
+      tensorflow::shape_inference::ShapeHandle ids;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+      TF_RETURN_IF_ERROR(c->Merge(ids, c->input(2), &ids));
+      c->set_output(0, c->Matrix(c->Dim(ids, 0), dim));
       return absl::OkStatus();
     });
 
@@ -198,18 +201,26 @@ class KerasSparseGatherRowsOp : public OpKernel {
     tensorflow::core::RefCountPtr<tensorflow::Var> var;
     OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
                             ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+    {
+      // Checked before EnsureSparseVariableAccess, which copies as float.
+      tensorflow::tf_shared_lock lock(*var->mu());
+      const Tensor& table = *var->tensor();
+      OP_REQUIRES(ctx,
+                  table.dtype() == tensorflow::DT_FLOAT && table.dims() == 2 &&
+                      table.dim_size(1) == dim_,
+                  absl::InvalidArgumentError(
+                      "KerasSparseGatherRows: the table " +
+                      table.shape().DebugString() +
+                      " is not float32 of width " + std::to_string(dim_)));
+    }
     // As TensorFlow's own ResourceGather: a sparse read under a shared lock.
     OP_REQUIRES_OK(ctx, tensorflow::EnsureSparseVariableAccess<CPUDevice, float>(
                             ctx, var.get()));
     tensorflow::tf_shared_lock lock(*var->mu());
     const Tensor& table = *var->tensor();
-    OP_REQUIRES(ctx,
-                table.dtype() == tensorflow::DT_FLOAT && table.dims() == 2 &&
-                    table.dim_size(1) == dim_,
-                absl::InvalidArgumentError(
-                    "KerasSparseGatherRows: the table " +
-                    table.shape().DebugString() + " is not float32 of width " +
-                    std::to_string(dim_)));
+    OP_REQUIRES(ctx, table.dims() == 2 && table.dim_size(1) == dim_,
+                absl::InvalidArgumentError("KerasSparseGatherRows: the table "
+                                           "changed shape"));
     const int64_t num_rows = table.dim_size(0);
     const int32_t* id = ids.flat<int32_t>().data();
     const uint8_t* ok = reinterpret_cast<const uint8_t*>(valid.flat<bool>().data());

@@ -76,12 +76,60 @@ def test_models_train_to_the_bit_as_with_tf_gather(form, eager, monkeypatch):
     used = models.record_use(monkeypatch, tf_native_rows, "gather_rows")
     for name in ("sgd", "adam"):
         used.clear()
-        prefetched = models.train(form, name, eager)
+        prefetched = models.train(form, name, eager, jit_compile=False)
         assert used and all(used), name
         with _prefetch(False):
-            reference = models.train(form, name, eager)
+            reference = models.train(form, name, eager, jit_compile=False)
         for got, want in zip(prefetched, reference):
             np.testing.assert_array_equal(got, want)
+
+
+def test_reads_follow_the_writes_before_them_in_one_function():
+    """Ordered by the variable (a resource input): a scatter as the hash
+    layers' fresh rows, then the row update, each between two gathers."""
+    tf, tf_native_rows = _modules()
+    from keras_sparse import optimizers
+
+    table = tf.Variable(np.zeros((6, 2), F))
+    state = {"table": table}
+    ids, ok = tf.constant([1, 4]), tf.constant([True, True])
+
+    @tf.function
+    def step():
+        table.assign(tf.zeros((6, 2)))
+        first = tf_native_rows.gather_rows(table, ids, ok)
+        table.scatter_update(tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1])))
+        second = tf_native_rows.gather_rows(table, ids, ok)
+        tf_native_rows.fused_update(
+            state, optimizers.SGD(0.5), ids, ok, tf.ones((2, 2)), tf.constant(0),
+            0, 6, None,
+        )  # fmt: skip
+        third = tf_native_rows.gather_rows(table, ids, ok)
+        return first, second, third
+
+    for _ in range(10):
+        first, second, third = (x.numpy() for x in step())
+        np.testing.assert_array_equal(first, np.zeros((2, 2), F))
+        np.testing.assert_array_equal(second, [[1, 1], [0, 0]])
+        np.testing.assert_array_equal(third, [[0.5, 0.5], [-0.5, -0.5]])
+
+
+def test_a_mirrored_variable_outside_a_replica_context_takes_tf_gather():
+    tf, tf_native_rows = _modules()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        table = tf.Variable(np.ones((4, 2), F))
+    assert isinstance(table, tf.distribute.DistributedValues)
+    ids, ok = tf.constant([1]), tf.constant([True])
+    with strategy.scope():  # cross-replica: the variable has no handle here
+        assert tf.distribute.in_cross_replica_context()
+        assert tf_native_rows.gather_rows(table, ids, ok) is None
+
+    def in_replica():
+        return tf_native_rows.gather_rows(table, ids, ok)
+
+    rows = strategy.run(in_replica)
+    np.testing.assert_array_equal(rows.numpy(), [[1, 1]])
 
 
 def test_not_inside_xla(monkeypatch):

@@ -57,6 +57,15 @@ def _local_cpu(device):
     return spec.device_type in (None, "CPU") and spec.job in (None, "localhost")
 
 
+def _usable_variable(variable):
+    """A local CPU variable whose handle this context may read (a mirrored
+    variable has none outside a replica context)."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        if tf.distribute.in_cross_replica_context():
+            return False
+    return _local_cpu(variable.device)
+
+
 def library():
     """The loaded op module (``tf.load_op_library``), built once; or None."""
     with _LOCK:
@@ -97,7 +106,7 @@ def fused_update(
     rule, slot_names = found
     variables = [state["table"], *(state.get(name) for name in slot_names)]
     if set(state) != {"table", *slot_names} or any(
-        v.dtype != tf.float32 or len(v.shape) != 2 or not _local_cpu(v.device)
+        v.dtype != tf.float32 or len(v.shape) != 2 or not _usable_variable(v)
         for v in variables
     ):
         return None
@@ -121,7 +130,7 @@ def gather_rows(table, ids, valid):
     """
     if not PREFETCH_GATHER or table.dtype != tf.float32 or len(table.shape) != 2:
         return None
-    if not _local_cpu(table.device) or library() is None:
+    if not _usable_variable(table) or library() is None:
         return None
     return library().keras_sparse_gather_rows(
         table.handle, tf.cast(ids, tf.int32), tf.cast(valid, tf.bool),
