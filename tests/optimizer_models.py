@@ -128,25 +128,26 @@ def tf_op():
 
 
 @contextlib.contextmanager
-def tf_switch(name, on):
-    """``tf_native_rows.<name>`` set to ``on`` inside, back to True after."""
-    _, tf_native_rows = tf_op()
-    setattr(tf_native_rows, name, on)
+def switch(module, name, on):
+    """``module.<name>`` (a route switch, True by default) set to ``on``
+    inside, back to True after."""
+    setattr(module, name, on)
     try:
         yield
     finally:
-        setattr(tf_native_rows, name, True)
+        setattr(module, name, True)
 
 
 def record_use(monkeypatch, module, name):
     """Wraps ``module.name``; returns a list that gets, per call, whether
-    the call returned something (the compiled route) or None."""
+    the call took the compiled route: returned something other than None
+    or False."""
     real = getattr(module, name)
     used = []
 
     def wrapper(*args):
         result = real(*args)
-        used.append(result is not None)
+        used.append(result is not None and result is not False)
         return result
 
     monkeypatch.setattr(module, name, wrapper)

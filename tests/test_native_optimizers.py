@@ -3,7 +3,6 @@
 optimizer to the bit, within an ulp of the torch route (whose vectorized
 sqrt may round differently), and only where they apply."""
 
-import contextlib
 import os
 
 import keras
@@ -33,14 +32,9 @@ def _modules():
     return torch, native_optimizers, torch_row_updates
 
 
-@contextlib.contextmanager
 def _fused(on):
     _, native_optimizers, _ = _modules()
-    native_optimizers.FUSED_OPTIMIZERS = on
-    try:
-        yield
-    finally:
-        native_optimizers.FUSED_OPTIMIZERS = True
+    return models.switch(native_optimizers, "FUSED_OPTIMIZERS", on)
 
 
 def _apply(optimizer, table, slots, ids, valid, grads, iterations, constraint=None):
@@ -95,18 +89,9 @@ def test_fused_update_equals_numpy_and_the_torch_route(
 
 
 def _spy_on_fused(monkeypatch):
-    """Counts the compiled optimizer passes."""
+    """Records, per update, whether it took the compiled optimizer pass."""
     _, native_optimizers, _ = _modules()
-    calls = []
-    real = native_optimizers.fused_update
-
-    def spy(*args):
-        done = real(*args)
-        calls.append(done)
-        return done
-
-    monkeypatch.setattr(native_optimizers, "fused_update", spy)
-    return calls
+    return models.record_use(monkeypatch, native_optimizers, "fused_update")
 
 
 def test_subclasses_constraints_and_other_optimizers_take_the_torch_route(

@@ -27,7 +27,8 @@ def _modules():
 
 
 def _fused(on):
-    return models.tf_switch("FUSED_OPTIMIZERS", on)
+    _, tf_native_rows = _modules()
+    return models.switch(tf_native_rows, "FUSED_OPTIMIZERS", on)
 
 
 def _apply(

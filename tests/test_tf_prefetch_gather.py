@@ -23,7 +23,8 @@ def _modules():
 
 
 def _prefetch(on):
-    return models.tf_switch("PREFETCH_GATHER", on)
+    _, tf_native_rows = _modules()
+    return models.switch(tf_native_rows, "PREFETCH_GATHER", on)
 
 
 @settings(max_examples=40, deadline=None)

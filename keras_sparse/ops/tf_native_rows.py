@@ -60,9 +60,9 @@ def _local_cpu(device):
 def _usable_variable(variable):
     """A local CPU variable whose handle this context may read (a mirrored
     variable has none outside a replica context)."""
-    if isinstance(variable, tf.distribute.DistributedValues):
-        if tf.distribute.in_cross_replica_context():
-            return False
+    mirrored = isinstance(variable, tf.distribute.DistributedValues)
+    if mirrored and tf.distribute.in_cross_replica_context():
+        return False
     return _local_cpu(variable.device)
 
 
