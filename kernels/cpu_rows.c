@@ -11,48 +11,84 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Positions ahead whose scratch entry is prefetched (random accesses). */
+/* Positions ahead whose row is prefetched (random accesses). */
 #define KS_AHEAD 16
+
+/* Slots of the dedup hash for n ids: the power of two >= 2n (so at most
+ * half full), at least 16. Sets *shift to 64 - log2(slots). */
+static int64_t ks_dedup_slots(int64_t n, int *shift) {
+  int64_t slots = 16;
+  int bits = 4;
+  while (slots < 2 * n) {
+    slots <<= 1;
+    ++bits;
+  }
+  *shift = 64 - bits;
+  return slots;
+}
+
+/* int32 scratch entries that ks_distinct_sum_f32 needs for n ids. */
+int64_t ks_dedup_scratch_entries(int64_t n) {
+  int shift;
+  return ks_dedup_slots(n, &shift) + n;
+}
 
 /* Distinct valid ids of a batch and their gradients summed.
  *
  * ids[n], valid[n] (0/1 bytes, or NULL for all valid), grads[n / bag][dim]
- * (position p reads gradient row p / bag). scratch[rows] is any int32
- * memory: every entry read was written in this call first. Writes
- * unique[count], ordered by each id's last position (the order in which the
- * torch route's dedup lists them, so that both routes run the optimizer on
- * the same rows at the same places), and summed[count][dim], each row 0 plus
- * the gradients of its positions in position order (as index_add_ into zeros
- * sums them). Returns count, or -1 - p for the first valid position p whose
- * id is outside [0, rows) (then nothing but scratch was written).
+ * (position p reads gradient row p / bag). scratch: any int32 memory of
+ * ks_dedup_scratch_entries(n) entries. Writes unique[count], ordered by
+ * each id's last position (the order in which the torch route's dedup lists
+ * them, so that both routes run the optimizer on the same rows at the same
+ * places), and summed[count][dim], each row 0 plus the gradients of its
+ * positions in position order (as index_add_ into zeros sums them). Returns
+ * count, or -1 - p for the first valid position p whose id is outside
+ * [0, rows) (then nothing but scratch was written).
+ *
+ * Duplicates are found in an open-addressing hash sized by the batch, not
+ * the table: its slots hold the last position of their id (the id itself is
+ * read back from ids), so it stays in cache whatever the table's size, where
+ * an entry per table row would miss the cache once tables outgrow it.
  */
 int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
                             int64_t n, int64_t rows, const float *grads,
                             int64_t bag, int64_t dim, int32_t *scratch,
                             int64_t *unique, float *summed) {
-  /* Each id's entry ends holding its last position. */
+  int shift;
+  const int64_t slots = ks_dedup_slots(n, &shift);
+  const uint64_t mask = (uint64_t)slots - 1;
+  int32_t *last = scratch;          /* slot -> last position, or -1 (empty) */
+  int32_t *where = scratch + slots; /* position -> its id's slot */
+  memset(last, 0xff, (size_t)slots * sizeof(int32_t));
   for (int64_t p = 0; p < n; ++p) {
-    if (p + KS_AHEAD < n && (uint64_t)ids[p + KS_AHEAD] < (uint64_t)rows)
-      __builtin_prefetch(scratch + ids[p + KS_AHEAD], 1);
     if (valid && !valid[p]) continue;
-    if (ids[p] < 0 || ids[p] >= rows) return -1 - p;
-    scratch[ids[p]] = (int32_t)p;
+    const int64_t id = ids[p];
+    if (id < 0 || id >= rows) return -1 - p;
+    /* Fibonacci hashing: the top bits of a multiply spread nearby ids. */
+    uint64_t h = ((uint64_t)id * 0x9E3779B97F4A7C15ull) >> shift;
+    for (;;) {
+      const int32_t q = last[h];
+      if (q < 0 || ids[q] == id) break;
+      h = (h + 1) & mask;
+    }
+    last[h] = (int32_t)p;
+    where[p] = (int32_t)h;
   }
   /* At its last position an id takes the next slot, stored as -1 - slot. */
   int64_t count = 0;
   for (int64_t p = 0; p < n; ++p) {
     if (valid && !valid[p]) continue;
-    const int64_t id = ids[p];
-    if (scratch[id] == (int32_t)p) {
-      unique[count] = id;
-      scratch[id] = (int32_t)(-1 - count);
+    const int32_t h = where[p];
+    if (last[h] == (int32_t)p) {
+      unique[count] = ids[p];
+      last[h] = (int32_t)(-1 - count);
       ++count;
     }
   }
   memset(summed, 0, (size_t)(count * dim) * sizeof(float));
   for (int64_t p = 0; p < n; ++p) {
     if (valid && !valid[p]) continue;
-    float *out = summed + (int64_t)(-1 - scratch[ids[p]]) * dim;
+    float *out = summed + (int64_t)(-1 - last[where[p]]) * dim;
     const float *g = grads + (p / bag) * dim;
     for (int64_t j = 0; j < dim; ++j) out[j] += g[j];
   }

@@ -75,10 +75,10 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES(
         ctx,
         ids.dims() == 1 && valid.shape() == ids.shape() && grads.dims() == 2 &&
-            grads.dim_size(0) == n && n < (int64_t{1} << 31),
+            grads.dim_size(0) == n && n <= (int64_t{1} << 30),
         absl::InvalidArgumentError(
-            "KerasSparseRowUpdate: ids [n], valid [n] and grads [n, dim] do "
-            "not fit: " + ids.shape().DebugString() + ", " +
+            "KerasSparseRowUpdate: ids [n] (n <= 2**30), valid [n] and grads "
+            "[n, dim] do not fit: " + ids.shape().DebugString() + ", " +
             valid.shape().DebugString() + ", " + grads.shape().DebugString()));
     const int64_t dim = grads.dim_size(1);
     const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adagrad" ? 2 : 4;
@@ -116,8 +116,10 @@ class KerasSparseRowUpdateOp : public OpKernel {
     if (n == 0) return;
 
     Tensor scratch, wide_ids, unique, summed;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT32,
-                                           TensorShape({rows_}), &scratch));
+    // Sized by the batch, whatever the table's rows (see cpu_rows.c).
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(
+                            tensorflow::DT_INT32,
+                            TensorShape({ks_dedup_scratch_entries(n)}), &scratch));
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
                                            TensorShape({n}), &wide_ids));
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,

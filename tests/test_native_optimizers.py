@@ -171,7 +171,7 @@ def test_only_compiled_in_range_updates_run_side_by_side():
             "constraint": constraint,
         }
         ids, valid = torch.tensor(ids), torch.tensor(valid)
-        return (context, None, 4, 8, ids, valid, torch.ones(len(ids), 2), None, 1)
+        return (context, 4, 8, ids, valid, torch.ones(len(ids), 2), None, 1)
 
     assert torch_lookup._all_compiled(job([0, 3], [True, True]))
     # An invalid position may hold any id; a valid one outside rows [4, 8)

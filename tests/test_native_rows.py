@@ -88,10 +88,7 @@ def test_distinct_sum_matches_numpy(seed, n, bag, num_rows, invalid_share):
     ids = rng.integers(0, num_rows, n).astype("int64")
     valid = rng.random(n) >= invalid_share
     grads = rng.normal(size=(n // bag, 3)).astype("float32")
-    scratch = rng.integers(-9, 9, num_rows).astype("int32")
-    count, unique, summed = native.distinct_sum(
-        ids, valid, grads, scratch, num_rows, bag=bag
-    )
+    count, unique, summed = native.distinct_sum(ids, valid, grads, num_rows, bag=bag)
     unique, summed = unique[:count], summed[:count]
     # Each id once, ordered by its last position.
     last = [int(i) for i in ids[valid][::-1]]
@@ -101,6 +98,37 @@ def test_distinct_sum_matches_numpy(seed, n, bag, num_rows, invalid_share):
         np.testing.assert_allclose(
             row, per_position[valid & (ids == key)].sum(0), rtol=1e-5, atol=1e-6
         )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 5000),
+    num_rows=st.sampled_from([2**24, 2**31, 2**62]),
+    stride=st.sampled_from([1, 2**10, 2**20]),
+    repeats=st.sampled_from([1, 3]),
+)
+def test_distinct_sum_keeps_apart_every_key_of_a_half_full_hash(
+    seed, n, num_rows, stride, repeats
+):
+    # The dedup's hash has 2n to 4n slots: n distinct ids fill up to half
+    # of them, with probe chains and wrap-arounds. Ids spaced by a power
+    # of two test that the hash spreads what a low-bits hash would not.
+    native = _native()
+    rng = np.random.default_rng(seed)
+    distinct = min(max(1, n // repeats), num_rows // stride)
+    keys = rng.choice(num_rows // stride, distinct, replace=False) * stride
+    ids = rng.permutation(np.resize(keys, n)).astype("int64")
+    grads = rng.normal(size=(n, 2)).astype("float32")
+    count, unique, summed = native.distinct_sum(ids, np.ones(n, bool), grads, num_rows)
+    sums = {}
+    for key, grad in zip(ids.tolist(), grads):
+        sums[key] = sums.get(key, 0) + grad
+    last = {key: p for p, key in enumerate(ids.tolist())}
+    assert unique[:count].tolist() == sorted(last, key=last.get)
+    np.testing.assert_allclose(
+        summed[:count], [sums[k] for k in unique[:count].tolist()], rtol=1e-5, atol=1e-5
+    )
 
 
 def _update(optimizer, seed, n, num_rows, invalid_share, dim=4):
@@ -167,7 +195,7 @@ def test_an_invalid_position_may_hold_any_id():
     native = _native()
     count, unique, summed = native.distinct_sum(
         np.array([-7, 2, 99, 2]), np.array([False, True, False, True]),
-        np.ones((4, 2), "float32"), np.zeros(3, "int32"), 3,
+        np.ones((4, 2), "float32"), 3,
     )  # fmt: skip
     assert count == 1 and unique[:1].tolist() == [2]
     assert summed[:1].tolist() == [[2.0, 2.0]]
@@ -176,13 +204,13 @@ def test_an_invalid_position_may_hold_any_id():
 def test_arguments_that_do_not_fit_are_refused_before_the_call():
     native = _native()
     ids, valid = np.array([0, 1, 2]), np.ones(3, bool)
-    grads, scratch = np.ones((3, 2), "float32"), np.zeros(3, "int32")
+    grads = np.ones((3, 2), "float32")
     with pytest.raises(TypeError, match="dtypes"):
-        native.distinct_sum(ids.astype("int32"), valid, grads, scratch, 3)
+        native.distinct_sum(ids.astype("int32"), valid, grads, 3)
     with pytest.raises(ValueError, match="do not fit"):
-        native.distinct_sum(ids, valid, grads, scratch, 3, bag=2)
+        native.distinct_sum(ids, valid, grads, 3, bag=2)
     with pytest.raises(ValueError, match="do not fit"):
-        native.distinct_sum(ids, valid, grads, scratch[:2], 3)
+        native.distinct_sum(ids, valid[:2], grads, 3)
 
 
 def test_layers_train_to_the_bit_alike_with_and_without_the_helpers():
@@ -208,6 +236,29 @@ def test_layers_train_to_the_bit_alike_with_and_without_the_helpers():
         reference = train()
     for got, want in zip(compiled, reference):
         np.testing.assert_array_equal(got, want)
+
+
+def test_only_the_torch_route_makes_a_table_sized_scratch():
+    _native()
+    import keras_sparse as ks
+
+    def trained_layer():
+        layer = ks.AllToAllDenseEmbedding(1000, 4, optimizer="adagrad")
+        inputs = keras.Input((3,), dtype="int32")
+        model = keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).integers(0, 1000, (32, 3)).astype("int32")
+        model.fit(x, np.ones((32, 1)), batch_size=16, verbose=0)
+        return layer
+
+    def scratch_of(layer):
+        tables = [v for v in layer.variables if v.path.endswith("embeddings")]
+        return getattr(tables[0], "_keras_sparse_dedup_scratch", None)
+
+    # The compiled dedup hashes within the batch: no int32 per table row.
+    assert scratch_of(trained_layer()) is None
+    with _torch_operations_route():
+        assert scratch_of(trained_layer()).shape == (1001,)
 
 
 def _load_in_subprocess(tmp_path, **env):
@@ -264,7 +315,7 @@ def test_big_batches_keep_one_row_order_on_both_routes():
     grads = torch.tensor(rng.normal(size=(n, 4)), dtype=torch.float32)
     valid = torch.ones(n, dtype=torch.bool)
     count, order, _ = native.distinct_sum(
-        ids.numpy(), valid.numpy(), grads.numpy(), np.zeros(301, "int32"), 301
+        ids.numpy(), valid.numpy(), grads.numpy(), 301
     )
     unique, _ = updates.distinct_keys(ids, torch.zeros(301, dtype=torch.int32))
     np.testing.assert_array_equal(unique.numpy(), order[:count])

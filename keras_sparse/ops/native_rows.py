@@ -28,6 +28,8 @@ SOURCE = "cpu_rows.c"
 # No contraction of a * b + c into one rounding: results equal torch's.
 # No errno from sqrt (its results are the same): its loops vectorize.
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+# Ids of one dedup: its hash's slot numbers must fit an int32.
+MAX_IDS = 2**30
 _LOCK = threading.Lock()
 _STATE = {}
 
@@ -40,6 +42,9 @@ class NativeRows:
         self._distinct_sum = lib.ks_distinct_sum_f32
         self._distinct_sum.restype = i64
         self._distinct_sum.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+        self._scratch_entries = lib.ks_dedup_scratch_entries
+        self._scratch_entries.restype = i64
+        self._scratch_entries.argtypes = [i64]
         self._scatter_rows = lib.ks_scatter_rows_f32
         self._scatter_rows.restype = None
         self._scatter_rows.argtypes = [ptr, ptr, ptr, i64, i64]
@@ -53,45 +58,38 @@ class NativeRows:
             function.restype = None
             function.argtypes = [ptr] * (arrays + 2) + [i64, i64] + scalars
 
-    def distinct_sum(self, ids, valid, grads, scratch, rows, bag=1, unique=None):
+    def distinct_sum(self, ids, valid, grads, rows, bag=1, unique=None):
         """``count``: writes the distinct valid ids (ordered by their last
         position) to ``unique[:count]`` and their gradients, summed in
         position order, to the first ``count`` rows of the returned array.
 
         ``ids`` ``[n]`` int64, ``valid`` ``[n]`` bool, ``grads``
         ``[n // bag, dim]`` float32 (position ``p`` reads row ``p // bag``),
-        ``scratch`` int32 of at least ``rows`` entries (any values),
         ``unique`` ``[n]`` int64 (made if None). Returns ``(count, unique,
         summed)`` with ``summed`` ``[n, dim]`` float32, rows past ``count``
-        unwritten. Raises IndexError, changing nothing but ``scratch``, when
-        a valid id is outside ``[0, rows)``.
+        unwritten. Raises IndexError, changing nothing, when a valid id is
+        outside ``[0, rows)``. Its scratch is sized by the batch (a hash of
+        the ids), not by ``rows``: see `kernels/cpu_rows.c`.
         """
         ids = np.ascontiguousarray(ids)
         valid = np.ascontiguousarray(valid)
         grads = np.ascontiguousarray(grads)
         n, dim = ids.shape[0], grads.shape[1]
-        if n >= 2**31:
-            raise ValueError(f"sparse update: {n} ids in one call; at most 2**31 - 1.")
+        if n > MAX_IDS:
+            raise ValueError(f"sparse update: {n} ids in one call; at most {MAX_IDS}.")
         # The C code trusts these dtypes and shapes: check them here.
-        kinds = (ids.dtype, valid.dtype, grads.dtype, scratch.dtype)
-        if kinds != (np.int64, np.bool_, np.float32, np.int32) or (
-            ids.ndim,
-            grads.ndim,
-        ) != (1, 2):
-            raise TypeError(
-                f"sparse update: ids, valid, grads, scratch of dtypes {kinds}."
-            )
-        if (
-            valid.shape != ids.shape
-            or grads.shape[0] * bag != n
-            or scratch.size < rows
-            or not scratch.flags.c_contiguous
+        kinds = (ids.dtype, valid.dtype, grads.dtype)
+        if kinds != (np.int64, np.bool_, np.float32) or (ids.ndim, grads.ndim) != (
+            1,
+            2,
         ):
+            raise TypeError(f"sparse update: ids, valid, grads of dtypes {kinds}.")
+        if valid.shape != ids.shape or grads.shape[0] * bag != n:
             raise ValueError(
                 f"sparse update: {n} ids, {valid.shape[0]} valid flags, "
-                f"{grads.shape[0]} gradient rows for bags of {bag}, "
-                f"{scratch.size} scratch entries for {rows} rows do not fit."
+                f"{grads.shape[0]} gradient rows for bags of {bag} do not fit."
             )
+        scratch = np.empty(self._scratch_entries(n), np.int32)
         if unique is None:
             unique = np.empty(n, np.int64)
         elif (

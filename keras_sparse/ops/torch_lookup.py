@@ -45,15 +45,20 @@ def _scratch(context):
     return scratch_for(context["table_var"], table.shape[0] + 1, table.device)
 
 
-def _update_rows(context, scratch, first, end, ids, valid, grads, segments=None, bag=1):
+def _update_rows(context, first, end, ids, valid, grads, segments=None, bag=1):
     """The sparse update of rows ``[first, end)`` of the state (a table of a
     stack, or the whole table) from ``ids`` relative to ``first``.
 
-    Uses only the scratch entries of those rows (and the one after), so the
-    tables of a stack may update at the same time (`_update_tables`)."""
+    The compiled route dedups in a scratch of its own, sized by the batch;
+    the torch route uses the table's scratch entries of those rows (and the
+    one after), made on its first use."""
+    state = {name: tensor[first:end] for name, tensor in context["state"].items()}
+    scratch = None
+    if compiled_route(state["table"], grads, segments) is None:
+        scratch = _scratch(context)[first:]
     apply_row_updates(
-        {name: tensor[first:end] for name, tensor in context["state"].items()},
-        scratch[first:],
+        state,
+        scratch,
         context["optimizer"],
         ids,
         valid,
@@ -73,7 +78,6 @@ def _apply_update(context, ids, valid, grads):
                 context["group"], ids, valid, grads
             )
         rows = context["state"]["table"].shape[0]
-        scratch = _scratch(context)
         blocks, segments = context["blocks"], context["segments"]
         if blocks is None or segments is not None:
             parts = [(ids, valid, grads, 0, rows)]
@@ -83,7 +87,6 @@ def _apply_update(context, ids, valid, grads):
             [
                 (
                     context,
-                    scratch,
                     first,
                     end,
                     part_ids,
@@ -97,12 +100,12 @@ def _apply_update(context, ids, valid, grads):
 
 
 def _update_tables(jobs):
-    """`_update_rows` of each job (``(context, scratch, first, end, ids,
-    valid, grads, segments, bag)``, disjoint row ranges of one state).
+    """`_update_rows` of each job (``(context, first, end, ids, valid,
+    grads, segments, bag)``, disjoint row ranges of one state).
 
     On a CPU the tables of a stack update side by side on torch's intra-op
     threads: their compiled passes release the GIL, and each writes only
-    its own rows and scratch entries. The result is the same bits as one
+    its own rows and its own scratch. The result is the same bits as one
     after another. Only updates that stay in compiled code run side by
     side (no torch or Keras operations in the workers, whose thread-local
     settings they would not see), and only batches whose ids all fit their
@@ -124,7 +127,7 @@ def _update_tables(jobs):
 def _all_compiled(job):
     """Whether `_update_rows` of ``job`` runs in compiled code only, with
     every valid id inside its table (checked here: a few vector ops)."""
-    context, _, first, end, ids, valid, grads, segments = job[:8]
+    context, first, end, ids, valid, grads, segments = job[:7]
     if (
         context["constraint"] is not None
         or rule_of(context["optimizer"]) is None
@@ -216,7 +219,6 @@ class _SparseBagSums(torch.autograd.Function):
         context = ctx.context
         ranges = context["row_ranges"] or [(0, context["state"]["table"].shape[0])]
         with torch.no_grad():
-            scratch = _scratch(context)
             start, jobs = 0, []
             for bag, (first, end) in zip(bags, ranges):
                 ids = bag.reshape(-1) - first if first else bag.reshape(-1)
@@ -225,7 +227,6 @@ class _SparseBagSums(torch.autograd.Function):
                 jobs.append(
                     (
                         context,
-                        scratch,
                         first,
                         end,
                         ids,

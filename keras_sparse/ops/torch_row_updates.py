@@ -9,12 +9,14 @@ sum and the row writes run in the compiled helper
 (`keras_sparse.ops.native_rows`) instead, with the same arithmetic in the
 same order: the torch operations below are its fallback and its reference.
 
-Duplicates are found with a scratch array of one int32 per table row: each
-position writes its own index at its id's entry (keeping the largest),
-then reads the entry back, so every position learns one representative
-position of its id (its last) in two O(n) passes instead of an O(n log n)
-sort. Entries are always written before they are read, so the scratch
-needs no clearing and its contents between steps do not matter.
+The torch route finds duplicates with a scratch array of one int32 per
+table row: each position writes its own index at its id's entry (keeping
+the largest), then reads the entry back, so every position learns one
+representative position of its id (its last) in two O(n) passes instead
+of an O(n log n) sort. Entries are always written before they are read, so
+the scratch needs no clearing and its contents between steps do not
+matter. The compiled helper finds the same representatives with a hash
+sized by the batch, which stays in cache however large the table.
 """
 
 import torch
@@ -71,7 +73,8 @@ def apply_row_updates(
     Args:
         state: ``{"table": tensor, slot name: tensor}``, updated in place.
         scratch: int32 tensor of at least ``rows + 1`` entries (any values;
-            see `scratch_for`), unused with ``segments``.
+            see `scratch_for`), used only by the torch route's dedup (None
+            where `compiled_route` is not None or with ``segments``).
         optimizer: a `keras_sparse.optimizers.SparseOptimizer`.
         ids, valid, grads: ``[n]`` int64 ids, ``[n]`` bool, ``[n // bag, dim]``
             (position ``p``'s gradient is row ``p // bag``: bags of ``bag``
@@ -90,9 +93,8 @@ def apply_row_updates(
     if native is not None:
         # One compiled pass: same distinct rows, same sums, to the bit.
         count, unique, summed = native.distinct_sum(
-            ids.numpy(), valid.numpy(), grads.detach().numpy(), scratch.numpy(),
-            num_rows, bag=bag,
-        )  # fmt: skip
+            ids.numpy(), valid.numpy(), grads.detach().numpy(), num_rows, bag=bag
+        )
         if count == 0:
             return
         unique = torch.from_numpy(unique[:count])
@@ -132,8 +134,7 @@ def apply_row_updates(
 
 def compiled_route(table, grads, segments=None):
     """The compiled helpers where `apply_row_updates` uses them for this
-    table (which then reads only scratch entries below its row count); else
-    None."""
+    table (which then needs no table-sized scratch); else None."""
     if segments is None and _usable(table, grads):
         return native_rows.library()
     return None
