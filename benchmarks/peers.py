@@ -31,9 +31,17 @@ Every JAX process (``ks-jax-*``, ``keras-dense``) first calls
 ``ks.tune_cpu_allocator()``, as the docs advise for JAX on a CPU: XLA:CPU
 allocates each step's temporary buffer afresh, and with glibc's defaults
 every page of it faults in again on every step (14K faults, ~20 ms per
-step here). ``ks-jax-layers-glibc`` is ``ks-jax-layers`` without the call.
-TensorFlow and PyTorch processes keep glibc's defaults (they allocate per
-tensor and gain nothing; TorchRec measured the same either way).
+step here); it also puts the tables and slots on 2 MiB pages.
+TensorFlow and PyTorch processes call ``ks.tune_cpu_allocator(False,
+huge_pages=True)``: glibc's allocator as it is (they allocate per tensor
+and gain nothing from the settings), tables and slots on 2 MiB pages. The
+``-glibc`` variants (``ks-jax-layers-glibc``, ``ks-tf-layers-glibc``,
+``ks-torch-layers-glibc``) leave out the call: glibc's and the kernel's
+defaults, 4 KiB pages. TorchRec runs as installed (4 KiB pages);
+``torchrec-thp`` sets ``THP_MEM_ALLOC_ENABLE=1``, PyTorch's own switch
+that puts every CPU allocation of 2 MiB or more on huge pages (slower
+here: 1.1-1.2x TorchRec's default step, its per-step buffers then fault
+in 2 MiB at a time).
 
 Keras variants train with ``model.fit`` over a fixed in-memory dataset
 (``verbose=0, shuffle=False``); a step's time is the gap between consecutive
@@ -149,6 +157,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from peers_runners import BAG  # noqa: E402
+from peers_runners import DEFAULT_ALLOCATOR  # noqa: E402
 from peers_runners import DIM  # noqa: E402
 from peers_runners import VARIANTS  # noqa: E402
 from peers_runners import ZIPF_A  # noqa: E402
@@ -211,6 +220,8 @@ def run_child(args, variant, rows, data):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     if backend:
         env["KERAS_BACKEND"] = backend
+    if variant == "torchrec-thp":
+        env["THP_MEM_ALLOC_ENABLE"] = "1"  # PyTorch's allocator: 2 MiB pages
     cmd = [python, __file__, "--variant", variant,
            "--rows", ",".join(str(r) for r in rows),
            "--data", ",".join(str(d) for d in data), "--batch", str(args.batch),
@@ -265,12 +276,13 @@ def plot(summary, variants, rows_list, title, path):
 def parent(args):
     variants = list(args.variants)
     skipped = {}
-    if "torchrec" in variants:
+    torchrec_variants = [v for v in variants if VARIANTS[v][0] is None]
+    if torchrec_variants:
         args.torchrec_python, why = torchrec_python(args)
-        if why:
-            variants.remove("torchrec")
-            skipped["torchrec"] = why
-            print(f"torchrec: skipped: {why}")
+        for variant in torchrec_variants if why else []:
+            variants.remove(variant)
+            skipped[variant] = why
+            print(f"{variant}: skipped: {why}")
     print(
         f"cores={os.cpu_count()} python={platform.python_version()} "
         f"tables={args.tables} dim={DIM} bag={BAG} zipf={ZIPF_A} "
@@ -405,7 +417,10 @@ def growth_table(args, variants, summary, growths):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--variants", help="comma-separated, from: " + ", ".join(VARIANTS)
+        "--variants",
+        help="comma-separated, from: "
+        + ", ".join(VARIANTS)
+        + " (default: all but the -glibc ones and torchrec-thp)",
     )
     parser.add_argument("--rows", help="comma-separated table sizes (default 1e5,1e6)")
     parser.add_argument("--steps", type=int, help="timed steps per run (default 20)")
@@ -449,7 +464,11 @@ def main(argv=None):
         args.data = args.data.split(",")
         child(args)
         return 0
-    default = KS_VARIANTS if args.quick else list(VARIANTS)
+    # The page-size variants on request only.
+    on_request = {*DEFAULT_ALLOCATOR, "torchrec-thp"}
+    default = [
+        v for v in (KS_VARIANTS if args.quick else VARIANTS) if v not in on_request
+    ]
     args.variants = args.variants.split(",") if args.variants else default
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:

@@ -26,18 +26,25 @@ LR = 0.01
 FBGEMM_EPS = 1e-8
 VARIANTS = {  # name: (KERAS_BACKEND, model form); torchrec: no Keras
     "torchrec": (None, "torchrec"),
+    "torchrec-thp": (None, "torchrec"),
     "ks-jax-layers": ("jax", "layers"),
     "ks-jax-layers-glibc": ("jax", "layers"),
     "ks-jax-collection": ("jax", "collection"),
     "ks-tf-layers": ("tensorflow", "layers"),
+    "ks-tf-layers-glibc": ("tensorflow", "layers"),
     "ks-tf-collection": ("tensorflow", "collection"),
     "ks-torch-layers": ("torch", "layers"),
+    "ks-torch-layers-glibc": ("torch", "layers"),
     "ks-torch-collection": ("torch", "collection"),
     "keras-dense": ("jax", "dense"),
 }
-# JAX processes call ks.tune_cpu_allocator() (what the docs advise for JAX on
-# a CPU) except this one, which shows the step with glibc's defaults.
-DEFAULT_ALLOCATOR = {"ks-jax-layers-glibc"}
+# keras-sparse processes call ks.tune_cpu_allocator() (JAX: the allocator
+# settings advised for JAX on a CPU and 2 MiB pages for the tables;
+# TensorFlow, PyTorch: the pages alone), as the docs advise; the "-glibc"
+# variants keep glibc's and the kernel's defaults (4 KiB pages). TorchRec
+# runs as installed; "torchrec-thp" with THP_MEM_ALLOC_ENABLE=1 (PyTorch's
+# allocator puts every allocation of 2 MiB or more on huge pages).
+DEFAULT_ALLOCATOR = {name for name in VARIANTS if name.endswith("-glibc")}
 
 
 def peak_rss_mib():
@@ -120,8 +127,9 @@ def _keras_setup(args):
         if args.torch_threads:
             torch.set_num_threads(args.torch_threads)
         extra["torch_threads"] = torch.get_num_threads()
-    if backend == "jax" and args.variant not in DEFAULT_ALLOCATOR:
-        extra["tuned_allocator"] = ks.tune_cpu_allocator()
+    if args.variant not in DEFAULT_ALLOCATOR:
+        tuned = ks.tune_cpu_allocator(backend == "jax", huge_pages=True)
+        extra["tuned_allocator" if backend == "jax" else "huge_pages"] = tuned
     return {"keras": keras.__version__, backend: _version(backend), **extra}
 
 
@@ -230,7 +238,7 @@ def child(args):
     (data files ``args.data``); prints one JSON line."""
     import json
 
-    if args.variant == "torchrec":
+    if VARIANTS[args.variant][0] is None:
         setup, runner = _torchrec_setup, torchrec_runner
     else:
         setup, runner = _keras_setup, keras_runner

@@ -58,8 +58,9 @@ def main(argv=None):
         args.rows, args.tables, args.batch, args.steps, args.rounds = 1e4, 2, 256, 3, 2
     module_name, attribute = args.switch.rsplit(".", 1)
     module = importlib.import_module(module_name)
-    if os.environ["KERAS_BACKEND"] == "jax":
-        ks.tune_cpu_allocator()  # as peers.py: the docs advise it for JAX only
+    # As peers.py: JAX takes the allocator settings too, every backend the
+    # 2 MiB pages.
+    ks.tune_cpu_allocator(os.environ["KERAS_BACKEND"] == "jax", huge_pages=True)
     rows = int(args.rows)
     rng = np.random.default_rng(0)
     n = (1 + args.steps) * args.batch

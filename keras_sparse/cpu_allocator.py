@@ -32,7 +32,7 @@ _DEFAULTS = {_M_MMAP_MAX: 65536, _M_TRIM_THRESHOLD: 128 * 1024, _M_ARENA_MAX: 0}
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 _HUGE_PAGE = 2 << 20
-_SETTINGS = {"huge_pages": False}
+_SETTINGS = {"huge_pages": False, "tuned": False}
 
 
 def _mallopt():
@@ -44,7 +44,7 @@ def _mallopt():
         return None
 
 
-def tune_cpu_allocator(enable=True, huge_pages=True):
+def tune_cpu_allocator(enable=True, huge_pages=None):
     """Makes the C allocator keep freed memory for reuse (Linux, glibc).
 
     Recommended before training on the JAX backend on a CPU: XLA's
@@ -53,15 +53,19 @@ def tune_cpu_allocator(enable=True, huge_pages=True):
     TorchRec"). The setting is process-wide; memory freed later stays
     with the process. ``enable=False`` restores glibc's defaults.
 
-    With ``huge_pages`` (and ``enable``), the embedding tables and optimizer
-    slots that keras_sparse layers build afterwards on the JAX CPU backend
-    are backed by 2 MiB transparent huge pages where the kernel allows it
-    (``madvise``), so random row accesses to large tables miss the TLB
-    less (`back_with_huge_pages`).
+    With ``huge_pages`` (default: as ``enable``), the embedding tables and
+    optimizer slots that keras_sparse layers build afterwards on a CPU
+    (every backend) are backed by 2 MiB transparent huge pages where the
+    kernel allows it (``madvise``), so random row accesses to large tables
+    miss the TLB less (`back_with_huge_pages`). PyTorch and TensorFlow
+    programs gain nothing from the allocator settings: for them,
+    ``tune_cpu_allocator(False, huge_pages=True)`` keeps glibc's defaults
+    and asks for the huge pages alone.
 
     Returns:
         True if the allocator took the settings; False where there is no
-        glibc ``mallopt`` (macOS, Windows, musl), which changes nothing.
+        glibc ``mallopt`` (macOS, Windows, musl), which changes nothing
+        there (huge pages are still asked for on Linux).
 
     Example:
 
@@ -71,16 +75,22 @@ def tune_cpu_allocator(enable=True, huge_pages=True):
     >>> ks.tune_cpu_allocator(False) in (True, False)
     True
     """
+    if huge_pages is None:
+        huge_pages = enable
+    _SETTINGS["huge_pages"] = bool(huge_pages) and sys.platform.startswith("linux")
     mallopt = _mallopt()
-    _SETTINGS["huge_pages"] = False
     if mallopt is None:
         return False
+    if not enable and not _SETTINGS["tuned"]:
+        # Any mallopt call, even of the default values, would end glibc's
+        # dynamic mmap threshold: leave an untouched allocator alone.
+        return True
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     settings = _TUNED if enable else _DEFAULTS
     # musl and other C libraries may export a mallopt that accepts nothing.
-    ok = all(mallopt(name, value) == 1 for name, value in settings.items())
-    _SETTINGS["huge_pages"] = bool(ok and enable and huge_pages)
-    return ok
+    took = all(mallopt(name, value) == 1 for name, value in settings.items())
+    _SETTINGS["tuned"] = enable
+    return took
 
 
 def _madvise():
@@ -95,36 +105,76 @@ def _madvise():
 def back_with_huge_pages(variables):
     """Asks the kernel to back the buffers of ``variables`` with huge pages.
 
-    Only after ``tune_cpu_allocator(huge_pages=True)``, on the JAX backend,
-    for single-device CPU arrays; the 2 MiB-aligned part of each buffer
-    gets ``MADV_HUGEPAGE`` (future faults) and ``MADV_COLLAPSE`` (the pages
-    already there, Linux 6.1+). Compiled steps donate and update these
-    buffers in place, so the advice lasts while the variables keep them.
+    Only after ``tune_cpu_allocator(huge_pages=True)``, for CPU arrays on
+    one device; the 2 MiB-aligned part of each buffer gets
+    ``MADV_HUGEPAGE`` (future faults) and ``MADV_COLLAPSE`` (the pages
+    already there, Linux 6.1+). The sparse updates write these buffers in
+    place (JAX's compiled steps donate them, PyTorch and TensorFlow update
+    rows in place), so the advice lasts while the variables keep them.
     Advice the kernel refuses changes nothing. Returns the bytes advised.
     """
-    import keras
-
-    if not _SETTINGS["huge_pages"] or keras.backend.backend() != "jax":
+    if not _SETTINGS["huge_pages"]:
         return 0
     madvise = _madvise()
     if madvise is None:
         return 0
     advised = 0
     for variable in variables:
-        if getattr(variable, "_value", None) is None:
-            continue  # not initialized yet: no buffer to advise
-        value = variable.value
-        try:
-            if len(value.devices()) != 1 or value.device.platform != "cpu":
-                continue
-            start = value.unsafe_buffer_pointer()
-        except (AttributeError, RuntimeError, ValueError):
+        buffer = _cpu_buffer(variable)
+        if buffer is None:
             continue
+        start, nbytes = buffer
         lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-        hi = (start + value.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        hi = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
         if hi <= lo:
             continue
         if madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
             madvise(lo, hi - lo, _MADV_COLLAPSE)  # may be refused: harmless
             advised += hi - lo
     return advised
+
+
+def _cpu_buffer(variable):
+    """``(address, bytes)`` of a Keras variable's buffer in CPU memory, or
+    None (not built yet, on an accelerator, or spread over devices)."""
+    import keras
+
+    if getattr(variable, "_value", None) is None:
+        return None  # not initialized yet: no buffer to advise
+    backend = keras.backend.backend()
+    try:
+        if backend == "jax":
+            value = variable.value
+            if len(value.devices()) != 1 or value.device.platform != "cpu":
+                return None
+            return value.unsafe_buffer_pointer(), value.nbytes
+        if backend == "torch":
+            value = variable.value
+            if value.device.type != "cpu" or not value.is_contiguous():
+                return None
+            return value.data_ptr(), value.numel() * value.element_size()
+        if backend == "tensorflow":
+            return _tf_cpu_buffer(variable.value)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return None
+
+
+def _tf_cpu_buffer(tf_variable):
+    """A local CPU ``tf.Variable``'s buffer, by an eager read, which shares
+    the variable's memory until its first sparse access (reads copy after
+    that: call this as the variable is built). The read and its NumPy view
+    are dropped before returning, so the variable's in-place updates do
+    not copy the buffer."""
+    import numpy as np
+    import tensorflow as tf
+
+    if not isinstance(tf_variable, tf.Variable) or "CPU" not in tf_variable.device:
+        return None
+    if not tf.executing_eagerly():
+        return None
+    read = tf_variable.read_value()
+    view = np.asarray(read)
+    if not view.flags.c_contiguous:
+        return None
+    return view.ctypes.data, view.nbytes
