@@ -20,7 +20,8 @@ Public API:
     data: the async prefetching input stage (`data.prefetch`) and synthetic
         Criteo-like data for examples and benchmarks.
     tune_cpu_allocator: keep freed memory for reuse (glibc), so JAX steps
-        on a CPU stop page-faulting their temporary buffer in.
+        on a CPU stop page-faulting their temporary buffer in; and put the
+        tables built afterwards on 2 MiB pages (every backend).
     compiled_cpu_helpers: whether the PyTorch or TensorFlow CPU update runs
         its compiled code (built on first use) or the backend's own
         operations, and why.
