@@ -154,21 +154,22 @@ def _cpu_buffer(variable):
                 return None
             return value.data_ptr(), value.numel() * value.element_size()
         if backend == "tensorflow":
-            return _tf_cpu_buffer(variable.value)
+            return _tf_cpu_buffer(variable)
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
     return None
 
 
-def _tf_cpu_buffer(tf_variable):
-    """A local CPU ``tf.Variable``'s buffer, by an eager read, which shares
-    the variable's memory until its first sparse access (reads copy after
-    that: call this as the variable is built). The read and its NumPy view
-    are dropped before returning, so the variable's in-place updates do
-    not copy the buffer."""
+def _tf_cpu_buffer(variable):
+    """The buffer of a Keras variable's local CPU ``tf.Variable``, by an
+    eager read, which shares the variable's memory until its first sparse
+    access (reads copy after that: call this as the variable is built).
+    The read and its NumPy view are dropped before returning, so the
+    variable's in-place updates do not copy the buffer."""
     import numpy as np
     import tensorflow as tf
 
+    tf_variable = variable._value  # the tf.Variable itself, not a read
     if not isinstance(tf_variable, tf.Variable) or "CPU" not in tf_variable.device:
         return None
     if not tf.executing_eagerly():

@@ -49,12 +49,13 @@ def _update_rows(context, first, end, ids, valid, grads, segments=None, bag=1):
     """The sparse update of rows ``[first, end)`` of the state (a table of a
     stack, or the whole table) from ``ids`` relative to ``first``.
 
-    The compiled route dedups in a scratch of its own, sized by the batch;
-    the torch route uses the table's scratch entries of those rows (and the
-    one after), made on its first use."""
+    The compiled route dedups in a scratch of its own, sized by the batch,
+    and the input stage's ``segments`` need none; the torch route uses the
+    table's scratch entries of those rows (and the one after), made on its
+    first use."""
     state = {name: tensor[first:end] for name, tensor in context["state"].items()}
     scratch = None
-    if compiled_route(state["table"], grads, segments) is None:
+    if segments is None and compiled_route(state["table"], grads) is None:
         scratch = _scratch(context)[first:]
     apply_row_updates(
         state,
