@@ -17,6 +17,12 @@ when the switch changes speed only).
 A switch read when the step is traced (JAX, TensorFlow graphs) takes each
 model's setting at its first fit; one read at every call (the PyTorch
 update) is set again before each epoch.
+
+``--compare-forms`` measures the two model forms instead, 26 separate
+layers against one `EmbeddingCollection`, the same way (no switch):
+
+    KERAS_BACKEND=tensorflow python benchmarks/switch_ab.py --rows 1e5 \
+        --compare-forms
 """
 
 import argparse
@@ -47,6 +53,11 @@ def main(argv=None):
         help="module.ATTRIBUTE, a bool read when the step is traced or run",
     )
     p.add_argument("--form", choices=("layers", "collection"), default="layers")
+    p.add_argument(
+        "--compare-forms",
+        action="store_true",
+        help="separate layers against one collection (no switch)",
+    )
     p.add_argument("--rows", type=float, default=1e6)
     p.add_argument("--tables", type=int, default=26)
     p.add_argument("--batch", type=int, default=4096)
@@ -73,44 +84,56 @@ def main(argv=None):
     from step_timer import StepTimer
 
     fit = dict(batch_size=args.batch, shuffle=False, verbose=0)
+    # Arm: (form, switch setting or None); the first is the baseline.
+    if args.compare_forms:
+        arms = {"layers": ("layers", None), "collection": ("collection", None)}
+        title = "separate layers against one collection"
+    else:
+        arms = {"off": (args.form, False), "on": (args.form, True)}
+        title = f"{args.switch}: {args.form}"
     models = {}
     names = [f"f{t}" for t in range(args.tables)]
-    for setting in (False, True):
-        setattr(module, attribute, setting)
-        model = keras_model(args.form, names, rows)
+    for arm, (form, setting) in arms.items():
+        if setting is not None:
+            setattr(module, attribute, setting)
+        model = keras_model(form, names, rows)
         warm = {nm: ids[: args.batch, t] for t, nm in enumerate(names)}
         model.fit(warm, labels[: args.batch], **fit)  # traces with the setting
-        models[setting] = model
+        models[arm] = model
     timed = {
         nm: np.ascontiguousarray(ids[args.batch :, t]) for t, nm in enumerate(names)
     }
-    times = {False: [], True: []}
+    times = {arm: [] for arm in arms}
     losses = {}
+    order = list(arms)
     for r in range(args.rounds):
-        for setting in (False, True) if r % 2 == 0 else (True, False):
-            setattr(module, attribute, setting)  # eager backends read it per call
+        for arm in order if r % 2 == 0 else order[::-1]:
+            setting = arms[arm][1]
+            if setting is not None:
+                setattr(module, attribute, setting)  # eager backends: per call
             timer = StepTimer()
-            history = models[setting].fit(
+            history = models[arm].fit(
                 timed, labels[args.batch :], callbacks=[timer], **fit
             )
-            times[setting] += timer.gaps
-            losses[setting] = history.history["loss"][-1]
+            times[arm] += timer.gaps
+            losses[arm] = history.history["loss"][-1]
     print(
-        f"{args.switch}: {args.form}, {args.tables} tables x {rows:.0e} rows, "
-        f"batch {args.batch}, {args.rounds} alternating epochs of {args.steps} steps"
+        f"{title}, {args.tables} tables x {rows:.0e} rows, batch {args.batch}, "
+        f"{args.rounds} alternating epochs of {args.steps} steps"
     )
-    print("| switch | median ms/step | p25 ms/step | last loss |")
+    print(f"| {'form' if args.compare_forms else 'switch'} | median ms/step "
+          "| p25 ms/step | last loss |")  # fmt: skip
     print("|---|---:|---:|---:|")
     stats = {}
-    for setting in (False, True):
-        gaps = [1e3 * g for g in times[setting]]
-        stats[setting] = (statistics.median(gaps), float(np.percentile(gaps, 25)))
-        median, p25 = stats[setting]
-        label = "on" if setting else "off"
-        print(f"| {label} | {median:.1f} | {p25:.1f} | {losses[setting]:.6f} |")
+    for arm in arms:
+        gaps = [1e3 * g for g in times[arm]]
+        stats[arm] = (statistics.median(gaps), float(np.percentile(gaps, 25)))
+        median, p25 = stats[arm]
+        print(f"| {arm} | {median:.1f} | {p25:.1f} | {losses[arm]:.6f} |")
+    base, other = order
     print(
-        f"on / off: median {stats[True][0] / stats[False][0]:.3f}, "
-        f"p25 {stats[True][1] / stats[False][1]:.3f}"
+        f"{other} / {base}: median {stats[other][0] / stats[base][0]:.3f}, "
+        f"p25 {stats[other][1] / stats[base][1]:.3f}"
     )
 
 

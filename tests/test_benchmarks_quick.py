@@ -110,3 +110,18 @@ def test_switch_ab_quick_prints_both_settings():
     for name, (_, median, p25, _) in rows.items():
         assert float(median) > 0 and float(p25) > 0, (name, median, p25)
     np.testing.assert_allclose(float(rows["on"][3]), float(rows["off"][3]), rtol=1e-5)
+
+
+def test_switch_ab_compares_the_forms_at_the_same_loss():
+    """``--compare-forms`` (TensorFlow lane): a row per form, positive step
+    times, and the same last loss (a collection learns what its tables
+    would as separate layers)."""
+    import pytest
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("one backend suffices")
+    args = ["benchmarks/switch_ab.py", "--quick", "--compare-forms"]
+    rows = _table_rows(args, ["layers", "collection"], 4)
+    for name, (_, median, p25, _) in rows.items():
+        assert float(median) > 0 and float(p25) > 0, (name, median, p25)
+    assert rows["collection"][3] == rows["layers"][3]
