@@ -220,8 +220,10 @@ def run_child(args, variant, rows, data):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     if backend:
         env["KERAS_BACKEND"] = backend
+    # PyTorch's allocator puts large allocations on 2 MiB pages with it.
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
     if variant == "torchrec-thp":
-        env["THP_MEM_ALLOC_ENABLE"] = "1"  # PyTorch's allocator: 2 MiB pages
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     cmd = [python, __file__, "--variant", variant,
            "--rows", ",".join(str(r) for r in rows),
            "--data", ",".join(str(d) for d in data), "--batch", str(args.batch),

@@ -88,9 +88,10 @@ def tune_cpu_allocator(enable=True, huge_pages=None):
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     settings = _TUNED if enable else _DEFAULTS
     # musl and other C libraries may export a mallopt that accepts nothing.
-    took = all(mallopt(name, value) == 1 for name, value in settings.items())
-    _SETTINGS["tuned"] = enable
-    return took
+    results = [mallopt(name, value) == 1 for name, value in settings.items()]
+    # Partly tuned counts as tuned: disabling must then restore the rest.
+    _SETTINGS["tuned"] = enable and any(results)
+    return all(results)
 
 
 def _madvise():
@@ -170,12 +171,25 @@ def _tf_cpu_buffer(variable):
     import tensorflow as tf
 
     tf_variable = variable._value  # the tf.Variable itself, not a read
-    if not isinstance(tf_variable, tf.Variable) or "CPU" not in tf_variable.device:
+    if (
+        not isinstance(tf_variable, tf.Variable)
+        # Mirrored or remote copies: not one buffer of this process.
+        or isinstance(tf_variable, tf.distribute.DistributedValues)
+        or not tf.executing_eagerly()
+    ):
         return None
-    if not tf.executing_eagerly():
+    spec = tf.DeviceSpec.from_string(tf_variable.device or "")
+    if spec.device_type not in (None, "CPU") or spec.job not in (None, "localhost"):
         return None
-    read = tf_variable.read_value()
-    view = np.asarray(read)
-    if not view.flags.c_contiguous:
+    addresses = set()
+    for _ in range(2):
+        view = np.asarray(tf_variable.read_value())
+        if not view.flags.c_contiguous:
+            return None
+        addresses.add(view.ctypes.data)
+        del view
+    # Two reads at one address share the variable's buffer; after a sparse
+    # access each read is a copy of its own, whose advice would be lost.
+    if len(addresses) != 1:
         return None
-    return view.ctypes.data, view.nbytes
+    return addresses.pop(), tf_variable.shape.num_elements() * tf_variable.dtype.size

@@ -86,7 +86,11 @@ _HUGE_SCRIPT = textwrap.dedent(
     inputs = keras.Input((2,), dtype="int32")
     model = keras.Model(inputs, layer(inputs))
     # Before any update (TensorFlow's reads copy after a sparse access).
-    start = cpu_allocator._cpu_buffer(layer.embeddings)[0]
+    buffer = cpu_allocator._cpu_buffer(layer.embeddings)
+    if buffer is None:
+        print("not-on-the-cpu")
+        raise SystemExit(0)
+    start = buffer[0]
     advised = cpu_allocator.back_with_huge_pages([layer.embeddings])
     def huge_bytes():
         for line in open("/proc/self/smaps_rollup"):
@@ -128,6 +132,8 @@ def test_huge_pages_back_the_tables_built_after_tuning(enable, huge, marked):
         text=True,
         check=True,
     ).stdout.split()
+    if out == ["not-on-the-cpu"]:
+        pytest.skip("this backend's tables are not in CPU memory")
     if out[0] != "True":
         pytest.skip("no glibc mallopt here")
     advised, before, after = int(out[1]), int(out[3]), int(out[4])
