@@ -170,16 +170,16 @@ def _tf_cpu_buffer(variable):
     import numpy as np
     import tensorflow as tf
 
+    from keras_sparse.ops.tf_native_rows import local_cpu
+
     tf_variable = variable._value  # the tf.Variable itself, not a read
     if (
         not isinstance(tf_variable, tf.Variable)
         # Mirrored or remote copies: not one buffer of this process.
         or isinstance(tf_variable, tf.distribute.DistributedValues)
         or not tf.executing_eagerly()
+        or not local_cpu(tf_variable.device)
     ):
-        return None
-    spec = tf.DeviceSpec.from_string(tf_variable.device or "")
-    if spec.device_type not in (None, "CPU") or spec.job not in (None, "localhost"):
         return None
     addresses = set()
     for _ in range(2):

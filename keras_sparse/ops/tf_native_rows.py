@@ -50,9 +50,10 @@ def _flags():
     )  # fmt: skip
 
 
-def _local_cpu(device):
+def local_cpu(device):
     """Whether ``device`` is a CPU of this process (the op is loaded
-    here only, and built for CPUs)."""
+    here only, and built for CPUs; `keras_sparse.cpu_allocator` advises
+    only such buffers)."""
     spec = tf.DeviceSpec.from_string(device or "")
     return spec.device_type in (None, "CPU") and spec.job in (None, "localhost")
 
@@ -63,7 +64,7 @@ def _usable_variable(variable):
     mirrored = isinstance(variable, tf.distribute.DistributedValues)
     if mirrored and tf.distribute.in_cross_replica_context():
         return False
-    return _local_cpu(variable.device)
+    return local_cpu(variable.device)
 
 
 def library():
