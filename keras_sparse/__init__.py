@@ -22,7 +22,7 @@ Public API:
     tune_cpu_allocator: keep freed memory for reuse (glibc), so JAX steps
         on a CPU stop page-faulting their temporary buffer in; and put the
         tables built afterwards on 2 MiB pages (every backend).
-    compiled_cpu_helpers: whether the PyTorch or TensorFlow CPU update runs
+    compiled_cpu_helpers: whether the CPU update of the current backend runs
         its compiled code (built on first use) or the backend's own
         operations, and why.
     set_progress: whether long exports, imports, saves and loads of big hash

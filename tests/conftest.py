@@ -23,6 +23,18 @@ def backend():
     return keras.backend.backend()
 
 
+@pytest.fixture
+def xla_route(monkeypatch):
+    """JAX updates and gathers rows with XLA, not the compiled custom calls
+    (`keras_sparse.ops.jax_native_rows`): for tests of the XLA route's own
+    parts (the dedup scratch, sizes, reused forward rows)."""
+    if backend() == "jax":
+        from keras_sparse.ops import jax_native_rows
+
+        monkeypatch.setattr(jax_native_rows, "FUSED_OPTIMIZERS", False)
+        monkeypatch.setattr(jax_native_rows, "PREFETCH_GATHER", False)
+
+
 # --- Progress: one line per finished test file (tests/run.sh sets
 # KS_PROGRESS_FD to the terminal and KS_PROGRESS_LANE to the run's name), so
 # both lanes show where they are while their full output goes to logs.

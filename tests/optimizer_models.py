@@ -23,6 +23,18 @@ def optimizer(name):
     }[name]
 
 
+def given_updates(**extra):
+    """hypothesis ``@given`` over one update: ``seed``, ``n`` ids, ``rows``,
+    ``dim``, ``it`` (updates before), and ``extra`` strategies."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    return given(
+        seed=st.integers(0, 2**16), n=st.integers(0, 100), rows=st.integers(1, 20),
+        dim=st.sampled_from([1, 3, 16]), it=st.integers(0, 7), **extra,
+    )  # fmt: skip
+
+
 def random_state(opt, rng, num_rows, dim):
     """``(table, slots)``: float32 arrays, slots above their initial value."""
     table = rng.normal(size=(num_rows, dim)).astype(F)
@@ -31,6 +43,14 @@ def random_state(opt, rng, num_rows, dim):
         for spec in opt.slot_specs()
     }
     return table, slots
+
+
+def random_batch(rng, rows, n, dim):
+    """``(ids, valid, grads)``: ``n`` ids in ``[0, rows)``, a fifth of them
+    not valid, and float32 gradients."""
+    ids = rng.integers(0, rows, n)
+    valid = rng.random(n) >= 0.2
+    return ids, valid, rng.normal(size=(n, dim)).astype(F)
 
 
 def numpy_update(name, opt, table, slots, ids, valid, grads, iterations, first=0):

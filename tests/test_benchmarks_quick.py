@@ -125,3 +125,20 @@ def test_switch_ab_compares_the_forms_at_the_same_loss():
     for name, (_, median, p25, _) in rows.items():
         assert float(median) > 0 and float(p25) > 0, (name, median, p25)
     assert rows["collection"][3] == rows["layers"][3]
+
+
+def test_dense_route_prints_every_route():
+    """benchmarks/dense_route.py (JAX) at a tiny size: a positive time for
+    each route, the compiled call's among them where it can be built."""
+    import pytest
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the benchmark runs on JAX")
+    from keras_sparse.ops import jax_native_rows
+
+    routes = 3 if jax_native_rows.library() is not None else 2
+    args = ["benchmarks/dense_route.py", "--rows", "64", "--ids-per-row", "0.5",
+            "--steps", "2"]  # fmt: skip
+    rows = _table_rows(args, ["64"], 3 + 2 * routes)
+    times = [float(cell) for cell in rows["64"][3:]]
+    assert all(t > 0 for t in times), times

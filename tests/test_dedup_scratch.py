@@ -12,6 +12,9 @@ from keras_sparse.layers import dedup_scratch
 from keras_sparse.ops import dense_row_updates
 from keras_sparse.ops import row_updates
 
+# The scratch belongs to XLA's route; JAX's compiled call needs none.
+pytestmark = pytest.mark.usefixtures("xla_route")
+
 
 @settings(max_examples=40, deadline=None)
 @given(

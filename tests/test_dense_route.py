@@ -7,9 +7,12 @@ import pytest
 import keras_sparse as ks
 from keras_sparse.ops import dense_row_updates
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="the dense route is JAX's"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        keras.backend.backend() != "jax", reason="the dense route is JAX's"
+    ),
+    pytest.mark.usefixtures("xla_route"),
+]
 
 ROWS, DIM, BAG, BATCH = 40, 3, 4, 32
 # Rows the data never reaches: above USED, row 0 (masked: mask_zero with a

@@ -17,9 +17,12 @@ from keras_sparse.layers import dedup_scratch
 from keras_sparse.ops import count_buckets
 from keras_sparse.ops import dense_row_updates
 
-pytestmark = pytest.mark.skipif(
-    backend() != "jax", reason="the forward rows are reused on JAX only"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        backend() != "jax", reason="the forward rows are reused on JAX only"
+    ),
+    pytest.mark.usefixtures("xla_route"),
+]
 
 ROWS, DIM, BATCH, BAG = 300, 4, 64, 3
 

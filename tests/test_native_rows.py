@@ -41,12 +41,12 @@ def _native():
 def _torch_operations_route():
     """As on a machine without a compiler: the update runs as torch ops."""
     _, native_rows, _ = _modules()
-    lib = native_rows.library()
-    native_rows._STATE["library"] = None
+    real = native_rows.library
+    native_rows.library = lambda: None
     try:
         yield
     finally:
-        native_rows._STATE["library"] = lib
+        native_rows.library = real
 
 
 @contextlib.contextmanager
@@ -388,14 +388,16 @@ def test_a_missing_source_or_a_shared_cache_turns_the_helpers_off(
     def missing(name):
         raise FileNotFoundError(f"{name} not found")
 
+    from keras_sparse import kernel_sources
+
     with monkeypatch.context() as patch:
-        patch.setattr(native_rows, "kernel_source", missing)
-        lib, status = native_rows._load()
+        patch.setattr(kernel_sources, "kernel_source", missing)
+        lib, status = native_rows._LIBRARY.build()
     assert lib is None and "cpu_rows.c not found" in status
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
     monkeypatch.setenv("KERAS_SPARSE_CACHE", str(shared))
-    lib, status = native_rows._load()
+    lib, status = native_rows._LIBRARY.build()
     assert lib is None and "not private" in status
     assert not list(shared.iterdir())

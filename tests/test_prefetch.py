@@ -116,6 +116,7 @@ def test_fit_bit_identical_under_eviction(threads, capacity):
     assert not _wait_no_workers()
 
 
+@pytest.mark.usefixtures("xla_route")  # the compiled call dedups by itself
 def test_step_uses_the_stage_segments_and_works_without_them(monkeypatch):
     import sys
 

@@ -10,7 +10,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
@@ -55,21 +54,12 @@ def _apply(
 
 @pytest.mark.parametrize("name", models.NAMES)
 @settings(max_examples=15, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    n=st.integers(0, 100),
-    rows=st.integers(1, 20),
-    first=st.integers(0, 5),
-    dim=st.sampled_from([1, 3, 16]),
-    it=st.integers(0, 7),
-)
+@models.given_updates(first=st.integers(0, 5))
 def test_op_equals_numpy_and_the_graph_route(name, seed, n, rows, first, dim, it):
     optimizer = models.optimizer(name)
     rng = np.random.default_rng(seed)
     table, slots = models.random_state(optimizer, rng, first + rows + 2, dim)
-    ids = rng.integers(0, rows, n)
-    valid = rng.random(n) >= 0.2
-    grads = rng.normal(size=(n, dim)).astype(F)
+    ids, valid, grads = models.random_batch(rng, rows, n, dim)
     args = (ids, valid, grads, first, rows, it)
     got, fused = _apply(optimizer, table, slots, *args)
     assert fused

@@ -15,6 +15,7 @@ from jax.custom_derivatives import CustomVJPPrimal
 from jax.custom_derivatives import SymbolicZero
 
 from keras_sparse.ops import dense_row_updates
+from keras_sparse.ops import jax_native_rows
 from keras_sparse.ops import row_updates
 from keras_sparse.ops import take_rows
 from keras_sparse.ops.row_updates import compute_row_updates
@@ -29,6 +30,9 @@ FORWARD_ROWS_MIN_BYTES = 16 << 20
 
 
 def gather_valid(table, ids, valid):
+    gathered = jax_native_rows.gather_rows(table, ids, valid)
+    if gathered is not None:
+        return gathered
     rows = take_rows(table, jnp.where(valid, ids, 0))
     return jnp.where(valid[:, None], rows, jnp.zeros((), table.dtype))
 
@@ -125,6 +129,17 @@ def _backward(config, residuals, cotangents):
         )
         table_out = updated.pop("table")
         return table_out, updated, None, None, None, None
+    # Below the dense route's threshold the compiled call beats both XLA
+    # routes (benchmarks/dense_route.py: 2x the dense route at a quarter
+    # as many ids as rows); from it on, the dense route's vector pass over
+    # the table beats the call's per-id hashing.
+    fused = jax_native_rows.fused_rule(optimizer, constraint, table)
+    if fused is not None and set(state) == {"table", *fused[1]}:
+        updated = jax_native_rows.fused_update(
+            state, optimizer, ids, valid, grads, iterations, *fused
+        )
+        table_out = updated.pop("table")
+        return table_out, updated, None, None, None, None
     unique_ids, is_real, new_values = compute_row_updates(
         optimizer,
         lambda name, rows: take_rows(state[name], rows),
@@ -203,6 +218,13 @@ def _reset_backward(residuals, grads):
 
 
 reset_rows.defvjp(_reset_forward, _reset_backward)
+
+
+def fused_update_applies(optimizer, constraint, table):
+    """Whether the sparse update of ``table`` (a variable) runs as one
+    compiled custom call (`keras_sparse.ops.jax_native_rows`), which finds
+    duplicates itself: such a table needs no dedup scratch."""
+    return jax_native_rows.fused_rule(optimizer, constraint, table) is not None
 
 
 def scratch_segments(scratch_var, ids, valid, num_rows):

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 
 def build_library(name, sources, main, compiler_env, compiler, flags, load):
@@ -49,6 +50,59 @@ def build_library(name, sources, main, compiler_env, compiler, flags, load):
         return load(path), f"on: {path}"
     except Exception as error:  # any failure: the caller's other route runs
         return None, f"off: building or loading the helpers failed: {error}"
+
+
+class LazyLibrary:
+    """A library built (or loaded from the cache) on first use, once per
+    process: `get()` is the loaded library or None, `status()` why.
+
+    ``build`` takes no arguments and returns `build_library`'s
+    ``(loaded, status)``; it runs at most once, under a lock, so threads
+    that ask at the same time share one build.
+    """
+
+    def __init__(self, build):
+        self._build = build
+        self._lock = threading.Lock()
+        self._result = None
+
+    def get(self):
+        with self._lock:
+            if self._result is None:
+                self._result = self._build()
+            return self._result[0]
+
+    def status(self):
+        self.get()
+        return self._result[1]
+
+    def build(self):
+        """``(loaded, status)`` of a build (or cache load) done now, not
+        kept: what `get` would see in a fresh process."""
+        return self._build()
+
+
+def source_library(name, source, compiler_env, compiler, flags, load):
+    """A `LazyLibrary` built from ``kernels/<source>`` (its local includes
+    expanded) as `build_library` does; ``flags`` is called at build time."""
+    return LazyLibrary(
+        lambda: build_library(
+            name,
+            lambda: {source: _kernel_text(source)},
+            source,
+            compiler_env,
+            compiler,
+            flags(),
+            load,
+        )  # fmt: skip
+    )
+
+
+def _kernel_text(source):
+    # Looked up at each build, so that tests can replace it.
+    from keras_sparse import kernel_sources
+
+    return kernel_sources.kernel_source(source)
 
 
 def cache_dir():

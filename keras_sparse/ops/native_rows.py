@@ -16,11 +16,9 @@ operations; `status()` says which and why.
 """
 
 import ctypes
-import threading
 
 import numpy as np
 
-from keras_sparse.kernel_sources import kernel_source
 from keras_sparse.ops import native_build
 
 SOURCE = "cpu_rows.c"
@@ -30,8 +28,6 @@ SOURCE = "cpu_rows.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 # Ids of one dedup: its hash's slot numbers must fit an int32.
 MAX_IDS = 2**30
-_LOCK = threading.Lock()
-_STATE = {}
 
 
 class NativeRows:
@@ -166,30 +162,26 @@ class NativeRows:
 
 def library():
     """The `NativeRows` helpers, built or loaded once per process; or None."""
-    with _LOCK:
-        if "library" not in _STATE:
-            _STATE["library"], _STATE["status"] = _load()
-        return _STATE["library"]
+    return _LIBRARY.get()
 
 
 def status():
     """Why `library()` is what it is, in words (builds it first if needed)."""
-    library()
-    return _STATE["status"]
+    return _LIBRARY.status()
 
 
 def compiled_cpu_helpers():
     """Whether the compiled CPU helpers of the sparse update are in use.
 
-    On a CPU the PyTorch and TensorFlow backends run the sparse update of
-    a table as compiled code, built on first use with the system compiler
-    and cached per user: PyTorch calls a small C library (the dedup, the
-    gradient sums, and SGD, Adagrad and Adam on the rows), TensorFlow one
-    op of its own (the same C code, built against the installed
-    TensorFlow). Without a compiler both run the same arithmetic as their
-    own operations, about half as fast. Returns ``"on: <library path>"``
-    or ``"off: <reason>"`` for the current backend, building first if
-    needed (JAX compiles its update with XLA: always "off").
+    On a CPU every backend runs the sparse update of a table as compiled
+    code, built on first use with the system compiler and cached per
+    user: PyTorch calls a small C library (the dedup, the gradient sums,
+    and SGD, Adagrad and Adam on the rows), TensorFlow one op of its own
+    and JAX one XLA custom call (the same C code, built against the
+    installed TensorFlow or jaxlib). Without a compiler each runs the same
+    arithmetic as its own operations, about half as fast. Returns
+    ``"on: <library path>"`` or ``"off: <reason>"`` for the current
+    backend, building first if needed.
 
     Example:
 
@@ -204,18 +196,16 @@ def compiled_cpu_helpers():
         from keras_sparse.ops import tf_native_rows
 
         return tf_native_rows.status()
+    if backend == "jax":
+        from keras_sparse.ops import jax_native_rows
+
+        return jax_native_rows.status()
     if backend != "torch":
-        return f"off: the {backend} backend compiles its update itself"
+        return f"off: no compiled helpers for the {backend} backend"
     return status()
 
 
-def _load():
-    return native_build.build_library(
-        "cpu_rows",
-        lambda: {SOURCE: kernel_source(SOURCE)},
-        SOURCE,
-        "CC",
-        "cc",
-        FLAGS,
-        lambda path: NativeRows(ctypes.CDLL(str(path))),
-    )
+_LIBRARY = native_build.source_library(
+    "cpu_rows", SOURCE, "CC", "cc", lambda: FLAGS,
+    lambda path: NativeRows(ctypes.CDLL(str(path))),
+)  # fmt: skip

@@ -21,11 +21,8 @@ correctly rounded square root; TensorFlow's own ops may round an ulp
 differently (tests/test_tf_native_rows.py).
 """
 
-import threading
-
 import tensorflow as tf
 
-from keras_sparse.kernel_sources import kernel_source
 from keras_sparse.ops import native_build
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
@@ -35,8 +32,6 @@ SOURCE = "tf_rows_op.cc"
 FUSED_OPTIMIZERS = True
 #: Read when a step is traced: False gathers the forward's rows by tf.gather.
 PREFETCH_GATHER = True
-_LOCK = threading.Lock()
-_STATE = {}
 
 
 def _flags():
@@ -67,26 +62,24 @@ def _usable_variable(variable):
     return local_cpu(variable.device)
 
 
+_LIBRARY = native_build.source_library(
+    "tf_rows_op",
+    SOURCE,
+    "CXX",
+    "c++",
+    _flags,
+    lambda path: tf.load_op_library(str(path)),
+)
+
+
 def library():
     """The loaded op module (``tf.load_op_library``), built once; or None."""
-    with _LOCK:
-        if "library" not in _STATE:
-            _STATE["library"], _STATE["status"] = native_build.build_library(
-                "tf_rows_op",
-                lambda: {SOURCE: kernel_source(SOURCE)},
-                SOURCE,
-                "CXX",
-                "c++",
-                _flags(),
-                lambda path: tf.load_op_library(str(path)),
-            )
-        return _STATE["library"]
+    return _LIBRARY.get()
 
 
 def status():
     """Why `library()` is what it is, in words (builds it first if needed)."""
-    library()
-    return _STATE["status"]
+    return _LIBRARY.status()
 
 
 def fused_update(

@@ -1,0 +1,174 @@
+/* JAX CPU custom calls (keras_sparse.ops.jax_native_rows): the sparse row
+ * update of a table and its optimizer slots, in place, in one pass; and the
+ * forward's gather of a table's rows, prefetched.
+ *
+ * XLA:CPU runs the update as a dozen fused loops per table (the dedup by a
+ * table-sized scratch, a cumulative sum, segment sums, gathers of the table
+ * and of each slot, the optimizer, a scatter per array), each a pass over
+ * the batch, the gathers and scatters each a random access to every touched
+ * row. This call dedups with the hash of cpu_rows.c and updates each
+ * distinct row with one read and one write of each array. Its results are
+ * aliased to the arrays it updates (input_output_aliases), so with donated
+ * state XLA hands it the table's own buffer and nothing is copied.
+ * Built on first use against the installed jaxlib's FFI headers.
+ */
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+extern "C" {
+#include "cpu_rows.c"
+}
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Named types: a template's comma would split the binding macros' arguments.
+using Ids = ffi::Buffer<ffi::S32, 1>;
+using Flags = ffi::Buffer<ffi::PRED, 1>;
+using Rows = ffi::Buffer<ffi::F32, 2>;
+using Scalars = ffi::Buffer<ffi::F32, 1>;
+
+// Per-thread scratch of the update, kept between calls: a step updates
+// dozens of tables, and fresh megabyte buffers would each be mapped and
+// faulted in anew.
+struct Scratch {
+  std::vector<int64_t> wide;
+  std::vector<int32_t> hash;
+  std::vector<int64_t> unique;
+  std::vector<float> summed;
+};
+
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
+                     ffi::RemainingArgs arrays,
+                     ffi::RemainingRets outs, int32_t rule) {
+  const int64_t n = ids.element_count();
+  const int wanted = rule == 0 ? 1 : rule == 1 ? 2 : rule == 2 ? 3 : -1;
+  const int64_t n_scalars = rule == 0 ? 1 : rule == 1 ? 2 : 4;
+  if (wanted < 0 || int64_t(arrays.size()) != wanted ||
+      int64_t(outs.size()) != wanted ||
+      int64_t(scalars.element_count()) != n_scalars) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse row update: rule " + std::to_string(rule) + " with " +
+        std::to_string(arrays.size()) + " arrays and " +
+        std::to_string(scalars.element_count()) + " scalars");
+  }
+  const int64_t dim = grads.dimensions()[1];
+  if (int64_t(valid.element_count()) != n || grads.dimensions()[0] != n ||
+      n > (int64_t{1} << 30)) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse row update: ids [n] (n <= 2**30), valid [n] and grads "
+        "[n, dim] do not fit");
+  }
+  int64_t rows = -1;
+  std::vector<float*> data(wanted);
+  for (int i = 0; i < wanted; ++i) {
+    auto in = arrays.get<Rows>(i);
+    auto out = outs.get<Rows>(i);
+    if (!in.has_value() || !out.has_value()) {
+      return ffi::Error::InvalidArgument(
+          "keras_sparse row update: arrays must be float32 [rows, dim]");
+    }
+    const auto shape = in->dimensions();
+    if (shape[1] != dim || (rows >= 0 && shape[0] != rows) ||
+        (*out)->dimensions()[0] != shape[0] || (*out)->dimensions()[1] != dim) {
+      return ffi::Error::InvalidArgument(
+          "keras_sparse row update: the table and its slots must all be "
+          "[rows, " + std::to_string(dim) + "]");
+    }
+    rows = shape[0];
+    float* target = (*out)->typed_data();
+    // Aliased by the caller: XLA gives the result the input's buffer (it
+    // copies first where the input is still read elsewhere). Copy here
+    // only if it did not.
+    if (target != in->typed_data()) {
+      std::memcpy(target, in->typed_data(), in->size_bytes());
+    }
+    data[i] = target;
+  }
+  if (n == 0) return ffi::Error::Success();
+  Scratch& s = thread_scratch();
+  s.wide.resize(n);
+  s.hash.resize(ks_dedup_scratch_entries(n));
+  s.unique.resize(n);
+  s.summed.resize(size_t(n) * size_t(dim));
+  const int32_t* narrow = ids.typed_data();
+  for (int64_t p = 0; p < n; ++p) s.wide[p] = narrow[p];
+  const int64_t count = ks_distinct_sum_f32(
+      s.wide.data(), reinterpret_cast<const uint8_t*>(valid.typed_data()), n,
+      rows, grads.typed_data(), 1, dim, s.hash.data(), s.unique.data(),
+      s.summed.data());
+  if (count < 0) {
+    // Nothing written: the dedup checks every id before any row changes.
+    return ffi::Error::InvalidArgument(
+        "keras_sparse row update: id " + std::to_string(narrow[-1 - count]) +
+        " at position " + std::to_string(-1 - count) +
+        " is outside the table's rows [0, " + std::to_string(rows) + ")");
+  }
+  const float* k = scalars.typed_data();
+  const int64_t* touched = s.unique.data();
+  const float* g = s.summed.data();
+  if (rule == 0) {
+    ks_sgd_rows_f32(data[0], touched, g, count, dim, k[0]);
+  } else if (rule == 1) {
+    ks_adagrad_rows_f32(data[0], data[1], touched, g, count, dim, k[0], k[1]);
+  } else {
+    ks_adam_rows_f32(data[0], data[1], data[2], touched, g, count, dim, k[0],
+                     k[1], k[2], k[3]);
+  }
+  return ffi::Error::Success();
+}
+
+// rows[p] = table[ids[p]] where valid[p], else zeros, prefetching the row
+// KS_AHEAD positions on (ks_gather_rows_f32): XLA's gather takes the cache
+// misses of a large table one after another.
+ffi::Error GatherRows(Rows table, Ids ids, Flags valid,
+                      ffi::Result<Rows> out) {
+  const int64_t n = ids.element_count();
+  const int64_t rows = table.dimensions()[0];
+  const int64_t dim = table.dimensions()[1];
+  if (int64_t(valid.element_count()) != n || out->dimensions()[0] != n ||
+      out->dimensions()[1] != dim) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse gather: ids [n], valid [n] and rows [n, dim] do not fit");
+  }
+  const int32_t* id = ids.typed_data();
+  const uint8_t* ok = reinterpret_cast<const uint8_t*>(valid.typed_data());
+  const int64_t bad = ks_first_outside(id, ok, n, rows);
+  if (bad >= 0) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse gather: id " + std::to_string(id[bad]) + " at position " +
+        std::to_string(bad) + " is outside the table's rows [0, " +
+        std::to_string(rows) + ")");
+  }
+  ks_gather_rows_f32(table.typed_data(), id, ok, 0, n, dim, out->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasSparseRowUpdate, RowUpdate,
+                              ffi::Ffi::Bind()
+                                  .Arg<Ids>()
+                                  .Arg<Flags>()
+                                  .Arg<Rows>()
+                                  .Arg<Scalars>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("rule"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasSparseGatherRows, GatherRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<Rows>()
+                                  .Arg<Ids>()
+                                  .Arg<Flags>()
+                                  .Ret<Rows>());

@@ -1,0 +1,200 @@
+"""The compiled JAX row update and gather (keras_sparse.ops.jax_native_rows):
+equal to a NumPy float32 model of SGD, Adagrad and Adam to the bit, in place
+on donated state, safe on bad ids, used only where it applies, close to the
+XLA route, and a clean fallback when it cannot be built."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import settings
+
+from tests import optimizer_models as models
+from tests.optimizer_models import F
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="the JAX custom calls"
+)
+
+
+def _module():
+    """``jax_native_rows``; skips the test where it cannot be built."""
+    from keras_sparse.ops import jax_native_rows
+
+    if jax_native_rows.library() is None:
+        pytest.skip(f"JAX custom calls unavailable: {jax_native_rows.status()}")
+    return jax_native_rows
+
+
+def _apply(optimizer, table, slots, ids, valid, grads, it, constraint=None):
+    """``(new state as NumPy, whether the custom call applies)``."""
+    import jax
+    import jax.numpy as jnp
+
+    native = _module()
+    fused = native.fused_rule(optimizer, constraint, jnp.asarray(table))
+    if fused is None:
+        return None, False
+    state = {
+        "table": jnp.asarray(table),
+        **{k: jnp.asarray(v) for k, v in slots.items()},
+    }
+    step = jax.jit(
+        lambda s, i, v, g, t: native.fused_update(s, optimizer, i, v, g, t, *fused)
+    )
+    out = step(state, ids.astype(np.int32), valid, grads, jnp.int32(it))
+    return {k: np.asarray(v) for k, v in out.items()}, True
+
+
+@pytest.mark.parametrize("name", models.NAMES)
+@settings(max_examples=15, deadline=None)
+@models.given_updates()
+def test_the_call_equals_numpy_to_the_bit(name, seed, n, rows, dim, it):
+    optimizer = models.optimizer(name)
+    rng = np.random.default_rng(seed)
+    table, slots = models.random_state(optimizer, rng, rows, dim)
+    ids, valid, grads = models.random_batch(rng, rows, n, dim)
+    got, fused = _apply(optimizer, table, slots, ids, valid, grads, it)
+    assert fused
+    want = models.numpy_update(name, optimizer, table, slots, ids, valid, grads, it)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_the_gather_equals_numpy_with_zeros_where_not_valid(monkeypatch):
+    import jax
+
+    native = _module()
+    monkeypatch.setattr(native, "PREFETCH_GATHER", True)  # small tables too
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(500, 7)).astype(F)
+    for n in (0, 1, 15, 16, 17, 300):
+        ids = rng.integers(0, 500, n).astype(np.int32)
+        valid = rng.random(n) >= 0.3
+        ids[~valid] = -5  # never read where not valid
+        got = jax.jit(native.gather_rows)(table, ids, valid)
+        want = np.where(valid[:, None], table[np.where(valid, ids, 0)], 0)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_donated_state_is_updated_in_its_own_buffer():
+    import jax
+    import jax.numpy as jnp
+
+    from keras_sparse import optimizers
+
+    native = _module()
+    optimizer = optimizers.Adagrad(0.1)
+    fused = native.fused_rule(optimizer, None, jnp.zeros((4, 2)))
+    state = {"table": jnp.ones((1000, 8)), "accumulator": jnp.full((1000, 8), 0.1)}
+    before = {k: v.unsafe_buffer_pointer() for k, v in state.items()}
+    step = jax.jit(
+        lambda s, i, v, g: native.fused_update(s, optimizer, i, v, g, 0, *fused),
+        donate_argnums=0,
+    )
+    ids = np.array([3, 9, 3], np.int32)
+    out = step(state, ids, np.ones(3, bool), np.ones((3, 8), F))
+    assert {k: v.unsafe_buffer_pointer() for k, v in out.items()} == before
+    table = np.asarray(out["table"])
+    assert (table[[3, 9]] < 1).all() and (np.delete(table, [3, 9], 0) == 1).all()
+
+
+def test_an_id_outside_the_rows_raises_and_changes_nothing(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from keras_sparse import optimizers
+
+    native = _module()
+    monkeypatch.setattr(native, "PREFETCH_GATHER", True)
+    optimizer = optimizers.Adagrad(0.1)
+    table = jnp.asarray(np.arange(24, dtype=F).reshape(8, 3))
+    acc = jnp.ones((8, 3))
+    fused = native.fused_rule(optimizer, None, table)
+    step = jax.jit(
+        lambda s, i: native.fused_update(
+            s, optimizer, i, np.ones(2, bool), np.ones((2, 3), F), 0, *fused
+        )
+    )
+    gather = jax.jit(native.gather_rows)
+    for bad in ([1, 8], [1, -1]):
+        bad = np.array(bad, np.int32)
+        with pytest.raises(Exception, match="outside the table's rows"):
+            jax.block_until_ready(step({"table": table, "accumulator": acc}, bad))
+        with pytest.raises(Exception, match="outside the table's rows"):
+            jax.block_until_ready(gather(table, bad, np.ones(2, bool)))
+    np.testing.assert_array_equal(
+        np.asarray(table), np.arange(24, dtype=F).reshape(8, 3)
+    )
+    np.testing.assert_array_equal(np.asarray(acc), np.ones((8, 3), F))
+
+
+def test_subclasses_constraints_and_other_optimizers_take_the_xla_route():
+    cases, (ids, valid, grads) = models.route_cases()
+    rng = np.random.default_rng(0)
+    for optimizer, constraint, expect_fused in cases:
+        table, slots = models.random_state(optimizer, rng, 4, 4)
+        _, fused = _apply(optimizer, table, slots, ids, valid, grads, 0, constraint)
+        assert fused == expect_fused, optimizer
+    _, fused = _apply(
+        models.optimizer("sgd"), np.zeros((4, 4), "float16"), {}, ids, valid, grads, 0
+    )
+    assert not fused  # float32 tables only
+
+
+@pytest.mark.parametrize("form", ["layers", "collection"])
+def test_models_train_alike_on_both_routes(form, monkeypatch):
+    from keras_sparse.ops import dense_row_updates
+
+    native = _module()
+    # The model's 64 ids per step would update its 50-row tables densely.
+    monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
+    used = models.record_use(monkeypatch, native, "fused_update")
+    monkeypatch.setattr(native, "PREFETCH_GATHER", True)  # gathers by the call
+    for name in ("sgd", "adagrad", "adam"):
+        used.clear()
+        fused = models.train(form, name)
+        assert used and all(used), name  # every table's update is the call
+        with models.switch(native, "FUSED_OPTIMIZERS", False):
+            monkeypatch.setattr(native, "PREFETCH_GATHER", False)  # all XLA
+            used.clear()
+            reference = models.train(form, name)
+            assert not used
+            monkeypatch.setattr(native, "PREFETCH_GATHER", True)
+        for got, want in zip(fused, reference):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_table_on_the_call_gets_no_dedup_scratch():
+    import keras_sparse as ks
+
+    _module()
+    plain = ks.AllToAllDenseEmbedding(100, 4, optimizer="adagrad")
+    plain.build((None, 2))
+    clipped = ks.AllToAllDenseEmbedding(
+        100, 4, optimizer="adagrad", embeddings_constraint="non_neg"
+    )
+    clipped.build((None, 2))
+    assert not getattr(plain, "_dedup_scratch_by_table", {})
+    assert clipped._dedup_scratch_by_table  # its update stays on XLA
+
+
+def test_without_a_compiler_the_xla_route_runs(tmp_path):
+    code = (
+        "from keras_sparse.ops import jax_native_rows as j;"
+        "print(j.library() is None);print(j.status())"
+    )
+    env = {
+        **os.environ, "KERAS_SPARSE_CACHE": str(tmp_path), "CXX": "no-such-cxx",
+        "KERAS_BACKEND": "jax",
+    }  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    none, status = result.stdout.strip().splitlines()[-2:]
+    assert none == "True"
+    assert status == "off: no C compiler found ($CXX or c++)"
