@@ -11,6 +11,20 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The row loops are compiled for wider vector units too, the version
+ * picked when the library loads (GCC's function multiversioning on x86-64):
+ * a cache shared by machines of different CPUs stays safe, and since the
+ * loops use only correctly rounded operations (add, multiply, divide,
+ * square root; no contraction into fused multiply-adds) every version
+ * computes the same bits. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    defined(__linux__)
+#define KS_VECTOR_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KS_VECTOR_CLONES
+#endif
+
 /* Positions ahead whose row is prefetched (random accesses). */
 #define KS_AHEAD 16
 
@@ -50,6 +64,7 @@ int64_t ks_dedup_scratch_entries(int64_t n) {
  * read back from ids), so it stays in cache whatever the table's size, where
  * an entry per table row would miss the cache once tables outgrow it.
  */
+KS_VECTOR_CLONES
 int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
                             int64_t n, int64_t rows, const float *grads,
                             int64_t bag, int64_t dim, int32_t *scratch,
@@ -146,6 +161,7 @@ void ks_gather_rows_f32(const float *table, const int32_t *ids,
   } while (0)
 
 /* SGD: row - lr * g. */
+KS_VECTOR_CLONES
 void ks_sgd_rows_f32(float *table, const int64_t *rows, const float *grads,
                      int64_t count, int64_t dim, float lr) {
   for (int64_t i = 0; i < count; ++i) {
@@ -157,6 +173,7 @@ void ks_sgd_rows_f32(float *table, const int64_t *rows, const float *grads,
 }
 
 /* Adagrad: acc + g * g, then row - lr * g / sqrt(acc + eps). */
+KS_VECTOR_CLONES
 void ks_adagrad_rows_f32(float *table, float *acc, const int64_t *rows,
                          const float *grads, int64_t count, int64_t dim,
                          float lr, float eps) {
@@ -177,6 +194,7 @@ void ks_adagrad_rows_f32(float *table, float *acc, const int64_t *rows,
 /* Adam: m + (g - m) * keep_1, v + (g * g - v) * keep_2, then
  * row - (m * alpha) / (sqrt(v) + eps); alpha is the step's bias-corrected
  * learning rate. */
+KS_VECTOR_CLONES
 void ks_adam_rows_f32(float *table, float *momentum, float *velocity,
                       const int64_t *rows, const float *grads, int64_t count,
                       int64_t dim, float keep_1, float keep_2, float alpha,

@@ -198,3 +198,39 @@ def test_without_a_compiler_the_xla_route_runs(tmp_path):
     none, status = result.stdout.strip().splitlines()[-2:]
     assert none == "True"
     assert status == "off: no C compiler found ($CXX or c++)"
+
+
+def test_only_training_steps_hold_the_custom_calls(monkeypatch):
+    """Inference programs (what `model.export` and the serving export
+    trace) gather with XLA: a custom call would tie them to this build."""
+    import jax
+    import jax.numpy as jnp
+
+    import keras_sparse as ks
+    from keras_sparse.ops import jax_lookup
+
+    native = _module()
+    monkeypatch.setattr(native, "PREFETCH_GATHER", True)  # small tables too
+    optimizer = ks.optimizers.Adagrad(0.1)
+    table = jnp.zeros((300, 4))
+    slots = {"accumulator": jnp.full((300, 4), 0.1)}
+    ids, valid = jnp.arange(32) % 7, jnp.ones(32, bool)
+
+    def lookup(apply_update):
+        config = jax_lookup._Config(optimizer, None, apply_update)
+        return lambda t, s: jax_lookup._lookup(config, t, s, ids, valid, 0, None)[0]
+
+    def loss(t, s):
+        return lookup(True)(t, s).sum()
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    train = jax.jit(grad).lower(table, slots).as_text()
+    assert "keras_sparse_gather_rows" in train and "keras_sparse_row_update" in train
+    infer = jax.jit(lookup(False)).lower(table, slots).as_text()
+    assert "keras_sparse_" not in infer
+    inputs = keras.Input((3,), dtype="int32")
+    layer = ks.AllToAllDenseEmbedding(300, 4, combiner="sum", optimizer=optimizer)
+    model = keras.Model(inputs, layer(inputs))
+    x = np.arange(12, dtype="int32").reshape(4, 3)
+    served = jax.jit(lambda x: model(x, training=False)).lower(x).as_text()
+    assert "custom_call" not in served

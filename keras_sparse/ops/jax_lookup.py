@@ -29,10 +29,15 @@ REUSE_FORWARD_ROWS = None
 FORWARD_ROWS_MIN_BYTES = 16 << 20
 
 
-def gather_valid(table, ids, valid):
-    gathered = jax_native_rows.gather_rows(table, ids, valid)
-    if gathered is not None:
-        return gathered
+def gather_valid(table, ids, valid, compiled=False):
+    """``table[ids]`` where ``valid``, else zero rows. ``compiled``: by the
+    prefetching custom call where it applies (`jax_native_rows`); only
+    training steps ask for it, so that inference programs (exported ones
+    included) hold no custom call."""
+    if compiled:
+        gathered = jax_native_rows.gather_rows(table, ids, valid)
+        if gathered is not None:
+            return gathered
     rows = take_rows(table, jnp.where(valid, ids, 0))
     return jnp.where(valid[:, None], rows, jnp.zeros((), table.dtype))
 
@@ -54,7 +59,7 @@ def _forward(config, table, slots, ids, valid, iterations, segments):
     table, slots, ids, valid, iterations, segments = primal_values(
         (table, slots, ids, valid, iterations, segments)
     )
-    rows = gather_valid(table, ids, valid)
+    rows = gather_valid(table, ids, valid, compiled=config.apply_update)
     # Where no later call updates the state first, the backward takes the
     # touched rows from these (a small array, still in cache) instead of
     # from the table: one random read of a large table less per distinct
@@ -175,6 +180,10 @@ class _Config:
 
     def __iter__(self):
         return iter(self.items)
+
+    @property
+    def apply_update(self):
+        return self.items[2]
 
     def __hash__(self):
         return hash((id(self.items[0]), id(self.items[1]), self.items[2]))
