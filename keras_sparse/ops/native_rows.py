@@ -22,7 +22,8 @@ import numpy as np
 from keras_sparse.ops import native_build
 
 SOURCE = "cpu_rows.c"
-# No -march=native: a cache shared by machines of different CPUs stays safe.
+# No -march=native: a cache shared by machines of different CPUs stays safe
+# (the row loops carry AVX2 and AVX-512 clones, picked when loaded).
 # No contraction of a * b + c into one rounding: results equal torch's.
 # No errno from sqrt (its results are the same): its loops vectorize.
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
