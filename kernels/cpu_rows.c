@@ -12,13 +12,14 @@
 #include <string.h>
 
 /* The row loops are compiled for wider vector units too, the version
- * picked when the library loads (GCC's function multiversioning on x86-64):
+ * picked when the library loads (function multiversioning: GCC 12 or later
+ * on x86-64 Linux with glibc, whose loader resolves the choice):
  * a cache shared by machines of different CPUs stays safe, and since the
  * loops use only correctly rounded operations (add, multiply, divide,
  * square root; no contraction into fused multiply-adds) every version
  * computes the same bits. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    defined(__linux__)
+    __GNUC__ >= 12 && defined(__linux__) && defined(__GLIBC__)
 #define KS_VECTOR_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else

@@ -43,6 +43,9 @@ struct Scratch {
   std::vector<float> summed;
 };
 
+// A thread's scratch is released after a call that needed more than this.
+constexpr size_t kKeptScratchBytes = size_t{64} << 20;
+
 Scratch& thread_scratch() {
   thread_local Scratch scratch;
   return scratch;
@@ -125,6 +128,8 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
     ks_adam_rows_f32(data[0], data[1], data[2], touched, g, count, dim, k[0],
                      k[1], k[2], k[3]);
   }
+  // Kept for the next call unless one unusually large batch grew it.
+  if (s.summed.capacity() * sizeof(float) > kKeptScratchBytes) s = Scratch();
   return ffi::Error::Success();
 }
 

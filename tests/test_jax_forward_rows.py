@@ -144,9 +144,10 @@ def test_large_tables_only_and_not_under_a_distribution():
 
     small = jnp.zeros((1000, 16))
     large = jnp.zeros((jax_lookup.FORWARD_ROWS_MIN_BYTES // 64, 16))
+    config = jax_lookup._Config(ks.optimizers.Adagrad(0.1), None)
     assert jax_lookup.REUSE_FORWARD_ROWS is None  # the default: by size
-    assert not jax_lookup._reuses_forward_rows(small)
-    assert jax_lookup._reuses_forward_rows(large)
+    assert not jax_lookup._reuses_forward_rows(small, config)
+    assert jax_lookup._reuses_forward_rows(large, config)
     # Under a distribution the rows are split by batch; the table read
     # needs no collective.
     import jax
@@ -155,6 +156,6 @@ def test_large_tables_only_and_not_under_a_distribution():
         keras.distribution.DataParallel(devices=jax.devices()[:1])
     )
     try:
-        assert not jax_lookup._reuses_forward_rows(large)
+        assert not jax_lookup._reuses_forward_rows(large, config)
     finally:
         keras.distribution.set_distribution(None)

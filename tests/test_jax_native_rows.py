@@ -234,3 +234,93 @@ def test_only_training_steps_hold_the_custom_calls(monkeypatch):
     x = np.arange(12, dtype="int32").reshape(4, 3)
     served = jax.jit(lambda x: model(x, training=False)).lower(x).as_text()
     assert "custom_call" not in served
+
+
+def test_the_forward_keeps_no_rows_for_the_call(monkeypatch):
+    """Only XLA's route reads the touched rows back from the forward's
+    gather; on the call's route the forward keeps none for the backward."""
+    import jax.numpy as jnp
+
+    from keras_sparse.ops import jax_lookup
+
+    native = _module()
+    large = jnp.zeros((jax_lookup.FORWARD_ROWS_MIN_BYTES // 64, 16))
+    config = jax_lookup._Config(models.optimizer("adagrad"), None)
+    assert not jax_lookup._reuses_forward_rows(large, config)
+    monkeypatch.setattr(native, "FUSED_OPTIMIZERS", False)
+    assert jax_lookup._reuses_forward_rows(large, config)
+
+
+def test_sharded_or_meshed_tables_keep_the_xla_route():
+    """A table split over devices (an input's sharding, or a mesh in
+    context) is partitioned by XLA; the call would need it whole."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    native = _module()
+    optimizer = models.optimizer("adagrad")
+    if len(jax.devices()) < 2:
+        pytest.skip("needs several (virtual) devices")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    split = jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh, P("model")))
+    seen = []
+
+    def probe(table):
+        seen.append(native.fused_rule(optimizer, None, table) is not None)
+        return table
+
+    jax.jit(probe)(jnp.zeros((8, 4)))  # one device
+    jax.jit(probe)(split)
+    assert seen == [True, False]
+    assert native.fused_rule(optimizer, None, split) is None
+    with jax.set_mesh(mesh):
+        jax.jit(probe)(jnp.zeros((8, 4)))
+    assert seen[-1] is False
+
+
+def test_the_calls_map_over_a_batch_axis(monkeypatch):
+    """Under ``vmap`` each example's call runs in turn."""
+    import jax
+    import jax.numpy as jnp
+
+    native = _module()
+    monkeypatch.setattr(native, "PREFETCH_GATHER", True)
+    optimizer = models.optimizer("sgd")
+    fused = native.fused_rule(optimizer, None, jnp.zeros((2, 2)))
+    tables = jnp.asarray(np.arange(2 * 5 * 3, dtype=F).reshape(2, 5, 3))
+    ids = np.array([[0, 4], [2, 2]], np.int32)
+    valid = np.ones((2, 2), bool)
+    grads = np.ones((2, 2, 3), F)
+    rows = jax.vmap(native.gather_rows)(tables, ids, valid)
+    np.testing.assert_array_equal(
+        np.asarray(rows), np.stack([np.asarray(tables)[b][ids[b]] for b in range(2)])
+    )
+
+    def update(table, i, v, g):
+        return native.fused_update({"table": table}, optimizer, i, v, g, 0, *fused)
+
+    out = np.asarray(jax.vmap(update)(tables, ids, valid, grads)["table"])
+    for b in range(2):
+        want = models.numpy_update(
+            "sgd", optimizer, np.asarray(tables)[b], {}, ids[b], valid[b],
+            grads[b], 0,
+        )  # fmt: skip
+        np.testing.assert_array_equal(out[b], want["table"])
+
+
+def test_a_jax_without_the_ffi_module_leaves_the_call_off():
+    """The flags read ``jax.ffi`` (JAX 0.5 on); where that fails the build
+    reports why and the layers keep XLA's route, nothing raises."""
+    from keras_sparse.ops import native_build
+
+    def flags():
+        raise AttributeError("module 'jax' has no attribute 'ffi'")
+
+    library = native_build.source_library(
+        "jax_rows_ffi", "jax_rows_ffi.cc", "CXX", "c++", flags, lambda path: path
+    )
+    assert library.get() is None
+    assert library.status().startswith("off:") and "'ffi'" in library.status()

@@ -198,7 +198,6 @@ def test_no_distribution_means_no_routing():
     "strategy,spec",
     [("row", ("model", None)), ("column", (None, "model")), ("data", (None, None))],
 )
-@pytest.mark.usefixtures("xla_route")  # "data": XLA partitions the XLA route
 def test_reported_bytes_match_compiled_collectives(strategy, spec, monkeypatch):
     """exchange_bytes() equals what the compiled program puts into collectives."""
     import jax

@@ -65,7 +65,7 @@ def _forward(config, table, slots, ids, valid, iterations, segments):
     # from the table: one random read of a large table less per distinct
     # row (26 tables of 1e6 rows on a CPU: ~20% of the step). The table in
     # the residuals is the one gathered from, so the values are the same.
-    looked_up = rows if _reuses_forward_rows(table) else None
+    looked_up = rows if _reuses_forward_rows(table, config) else None
     residuals = (table, slots, ids, valid, iterations, segments, looked_up)
     return (rows, table, slots), residuals
 
@@ -78,12 +78,15 @@ def primal_values(tree):
     )
 
 
-def _reuses_forward_rows(table):
+def _reuses_forward_rows(table, config):
     # Under a distribution the rows are split by batch while the update's
     # distinct ids span the global batch: reading them from the rows would
     # take a collective, from the (replicated) table none.
     if keras.distribution.distribution() is not None:
         return False
+    optimizer, constraint, _ = config
+    if jax_native_rows.fused_rule(optimizer, constraint, table) is not None:
+        return False  # the compiled update reads the table's rows itself
     if REUSE_FORWARD_ROWS is not None:
         return bool(REUSE_FORWARD_ROWS)
     return table.size * table.dtype.itemsize >= FORWARD_ROWS_MIN_BYTES

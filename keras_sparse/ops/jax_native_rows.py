@@ -89,19 +89,31 @@ def status():
 
 
 def _on_local_cpu(*arrays):
-    """Whether every array lives (or, traced, will live) on this process's
-    CPU with no sharding across devices; a distribution keeps the XLA
-    route, whose collectives the custom call has no part in."""
+    """Whether every array lives on one CPU device of this process, traced
+    ones included (by their abstract sharding), with no mesh in context
+    and no `keras.distribution`: the custom call takes no part in XLA's
+    partitioning, which would gather a sharded table whole onto every
+    device for it."""
     import keras
 
     if keras.distribution.distribution() is not None:
         return False
     if jax.default_backend() != "cpu":
         return False
-    for array in arrays:
-        sharding = getattr(array, "sharding", None)
-        if sharding is not None and len(sharding.device_set) != 1:
+    try:
+        if not jax.sharding.get_abstract_mesh().empty:
             return False
+        for array in arrays:
+            if isinstance(array, jax.core.Tracer):
+                mesh = jax.typeof(array).sharding.mesh
+                if not mesh.empty and mesh.size > 1:
+                    return False
+                continue
+            sharding = getattr(array, "sharding", None)
+            if sharding is not None and len(sharding.device_set) != 1:
+                return False
+    except Exception:  # a JAX without these APIs: keep XLA's route
+        return False
     return True
 
 
@@ -124,7 +136,9 @@ def fused_update(state, optimizer, ids, valid, grads, iterations, rule, slot_nam
     float32) with the rows ``ids[valid]`` updated by ``optimizer`` from the
     per-position ``grads``, as one custom call whose results alias the
     arrays. ``rule``, ``slot_names``: from `fused_rule`. An id outside the
-    table raises when the call runs, changing no row."""
+    table raises when the call runs, having written no row (the layers
+    mark such ids invalid first; a step that donated its state has lost
+    it either way)."""
     names = ["table", *slot_names]
     arrays = [state[name] for name in names]
     scalars = jnp.stack(
@@ -145,7 +159,7 @@ def fused_update(state, optimizer, ids, valid, grads, iterations, rule, slot_nam
         _UPDATE_TARGET,
         [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
         input_output_aliases={first_array + i: i for i in range(len(arrays))},
-        has_side_effect=False,
+        vmap_method="sequential",
     )(*inputs, rule=np.int32(_RULE_CODES[rule]))
     return dict(zip(names, updated))
 
@@ -165,4 +179,5 @@ def gather_rows(table, ids, valid):
     return jax.ffi.ffi_call(
         _GATHER_TARGET,
         jax.ShapeDtypeStruct((ids.shape[0], table.shape[1]), table.dtype),
+        vmap_method="sequential",
     )(table, jnp.asarray(ids, jnp.int32), jnp.asarray(valid, bool))

@@ -24,7 +24,8 @@ def build_library(name, sources, main, compiler_env, compiler, flags, load):
     """``(loaded, status)``: ``load(path)`` of the library built from
     ``sources()`` (``{file name: text}``; ``main`` is compiled, the others
     are there to include) with ``$compiler_env`` (else ``compiler``) and
-    ``flags``; or ``(None, "off: <reason>")``. ``status`` is
+    ``flags`` (a sequence, or a callable returning one, called inside the
+    failure guard); or ``(None, "off: <reason>")``. ``status`` is
     ``"on: <path>"`` when loaded."""
     if os.environ.get("KERAS_SPARSE_NATIVE", "1") == "0":
         return None, "off: KERAS_SPARSE_NATIVE=0"
@@ -35,6 +36,7 @@ def build_library(name, sources, main, compiler_env, compiler, flags, load):
     if found is None:
         return None, f"off: no C compiler found (${compiler_env} or {compiler})"
     try:
+        flags = tuple(flags() if callable(flags) else flags)
         texts = sources()
         key = hashlib.sha256(
             "\0".join(
@@ -84,7 +86,8 @@ class LazyLibrary:
 
 def source_library(name, source, compiler_env, compiler, flags, load):
     """A `LazyLibrary` built from ``kernels/<source>`` (its local includes
-    expanded) as `build_library` does; ``flags`` is called at build time."""
+    expanded) as `build_library` does; ``flags`` is called at build time
+    (a failure there, too, leaves the library off with the reason)."""
     return LazyLibrary(
         lambda: build_library(
             name,
@@ -92,7 +95,7 @@ def source_library(name, source, compiler_env, compiler, flags, load):
             source,
             compiler_env,
             compiler,
-            flags(),
+            flags,
             load,
         )  # fmt: skip
     )

@@ -198,8 +198,12 @@ def compiled_cpu_helpers():
 
         return tf_native_rows.status()
     if backend == "jax":
+        import jax
+
         from keras_sparse.ops import jax_native_rows
 
+        if jax.default_backend() != "cpu":
+            return f"off: JAX runs on {jax.default_backend()}; XLA's update runs"
         return jax_native_rows.status()
     if backend != "torch":
         return f"off: no compiled helpers for the {backend} backend"
