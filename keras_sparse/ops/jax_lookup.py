@@ -85,7 +85,7 @@ def _reuses_forward_rows(table, config):
     if keras.distribution.distribution() is not None:
         return False
     optimizer, constraint, _ = config
-    if jax_native_rows.fused_rule(optimizer, constraint, table) is not None:
+    if fused_update_applies(optimizer, constraint, table):
         return False  # the compiled update reads the table's rows itself
     if REUSE_FORWARD_ROWS is not None:
         return bool(REUSE_FORWARD_ROWS)
