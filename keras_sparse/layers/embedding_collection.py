@@ -415,6 +415,17 @@ class EmbeddingCollection(keras.layers.Layer):
                 f"{missing}; pass ids for every table ({list(self.tables)})."
             )
 
+    def __call__(self, inputs, *args, **kwargs):
+        # Before Keras converts NumPy ids: JAX without x64 would wrap
+        # ``2**32 + 5`` to 5 and read (and train) row 5.
+        if isinstance(inputs, dict):
+            for name, ids in inputs.items():
+                if name in self.tables:
+                    input_forms.check_host_ids(
+                        f"{self.name}' table '{name}", ids, self.tables[name].input_dim
+                    )
+        return super().__call__(inputs, *args, **kwargs)
+
     def call(self, inputs, weights=None, training=None):
         self._check_names("inputs", inputs, required=True)
         weights = {} if weights is None else weights

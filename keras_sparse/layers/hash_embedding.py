@@ -462,7 +462,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 # In the graph (no Python callback), so exports keep it.
                 inputs = hash_strings_tf(inputs)
             else:
-                inputs = _host_keys(inputs).reshape(np.shape(inputs))
+                try:
+                    inputs = _host_keys(inputs).reshape(np.shape(inputs))
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"Layer '{self.name}': `inputs`: {e}.") from None
         if isinstance(inputs, np.ndarray):
             input_forms.check_integer_dtype(self.name, inputs)
             if weights is not None:

@@ -3,6 +3,7 @@
 import numpy as np
 
 from keras_sparse.table import hash_strings
+from keras_sparse.table.keys import object_keys
 from keras_sparse.table.keys import to_host
 
 
@@ -29,11 +30,16 @@ def host_array(x):
 
 
 def host_keys(keys):
-    """Flat int64 NumPy keys from host data of any framework (strings hashed)."""
+    """Flat int64 NumPy keys from host data of any framework (strings hashed).
+
+    The one conversion of the hash layer, its `import_` and checkpoint
+    records: object arrays are read element by element (`object_keys`), so
+    integers stay the integers they are and only strings are hashed.
+    """
     keys = host_array(keys)
-    if keys.dtype.kind in "USO":
-        if keys.dtype.kind == "O":
-            keys = keys.astype("S") if keys.size else keys.astype("S1")
+    if keys.dtype.kind == "O":
+        keys = object_keys(keys, "keys", strings=True)
+    if keys.dtype.kind in "US":
         return hash_strings(keys).reshape(-1)
     if keys.dtype.kind not in "iu":
         raise TypeError(

@@ -87,6 +87,53 @@ def _check_integer(arr, name: str):
         )
 
 
+_INT64_MIN = -(2**63)
+_UINT64_END = 2**64
+
+
+def object_keys(arr, name: str = "keys", strings: bool = False):
+    """An integer (or, with ``strings``, str/bytes) array from an object array.
+
+    pandas gives object arrays for nullable integer columns: their integers
+    are read as the integers they are, never as their decimal text. Mixed
+    contents, floats, bools, None and missing values (``pd.NA``) raise
+    TypeError naming the first offending element; integers outside
+    ``[-2**63, 2**64)`` raise ValueError. Integers ``>= 2**63`` keep their
+    bits as uint64 keys do (they become negative int64 keys).
+
+    >>> object_keys(np.array([[7, 8]], dtype=object)).tolist()
+    [[7, 8]]
+    """
+    flat = arr.reshape(-1)
+    if not flat.size:
+        return np.zeros(arr.shape, np.int64)
+    text = (str, bytes, np.str_, np.bytes_)
+    if strings and all(isinstance(v, text) for v in flat):
+        kind = str if all(isinstance(v, (str, np.str_)) for v in flat) else None
+        if kind is None and not all(isinstance(v, (bytes, np.bytes_)) for v in flat):
+            raise TypeError(
+                f"{name} mixes str and bytes; pass one kind of string per array"
+            )
+        return np.array(flat.tolist(), dtype="U" if kind else "S").reshape(arr.shape)
+    for v in flat:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            allowed = "integers or strings" if strings else "integers"
+            raise TypeError(
+                f"{name} must be {allowed}; this object array holds "
+                f"{v!r} ({type(v).__name__}). Drop or fill missing values "
+                "and cast the column to int64 first"
+            )
+    ints = [int(v) for v in flat]
+    low, high = min(ints), max(ints)
+    if low < _INT64_MIN or high >= _UINT64_END:
+        bad = low if low < _INT64_MIN else high
+        raise ValueError(
+            f"{name}: {bad} is outside the 64-bit key range [-2**63, 2**64)"
+        )
+    words = np.array([v % _UINT64_END for v in ints], dtype=np.uint64)
+    return words.view(np.int64).reshape(arr.shape)
+
+
 def to_numpy_keys(keys, name: str = "keys"):
     """Return ``(flat int64 NumPy array, original shape)`` for keys on any framework.
 
@@ -106,7 +153,7 @@ def to_numpy_keys(keys, name: str = "keys"):
         if arr.size == 0 and arr.dtype.kind == "f":  # [] defaults to float64
             arr = arr.astype(np.int64)
     if arr.dtype == object:
-        raise TypeError(f"{name} must be integers in the int64/uint64 range")
+        arr = object_keys(arr, name)
     _check_integer(arr, name)
     shape = arr.shape
     if arr.dtype == np.uint64:
