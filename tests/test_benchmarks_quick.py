@@ -142,3 +142,14 @@ def test_dense_route_prints_every_route():
     rows = _table_rows(args, ["64"], 3 + 2 * routes)
     times = [float(cell) for cell in rows["64"][3:]]
     assert all(t > 0 for t in times), times
+
+
+def test_concurrent_inference_quick_prints_equal_outputs():
+    """benchmarks/concurrent_inference.py --quick: a row per thread count,
+    positive calls/s, threaded outputs equal to sequential ones."""
+    rows = _table_rows(
+        ["benchmarks/concurrent_inference.py", "--quick"], ("1", "2", "4"), 4
+    )
+    for threads, (_, rate, ratio, equal) in rows.items():
+        assert float(rate.replace(",", "")) > 0 and ratio.endswith("x"), threads
+        assert equal == "True", threads

@@ -12,9 +12,7 @@ from keras_sparse.table import HashTable
 
 
 def _layer(name="clicks"):
-    return ks.DistributedHashEmbedding(
-        4, capacity=64, optimizer="sgd", name=name
-    )
+    return ks.DistributedHashEmbedding(4, capacity=64, optimizer="sgd", name=name)
 
 
 def _inserted_keys(layer, keys):
@@ -102,8 +100,9 @@ def test_collection_refuses_wide_ids_eagerly():
     with pytest.raises(ValueError, match="'feat' table 'a': id 4294967301"):
         collection({"a": np.array([[2**32 + 5]], np.int64)})
     out = collection({"a": np.array([[5]], np.int64)})["a"]
-    table = keras.ops.convert_to_numpy(collection.stack_variables(
-        collection.stacks[0].name)[0])
+    table = keras.ops.convert_to_numpy(
+        collection.stack_variables(collection.stacks[0].name)[0]
+    )
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(out)[0, 0],
         table[collection.stacks[0].offsets["a"] + 5],

@@ -145,8 +145,16 @@ class _KeyQueue:
         return None
 
 
+# A direct call ``model(x)`` maps its keys eagerly in the calling thread: its
+# full keys live in queues of its own, held by this context variable for the
+# call's duration, so calls from several threads (a model server) never see
+# one another's keys nor disturb the queues of a running ``fit``.
+_CALL_QUEUES = contextvars.ContextVar("keras_sparse_call_key_queues", default=None)
+
+
 def key_queue(layer):
-    """The layer's `_KeyQueue` (created on first use)."""
+    """The layer's `_KeyQueue` for the batches of ``fit``/``evaluate``/
+    ``predict`` (created on first use)."""
     q = layer.__dict__.get("_ks_full_key_queue")
     if q is None:
         q = _KeyQueue()
@@ -154,19 +162,28 @@ def key_queue(layer):
     return q
 
 
+def _queue_of(layer):
+    """The queue ``layer`` restores from now: the current direct call's own
+    (None when that call queued nothing for it), else the trainer's."""
+    local = _CALL_QUEUES.get()
+    if local is not None:
+        return local.get(id(layer))
+    return layer.__dict__.get("_ks_full_key_queue")
+
+
 def has_queued(layer):
     """True when the input pipeline queued full keys for ``layer``."""
-    return bool(layer.__dict__.get("_ks_full_key_queue"))
+    return bool(_queue_of(layer))
 
 
 def restore(layer, keys, xp=np):
     """``keys`` (flat int64, NumPy or with ``xp=cupy`` CuPy) with their high
     32 bits restored.
 
-    Returns ``keys`` unchanged when the layer has no queued full keys (direct
-    calls outside ``fit``/``evaluate``/``predict``, x64 mode).
+    Returns ``keys`` unchanged when the layer has no queued full keys (keys
+    within int32, x64 mode).
     """
-    q = layer.__dict__.get("_ks_full_key_queue")
+    q = _queue_of(layer)
     if not q:
         return keys
     full = q.take_match(keys, xp)
@@ -183,7 +200,7 @@ def restore(layer, keys, xp=np):
 def restore_part(layer, keys, part, parts):
     """`restore` for the slice ``part`` of ``parts`` of a step's batch (the
     keys one of a process's ``parts`` devices holds); flat int64 NumPy."""
-    q = layer.__dict__.get("_ks_full_key_queue")
+    q = _queue_of(layer)
     keys = np.asarray(keys).reshape(-1)
     if not q:
         return keys.astype(np.int64)
@@ -341,10 +358,12 @@ def _check_declared_int32(layer, keys):
         )
 
 
-def note_batch(model, batch, queue=True):
+def note_batch(model, batch, queue=True, queues=None):
     """Queues the full keys of one batch (``(x, ...)`` as Keras yields it)
     and refuses ids that fixed-vocabulary layers would see wrapped.
-    ``queue=False``: the checks only (a batch that reaches no step)."""
+    ``queue=False``: the checks only (a batch that reaches no step).
+    ``queues``: a dict ``id(layer) -> _KeyQueue`` to queue into instead of
+    the layers' own (a direct call's, see `_CALL_QUEUES`)."""
     from keras_sparse.layers.model_feeds import array_at
     from keras_sparse.layers.model_feeds import split_batch
 
@@ -373,7 +392,12 @@ def note_batch(model, batch, queue=True):
             _check_declared_int32(feed.layer, keys)
             continue
         if queue:
-            key_queue(feed.layer).append(keys.reshape(-1).view(np.int64))
+            q = (
+                key_queue(feed.layer)
+                if queues is None
+                else queues.setdefault(id(feed.layer), _KeyQueue())
+            )
+            q.append(keys.reshape(-1).view(np.int64))
     if model_feeds.fixed_layers:
         _check_ids_fit(model, x, model_feeds.fixed_layers)
 
@@ -587,13 +611,30 @@ def _wrap_functional_call(cls):
                 "whose queued keys a nested call must not disturb",
             )
             return original(self, inputs, *args, **kwargs)
-        with _active(self), _truncation_warning_moot(self):
-            if _ACTIVE.get() is self:
+        with _direct_call(self) as queues, _truncation_warning_moot(self):
+            if queues is not None:
                 _precheck(self, (inputs,), {})
-                note_batch(self, (inputs,))
+                note_batch(self, (inputs,), queues=queues)
             return original(self, inputs, *args, **kwargs)
 
     cls.call = call
+
+
+@contextlib.contextmanager
+def _direct_call(model):
+    """Marks ``model`` active for one direct call in this thread and yields
+    the call's own key queues (None when it needs none). The trainer's
+    queues are neither read nor cleared."""
+    if not _needs_full_keys() or not _feeds(model).active:
+        yield None
+        return
+    queues = {}
+    active, call_queues = _ACTIVE.set(model), _CALL_QUEUES.set(queues)
+    try:
+        yield queues
+    finally:
+        _CALL_QUEUES.reset(call_queues)
+        _ACTIVE.reset(active)
 
 
 def _wrap_epoch_iterator(cls):
