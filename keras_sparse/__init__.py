@@ -35,6 +35,8 @@ cycle check on grimp's import graph). The layers reach the sharding hooks
 through ``layers.placement``, which ``sharding`` fills in when imported.
 """
 
+# First: a Keras backend whose framework is missing fails here in one line.
+from keras_sparse import _keras_import  # noqa: F401
 from keras_sparse import data
 from keras_sparse import optimizers
 from keras_sparse import sharding
