@@ -9,9 +9,17 @@ Public API:
         inference and ``model.export`` read) up to date by hand.
     EmbeddingCollection, TableConfig: several tables in one layer (stacked
         per width; what makes table-wise sharding possible).
-    DistributedHashEmbedding: dynamic-vocabulary embedding keyed by any int64.
+    DistributedHashEmbedding: dynamic-vocabulary embedding keyed by any int64
+        (or string).
+    HashEmbeddingCollection: several DistributedHashEmbedding fields whose
+        tables are called together (one table call per training step).
     HashTable: int64 key -> row map with eviction and admission (GPU or CPU);
         table.ShardedHashTable / table.owner_of: one shard per device.
+    InsertResult: what ``HashTable.lookup_or_insert`` returns (rows, new
+        rows, evicted keys).
+    TableFullError: raised by a full table with ``eviction=None``.
+    hash_strings: the stable 64-bit hash (FNV-1a) that turns string keys
+        into int64 keys, as the hash layers do.
     plan, distribution, sharding: model parallelism (JAX): a planner that picks
         table/row/column/replicated placement per table (and key-owned
         shards for hash layers), and the Keras distribution that lays the
@@ -35,6 +43,8 @@ cycle check on grimp's import graph). The layers reach the sharding hooks
 through ``layers.placement``, which ``sharding`` fills in when imported.
 """
 
+# First: a Keras backend whose framework is missing fails here in one line.
+from keras_sparse import _keras_import  # noqa: F401
 from keras_sparse import data
 from keras_sparse import optimizers
 from keras_sparse import sharding

@@ -12,9 +12,11 @@ Two HTML comments, invisible on the rendered page, steer this:
   the listed Keras backends (comma-separated); other backends skip the page.
 """
 
+import builtins
 import dataclasses
 import pathlib
 import re
+import symtable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(\S.*?)\s*-->$")
@@ -79,3 +81,29 @@ def script(page):
             f"exec(compile({padded!r}, {str(ROOT / page)!r}, 'exec'), __scope)"
         )
     return "\n".join(parts) + "\n", len(runnable)
+
+
+def unbound_names(code):
+    """Names ``code`` reads that it never binds (assigns, imports, defines)
+    and that are not builtins: what a block run on its own would fail on
+    with NameError. Reads inside functions and comprehensions count when
+    they reach the module scope."""
+    top = symtable.symtable(code, "<block>", "exec")
+    bound = {
+        s.get_name()
+        for s in top.get_symbols()
+        if s.is_assigned() or s.is_imported() or s.is_namespace()
+    }
+    known = bound | set(dir(builtins))
+    read = set()
+
+    def walk(table):
+        for s in table.get_symbols():
+            at_top = table is top or s.is_global() or s.is_declared_global()
+            if s.is_referenced() and at_top:
+                read.add(s.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return sorted(read - known)

@@ -11,6 +11,29 @@
 # output follows when both lanes are done. KS_TEST_LANES=1 runs the four one
 # after the other instead, each printed live.
 set -u
+for arg in "$@"; do
+  case $arg in
+    -h | --help)
+      cat <<'USAGE'
+Usage: bash tests/run.sh [PYTEST ARGS...]
+
+Runs the test suite once per Keras backend: jax, the GPU suite (tests/gpu)
+on JAX with CUDA emulated on the CPU, tensorflow and torch (tests marked
+backend_independent run in the jax run only). Ends with one line totalling
+every run; exits non-zero on any failure.
+
+Environment:
+  KS_TEST_LANES=1  run the four one after the other, each printed live
+                   (default 2: two lanes side by side, jax then the
+                   emulated GPU suite, and tensorflow then torch; their
+                   output follows when both are done)
+
+Every other argument goes to each pytest run, e.g.
+  bash tests/run.sh -k hash_table -x
+USAGE
+      exit 0 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 # Deterministic GPU reductions: the GPU suite compares GPU and CPU tables
 # bit for bit (a no-op on CPUs).

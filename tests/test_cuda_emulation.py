@@ -1,6 +1,6 @@
 """The CUDA kernels run on the host (tests/cuda_emulation) against the NumPy twin.
 
-These check kernels/hash_table.cu itself on a machine without a GPU: its
+These check keras_sparse/kernels/hash_table.cu itself on a machine without a GPU: its
 hashing, its 16-lane ballot probe and its placement kernel give what
 keras_sparse.table's NumPy code gives, and the emulator reports what a GPU
 would get wrong or leave undefined (divergent ballots, mistyped arguments).

@@ -57,6 +57,33 @@ def test_every_python_block_runs_or_says_why_not():
     assert "getting-started.md" in " ".join(PAGES_WITH_CODE)
 
 
+@pytest.mark.backend_independent
+def test_blocks_not_run_compile_and_define_what_they_use():
+    """A block CI cannot run is still valid Python that a reader can run on
+    its own: every name it reads is imported or assigned in it."""
+    checked = 0
+    for page in docs_blocks.pages():
+        for block in docs_blocks.blocks(page):
+            if block.language != "python" or block.not_run is None:
+                continue
+            where = f"{page}:{block.line}"
+            compile(block.code, where, "exec")  # SyntaxError names the place
+            missing = docs_blocks.unbound_names(block.code)
+            assert not missing, f"{where}: undefined in the block: {missing}"
+            checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.backend_independent
+def test_unbound_names_finds_what_a_block_misses():
+    code = (
+        "import jax\nfrom os import path\nx = 1\n"
+        "def f(a):\n    return a + x + y + len(path) + [b for b in z]\n"
+        "class C:\n    pass\nC(); f(NUM_HOSTS); tf.constant(1); jax.devices()\n"
+    )
+    assert docs_blocks.unbound_names(code) == ["NUM_HOSTS", "tf", "y", "z"]
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_CODE)
 def test_page_code_runs(page, tmp_path):
     backend = keras.config.backend()

@@ -93,3 +93,60 @@ def test_embedding_collection_names_close_arguments_and_table_settings():
     # Keras layer arguments still pass through.
     layer = ks.EmbeddingCollection(tables, name="features", dtype="float32")
     assert layer.name == "features"
+
+
+@pytest.mark.parametrize(
+    "argument, value, valid",
+    [
+        ("eviction", "LRU", r" \(did you mean 'lru'\?\)\. Valid choices are "
+         r"'lru', 'lfu', None\."),
+        ("table_device", "GPU0", r"\. Valid choices are 'cpu', 'gpu', 'auto'\."),
+    ],
+    ids=["eviction", "table_device"],
+)  # fmt: skip
+def test_hash_layer_choices_name_layer_argument_and_valid_values(
+    argument, value, valid
+):
+    with pytest.raises(ValueError, match=f"^Layer 'users': unknown `{argument}`="):
+        _hashed(**{argument: value})
+    with pytest.raises(ValueError, match=valid):
+        ks.DistributedHashEmbedding(4, capacity=64, **{argument: value})
+    # Refused before Keras's Layer setup: not even its name was taken.
+    assert ks.DistributedHashEmbedding(4, capacity=64).name == (
+        "distributed_hash_embedding"
+    )
+
+
+def test_hash_layer_table_seed_must_be_an_integer():
+    with pytest.raises(ValueError, match=r"'users': `table_seed` must be an integ"):
+        _hashed(table_seed="7")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX steps")
+@pytest.mark.parametrize("declared", ["string", "int64"])
+def test_string_keys_in_jax_fit_name_the_layer_and_hash_strings(declared):
+    layer = _hashed(name="items")
+    item = keras.Input((1,), dtype=declared, name="item")
+    model = keras.Model(item, keras.layers.Dense(1)(layer(item)))
+    model.compile("sgd", "mse")
+    words = np.array([["a"], ["b"], ["c"], ["a"]])
+    y = np.ones((4, 1), "float32")
+    said = "declared as keras.Input" if declared == "string" else "given as a NumPy"
+    with pytest.raises(
+        TypeError,
+        match=rf"^Layer 'items': its keys, input 'item', are strings \({said}.*"
+        r"keras_sparse\.hash_strings\(keys\).*keras_sparse\.data\.prefetch",
+    ):
+        model.fit(words, y, batch_size=2, verbose=0)
+    with pytest.raises(TypeError, match="hash_strings"):
+        model.predict(words, verbose=0)
+    assert layer.table.size == 0  # refused before any step
+    if declared == "int64":
+        # What the message says works: hashed on the host, a key gets the
+        # row its string gets.
+        model.fit(ks.hash_strings(words), y, batch_size=2, verbose=0)
+        assert layer.table.size == 3
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(layer(np.array([["c"]]))),
+            keras.ops.convert_to_numpy(layer(ks.hash_strings(np.array([["c"]])))),
+        )

@@ -438,8 +438,8 @@ def test_hash_strings_stable():
 
 
 # --------------------------------------------------------------------------
-# CPU emulations of the CUDA kernels in kernels/hash_table.cu (they cannot run
-# here): each mirrors its kernel thread by thread and must agree with the
+# CPU emulations of the CUDA kernels in keras_sparse/kernels/hash_table.cu (they
+# cannot run here): each mirrors its kernel thread by thread and must agree with the
 # NumPy twin, which the GPU conformance run then checks on real hardware.
 
 

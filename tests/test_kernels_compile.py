@@ -1,4 +1,4 @@
-"""Compile-check every kernels/*.cu with nvcc for the GPUs we target."""
+"""Compile-check every keras_sparse/kernels/*.cu with nvcc for the GPUs we target."""
 
 import pathlib
 import shutil
@@ -6,7 +6,11 @@ import subprocess
 
 import pytest
 
-KERNELS = sorted((pathlib.Path(__file__).resolve().parents[1] / "kernels").glob("*.cu"))
+KERNELS = sorted(
+    (pathlib.Path(__file__).resolve().parents[1] / "keras_sparse" / "kernels").glob(
+        "*.cu"
+    )
+)
 NVCC = shutil.which("nvcc")
 
 
@@ -31,4 +35,4 @@ def test_kernel_compiles(source, arch, tmp_path):
 
 
 def test_kernels_present():
-    assert KERNELS, "no kernels/*.cu found"
+    assert KERNELS, "no keras_sparse/kernels/*.cu found"

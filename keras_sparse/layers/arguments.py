@@ -73,3 +73,17 @@ def check_given(layer_name, cls_name, name, value, meaning, kwargs):
     raise ArgumentError(
         f"Layer '{layer_name}' ({cls_name}): missing `{name}` ({meaning}){hint}."
     )
+
+
+def check_choice(layer_name, name, value, choices):
+    """Raises `ArgumentError` when ``value`` is not one of ``choices``,
+    naming a choice that differs only in case."""
+    if any(value is c or (isinstance(value, str) and value == c) for c in choices):
+        return
+    same = [c for c in choices if isinstance(c, str) and isinstance(value, str)]
+    same = [c for c in same if c.lower() == value.lower()]
+    hint = f" (did you mean {same[0]!r}?)" if same else ""
+    raise ArgumentError(
+        f"Layer '{layer_name}': unknown `{name}`={value!r}{hint}. Valid choices "
+        f"are {', '.join(repr(c) for c in choices)}."
+    )

@@ -13,6 +13,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import serving_hooks
 from keras_sparse.layers import serving_map
 from keras_sparse.layers import table_users
+from keras_sparse.layers.arguments import check_choice
 from keras_sparse.layers.arguments import check_given
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.fresh_rows import fresh_row_values
@@ -129,10 +130,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             ``capacity / D`` rounded the same way.
         combiner: None, "sum", "mean" or "sqrtn" (see
             `AllToAllDenseEmbedding`).
-        optimizer: the sparse optimizer (required; a name such as "adagrad",
-            a `keras_sparse.optimizers` instance or a Keras SGD/Adagrad/Adam/
-            Ftrl instance). The rows live outside the model's optimizer
-            because their meaning changes when keys are evicted.
+        optimizer: the sparse optimizer (default "adam"; None is refused): a
+            name such as "adagrad", a `keras_sparse.optimizers` instance or a
+            Keras SGD/Adagrad/Adam/Ftrl instance. The rows live outside the
+            model's optimizer because their meaning changes when keys are
+            evicted.
         embeddings_initializer: initializer of fresh rows, drawn once per
             training step with the layer's own seed generator, for as many
             rows as the step's fresh positions need (the smallest of 1/32,
@@ -272,6 +274,15 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             raise ValueError(
                 f"Layer '{name}': `key_dtype` must be 'int64' or 'int32'. "
                 f"Received: key_dtype={key_dtype!r}."
+            )
+        check_choice(name, "eviction", eviction, ("lru", "lfu", None))
+        check_choice(name, "table_device", table_device, ("cpu", "gpu", "auto"))
+        if not isinstance(table_seed, (int, np.integer)) or isinstance(
+            table_seed, bool
+        ):
+            raise ValueError(
+                f"Layer '{name}': `table_seed` must be an integer (the salt of "
+                f"the table's hash functions). Received: table_seed={table_seed!r}."
             )
         table = HashTable(
             int(capacity),

@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from keras_sparse.layers import string_keys
+
 _ACTIVE = contextvars.ContextVar("keras_sparse_full_keys_model", default=None)
 _BUILDING = contextvars.ContextVar("keras_sparse_symbolic_build", default=False)
 _INT32 = np.iinfo(np.int32)
@@ -534,6 +536,7 @@ def _wrap_method(cls, name):
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
+        string_keys.check(self, args[0] if args else kwargs.get("x"))
         with _active(self), _truncation_warning_moot(self):
             if _ACTIVE.get() is self:
                 _precheck(self, args, kwargs)
@@ -575,6 +578,7 @@ def _wrap_on_batch(cls, name):
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
+        string_keys.check(self, args[0] if args else kwargs.get("x"))
         with _active(self), _truncation_warning_moot(self):
             if _ACTIVE.get() is self:
                 note_batch(self, (args[0] if args else kwargs.get("x"),))

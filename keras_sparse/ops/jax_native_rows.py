@@ -4,8 +4,8 @@ call, and the forward's gather of rows with prefetching.
 XLA:CPU compiles the backend-neutral update (`keras_sparse.ops.row_updates`)
 into a dozen loops per table and step: the dedup, segment sums, a gather
 and a scatter of the table and of each slot, each gather and scatter a
-random access to every touched row. `kernels/jax_rows_ffi.cc` does it in
-one XLA custom call: the dedup and gradient sums of `kernels/cpu_rows.c`
+random access to every touched row. `keras_sparse/kernels/jax_rows_ffi.cc` does it in
+one XLA custom call: the dedup and gradient sums of `keras_sparse/kernels/cpu_rows.c`
 (a hash sized by the batch), then one read and one write of each touched
 row of the table and its slots. The call's results are aliased to the
 arrays it updates, so with the trainer's donated state it writes the

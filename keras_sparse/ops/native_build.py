@@ -85,7 +85,7 @@ class LazyLibrary:
 
 
 def source_library(name, source, compiler_env, compiler, flags, load):
-    """A `LazyLibrary` built from ``kernels/<source>`` (its local includes
+    """A `LazyLibrary` built from ``keras_sparse/kernels/<source>`` (its local includes
     expanded) as `build_library` does; ``flags`` is called at build time
     (a failure there, too, leaves the library off with the reason)."""
     return LazyLibrary(

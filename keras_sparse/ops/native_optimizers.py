@@ -6,7 +6,7 @@ as a dozen eager operations and scatters every array back: each row of a
 large table is fetched from memory twice, and the eager operations cost
 more than the arithmetic. For the built-in optimizers without a constraint
 one C loop reads each row, updates it and writes it back instead
-(`kernels/cpu_rows.c`), with the torch route's operations in its order and
+(`keras_sparse/kernels/cpu_rows.c`), with the torch route's operations in its order and
 a correctly rounded square root: it equals a NumPy float32 model of the
 optimizer to the bit, and the torch route, whose vectorized square root may
 round an ulp away, to within an ulp (tests/test_native_optimizers.py). The

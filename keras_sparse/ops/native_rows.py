@@ -1,6 +1,6 @@
 """Compiled CPU helpers for the PyTorch sparse update (optional, automatic).
 
-`kernels/cpu_rows.c` is compiled on first use by the system C compiler
+`keras_sparse/kernels/cpu_rows.c` is compiled on first use by the system C compiler
 (``$CC``, else ``cc``) into a per-user cache (``$KERAS_SPARSE_CACHE``, else
 ``$XDG_CACHE_HOME/keras_sparse`` or ``~/.cache/keras_sparse``) and loaded
 with ctypes: no build step at install time and no compiler at run time
@@ -66,7 +66,7 @@ class NativeRows:
         summed)`` with ``summed`` ``[n, dim]`` float32, rows past ``count``
         unwritten. Raises IndexError, changing nothing, when a valid id is
         outside ``[0, rows)``. Its scratch is sized by the batch (a hash of
-        the ids), not by ``rows``: see `kernels/cpu_rows.c`.
+        the ids), not by ``rows``: see `keras_sparse/kernels/cpu_rows.c`.
         """
         ids = np.ascontiguousarray(ids)
         valid = np.ascontiguousarray(valid)
@@ -130,7 +130,7 @@ class NativeRows:
 
     def optimizer_rows(self, rule, arrays, rows, grads, scalars):
         """Applies the optimizer ``rule`` ("sgd", "adagrad" or "adam", see
-        `kernels/cpu_rows.c`) in place to ``rows`` (distinct int64, in
+        `keras_sparse/kernels/cpu_rows.c`) in place to ``rows`` (distinct int64, in
         range) of ``arrays`` (the table, then the rule's slots: C-contiguous
         float32 ``[num_rows, dim]``) from ``grads`` (``[len(rows), dim]``
         float32), with the rule's float ``scalars``."""

@@ -1,6 +1,6 @@
 """Which built-in optimizers the compiled row updates run, and their scalars.
 
-The compiled updates (`kernels/cpu_rows.c`: SGD, Adagrad, Adam) take an
+The compiled updates (`keras_sparse/kernels/cpu_rows.c`: SGD, Adagrad, Adam) take an
 optimizer as a rule name, its slots in order and a few float scalars per
 step. Only these exact classes qualify: a subclass may change the update.
 """

@@ -3,9 +3,9 @@ and the forward's gather of rows with prefetching.
 
 Outside XLA the graph route (`keras_sparse.ops.tf_row_updates`) runs a
 dozen operations per table and step, two of them gathers and two scatters
-that each fetch every touched row from memory. `kernels/tf_rows_op.cc`
+that each fetch every touched row from memory. `keras_sparse/kernels/tf_rows_op.cc`
 does the same update in one op: the dedup and gradient sums of
-`kernels/cpu_rows.c`, then one read and one write of each touched row of
+`keras_sparse/kernels/cpu_rows.c`, then one read and one write of each touched row of
 the table and its slots. It is compiled on first use against the
 installed TensorFlow (``$CXX``, else ``c++``; about 15 s, cached per user
 like `keras_sparse.ops.native_rows`). Without a compiler, or with

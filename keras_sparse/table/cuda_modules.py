@@ -1,4 +1,5 @@
-"""CUDA sources of ``kernels/`` compiled by CuPy (NVRTC), once per process."""
+"""CUDA sources of ``keras_sparse/kernels/`` compiled by CuPy (NVRTC), once per
+process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ _LOCK = threading.Lock()
 
 
 def module(source="hash_table.cu"):
-    """The ``cupy.RawModule`` of ``kernels/<source>``."""
+    """The ``cupy.RawModule`` of ``keras_sparse/kernels/<source>``."""
     with _LOCK:
         if source not in _MODULES:
             _MODULES[source] = cp.RawModule(

@@ -1,8 +1,9 @@
 """GPU table: the shared algorithm on CuPy arrays with CUDA kernels for the hot paths.
 
-``kernels/hash_table.cu`` is compiled once per process by ``cupy.RawModule``
-(NVRTC) and cached at module level.  Hashing and bucket choice are identical to
-the CPU twin, so both give the same rows for the same call sequence.
+``keras_sparse/kernels/hash_table.cu`` is compiled once per process by
+``cupy.RawModule`` (NVRTC) and cached at module level.  Hashing and bucket
+choice are identical to the CPU twin, so both give the same rows for the same
+call sequence.
 Placement/eviction rounds reuse ``ArrayTable``'s vectorized code on CuPy
 arrays (host syncs only where a result size must be read).
 

@@ -2,9 +2,10 @@
 
 The multi-launch path (``ArrayTable._insert_call`` on CuPy arrays) pays about
 ten host syncs and 70-150 CuPy operations per call, which dominate the time
-of embedding-sized batches. ``ks_insert_calls`` (``kernels/insert_call.cu``)
-runs the whole call in one block: probe, dedup of the absent keys, admission,
-placement and eviction rounds, touch and counts. Rows, new rows, evicted
+of embedding-sized batches. ``ks_insert_calls``
+(``keras_sparse/kernels/insert_call.cu``) runs the whole call in one block:
+probe, dedup of the absent keys, admission, placement and eviction rounds,
+touch and counts. Rows, new rows, evicted
 pairs, counters and stored state equal the CPU twin's call by call (the
 conformance suite runs on it).
 
@@ -38,7 +39,7 @@ from .numpy_table import InsertResult
 from .numpy_table import TableFullError
 
 MAX_KEYS = 1 << 16
-THREADS = 512  # KS_FT in kernels/insert_call.cu
+THREADS = 512  # KS_FT in keras_sparse/kernels/insert_call.cu
 DESC_WORDS = 40  # KS_DESC_WORDS: int64 words of one call's record
 _WORDS_PER_KEY = 20  # workspace int64 arrays of the batch size (see the kernel)
 _SET_ARRAYS = 5  # dedup-set arrays of H words

@@ -2,8 +2,8 @@
 
 All hashing is plain 64-bit integer arithmetic (``uint64`` wraps modulo 2**64
 in NumPy, CuPy and CUDA alike), so a key lands in the same buckets on every
-backend, process and platform.  ``kernels/hash_table.cu`` mirrors ``mix64`` and
-``bucket_pair`` bit for bit; change both together.
+backend, process and platform.  ``keras_sparse/kernels/hash_table.cu`` mirrors
+``mix64`` and ``bucket_pair`` bit for bit; change both together.
 """
 
 from __future__ import annotations

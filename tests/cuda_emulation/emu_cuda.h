@@ -1,4 +1,4 @@
-// Runs kernels/*.cu on the host, for tests on machines without a GPU.
+// Runs keras_sparse/kernels/*.cu on the host, for tests on machines without a GPU.
 //
 // Included ahead of the unchanged CUDA source (g++ -include).  Every thread of
 // a block is a fiber (ucontext) on one OS thread; fibers run until they exit
