@@ -35,7 +35,7 @@ def build(fields, batch, batches):
     inputs = [keras.Input((3,), dtype="int64") for _ in range(fields)]
     ids = keras.Input((2,), dtype="int64")
     layers = [
-        ks.DistributedHashEmbedding(16, capacity=1 << 14, combiner="sum")
+        ks.DistributedHashEmbedding(16, capacity=1 << 16, combiner="sum")
         for _ in range(fields)
     ]
     fixed = ks.AllToAllDenseEmbedding(1000, 16, combiner="mean")
