@@ -18,6 +18,7 @@ from keras import ops
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.cpu_allocator import back_with_huge_pages
+from keras_sparse.layers import atomic_save
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
@@ -304,6 +305,8 @@ class EmbeddingCollection(keras.layers.Layer):
         self._stack_slots = {}
         # JAX without x64: int64 ids beyond int32 are refused before a step.
         jax_full_keys.install()
+        # Saves of models holding this layer replace their file atomically.
+        atomic_save.install()
 
     # ------------------------------------------------------------- helpers
     @property
