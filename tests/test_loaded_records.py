@@ -24,7 +24,7 @@ from tests.test_hash_checkpoints import _store
 
 I31 = 2**31 - 1  # sparse_iterations is int32, and the next step adds 1
 # The seed generator's state dtype: uint32, int32 or int64 by backend.
-SEED_LOW = int(np.iinfo(keras.random.SeedGenerator(1).state.dtype).min)
+SEED_BOUNDS = np.iinfo(keras.random.SeedGenerator(1).state.dtype)
 
 
 def _scores(n, value):
@@ -80,9 +80,9 @@ CASES = {
         r"`seed_state` must be an integer array of shape \(2,\)",
     ),
     "seed state out of its dtype": (
-        lambda s: np.array([SEED_LOW - 1, 0], np.int64),
+        lambda s: np.array([int(SEED_BOUNDS.max) + 1, 0], np.uint64),
         "seed_state",
-        rf"`seed_state` must be in \[{SEED_LOW}, ",
+        rf"`seed_state` must be in \[{SEED_BOUNDS.min}, ",
     ),
     "admission counts negative": (
         lambda s: -np.ones_like(s["admission_counts"], np.int64),
