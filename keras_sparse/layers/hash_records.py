@@ -307,8 +307,9 @@ class HashRecords:
 
         Same capacity, bucket size and seed: every key returns to its saved
         row. Otherwise keys are placed hottest first and those that find no
-        row are dropped with a warning. Missing entries raise ValueError
-        before anything changes.
+        row are dropped with a warning. Missing entries, and counters or
+        seeds outside their valid range (the clock, scores, step count,
+        admission counts), raise ValueError before anything changes.
         """
         if not self.built:
             self.build()

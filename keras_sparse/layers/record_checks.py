@@ -1,6 +1,7 @@
 """Validation of hash-layer records (keys, vectors, slots, scores, rows)
-before `import_` or a checkpoint load changes anything: each error names the
-layer and the argument."""
+and of the counters a checkpoint restores, before `import_` or a load
+changes anything: each error names the layer, the argument and its valid
+range."""
 
 from typing import NamedTuple
 
