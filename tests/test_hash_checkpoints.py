@@ -528,7 +528,10 @@ def _bad_calls():
             r"unknown `slots` \['momentum'\].*\['accumulator'\]",
         ),
         "scores length": (with_(scores=np.arange(n + 1)), r"`scores`.*\(5,\)"),
-        "scores negative": (with_(scores=-np.arange(n)), r"`scores` must be >= 0"),
+        "scores negative": (
+            with_(scores=-np.arange(n)),
+            r"`scores` must be in \[0, 2\*\*62\)",
+        ),
         "scores float": (with_(scores=np.ones(n) / 2), r"`scores`.*integer"),
         "duplicate keys": (
             with_(keys=np.array([100, 101, 100, 102, 103])),

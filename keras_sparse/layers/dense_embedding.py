@@ -10,6 +10,7 @@ from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_known
+from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 
 
@@ -334,6 +335,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                     f"{value.shape}, the layer's variable {tuple(variable.shape)}"
                     "; nothing was loaded."
                 )
+            if name == "sparse_iterations":
+                value = checked_step_count(self.name, value, variable)
             values[name] = value
         for name, variable in named.items():
             variable.assign(values[name])

@@ -18,6 +18,7 @@ from keras import ops
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.cpu_allocator import back_with_huge_pages
+from keras_sparse.layers import atomic_save
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
@@ -25,6 +26,7 @@ from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_fields
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.dedup_scratch import add_dedup_scratch
+from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
@@ -304,6 +306,8 @@ class EmbeddingCollection(keras.layers.Layer):
         self._stack_slots = {}
         # JAX without x64: int64 ids beyond int32 are refused before a step.
         jax_full_keys.install()
+        # Saves of models holding this layer replace their file atomically.
+        atomic_save.install()
 
     # ------------------------------------------------------------- helpers
     @property
@@ -627,6 +631,11 @@ class EmbeddingCollection(keras.layers.Layer):
                 "optimizer cannot restore one's slots: build it as it was "
                 "saved, load, then change it."
             )
+        iterations = None
+        if self.uses_sparse_update:
+            iterations = checked_step_count(
+                self.name, store["sparse_iterations"], self.sparse_iterations
+            )
         values = {}
         for name in self.tables:
             stack = self._stack_of(name)
@@ -635,8 +644,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 for var_name in self._named_stack_variables(stack)
             }
         self._assign_tables(values)
-        if self.uses_sparse_update:
-            self.sparse_iterations.assign(store["sparse_iterations"])
+        if iterations is not None:
+            self.sparse_iterations.assign(iterations)
 
     def _assign_tables(self, values):
         """``values``: ``{table: {"embeddings"|"slot_<name>": array}}``.

@@ -17,9 +17,12 @@ from keras import ops
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
 from keras_sparse.layers.record_checks import Records
 from keras_sparse.layers.record_checks import check_distinct
+from keras_sparse.layers.record_checks import checked_int
+from keras_sparse.layers.record_checks import checked_int_array
 from keras_sparse.layers.record_checks import checked_ints
 from keras_sparse.layers.record_checks import checked_keys
 from keras_sparse.layers.record_checks import checked_numbers
+from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.record_checks import subset
 from keras_sparse.layers.record_placement import greedy_rows
 from keras_sparse.layers.record_placement import hottest_first
@@ -28,6 +31,7 @@ from keras_sparse.layers.record_placement import load_drop_message
 from keras_sparse.progress import silent
 from keras_sparse.progress import tracker
 from keras_sparse.table import TableFullError
+from keras_sparse.table.scores import SCORE_LIMIT
 
 # Seconds each stage took at 10M keys on a CPU host: the bar's pace (only
 # the ratios matter). The table's own import_ ("place") is one vectorized
@@ -160,7 +164,8 @@ class HashRecords:
         )
         slots = self._checked_slots(slots, n, saved)
         if scores is not None:
-            scores = checked_ints(self.name, label("scores"), scores, n, 0)
+            # See keras_sparse.table.scores: room for the steps to come.
+            scores = checked_ints(self.name, label("scores"), scores, n, 0, SCORE_LIMIT)
         if rows is not None:
             capacity = self.table.capacity
             rows = checked_ints(self.name, label("rows"), rows, n, 0, capacity)
@@ -302,8 +307,9 @@ class HashRecords:
 
         Same capacity, bucket size and seed: every key returns to its saved
         row. Otherwise keys are placed hottest first and those that find no
-        row are dropped with a warning. Missing entries raise ValueError
-        before anything changes.
+        row are dropped with a warning. Missing entries, and counters or
+        seeds outside their valid range (the clock, scores, step count,
+        admission counts), raise ValueError before anything changes.
         """
         if not self.built:
             self.build()
@@ -335,7 +341,10 @@ class HashRecords:
         self._check_entries(names)
         geometry = None
         if all(name in names for name in _GEOMETRY_ENTRIES):
-            geometry = tuple(int(store[name][...]) for name in _GEOMETRY_ENTRIES)
+            geometry = tuple(
+                checked_int(self.name, name, store[name][...], low, high, meaning)
+                for name, (low, high, meaning) in _GEOMETRY_ENTRIES.items()
+            )
         slot_names = [spec.name for spec in self.sparse_optimizer.slot_specs()]
         # Saved rows only mean something in a table with the same buckets.
         with_rows = "record_rows" in names and geometry == self._geometry()
@@ -347,18 +356,45 @@ class HashRecords:
             store["record_rows"][...] if with_rows else None,
             saved=True,
         )
-        scalars = {}
-        for name, variable, meaning in (
-            ("sparse_iterations", self.sparse_iterations, "(a scalar)"),
-            ("seed_state", self.seed_generator.state, "(the seed generator's)"),
-        ):
-            scalars[name] = checked_numbers(
-                self.name, name, store[name][...], variable.shape, meaning, False
-            )
+        # Any value of the generator's dtype (uint32, int32 or int64 by
+        # backend) is a valid state.
+        seed_bounds = np.iinfo(np.dtype(self.seed_generator.state.dtype))
+        scalars = {
+            "sparse_iterations": checked_step_count(
+                self.name, store["sparse_iterations"][...], self.sparse_iterations
+            ),
+            "seed_state": checked_int_array(
+                self.name,
+                "seed_state",
+                store["seed_state"][...],
+                tuple(self.seed_generator.state.shape),
+                "(the seed generator's)",
+                int(seed_bounds.min),
+                int(seed_bounds.max) + 1,
+            ),
+        }
         admission = None
         if self._admission_sketch() is not None:
-            seed = int(store["admission_seed"][...])
-            admission = (store["admission_counts"][...], seed)
+            seed = checked_int(
+                self.name,
+                "admission_seed",
+                store["admission_seed"][...],
+                -(2**63),
+                2**63,
+                "(the sketch's seed)",
+            )
+            # uint32 counters, one row per hash (a width other than this
+            # sketch's is rescaled on load).
+            counts = checked_int_array(
+                self.name,
+                "admission_counts",
+                store["admission_counts"][...],
+                (None, None),
+                "(depth, width)",
+                0,
+                2**32,
+            )
+            admission = (counts, seed)
         return _Checkpoint(
             records,
             geometry,
@@ -403,7 +439,15 @@ class HashRecords:
         """The saved LRU step counter; older checkpoints lack it, and then the
         newest saved step keeps restored keys from looking recent."""
         if "table_clock" in names:
-            return int(store["table_clock"][...])
+            # See keras_sparse.table.scores: room for the steps to come.
+            return checked_int(
+                self.name,
+                "table_clock",
+                store["table_clock"][...],
+                0,
+                SCORE_LIMIT,
+                "(the LRU step counter)",
+            )
         if self.eviction == "lru" and len(records.scores):
             return int(records.scores.max())
         return 0
@@ -483,7 +527,13 @@ def _saved_count(store):
     return int(np.shape(store["record_keys"])[0])
 
 
-_GEOMETRY_ENTRIES = ("table_capacity", "table_bucket_size", "table_seed")
+# Saved geometry: (low, high, meaning) of each entry; a valid geometry other
+# than the layer's only means keys are re-placed.
+_GEOMETRY_ENTRIES = {
+    "table_capacity": (1, 2**62, "(the saving table's capacity)"),
+    "table_bucket_size": (1, 2**62, "(the saving table's bucket size)"),
+    "table_seed": (-(2**63), 2**63, "(the saving table's seed)"),
+}
 
 
 class _Checkpoint(NamedTuple):

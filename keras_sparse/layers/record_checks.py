@@ -1,6 +1,7 @@
 """Validation of hash-layer records (keys, vectors, slots, scores, rows)
-before `import_` or a checkpoint load changes anything: each error names the
-layer and the argument."""
+and of the counters a checkpoint restores, before `import_` or a load
+changes anything: each error names the layer, the argument and its valid
+range."""
 
 from typing import NamedTuple
 
@@ -82,11 +83,62 @@ def checked_ints(layer, arg, value, n, low, high=None):
             f"Layer '{layer}': `{arg}` must be an integer array of shape "
             f"({n},), one per key; received dtype {a.dtype}, shape {a.shape}."
         )
-    a = a.astype(np.int64)
-    if n and (a.min() < low or (high is not None and a.max() >= high)):
-        valid = f">= {low}" if high is None else f"in [{low}, {high})"
+    check_range(layer, arg, a, low, high)
+    return a.astype(np.int64)
+
+
+def checked_int_array(layer, arg, value, shape, meaning, low, high):
+    """``value``: an integer array of ``shape`` (None: any length on that
+    axis) within ``[low, high)``; returned as it is."""
+    a = host_array(value)
+    fits = a.ndim == len(shape) and all(
+        want is None or got == want for got, want in zip(a.shape, shape)
+    )
+    if a.dtype.kind not in "iu" or not fits:
+        form = (
+            f"a {len(shape)}-D integer array"
+            if None in shape
+            else f"an integer array of shape {tuple(shape)}"
+        )
+        raise ValueError(
+            f"Layer '{layer}': `{arg}` must be {form} {meaning}; received "
+            f"dtype {a.dtype}, shape {a.shape}."
+        )
+    check_range(layer, arg, a, low, high)
+    return a
+
+
+def checked_int(layer, arg, value, low, high, meaning):
+    """``value`` (an integer scalar) as an int within ``[low, high)``."""
+    return int(checked_int_array(layer, arg, value, (), meaning, low, high))
+
+
+def checked_step_count(layer, value, variable):
+    """A saved ``sparse_iterations`` for ``variable``: it feeds bias
+    corrections (Adam), so never negative, and with room for the next
+    step's +1 in the variable's dtype."""
+    most = int(np.iinfo(np.dtype(variable.dtype)).max)
+    return checked_int_array(
+        layer, "sparse_iterations", value, tuple(variable.shape), "(a scalar)", 0, most
+    )
+
+
+def check_range(layer, arg, a, low, high=None):
+    """ValueError naming ``[low, high)`` unless every value lies in it
+    (compared as Python ints: no wrap-around of int64 or uint64)."""
+    if not a.size:
+        return
+    least, most = int(a.min()), int(a.max())
+    if least < low or (high is not None and most >= high):
+        valid = f">= {low}" if high is None else f"in [{low}, {_number(high)})"
         raise ValueError(
             f"Layer '{layer}': `{arg}` must be {valid}; received values from "
-            f"{a.min()} to {a.max()}."
+            f"{least} to {most}."
         )
-    return a
+
+
+def _number(n):
+    """Large powers of two as ``2**k`` (the ranges' bounds)."""
+    if n > 2**20 and n & (n - 1) == 0:
+        return f"2**{n.bit_length() - 1}"
+    return str(n)

@@ -11,6 +11,7 @@ from keras import ops
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.cpu_allocator import back_with_huge_pages
+from keras_sparse.layers import atomic_save
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.dedup_scratch import add_dedup_scratch
@@ -73,6 +74,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
         self.sharding = sharding
         self.slots = {}
+        # Saves of models holding this layer replace their file atomically.
+        atomic_save.install()
 
     # ----------------------------------------------------------------- state
     @property

@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 
+from keras_sparse import atomic_files
+
 
 def build_library(name, sources, main, compiler_env, compiler, flags, load):
     """``(loaded, status)``: ``load(path)`` of the library built from
@@ -131,8 +133,9 @@ def check_private(folder):
 
 def _build(command, texts, main, flags, path):
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # Built beside its final name and renamed: processes that build at the
-    # same time (one per replica) never load a half-written file.
+    # Built beside its final name, synced and renamed: processes that build
+    # at the same time (one per replica) never load a half-written file,
+    # nor does a process after a crash.
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
         for file_name, text in texts.items():
             (pathlib.Path(work) / file_name).write_text(text)
@@ -145,4 +148,4 @@ def _build(command, texts, main, flags, path):
         )
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr.strip()[-2000:])
-        os.replace(built, path)
+        atomic_files.publish(str(built), str(path))

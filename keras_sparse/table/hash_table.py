@@ -11,6 +11,7 @@ from .numpy_table import BatchTooLargeError
 from .numpy_table import InsertResult
 from .numpy_table import NumpyTable
 from .numpy_table import TableFullError
+from .scores import check_scores
 
 __all__ = [
     "BatchTooLargeError",
@@ -264,8 +265,9 @@ class HashTable:
         With ``rows``: raises ``ValueError`` (table unchanged) if a row is out of
         range, used twice, not in one of its key's two buckets (different
         capacity/bucket_size/seed), taken by another key, or if a key is live
-        elsewhere.  ``scores`` default to the current step (LRU) or 1 (LFU).
-        Admission is bypassed.
+        elsewhere.  ``scores`` default to the current step (LRU) or 1 (LFU);
+        given ones must lie in ``[0, 2**62)`` (ValueError, table unchanged;
+        see `keras_sparse.table.scores`).  Admission is bypassed.
         """
         k, _ = self._convert(keys, "keys")
         r = s = None
@@ -273,6 +275,7 @@ class HashTable:
             r, _ = self._convert(rows, "rows")
         if scores is not None:
             s, _ = self._convert(scores, "scores")
+            check_scores(s)
         with self._lock:
             self._version += 1  # also when it raises half-way: be safe
             return self._impl.import_(k, r, s)

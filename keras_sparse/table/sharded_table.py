@@ -46,6 +46,7 @@ from .keys import to_host
 from .keys import to_numpy_keys
 from .numpy_table import InsertResult
 from .numpy_table import TableFullError
+from .scores import check_scores
 
 __all__ = ["OWNER_SALT", "ShardedHashTable", "key_words", "keys_of_words", "owner_of"]
 
@@ -358,7 +359,9 @@ class ShardedHashTable:
                     "seed)."
                 )
         if scores is not None:
-            scores = np.asarray(scores).reshape(-1)
+            # Refused before any shard changes.
+            scores, _ = to_numpy_keys(scores, "scores")
+            check_scores(scores)
         out = np.full(k.shape, -1, np.int64)
         new, ev_keys, ev_rows = [], [], []
         with self._lock:
