@@ -65,6 +65,18 @@ default, so two runs of either path differ by float rounding; with
 ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` the stage is bit-identical
 there too (checked on an H100).
 
+Checkpoints. A save during the fit (``ModelCheckpoint(save_freq=N)``,
+``model.save`` or ``layer.export()`` in a callback) sees each table as of
+the layer's last trained step: every table call of a training stage keeps
+its undo record (`keras_sparse.table.undo`) in a per-table journal, and the
+layer undoes, on a copy, the calls of the batches its step counter says are
+not trained yet (`keras_sparse.data.lookahead`). Its variables need no undo:
+a row the look-ahead gave to a new key still holds the evicted key's vector
+and slots until that key's step resets it. The step count at which each
+pass begins is read when the stage is made and then advanced by the batches
+each pass trained, since reading it inside a fit is unreliable (purged on
+JAX, possibly advanced by a step in flight on TensorFlow).
+
 Caveats:
 
 - On JAX without ``jax_enable_x64``, Keras truncates int64 keys to int32
