@@ -21,10 +21,11 @@ import collections
 import threading
 import weakref
 
-# Batches kept after they were handed to Keras: Keras' own prefetching
-# (tf.data's on TensorFlow) may hold some untrained; a save that needs
-# records already dropped raises rather than writing a wrong table.
-KEEP_SERVED = 64
+# Batches whose records are kept after they were handed to Keras: Keras'
+# own prefetching (tf.data's on TensorFlow) may hold a few untrained; a save
+# that needs records already dropped raises rather than writing a wrong
+# table. A record holds about two int64 per key of its batch.
+KEEP_SERVED = 16
 
 
 class Journal:
@@ -62,7 +63,12 @@ class Journal:
                     f"more than {KEEP_SERVED} batches ahead of training). "
                     "Nothing was saved."
                 )
-            return [r for seq, r in self._records if seq >= first]
+            # Batches before ``first`` are trained: their records are not
+            # needed again (the count only grows within a pass).
+            while self._records and self._records[0][0] < first:
+                self._records.popleft()
+            self._floor = max(self._floor, first)
+            return [r for _, r in self._records]
 
 
 class Lookahead:

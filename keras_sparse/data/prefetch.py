@@ -773,9 +773,7 @@ class _Pass:
     def untrained_calls(self, layer, done):
         """Undo records of the calls ``layer``'s table got in this pass for
         batches not trained yet, ``done`` being the layer's step counter."""
-        f_idx = next(
-            (i for i, f in enumerate(self.e.feeds) if f.layer is layer), None
-        )
+        f_idx = next((i for i, f in enumerate(self.e.feeds) if f.layer is layer), None)
         if f_idx is None or not self.e.insert:
             return []
         if self.iter0[f_idx] is None:
