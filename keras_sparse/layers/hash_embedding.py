@@ -383,7 +383,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         as_xp = _to_numpy if xp is np else xp.asarray
         selected = flat[use]
         if insert:
-            got, new = self._lookup_or_insert(selected, undo)
+            if undo is None:
+                got, new = self._lookup_or_insert(selected)
+            else:
+                got, new = self._lookup_or_insert(selected, undo)
             rows[use] = as_xp(got)
             fresh[use] = as_xp(new)
             _first_fresh_only(rows, fresh, xp)
