@@ -754,3 +754,36 @@ def test_first_claims_marks_earliest_claim(high):
         victim = victim + (1 << 60)
     won = NumpyTable._first_claims(victim)
     assert won.tolist() == [True, True, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_state_before_gives_back_each_earlier_table(device, eviction, admit_after):
+    # A prefetch stage maps batches ahead: a save must see the table before
+    # them. Snapshots taken before each call are the reference.
+    t = make(device, 64, eviction=eviction, admit_after=admit_after)
+    rng = np.random.default_rng(3)
+    log, snapshots = [], []
+
+    def snapshot():
+        keys, rows, scores = (host(a) for a in t.export())
+        sketch = getattr(t._impl, "sketch", None)
+        counts = None if sketch is None else sketch.state()
+        return keys, rows, scores, t._impl.clock, counts
+
+    for _ in range(12):
+        snapshots.append(snapshot())
+        batch = rng.integers(0, 200, 48)  # 200 keys into 64 rows: evictions
+        t.lookup_or_insert_fresh(batch, undo=log)
+    assert len(log) == 12 and t.stats()["evictions"] > 0
+    now = snapshot()
+    for i, want in enumerate(snapshots + [now]):
+        got = t.state_before(log[i:])
+        for a, b in zip(want[:3], got[:3]):
+            np.testing.assert_array_equal(a, host(b))
+        assert want[3] == got.clock
+        if admit_after > 1:
+            np.testing.assert_array_equal(want[4], got.sketch_counts)
+    # Nothing changed: the table is as the last call left it.
+    for a, b in zip(now, snapshot()):
+        np.testing.assert_array_equal(a, b)

@@ -230,10 +230,10 @@ def test_table_calls_run_per_layer_in_batch_order_and_overlap():
     def spy(layer):
         inner = layer._map_on_host
 
-        def wrapped(keys, use, insert):
+        def wrapped(keys, use, insert, **kw):
             t0 = time.perf_counter()
             time.sleep(0.01)  # long enough for another thread to start
-            out = inner(keys, use, insert)
+            out = inner(keys, use, insert, **kw)
             with lock:
                 calls.append((layer.name, np.array(keys).reshape(-1), t0,
                               time.perf_counter()))  # fmt: skip
@@ -276,9 +276,9 @@ def test_layers_sharing_a_table_keep_one_call_order():
     first = model.get_layer("e0")
     inner = first._map_on_host
 
-    def slow(*args):  # would let e1 overtake e0 if their turns were separate
+    def slow(*args, **kw):  # would let e1 overtake e0 if their turns were separate
         time.sleep(0.005)
-        return inner(*args)
+        return inner(*args, **kw)
 
     first._map_on_host = slow
     with prefetch((x, y), model, batch_size=BATCH, threads=4) as stage:

@@ -65,6 +65,18 @@ default, so two runs of either path differ by float rounding; with
 ``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` the stage is bit-identical
 there too (checked on an H100).
 
+Checkpoints. A save during the fit (``ModelCheckpoint(save_freq=N)``,
+``model.save`` or ``layer.export()`` in a callback) sees each table as of
+the layer's last trained step: every table call of a training stage keeps
+its undo record (`keras_sparse.table.undo`) in a per-table journal, and the
+layer undoes, on a copy, the calls of the batches its step counter says are
+not trained yet (`keras_sparse.data.lookahead`). Its variables need no undo:
+a row the look-ahead gave to a new key still holds the evicted key's vector
+and slots until that key's step resets it. The step count at which each
+pass begins is read when the stage is made and then advanced by the batches
+each pass trained, since reading it inside a fit is unreliable (purged on
+JAX, possibly advanced by a step in flight on TensorFlow).
+
 Caveats:
 
 - On JAX without ``jax_enable_x64``, Keras truncates int64 keys to int32
@@ -122,6 +134,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from keras_sparse.data import lookahead
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
@@ -176,6 +189,9 @@ class _Engine:
         }  # fmt: skip
         self._pass = None
         self._pass_count = 0
+        # Per feed: its layer's step counter when the next pass begins
+        # (None: unknown, read then).
+        self.base = _counters(feeds)
         self.copy_batch = None  # host -> device copy (`transfer.batch_copier`)
         # Per feed: None (codes alone) or ``(replicas, channel)``, what the
         # codes travel with (`prepared_inputs`): "segments" or the
@@ -204,11 +220,21 @@ class _Engine:
             return
         p.stop()
         if not complete or not p.exhausted():
-            self._rollback(p)
+            trained = self._rollback(p)
+        else:
+            trained = [p.next] * len(self.feeds)  # every batch served was trained
+        # The next pass's first step count, known without reading the counter
+        # inside a fit (see `_Pass`).
+        self.base = [
+            None if i0 is None or t is None else i0 + t
+            for i0, t in zip(p.iter0, trained)
+        ]
         self.source.end_pass()
 
     def _rollback(self, p):
-        """Erases keys given fresh rows by looked-up but untrained batches."""
+        """Erases keys given fresh rows by looked-up but untrained batches;
+        returns the batches of the pass trained per feed (None: unknown)."""
+        done = [None] * len(self.feeds)
         for f_idx, feed in enumerate(self.feeds):
             if feed.kind != "hash" or not self.insert:
                 continue
@@ -222,6 +248,7 @@ class _Engine:
             if p.iter0[f_idx] is not None:
                 try:
                     trained = int(keras.ops.convert_to_numpy(it)) - p.iter0[f_idx]
+                    done[f_idx] = min(max(trained, 0), p.next)
                 except Exception:  # noqa: BLE001
                     trained = 0
             keys = [
@@ -233,6 +260,7 @@ class _Engine:
                 keys = np.unique(np.concatenate(keys))
                 self.stats["erased_keys"] += int(feed.layer.table.erase(keys))
         p.pending.clear()
+        return done
 
     def shutdown(self):
         if self.closed:
@@ -255,8 +283,11 @@ class _Engine:
             jobs.append((keys, w))
         return (x, y, sw), jobs
 
-    def table_call(self, f_idx, job):
+    def table_call(self, f_idx, job, journal=None):
         """Layer ``f_idx``'s table call for one batch (caller holds its turn).
+
+        ``journal``: the `lookahead.Journal` of the layer's table, given the
+        call's undo record when it inserts.
 
         Returns ``(codes, fresh_keys, segments)``: the prepared int32 codes
         (the keys' shape), the keys that got a fresh row (None when there are
@@ -272,7 +303,8 @@ class _Engine:
             w = None if w is None else w[:, None]
         use = np.ones(k.size, bool) if w is None else (w != 0).reshape(-1)
         insert = self.insert and layer.trainable
-        rows, fresh = layer._map_on_host(k, use, insert)
+        undo = journal if insert else None
+        rows, fresh = layer._map_on_host(k, use, insert, undo=undo)
         codes = np.where(fresh, -2 - rows, rows).astype(np.int32, copy=False)
         fresh_keys = None
         if insert and fresh.any():
@@ -350,6 +382,18 @@ class _Engine:
     def _add(self, name, value):
         with self.cond:
             self.stats[name] += value
+
+
+def _counters(feeds):
+    """Each feed's layer step counter (None where it cannot be read)."""
+    out = []
+    for feed in feeds:
+        it = getattr(feed.layer, "sparse_iterations", None)
+        try:
+            out.append(int(keras.ops.convert_to_numpy(it)))
+        except Exception:  # noqa: BLE001 - absent, or purged by a JAX fit
+            out.append(None)
+    return out
 
 
 def _feed_array(x, place, feed):
@@ -446,18 +490,26 @@ class _Pass:
         # (batch, feed) order: ticket = batch * lane size + position.
         self.lane, self.lane_pos, self.lane_size = _lanes(engine.feeds)
         self.turn = [0] * len(self.lane_size)  # per lane: next ticket to run
+        # Per lane (table): undo records of its calls, for saves that must
+        # show it as of the last trained step (`lookahead`).
+        self.journals = [lookahead.Journal() for _ in self.lane_size]
         self.unit_s = [0.0] * len(engine.feeds)  # per layer: running mean time
         self.next = 0  # next sequence number handed out
         self.total = None  # batches in this pass, once known
         self.failed_seq = float("inf")  # first failed batch
         self.pending = {}  # seq -> {feed index: fresh keys}
-        self.iter0 = []
-        for feed in engine.feeds:
-            it = getattr(feed.layer, "sparse_iterations", None)
-            try:
-                self.iter0.append(int(keras.ops.convert_to_numpy(it)))
-            except Exception:  # noqa: BLE001 - unreadable: rollback erases all
-                self.iter0.append(None)
+        # Each layer's step count when this pass's first batch trains: the
+        # engine's count (read when the stage was made, then advanced by the
+        # batches each pass trained), else read now. A pass starts inside a
+        # fit, where a read is not reliable: JAX has purged the variables
+        # (unreadable: rollback erases all), and a TensorFlow step in flight
+        # may already have advanced the counter it reads.
+        now = None
+        self.iter0 = list(engine.base)
+        for i, base in enumerate(self.iter0):
+            if base is None:
+                now = now or _counters(engine.feeds)
+                self.iter0[i] = now[i]
         self.workers = []
 
     def start(self):
@@ -631,8 +683,10 @@ class _Pass:
     def _run_table(self, b, f):
         t0 = time.perf_counter()
         codes = fresh = segments = err = None
+        journal = self.journals[self.lane[f]]
+        journal.seq = b.seq  # this worker holds the lane's turn
         try:
-            codes, fresh, segments = self.e.table_call(f, b.parts[1][f])
+            codes, fresh, segments = self.e.table_call(f, b.parts[1][f], journal)
         except BaseException as exc:  # noqa: BLE001
             err = exc
         dt = time.perf_counter() - t0
@@ -712,7 +766,25 @@ class _Pass:
         # Trim the bookkeeping of batches surely dispatched long ago.
         for old in [s for s in self.pending if s < key - 64]:
             del self.pending[old]
+        for journal in self.journals:
+            journal.trim(key - lookahead.KEEP_SERVED)
         return out
+
+    def untrained_calls(self, layer, done):
+        """Undo records of the calls ``layer``'s table got in this pass for
+        batches not trained yet, ``done`` being the layer's step counter."""
+        f_idx = next((i for i, f in enumerate(self.e.feeds) if f.layer is layer), None)
+        if f_idx is None or not self.e.insert:
+            return []
+        if self.iter0[f_idx] is None:
+            raise RuntimeError(
+                f"Layer '{layer.name}': cannot save the hash table as of its "
+                "last trained step: its step counter could not be read when "
+                "the prefetch stage's pass began, so the batches it mapped "
+                "ahead cannot be told from the trained ones. Nothing was saved."
+            )
+        first = done - self.iter0[f_idx]
+        return self.journals[self.lane[f_idx]].since(first, layer.name)
 
 
 # -------------------------------------------------------------------- stage
@@ -764,6 +836,8 @@ class PrefetchStage(keras.utils.PyDataset):
             layer._prepared_inputs = count + 1
             layer._prepared_layout, layer._prepared_share = layouts[id(layer)]
             flipped |= count == 0
+        if engine.insert:
+            lookahead.install(engine, self._layers)
         self._active = True
         if flipped:
             _reset_model_functions(self._model)
@@ -909,6 +983,7 @@ def _reset_model_functions(model):
 
 def _finalize(engine, layers, model_ref):
     engine.shutdown()
+    lookahead.remove(engine, layers)
     flipped = False
     for layer in layers:
         count = getattr(layer, "_prepared_inputs", 0)

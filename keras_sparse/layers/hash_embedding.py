@@ -343,10 +343,14 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             serving_map.build(self)
 
     # ---------------------------------------------------------------- mapping
-    def _lookup_or_insert(self, keys):
-        """``(rows, fresh)`` of flat keys (NumPy or CuPy, as the table gives)."""
+    def _lookup_or_insert(self, keys, undo=None):
+        """``(rows, fresh)`` of flat keys (NumPy or CuPy, as the table gives);
+        ``undo``: see `HashTable.lookup_or_insert_fresh`."""
         try:
-            res, fresh = self.table.lookup_or_insert_fresh(keys)
+            if undo is None:
+                res, fresh = self.table.lookup_or_insert_fresh(keys)
+            else:
+                res, fresh = self.table.lookup_or_insert_fresh(keys, undo=undo)
             return res.rows, fresh
         except BatchTooLargeError as e:
             raise BatchTooLargeError(
@@ -365,16 +369,17 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 f"'lfu' or a larger capacity. ({e})"
             ) from None
 
-    def _table_rows(self, flat, use, insert, xp, out=None):
+    def _table_rows(self, flat, use, insert, xp, out=None, undo=None):
         """Flat int64 keys and bool ``use``, both NumPy (``xp=np``) or both
         CuPy -> ``(rows int32, fresh bool)`` of ``xp``, rows -1 where absent
         or unused, fresh at the first position of each newly assigned row;
-        written into ``out`` (two arrays) when given."""
+        written into ``out`` (two arrays) when given. ``undo``: collects
+        the table call's undo record (see `HashTable.lookup_or_insert_fresh`)."""
         n = flat.shape[0]
         rows, fresh = (
             out if out is not None else (xp.empty(n, xp.int32), xp.empty(n, bool))
         )
-        if insert and xp is not np:
+        if insert and xp is not np and undo is None:
             # GPU table: one launch writing rows and fresh, no host sync
             # (None: the general path below).
             if self.table.step_rows(flat, use, (rows, fresh)) is not None:
@@ -389,7 +394,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         as_xp = _to_numpy if xp is np else xp.asarray
         selected = flat[use]
         if insert:
-            got, new = self._lookup_or_insert(selected)
+            if undo is None:
+                got, new = self._lookup_or_insert(selected)
+            else:
+                got, new = self._lookup_or_insert(selected, undo)
             rows[use] = as_xp(got)
             fresh[use] = as_xp(new)
             _first_fresh_only(rows, fresh, xp)
@@ -399,10 +407,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             rows[use] = as_xp(self.table.lookup(selected, count=False))
         return rows, fresh
 
-    def _map_on_host(self, keys, use, insert, out=None):
+    def _map_on_host(self, keys, use, insert, out=None, undo=None):
         """Host keys (any shape), use (bool) -> flat NumPy (rows, fresh)."""
         use = np.asarray(use, dtype=bool).reshape(-1)
-        return self._table_rows(_host_keys(keys), use, insert, np, out)
+        return self._table_rows(_host_keys(keys), use, insert, np, out, undo)
 
     def _map_step_keys(self, keys, use, insert, out=None):
         """`_map_on_host` of the keys a compiled step received: the high 32

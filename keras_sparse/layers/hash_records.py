@@ -76,12 +76,35 @@ class HashRecords:
         n = self.table.size
         title = f"Layer '{self.name}': exporting {n:,} keys"
         with tracker(n, title, _EXPORT_STAGES) as progress:
-            return self._records_out(include_rows, progress)
+            return self._records_out(include_rows, progress, self._trained_table())
 
-    def _records_out(self, include_rows, progress):
-        """`export`'s records, its stages reported to ``progress``."""
+    def _trained_table(self):
+        """The table (`keras_sparse.table.undo.TableState`) as of the
+        layer's last trained step, or None when it is the table as it is.
+
+        A `keras_sparse.data.prefetch` stage maps batches ahead of their
+        steps: their inserts, evictions, score and clock updates and
+        admission counts are in the table before the rows are trained. The
+        stage sets ``self._lookahead``: given the layer's step counter, it
+        returns the undo records of the table calls made for batches not
+        trained yet, and the table computes its state before them. The
+        variables need no undo: a row given to a key ahead of training is
+        only reset in that key's step, so it still holds the vector and
+        slots of the key it was taken from.
+        """
+        lookahead = getattr(self, "_lookahead", None)
+        if lookahead is None:
+            return None
+        done = int(ops.convert_to_numpy(self.sparse_iterations))
+        return self.table.state_before(lambda: lookahead(self, done))
+
+    def _records_out(self, include_rows, progress, trained=None):
+        """`export`'s records, its stages reported to ``progress``; of the
+        table as of its last trained step when ``trained`` (a `TableState`)
+        is given."""
         progress.stage("table")
-        keys, rows, scores = (_to_numpy(x) for x in self.table.export())
+        entries = self.table.export() if trained is None else trained[:3]
+        keys, rows, scores = (_to_numpy(x) for x in entries)
         progress.stage("variables")
         state = self._host_state(progress)
         progress.stage("gather")
@@ -286,20 +309,25 @@ class HashRecords:
             self.build()
         n = self.table.size
         title = f"Layer '{self.name}': saving {n:,} keys"
+        trained = self._trained_table()
         with tracker(n, title, _SAVE_STAGES) as progress:
-            records = self._records_out(True, progress)
+            records = self._records_out(True, progress, trained)
             progress.stage("store")
             for name in progress.each(records):
                 store[f"record_{name}"] = records[name]
         for name, value in zip(_GEOMETRY_ENTRIES, self._geometry()):
             store[name] = np.int64(value)
-        store["table_clock"] = np.int64(self._table_clock())
+        clock = self._table_clock() if trained is None else trained.clock
+        store["table_clock"] = np.int64(clock)
         store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
         store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
         sketch = self._admission_sketch()
         if sketch is not None:
-            with self.table._lock:
-                store["admission_counts"] = sketch.state()
+            if trained is not None:
+                store["admission_counts"] = trained.sketch_counts
+            else:
+                with self.table._lock:
+                    store["admission_counts"] = sketch.state()
             store["admission_seed"] = np.int64(sketch.seed)
 
     def load_own_variables(self, store):

@@ -69,9 +69,10 @@ class CountMinSketch:
             est = self.xp.minimum(est, table[c])
         return est.astype(self.xp.int64)
 
-    def subtract(self, keys, counts):
-        """Exactly undo a previous ``add`` (used when a call must leave no trace)."""
-        table = self.counts.reshape(-1)
+    def subtract(self, keys, counts, out=None):
+        """Exactly undo a previous ``add`` (used when a call must leave no
+        trace); from ``out`` (a copy of the counters) when given."""
+        table = (self.counts if out is None else out).reshape(-1)
         neg = (-counts.astype(self.xp.int64)).astype(self.xp.uint32)  # wraps mod 2**32
         for c in self._cells(keys):
             self._add_at(table, c, neg)

@@ -40,6 +40,7 @@ from .cuda_modules import module as _module
 from .insert_call import FusedInsert
 from .keys import to_cupy_keys  # noqa: F401  (re-exported for the front class)
 from .numpy_table import ArrayTable
+from .undo import evicted_log
 
 _BLOCK = 256
 
@@ -104,7 +105,11 @@ class CupyTable(ArrayTable):
         fused = FusedInsert.of(self).call(k, step)
         return super().lookup_or_insert(k, step) if fused is None else fused[0]
 
-    def lookup_or_insert_fresh(self, k, step=None):
+    def lookup_or_insert_fresh(self, k, step=None, undo=None):
+        if undo is not None:
+            # The one-launch call keeps no pre-images: the multi-launch path
+            # (same rows) records them.
+            return super().lookup_or_insert_fresh(k, step, undo)
         fused = FusedInsert.of(self).call(k, step)
         return super().lookup_or_insert_fresh(k, step) if fused is None else fused
 
@@ -206,7 +211,8 @@ class CupyTable(ArrayTable):
         m = int(keys_idx.shape[0])
         if m == 0 or rounds <= 0:
             return keys_idx, [], []
-        if m > _FUSED_EVICT_MAX:
+        if m > _FUSED_EVICT_MAX or evicted_log(self) is not None:
+            # (the generic rounds note what they evict for an undo record)
             return super()._evict_rounds(
                 keys_idx, b1, b2, ak, d, new_score, res, prot, rounds
             )

@@ -12,6 +12,7 @@ from .numpy_table import InsertResult
 from .numpy_table import NumpyTable
 from .numpy_table import TableFullError
 from .scores import check_scores
+from .undo import state_before
 
 __all__ = [
     "BatchTooLargeError",
@@ -199,10 +200,14 @@ class HashTable:
             self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape))
 
-    def lookup_or_insert_fresh(self, keys, step=None):
+    def lookup_or_insert_fresh(self, keys, step=None, undo=None):
         """``(result, fresh)``: `lookup_or_insert` plus a bool array of the
         keys' shape, True where the key got a new row in this call (the
         embedding rows to re-initialize, per position).
+
+        ``undo``: an object with ``append``, given the call's
+        `keras_sparse.table.undo.UndoRecord` under the table's lock (what
+        `state_before` needs to show the table as it was before the call).
 
         Example:
           >>> table = HashTable(64, device="cpu")
@@ -213,7 +218,10 @@ class HashTable:
         """
         k, shape = self._convert(keys, "keys")
         with self._lock:
-            res, fresh = self._impl.lookup_or_insert_fresh(k, step)
+            if undo is None:
+                res, fresh = self._impl.lookup_or_insert_fresh(k, step)
+            else:
+                res, fresh = self._impl.lookup_or_insert_fresh(k, step, undo)
             self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
 
@@ -245,6 +253,26 @@ class HashTable:
             # count of new rows stays on the device).
             self._version += done is not None
         return done
+
+    def state_before(self, records):
+        """`keras_sparse.table.undo.TableState` (live keys, rows, scores,
+        clock, sketch counters) as the table was before the calls that
+        wrote the undo ``records`` (a list in call order, or a callable
+        returning one, called under the table's lock so that no call runs
+        in between). The table is not changed.
+
+        Example:
+          >>> table = HashTable(64, device="cpu")
+          >>> _ = table.lookup_or_insert([1, 2])
+          >>> log = []
+          >>> _ = table.lookup_or_insert_fresh([2, 3], undo=log)
+          >>> sorted(table.state_before(log).keys.tolist())
+          [1, 2]
+        """
+        with self._lock:
+            if callable(records):
+                records = records()
+            return state_before(self._impl, records)
 
     def erase(self, keys) -> int:
         """Remove ``keys`` (absent ones are ignored); returns how many were live."""

@@ -36,6 +36,9 @@ from .keys import digest
 from .keys import hash_keys
 from .keys import seed_word
 from .keys import to_host
+from .undo import UndoRecord
+from .undo import evicted_log
+from .undo import note_evicted
 
 _INT64_MAX = np.iinfo(np.int64).max
 # de Bruijn sequence for count-trailing-zeros of an isolated bit (NumPy has no ctz).
@@ -278,19 +281,31 @@ class ArrayTable:
     def lookup_or_insert(self, k, step=None):
         return self._insert_call(k, step)[0]
 
-    def lookup_or_insert_fresh(self, k, step=None):
+    def lookup_or_insert_fresh(self, k, step=None, undo=None):
         """``(InsertResult, fresh)``, ``fresh`` True where the key got a new
-        row in this call."""
-        result, miss_idx = self._insert_call(k, step)
+        row in this call. ``undo``: a list the call appends its
+        `UndoRecord` to (see `keras_sparse.table.undo`)."""
+        if undo is None:
+            result, miss_idx = self._insert_call(k, step)
+        else:
+            result, miss_idx = self._recorded_call(k, step, undo)
         # A key missing before this call with a row now got a new row (the
         # call never evicts its own hits), so no search of ``new_rows``.
         fresh = self.xp.zeros(int(k.shape[0]), dtype=bool)
         fresh[miss_idx] = result.rows[miss_idx] >= 0
         return result, fresh
 
-    def _insert_call(self, k, step):
+    def _recorded_call(self, k, step, undo):
+        """`_insert_call` that appends its `UndoRecord` to ``undo``."""
+        self._evicted_log = []
+        try:
+            return self._insert_call(k, step, undo)
+        finally:
+            self._evicted_log = None
+
+    def _insert_call(self, k, step, undo=None):
         """``(InsertResult, miss_idx)``: the call, and the positions of the
-        keys it did not find."""
+        keys it did not find (its `UndoRecord` appended to ``undo``)."""
         xp = self.xp
         clock0 = self.clock
         step = self._next_step(step)
@@ -300,6 +315,9 @@ class ArrayTable:
         score_prot = self._score_protect and self._step_marks_touched(step, clock0)
         n = int(k.shape[0])
         rows, hit_rows, miss_idx, miss_hash = self._find_for_insert(k)
+        if undo is not None:  # before any score changes (hit_rows: scratch)
+            hits = (hit_rows.copy(), self.score[hit_rows])
+        sketched = (None, None)
         n_miss = int(miss_idx.shape[0])
         empty = xp.zeros(0, dtype=xp.int64)
         placed_rows, ev_keys, ev_rows = empty, empty, empty
@@ -338,6 +356,8 @@ class ArrayTable:
                     self.sketch.subtract(uk, counts)
                 raise
             urows = placed[0]
+            if self.sketch is not None:
+                sketched = (uk, counts)
             if admitted is not None:
                 urows_all = xp.full(int(src.shape[0]), -1, dtype=xp.int64)
                 urows_all[admitted] = urows
@@ -356,7 +376,19 @@ class ArrayTable:
         c["rejected_admissions"] += rejected
         c["inserts"] += int(placed_rows.shape[0])
         c["evictions"] += int(ev_keys.shape[0])
+        if undo is not None:
+            undo.append(self._undo_record(clock0, hits, placed_rows, sketched))
         return InsertResult(rows, placed_rows, ev_keys, ev_rows), miss_idx
+
+    def _undo_record(self, clock0, hits, placed_rows, sketched):
+        """The call's `UndoRecord` (its evictions noted by `note_evicted`)."""
+        xp = self.xp
+        log = evicted_log(self)
+        if log:
+            ev = [xp.concatenate(part) for part in zip(*log)]
+        else:
+            ev = [xp.zeros(0, dtype=xp.int64)] * 3
+        return UndoRecord(clock0, *hits, placed_rows, ev[1], ev[0], ev[2], *sketched)
 
     def _miss_counts(self, n_miss, first, counts, est, urows):
         """``(misses, rejected_admissions)`` of a call's absent keys, counted
@@ -764,6 +796,7 @@ class ArrayTable:
         won[win] = True
         wi, slots = keys_idx[won], victim[won]
         ek = self.keys[slots].copy()
+        note_evicted(self, slots)
         self._write(slots, ak[wi], d[wi], _score_of(new_score, wi))
         if step is None:
             prot[slots] = True
@@ -1143,6 +1176,7 @@ class NumpyTable(ArrayTable):
         won = self._first_claims(victim)
         wi, slots = keys_idx[won], victim[won]
         ek = self.keys.take(slots)
+        note_evicted(self, slots)
         self._write(slots, ak.take(wi), d.take(wi), _score_of(new_score, wi))
         if step is None:
             prot[slots] = True

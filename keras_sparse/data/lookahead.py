@@ -1,0 +1,102 @@
+"""What a prefetch stage's look-ahead did to each hash table, for checkpoints.
+
+The stage maps batches into the hash tables before their training steps run
+(`keras_sparse.data.prefetch`), so at any moment a table holds the inserts,
+evictions, score and clock updates and admission counts of a few batches
+that are not trained yet. A checkpoint (or ``layer.export()``) taken then,
+e.g. by ``keras.callbacks.ModelCheckpoint(save_freq=N)``, must show the
+table as of the last trained step, as the same run without the stage would.
+
+Each table call of the stage records what it overwrote
+(`keras_sparse.table.undo.UndoRecord`, appended under the table's lock, so a
+save sees the table and its records together): a `Journal` per table and
+pass keeps them tagged with their batch. The layer asks for the records of
+the batches its step counter says are not trained yet (`Lookahead`), and the
+table computes its state before them. That costs the call a copy of the
+found rows and their scores, plus the evicted keys' scores; nothing is
+copied at a save beyond what ``export`` copies.
+"""
+
+import collections
+import threading
+import weakref
+
+# Batches whose records are kept after they were handed to Keras: Keras'
+# own prefetching (tf.data's on TensorFlow) may hold a few untrained; a save
+# that needs records already dropped raises rather than writing a wrong
+# table. A record holds about two int64 per key of its batch.
+KEEP_SERVED = 16
+
+
+class Journal:
+    """Undo records of one table's calls in one pass, tagged with their
+    batch. A table's calls are serialized (one lane), so the caller sets
+    ``seq`` before each call and the table `append`s under its lock."""
+
+    def __init__(self):
+        self.seq = 0
+        self._lock = threading.Lock()
+        self._records = collections.deque()  # (seq, UndoRecord), call order
+        self._floor = 0  # records of batches below are dropped
+
+    def append(self, record):
+        with self._lock:
+            self._records.append((self.seq, record))
+
+    def trim(self, below):
+        """Drops the records of batches before ``below``."""
+        with self._lock:
+            self._floor = max(self._floor, below)
+            while self._records and self._records[0][0] < below:
+                self._records.popleft()
+
+    def since(self, first, name):
+        """Records of batches ``first`` on, in call order (``name``: the
+        layer, for the error)."""
+        with self._lock:
+            if first < self._floor:
+                raise RuntimeError(
+                    f"Layer '{name}': cannot save the hash table as of its last "
+                    f"trained step: batch {first} of the prefetch stage's pass "
+                    f"is not trained yet, but the stage kept the look-ahead "
+                    f"records of batches {self._floor} on only (Keras fetched "
+                    f"more than {KEEP_SERVED} batches ahead of training). "
+                    "Nothing was saved."
+                )
+            # Batches before ``first`` are trained: their records are not
+            # needed again (the count only grows within a pass).
+            while self._records and self._records[0][0] < first:
+                self._records.popleft()
+            self._floor = max(self._floor, first)
+            return [r for _, r in self._records]
+
+
+class Lookahead:
+    """``layer._lookahead``: ``(layer, trained steps) -> undo records`` of
+    the calls its table got for batches not trained yet (see
+    `keras_sparse.layers.hash_records`). Holds its engine weakly."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, layer, done):
+        engine = self._engine()
+        p = None if engine is None else engine._pass
+        if p is None:
+            return []
+        return p.untrained_calls(layer, done)
+
+
+def install(engine, layers):
+    """Sets ``_lookahead`` on the hash layers a training stage maps for."""
+    hook = Lookahead(engine)
+    for layer in layers:
+        layer._lookahead = hook
+
+
+def remove(engine, layers):
+    """Clears the hooks `install` set for ``engine`` (not another stage's)."""
+    for layer in layers:
+        hook = layer.__dict__.get("_lookahead")
+        if isinstance(hook, Lookahead) and hook._engine() in (engine, None):
+            layer._lookahead = None
