@@ -4,8 +4,8 @@ Runs a training command (default: ``examples/dlrm.py --quick``) once per
 backend on a quiet machine, then again while another process spins on one
 core: unpinned (the scheduler places it) and pinned to the first CPU this
 process may use. The command must print ``samples/s=<number>``, as
-examples/dlrm.py does in its last line. The table gives samples/s of each
-run and busy / quiet, side by side:
+examples/dlrm.py does in its last line. The table gives the median samples/s
+of each kind of run and busy / quiet, side by side:
 
     python benchmarks/busy_machine.py                        # torch
     python benchmarks/busy_machine.py --backends torch,jax
@@ -23,6 +23,7 @@ import pathlib
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -85,7 +86,7 @@ def main(argv=None):
         "--repeat",
         type=int,
         default=1,
-        help="runs of each kind, alternating; the table keeps the best",
+        help="runs of each kind, alternating; the table gives their medians",
     )
     parser.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE",
@@ -106,16 +107,17 @@ def main(argv=None):
     rows = []
     for backend in [b for b in args.backends.split(",") if b]:
         # Alternating quiet and busy runs, so that a load from elsewhere
-        # slows both alike; other load only slows a run, so keep the best.
-        best = {}
+        # slows both alike.
+        rates = {}
         for _ in range(args.repeat):
             for mode in ["quiet", *modes]:
                 rate = run(args.command, backend, extra, mode)
                 print(f"[{backend} {mode}] samples/s={rate}", flush=True)
                 if rate is not None:
-                    best[mode] = max(rate, best.get(mode, 0.0))
+                    rates.setdefault(mode, []).append(rate)
+        median = {mode: statistics.median(r) for mode, r in rates.items()}
         for mode in modes:
-            rows.append((backend, mode, best.get("quiet"), best.get(mode)))
+            rows.append((backend, mode, median.get("quiet"), median.get(mode)))
     print("\n| backend | busy core | quiet samples/s | busy samples/s | busy / quiet |")
     print("|---|---|---:|---:|---:|")
     for backend, mode, quiet, busy in rows:
