@@ -20,6 +20,12 @@ import os
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# PyTorch's OpenMP threads spin while they wait for work; when another
+# process keeps a core busy, the spinning thread takes the time its peer
+# needs to finish, and each step waits for it (PyTorch only: JAX and
+# TensorFlow do not use OpenMP). Read when torch loads; set
+# OMP_WAIT_POLICY yourself to choose otherwise.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import keras
 import numpy as np

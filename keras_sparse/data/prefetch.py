@@ -762,7 +762,14 @@ class _Pass:
             # Keras' traceback filtering re-raises `from None`, which drops
             # `__cause__`; `.original` keeps the worker's exception.
             error.original = err
-            raise error from err
+            # Held in this frame's locals, the error (whose traceback holds
+            # this frame) would form a cycle that keeps the failing ``fit``'s
+            # frames, Keras' callback thread pool among them, until the
+            # garbage collector runs.
+            try:
+                raise error from err
+            finally:
+                del error, err
         # Trim the bookkeeping of batches surely dispatched long ago.
         for old in [s for s in self.pending if s < key - 64]:
             del self.pending[old]

@@ -15,6 +15,7 @@ import torch
 
 from keras_sparse.ops import native_optimizers
 from keras_sparse.ops import torch_distributed
+from keras_sparse.ops.cpu_threads import available_cpus
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.torch_row_updates import apply_row_updates
@@ -104,9 +105,11 @@ def _update_tables(jobs):
     """`_update_rows` of each job (``(context, first, end, ids, valid,
     grads, segments, bag)``, disjoint row ranges of one state).
 
-    On a CPU the tables of a stack update side by side on torch's intra-op
-    threads: their compiled passes release the GIL, and each writes only
-    its own rows and its own scratch. The result is the same bits as one
+    On a CPU the tables of a stack update side by side on `_pool`'s
+    threads, no more than torch's intra-op threads nor the CPUs this
+    process may use (`available_cpus`: its affinity and cgroup quota): their
+    compiled passes release the GIL, and each writes only its own rows and
+    its own scratch. The result is the same bits as one
     after another. Only updates that stay in compiled code run side by
     side (no torch or Keras operations in the workers, whose thread-local
     settings they would not see), and only batches whose ids all fit their
@@ -114,7 +117,7 @@ def _update_tables(jobs):
     """
     if not jobs:
         return
-    workers = min(len(jobs), torch.get_num_threads())
+    workers = update_workers(len(jobs))
     if workers < 2 or not PARALLEL_TABLES or not all(map(_all_compiled, jobs)):
         for job in jobs:
             _update_rows(*job)
@@ -123,6 +126,11 @@ def _update_tables(jobs):
     concurrent.futures.wait(futures)
     for future in futures:
         future.result()
+
+
+def update_workers(jobs):
+    """Threads that update ``jobs`` tables side by side (1: one by one)."""
+    return max(1, min(jobs, torch.get_num_threads(), available_cpus()))
 
 
 def _all_compiled(job):
@@ -157,7 +165,13 @@ def _update_rows_no_grad(*job):
 
 
 def _pool(workers):
-    """A process-wide thread pool of ``workers`` threads (made on demand)."""
+    """A process-wide thread pool of ``workers`` threads (made on demand).
+
+    It lives as long as the process, on purpose: every training step uses
+    it, and starting threads per step would cost more than the update of a
+    small table. Its idle threads block (they never spin) and end with the
+    interpreter; at most one pool per size is made (in practice one).
+    """
     with _POOL_LOCK:
         pool = _POOL.get(workers)
         if pool is None:
