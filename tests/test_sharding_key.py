@@ -1,9 +1,9 @@
 """Key-sharded DistributedHashEmbedding (JAX, 8 virtual devices).
 
 References: the same layer key-sharded on one device (a mesh of 1), the
-plain single-device layer (with a deterministic initializer, since key
-sharding draws fresh rows per key), and per-shard plain `HashTable`s fed
-the keys each owner receives (a model of the per-shard eviction semantics).
+plain single-device layer (fresh rows start per key in both), and
+per-shard plain `HashTable`s fed the keys each owner receives (a model of
+the per-shard eviction semantics).
 """
 
 import keras
@@ -132,10 +132,12 @@ def test_eight_devices_match_one_device_key_by_key(option):
         assert stats["rejected_admissions"] > 0
 
 
-def test_matches_the_plain_single_device_layer():
-    """Initial values aside (zeros here), key sharding trains exactly as the
-    unsharded layer with its one table."""
-    kwargs = {"embeddings_initializer": "zeros"}
+@pytest.mark.parametrize("init", ["zeros", "uniform"])
+def test_matches_the_plain_single_device_layer(init):
+    """Key sharding trains exactly as the unsharded layer with its one table,
+    initial values included (a key's first vector is a function of the
+    layer seed and the key)."""
+    kwargs = {"embeddings_initializer": init}
     ref_losses, ref = _train(None, kwargs)
     assert isinstance(ref.table, HashTable)
     losses, got = _train(8, kwargs)

@@ -51,9 +51,11 @@ runs in parallel too. Batches are handed to Keras in order
 (``deterministic=True``). Embedding values are read inside the step, so a
 row evicted by batch ``i + k`` and handed to another key is only
 re-initialized when step ``i + k`` runs, after step ``i`` has read (and
-updated) it for its previous key. The fresh-row draw takes one seed from
-the layer's generator per training step and is sized by the same rule in
-both paths (`keras_sparse.layers.fresh_rows`), a new row is flagged fresh
+updated) it for its previous key. Fresh rows start from the same values in
+both paths: per key (the stage hands each position's key words to the step,
+`keras_sparse.layers.keyed_fresh_rows`) or, for initializers without a
+per-key form, one seed from the layer's generator per training step, sized
+by the same rule (`keras_sparse.layers.fresh_rows`); a new row is flagged fresh
 at its first position in the batch only (so each is reset from one drawn
 vector, whatever order a backend's scatter writes duplicates in: PyTorch's
 varies from run to run), and ``sparse_iterations`` advances once per step in
@@ -115,10 +117,10 @@ Caveats:
   When the source raises, the error reaches the step and every thread of
   the pass ends.
 - ``route="locality"`` permutes samples within a batch; for ``predict`` that
-  would permute the outputs, so it is refused for inference stages. With a
-  random initializer the routed run draws fresh rows' initial values at
-  other batch positions, so it equals the unrouted run only up to those draws
-  and float summation order (bit-identical with a constant initializer).
+  would permute the outputs, so it is refused for inference stages. Fresh
+  rows start per key, so the routed run equals the unrouted one up to float
+  summation order (except for seeded initializers without a per-key form,
+  e.g. Orthogonal, whose draws follow batch positions).
   Routing gathers each device's ids on its own shard, and those ids pass
   through the exchange block a device sends to itself: with compact row
   buffers (``row_exchange_slack``) routed batches need a slack near the
@@ -145,6 +147,7 @@ from keras_sparse.layers.model_feeds import plan
 from keras_sparse.layers.model_feeds import replace_at
 from keras_sparse.layers.model_feeds import split_batch
 from keras_sparse.layers.prepared_inputs import host_segments
+from keras_sparse.layers.prepared_inputs import key_word_blocks
 from keras_sparse.layers.prepared_inputs import pack_blocks
 from keras_sparse.layers.prepared_inputs import rows_of_codes
 from keras_sparse.layers.prepared_inputs import segment_scratch
@@ -197,6 +200,8 @@ class _Engine:
         # codes travel with (`prepared_inputs`): "segments" or the
         # `ExchangeBuckets` of a row-sharded layer. See `_feed_layout`.
         self.layouts = [None] * len(feeds)
+        # Per feed: 0, or the replicas its key words are packed for.
+        self.words = [0] * len(feeds)
         # Per feed: None, or ``(replicas, start, count, blocks)`` when its
         # model input feeds other hash layers too (`_shares`).
         self.shares = [None] * len(feeds)
@@ -325,14 +330,18 @@ class _Engine:
         """The batch handed to Keras: each hash layer's input replaced by its
         codes (with what they travel with), routed, copied to the device."""
         (x, y, sw), jobs = parts
+        words = [key_word_blocks(j[0]) if w else () for j, w in zip(jobs, self.words)]
         if self.route == "locality":
             t0 = time.perf_counter()
             perm = self._route(jobs, codes)
             self._add("route_s", time.perf_counter() - t0)
             if perm is not None:
                 x, y, sw, codes, segments = _permuted(perm, x, y, sw, codes, segments)
+                words = [tuple(a[perm] for a in w) for w in words]
         for group, replicas in self.groups:
-            blocks = [b for f in group for b in self._blocks(f, codes, segments)]
+            blocks = [
+                b for f in group for b in self._blocks(f, codes, segments) + [*words[f]]
+            ]
             path = self.feeds[group[0]].keys.find(x)
             if len(blocks) == 1:
                 x = replace_at(x, path, blocks[0])
@@ -823,8 +832,10 @@ class PrefetchStage(keras.utils.PyDataset):
     def _activate(self):
         engine = self._engine
         layouts = {
-            id(f.layer): (layout, share)
-            for f, layout, share in zip(engine.feeds, engine.layouts, engine.shares)
+            id(f.layer): (layout, share, words)
+            for f, layout, share, words in zip(
+                engine.feeds, engine.layouts, engine.shares, engine.words
+            )
         }
         for layer in self._layers:
             if getattr(layer, "_prepared_inputs", 0) and (
@@ -841,7 +852,9 @@ class PrefetchStage(keras.utils.PyDataset):
         for layer in self._layers:
             count = getattr(layer, "_prepared_inputs", 0)
             layer._prepared_inputs = count + 1
-            layer._prepared_layout, layer._prepared_share = layouts[id(layer)]
+            (layer._prepared_layout, layer._prepared_share, layer._prepared_words) = (
+                layouts[id(layer)]
+            )
             flipped |= count == 0
         if engine.insert:
             lookahead.install(engine, self._layers)
@@ -962,6 +975,7 @@ def _prepared_form(layer):
     return (
         getattr(layer, "_prepared_layout", None),
         getattr(layer, "_prepared_share", None),
+        getattr(layer, "_prepared_words", 0),
     )
 
 
@@ -997,6 +1011,7 @@ def _finalize(engine, layers, model_ref):
         layer._prepared_inputs = max(0, count - 1)
         if count <= 1:
             layer._prepared_layout = layer._prepared_share = None
+            layer._prepared_words = 0
         flipped |= count == 1
     if flipped:
         _reset_model_functions(model_ref())
@@ -1043,7 +1058,7 @@ def _feed_layout(layer, dedup, bucket):
     return (_default_replicas() or 1, "segments")
 
 
-def _shares(feeds, layouts):
+def _shares(feeds, layouts, words=None):
     """``(groups, shares)``: how hash layers reading one model input share it.
 
     ``groups``: ``(feed indices, replicas)`` per model input feeding hash
@@ -1055,7 +1070,10 @@ def _shares(feeds, layouts):
     """
     groups, shares = [], [None] * len(feeds)
     for group in input_groups(feeds):
-        counts = [1 if layouts[i] is None else 2 for i in group]
+        counts = [
+            (1 if layouts[i] is None else 2) + (2 if words and words[i] else 0)
+            for i in group
+        ]
         replicas = {layouts[i][0] for i in group if layouts[i] is not None}
         if len(replicas) > 1:
             names = ", ".join(f"'{feeds[i].layer.name}'" for i in group)
@@ -1214,5 +1232,15 @@ def prefetch(
         _feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None
         for f in feeds
     ]
-    engine.groups, engine.shares = _shares(feeds, engine.layouts)
+    # Layers drawing fresh rows per key get each position's key words (two
+    # int32 blocks), in inference stages too: one layout per layer.
+    engine.words = [
+        (
+            (layout[0] if layout else 1) * _process_count()
+            if f.kind == "hash" and f.layer.keys_drawn_per_key()
+            else 0
+        )
+        for f, layout in zip(feeds, engine.layouts)
+    ]
+    engine.groups, engine.shares = _shares(feeds, engine.layouts, engine.words)
     return PrefetchStage(engine, model, hash_layers, passes)

@@ -143,14 +143,21 @@ class HashEmbeddingCollection(keras.layers.Layer):
             for name, layer in zip(self.field_names, layers)
         ]
         keys = [keras.ops.reshape(p[0], (-1,)) for p in prepared]
+        # Fresh rows drawn per key need each key's words (high word from
+        # the callback, which has the full keys).
+        words = any(layer.keys_drawn_per_key() for layer in layers)
         mapped = jax_group_mapping.map_group_in_step(
-            self, layers, keys, [p[3] for p in prepared], True, route
+            self, layers, keys, [p[3] for p in prepared], True, route, words
         )
         out = {}
-        for name, layer, (_, w, shape, _), (rows, fresh) in zip(
+        for name, layer, (_, w, shape, _), field in zip(
             self.field_names, layers, prepared, mapped
         ):
-            out[name] = layer._vectors_out(rows, rows >= 0, fresh, w, shape, True)
+            rows, fresh = field[:2]
+            extra = {"words": field[2]} if words else None
+            out[name] = layer._vectors_out(
+                rows, rows >= 0, fresh, w, shape, True, extra
+            )
         return out
 
     def _together_route(self, layers, inputs, training):

@@ -21,8 +21,11 @@ from keras_sparse.layers.hash_records import HashRecords
 from keras_sparse.layers.host_keys import host_keys as _host_keys
 from keras_sparse.layers.host_keys import string_kind as _string_kind
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.keyed_fresh_rows import folded_fresh_values
 from keras_sparse.layers.keyed_fresh_rows import has_seed
 from keras_sparse.layers.keyed_fresh_rows import keyed_fresh_values
+from keras_sparse.layers.keyed_fresh_rows import per_key
+from keras_sparse.layers.prepared_inputs import split_words
 from keras_sparse.layers.prepared_inputs import take_blocks
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
@@ -135,12 +138,16 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             Keras SGD/Adagrad/Adam/Ftrl instance. The rows live outside the
             model's optimizer because their meaning changes when keys are
             evicted.
-        embeddings_initializer: initializer of fresh rows, drawn once per
-            training step with the layer's own seed generator, for as many
-            rows as the step's fresh positions need (the smallest of 1/32,
-            1/8, 1/2 or all of the batch's ids; see
-            `keras_sparse.layers.fresh_rows`). VarianceScaling initializers
-            use the fans of the full ``[capacity, output_dim]`` table.
+        embeddings_initializer: initializer of fresh rows. A key's first
+            vector is a function of (``table_seed``, key) only, for
+            RandomUniform, RandomNormal, TruncatedNormal and VarianceScaling
+            (Glorot, He, Lecun; with the fans of the full ``[capacity,
+            output_dim]`` table): the same whichever step, position, route,
+            device count or backend admits it (see
+            `keras_sparse.layers.keyed_fresh_rows`). Other seeded
+            initializers are drawn once per training step with the layer's
+            seed generator and assigned in batch order
+            (`keras_sparse.layers.fresh_rows`).
         embeddings_regularizer: applied to the rows looked up in a batch.
         eviction: "lru", "lfu" or None.
         admit_after: int >= 1; sightings before a key gets a row.
@@ -310,6 +317,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         self.table_device = table_device
         self.table_seed = int(table_seed)
         self.seed_generator = keras.random.SeedGenerator(int(table_seed) + 1)
+        # Fresh rows' first vectors are a function of (fresh_seed, key): a
+        # constant, so they do not depend on the step (`keyed_fresh_rows`).
+        self.fresh_seed = int(table_seed) + 1
         # Raw NumPy (int64 or string) keys reach `call` unconverted, so 64-bit
         # keys survive on JAX without x64 and strings can be hashed.
         self._convert_input_args = False
@@ -414,8 +424,13 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
 
     def _map_step_keys(self, keys, use, insert, out=None):
         """`_map_on_host` of the keys a compiled step received: the high 32
-        bits JAX dropped are restored first."""
-        return self._map_on_host(self._full_keys(keys), use, insert, out)
+        bits JAX dropped are restored first. A third array in ``out``
+        receives each key's high word (int32)."""
+        if out is None or len(out) == 2:
+            return self._map_on_host(self._full_keys(keys), use, insert, out)
+        flat = _host_keys(self._full_keys(keys))
+        out[2][...] = (flat >> 32).astype(np.int32)
+        return self._map_on_host(flat, use, insert, out[:2])
 
     def _gpu_rows(self, keys, use, insert, out=None):
         """GPU table: CuPy-readable keys and use -> flat CuPy (rows, fresh),
@@ -435,6 +450,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         if jax_full_keys.has_queued(self):
             flat = jax_full_keys.restore(self, flat, cp)
         use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
+        if out is not None and len(out) == 3:  # the keys' high words too
+            out[2][...] = (flat.astype(cp.int64, copy=False) >> 32).astype(cp.int32)
+            out = out[:2]
         return self._table_rows(flat, use, insert, cp, out)
 
     def _map_on_gpu(self, keys, use, insert):
@@ -561,14 +579,20 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         `ExchangeBuckets`; the sharded lookup skips its own packing). When
         the model input also feeds other hash layers, ``codes`` holds every
         such layer's blocks and ``self._prepared_share`` says which are this
-        layer's (`take_blocks`).
+        layer's (`take_blocks`). Layers drawing fresh rows per key also get
+        two blocks of key words last (``self._prepared_words``: the replicas
+        they are packed for, `split_words`).
         """
         codes = ops.cast(ops.convert_to_tensor(codes), "int32")
         share = getattr(self, "_prepared_share", None)
         if share is not None:  # the input feeds other hash layers too
             codes = take_blocks(codes, *share)
-        segments = exchange_slot = None
+        segments = exchange_slot = words = None
         layout = getattr(self, "_prepared_layout", None)
+        words_replicas = getattr(self, "_prepared_words", 0)
+        if words_replicas:  # two blocks of key words follow the others
+            blocks = (1 if layout is None else 2) + 2
+            codes, words = split_words(codes, words_replicas, blocks)
         if layout is not None:
             replicas, channel = layout
             codes, extra = unpack_prepared(codes, replicas)
@@ -593,6 +617,8 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         valid = ops.greater_equal(rows, 0)
         insert = bool(training) and self.trainable
         prepared = {"segments": segments, "exchange_slot": exchange_slot}
+        if words is not None:
+            prepared["words"] = words
         return self._vectors_out(rows, valid, fresh, weights, shape, insert, prepared)
 
     def _check_exchange_buckets(self, buckets):
@@ -606,31 +632,48 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
 
     # --- prepared-input fast path (keras_sparse.data.prefetch) end
 
+    def keys_drawn_per_key(self):
+        """Whether fresh rows are drawn per key in training, so the key
+        mapping must hand over each position's key words."""
+        return per_key(self.embeddings_initializer) or (
+            getattr(self.table, "num_shards", None) is not None
+            and has_seed(self.embeddings_initializer)
+        )
+
     def keyed_draw(self):
-        """``(draw, seed)`` for fresh rows drawn per key (key sharding):
-        ``draw(fresh, words, seed) -> [n, dim]`` and this step's seed
-        (advances the seed generator once)."""
+        """``(draw, seed)`` for fresh rows drawn per key:
+        ``draw(fresh, words, seed) -> [n, dim]`` and the seed it takes (None
+        for `keyed_fresh_rows.per_key` initializers, which use the layer's
+        fixed ``fresh_seed``; else this step's seed, advancing the seed
+        generator once, for key-sharded layers only)."""
         init, dim, dtype = (
             self.embeddings_initializer,
             self.output_dim,
             self.embeddings.dtype,
         )
         fans = (self.num_rows, self.output_dim)
+        if per_key(init):
+            fixed = self.fresh_seed
+
+            def draw(fresh, words, seed):
+                return keyed_fresh_values(init, fresh, words, dim, dtype, fixed, fans)
+
+            return draw, None
         seed = self.seed_generator.next() if has_seed(init) else None
 
-        def draw(fresh, words, seed):
-            return keyed_fresh_values(init, fresh, words, dim, dtype, seed, fans)
+        def folded(fresh, words, seed):
+            return folded_fresh_values(init, fresh, words, dim, dtype, seed, fans)
 
-        return draw, seed
+        return folded, seed
 
     def _train_lookup(self, rows, valid, fresh, prepared):
         """`lookup_rows` in training, re-initializing the fresh rows first:
         ``prepared["init"]`` when the mapping drew them (key sharding, per
-        device), drawn per key from ``prepared["words"]``, else by rank
-        (`fresh_rows`)."""
+        device), drawn per key from ``prepared["words"]`` (int32 ``[n, 2]``),
+        else by rank (`fresh_rows`: initializers without a per-key form)."""
         init = prepared.pop("init", None)
         words = prepared.pop("words", None)
-        if init is None and words is not None:
+        if init is None and words is not None and self.keys_drawn_per_key():
             draw, seed = self.keyed_draw()
             init = draw(fresh, words, seed)
         elif init is None:

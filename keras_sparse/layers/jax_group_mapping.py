@@ -20,6 +20,7 @@ import numpy as np
 
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import jax_step_mapping
+from keras_sparse.ops.key_hash import step_words
 
 
 def group_route(owner, layers):
@@ -41,7 +42,7 @@ def _bounds(sizes):
 
 def _host_rows(layers, bounds, keys, use, insert, out):
     for layer, (a, b) in zip(layers, bounds):
-        layer._map_step_keys(keys[a:b], use[a:b], insert, (out[0][a:b], out[1][a:b]))
+        layer._map_step_keys(keys[a:b], use[a:b], insert, tuple(o[a:b] for o in out))
 
 
 def _as_int64(keys, xp, copy=True):
@@ -106,6 +107,9 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
 
     flat = _restore_together(layers, bounds, cp.asarray(keys).reshape(-1), cp)
     use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
+    if len(out) == 3:  # the keys' high words
+        out[2][...] = (flat.astype(cp.int64, copy=False) >> 32).astype(cp.int32)
+        out = out[:2]
     left = range(len(layers))
     if insert:
         tables = [layer.table for layer in layers]
@@ -115,9 +119,11 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
         layer._table_rows(flat[a:b], use[a:b], insert, cp, (out[0][a:b], out[1][a:b]))
 
 
-def map_group_in_step(owner, layers, keys, use, insert, route):
+def map_group_in_step(owner, layers, keys, use, insert, route, words=False):
     """``[(rows int32, fresh bool)]`` per layer of traced flat ``keys`` /
-    ``use`` (one array per layer, one dtype, static sizes), by one callback."""
+    ``use`` (one array per layer, one dtype, static sizes), by one callback;
+    with ``words``, ``[(rows, fresh, words int32 [n, 2])]`` (each key's high
+    and low word, see `jax_step_mapping.rows_in_step`)."""
     import jax.numpy as jnp
 
     bounds = _bounds([int(k.shape[0]) for k in keys])
@@ -129,13 +135,19 @@ def map_group_in_step(owner, layers, keys, use, insert, route):
     def gpu_rows(k, u, out):
         _gpu_rows(layers, bounds, k, u, insert, out)
 
-    rows, fresh = jax_step_mapping.rows_in_step(
+    flat = jnp.concatenate(keys)
+    mapped = jax_step_mapping.rows_in_step(
         owner,
         route,
-        jnp.concatenate(keys),
+        flat,
         jnp.concatenate([u.astype(bool) for u in use]),
         n,
         host_rows,
         gpu_rows,
+        words,
     )
-    return [(rows[a:b], fresh[a:b]) for a, b in bounds]
+    if not words:
+        return [(mapped[0][a:b], mapped[1][a:b]) for a, b in bounds]
+    rows, fresh, high = mapped
+    both = step_words(high, flat)
+    return [(rows[a:b], fresh[a:b], both[a:b]) for a, b in bounds]

@@ -316,25 +316,29 @@ def _rematerializing():
     return get_current_remat_mode() is not None
 
 
-def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
+def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows, words=False):
     """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``
     by one callback of ``route`` (see `choose_route`), final on its first
-    failure (recorded on ``owner``).
+    failure (recorded on ``owner``); with ``words``, also each position's
+    key's high 32-bit word (int32 ``[n]``, the full key's: on JAX without
+    x64 only the host has it).
 
     ``host_rows(keys, use, out)`` (NumPy) and ``gpu_rows(keys, use, out)``
-    (CuPy, on XLA's stream) write the rows and fresh flags into ``out``.
+    (CuPy, on XLA's stream) write the rows, fresh flags (and high words)
+    into ``out``.
     """
     import jax
 
     result_types = (
         jax.ShapeDtypeStruct((n,), np.int32),
         jax.ShapeDtypeStruct((n,), np.bool_),
-    )
+    ) + ((jax.ShapeDtypeStruct((n,), np.int32),) if words else ())
     if route == "io_callback":
         from jax.experimental import io_callback
 
         def host_callback(k, u):
             out = (np.empty(n, np.int32), np.empty(n, bool))
+            out += (np.empty(n, np.int32),) if words else ()
             host_rows(np.asarray(k), np.asarray(u), out)
             return out
 
@@ -345,7 +349,7 @@ def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
     if route == "cpu_buffers":
 
         def callback(ctx, outputs, k, u):
-            out = (np.asarray(outputs[0]), np.asarray(outputs[1]))
+            out = tuple(np.asarray(o) for o in outputs)
             host_rows(np.asarray(k), np.asarray(u), out)
 
     else:
@@ -357,7 +361,7 @@ def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
             # stream XLA runs this step on, so it sees the keys written
             # before and finishes before the rows are read.
             with _cupy_stream(ctx):
-                out = (cp.asarray(outputs[0]), cp.asarray(outputs[1]))
+                out = tuple(cp.asarray(o) for o in outputs)
                 gpu_rows(cp.asarray(k), cp.asarray(u), out)
 
     # Declared free of side effects on purpose: an effect makes JAX
@@ -380,12 +384,14 @@ def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows):
     return mapper(keys, use)
 
 
-def map_in_step(layer, keys, use, insert, n):
-    """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``.
+def map_in_step(layer, keys, use, insert, n, words=False):
+    """Flat ``(rows int32 [n], fresh bool [n])`` of traced ``keys``/``use``,
+    and with ``words`` the keys' high words (see `rows_in_step`).
 
     ``layer`` provides ``_map_step_keys(keys, use, insert, out=None)``
     (NumPy, the high bits JAX dropped restored) and ``_gpu_rows(keys, use,
-    insert, out=None)`` (CuPy); both write into ``out`` when given.
+    insert, out=None)`` (CuPy); both write into ``out`` when given (the
+    high words too when it has three arrays).
     """
 
     def host_rows(k, u, out):
@@ -395,4 +401,4 @@ def map_in_step(layer, keys, use, insert, n):
         layer._gpu_rows(k, u, insert, out)
 
     route = choose_route(layer)
-    return rows_in_step(layer, route, keys, use, n, host_rows, gpu_rows)
+    return rows_in_step(layer, route, keys, use, n, host_rows, gpu_rows, words)

@@ -27,11 +27,13 @@ module of its own:
 Rows computed ahead of the step by `keras_sparse.data.prefetch` bypass this
 module (the layer's ``_call_prepared``). Every placement returns flat
 ``(rows int32, fresh bool, extra)``: rows -1 where a key has none, fresh at
-the first position of each newly assigned row, and ``extra`` None or, for
-key-sharded tables (whose fresh rows are drawn per key,
-`keras_sparse.layers.keyed_fresh_rows`), ``{"words": int32 [n, 2]}`` (each
-key's two 32-bit halves, eagerly) or ``{"init": [n, dim]}`` (the values,
-drawn on each device inside the step).
+the first position of each newly assigned row, and ``extra`` None or, in
+training calls of layers whose fresh rows are drawn per key
+(`keras_sparse.layers.keyed_fresh_rows`), ``{"words": int32 [n, 2]}`` (each
+key's two 32-bit halves: from the host keys, in the graph, or the high word
+from the step's callback and the low word from the step's keys) or, key
+sharded, ``{"init": [n, dim]}`` (the values, drawn on each device inside the
+step).
 """
 
 import keras
@@ -42,7 +44,10 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import jax_step_mapping
 from keras_sparse.layers import placement
 from keras_sparse.layers import serving_map
+from keras_sparse.layers.host_keys import host_keys
 from keras_sparse.layers.host_keys import string_kind
+from keras_sparse.ops.key_hash import step_words
+from keras_sparse.ops.key_hash import words_of_keys
 from keras_sparse.table.sharded_table import key_words
 
 
@@ -85,17 +90,30 @@ def _shape_only(layer, keys, use, insert):
     return ops.full_like(use, -1, "int32"), ops.zeros_like(use), None
 
 
+def _wants_words(layer, insert):
+    """Whether this call's fresh rows are drawn per key (training only)."""
+    return insert and layer.keys_drawn_per_key()
+
+
 def _host(layer, keys, use, insert):
     extra = None
-    if _key_sharded(layer):
-        words = key_words(layer._full_keys(keys))
-        extra = {"words": ops.convert_to_tensor(words)}
-    rows, fresh = layer._map_step_keys(keys, ops.convert_to_numpy(use), insert)
+    full = layer._full_keys(keys)
+    if _wants_words(layer, insert):
+        full = host_keys(full)
+        extra = {"words": ops.convert_to_tensor(key_words(full))}
+    rows, fresh = layer._map_on_host(full, ops.convert_to_numpy(use), insert)
     return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), extra
 
 
 def _gpu(layer, keys, use, insert):
-    return layer._map_on_gpu(keys, use, insert) + (None,)
+    extra = None
+    if _wants_words(layer, insert):
+        if isinstance(keys, np.ndarray):
+            words = key_words(host_keys(keys))
+        else:
+            words = words_of_keys(ops.reshape(keys, (-1,)))
+        extra = {"words": ops.convert_to_tensor(words)}
+    return layer._map_on_gpu(keys, use, insert) + (extra,)
 
 
 def _size(keys):
@@ -103,8 +121,14 @@ def _size(keys):
 
 
 def _jax_step(layer, keys, use, insert):
-    mapped = jax_step_mapping.map_in_step(layer, keys, use, insert, _size(keys))
-    return mapped + (None,)
+    words = _wants_words(layer, insert)
+    mapped = jax_step_mapping.map_in_step(
+        layer, keys, use, insert, _size(keys), words=words
+    )
+    if not words:
+        return mapped + (None,)
+    rows, fresh, high = mapped
+    return rows, fresh, {"words": step_words(high, ops.reshape(keys, (-1,)))}
 
 
 def _key_sharded_step(layer, keys, use, insert):
@@ -134,7 +158,10 @@ def _tf_graph(layer, keys, use, insert):
     )
     rows.set_shape((n,))
     fresh.set_shape((n,))
-    return rows, fresh, None
+    extra = None
+    if _wants_words(layer, insert):  # in the graph, from the int64 keys
+        extra = {"words": words_of_keys(ops.reshape(keys, (-1,)))}
+    return rows, fresh, extra
 
 
 def _serving_map(layer, keys, use, insert):

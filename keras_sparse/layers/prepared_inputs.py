@@ -19,6 +19,9 @@ layer's blocks (codes, or codes and segments) into that input the same way,
 import numpy as np
 from keras import ops
 
+from keras_sparse.layers.host_keys import host_keys
+from keras_sparse.table.sharded_table import key_words
+
 # Segment key of positions without a row: sorts after every row.
 _NO_ROW = np.iinfo(np.int32).max
 # Largest table (rows) whose segments use a row-indexed scratch array.
@@ -110,6 +113,26 @@ def unpack_prepared(x, replicas):
     codes = ops.reshape(both[:, 0], (-1,) + rest)
     segments = ops.reshape(both[:, 1], (-1,) + rest)
     return codes, segments
+
+
+def key_word_blocks(keys):
+    """``(high, low)`` int32 words of host ``keys`` (the keys' shape): the
+    blocks a stage adds for a layer drawing fresh rows per key."""
+    keys = np.asarray(keys)
+    words = key_words(host_keys(keys))
+    return words[:, 0].reshape(keys.shape), words[:, 1].reshape(keys.shape)
+
+
+def split_words(x, replicas, blocks):
+    """``(rest, words)`` of a tensor whose last two of ``blocks`` blocks
+    (see `pack_blocks`) are key words: the other blocks as they would be
+    packed alone, and int32 ``[n, 2]`` (high, low word per position)."""
+    rest = _rest_shape(x)
+    per_replica = ops.reshape(x, (replicas, blocks, -1) + rest)
+    high = ops.reshape(per_replica[:, blocks - 2], (-1,))
+    low = ops.reshape(per_replica[:, blocks - 1], (-1,))
+    others = ops.reshape(per_replica[:, : blocks - 2], (-1,) + rest)
+    return others, ops.stack([high, low], axis=-1)
 
 
 def _rest_shape(x):
