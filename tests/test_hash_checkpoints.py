@@ -87,7 +87,25 @@ def _store(layer):
 def _assert_same_store(a, b):
     assert sorted(a) == sorted(b)
     for name in a:
+        if name in ("admission_keys", "admission_sightings"):
+            continue
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    if "admission_keys" in a:
+        _assert_same_pending(a, b)
+
+
+def _assert_same_pending(a, b):
+    """Equal pending admission counts; a pending table filled to its cap
+    (CAPACITY keys) may place one of them nowhere on load (forgotten)."""
+    got, want = (
+        dict(zip(s["admission_keys"].tolist(), s["admission_sightings"].tolist()))
+        for s in (a, b)
+    )
+    if len(got) != len(want) and max(len(got), len(want)) >= CAPACITY:
+        small, big = sorted((got, want), key=len)
+        assert all(big[k] == c for k, c in small.items())
+        return
+    assert got == want
 
 
 def _slot_names(layer):
@@ -605,8 +623,8 @@ def test_import_more_keys_than_capacity_warns():
         "record_accumulator",
         "sparse_iterations",
         "seed_state",
-        "admission_counts",
-        "admission_seed",
+        "admission_keys",
+        "admission_sightings",
     ],
 )
 def test_load_refuses_a_missing_entry(entry):
