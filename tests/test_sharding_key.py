@@ -17,6 +17,7 @@ from keras_sparse.table import ShardedHashTable
 from keras_sparse.table import owner_of
 from tests.helpers import docs_code
 from tests.helpers import fit_losses
+from tests.test_admission_state import _sketch_estimates
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
@@ -130,6 +131,36 @@ def test_eight_devices_match_one_device_key_by_key(option):
         assert stats[name] == ref_stats[name], name
     if kwargs.get("admit_after") == 2:
         assert stats["rejected_admissions"] > 0
+
+
+def test_admission_matches_one_device_with_keys_colliding_in_a_sketch():
+    """400 keys seen once and 40 seen twice, admit_after=2: 8 devices and
+    the plain one-device layer admit exactly the 40 (a count-min sketch of
+    this capacity would have admitted some once-seen keys early)."""
+    rng = np.random.default_rng(11)
+    keys = rng.choice(2**40, size=440, replace=False).astype(np.int64) + (5 << 33)
+    once, twice = keys[:400], keys[400:]
+    flat = rng.permutation(np.concatenate([once, twice, twice]))
+    x = flat.reshape(-1, BAG)
+    y = np.zeros((len(x), 1), "float32")
+    admitted = []
+    for devices in (None, 8):
+        layer = _layer(admit_after=2, sharding="auto" if devices is None else "key")
+        if devices is not None:
+            dist = sharding.distribution([layer], devices=devices)
+            keras.distribution.set_distribution(dist)
+        try:
+            fit_losses(_model(layer), x, y, BATCH)
+        finally:
+            keras.distribution.set_distribution(None)
+        admitted.append(np.sort(layer.export()["keys"]))
+        if devices is None:
+            seed = layer.table.seed
+    np.testing.assert_array_equal(admitted[0], np.sort(twice))
+    np.testing.assert_array_equal(admitted[1], np.sort(twice))
+    times = np.r_[np.ones(400, np.int64), np.full(40, 2)]
+    early = _sketch_estimates(keys, times, once, seed=seed) >= 2
+    assert early.any()
 
 
 def test_matches_the_plain_single_device_layer():
