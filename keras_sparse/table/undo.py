@@ -7,9 +7,10 @@ keys, whose rows and scores are kept) and the admission counts it changed
 (`keras_sparse.table.admission.CountRecord`). A call writes each row at
 most once (found and placed rows are protected from the call's own
 evictions), so undoing records newest first gives back exactly the keys,
-rows, scores, clock and admission counts before them. `state_before` computes that on copies, leaving the
-table as it is: a prefetch stage maps batches ahead of training, and a
-checkpoint must show the table as of the last trained batch.
+rows, scores, clock and admission counts before them. `state_before`
+computes that on copies, leaving the table as it is: a prefetch stage maps
+batches ahead of training, and a checkpoint must show the table as of the
+last trained batch.
 """
 
 from __future__ import annotations
