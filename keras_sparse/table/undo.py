@@ -62,9 +62,7 @@ def state_before(impl, records):
     rows = xp.flatnonzero(live).astype(xp.int64)
     pending = None
     if impl.admission is not None:
-        pending = counts_before(
-            impl.admission.state(), [r.admission for r in records]
-        )
+        pending = counts_before(impl.admission.state(), [r.admission for r in records])
     return TableState(keys[rows], rows, score[rows], int(clock), pending)
 
 
