@@ -27,6 +27,13 @@ I31 = 2**31 - 1  # sparse_iterations is int32, and the next step adds 1
 SEED_BOUNDS = np.iinfo(keras.random.SeedGenerator(1).state.dtype)
 
 
+def _with(store, name, other, value):
+    """``value`` for an entry, with the paired entry ``name`` set to
+    ``other`` (the saved layer has no pending admission keys)."""
+    store[name] = np.array(other, np.int64)
+    return np.array(value, np.int64)
+
+
 def _scores(n, value):
     return np.full(n, value, np.int64)
 
@@ -85,19 +92,20 @@ CASES = {
         rf"`seed_state` must be in \[{SEED_BOUNDS.min}, ",
     ),
     "admission counts negative": (
-        lambda s: -np.ones_like(s["admission_counts"], np.int64),
-        "admission_counts",
-        r"`admission_counts` must be in \[0, 2\*\*32\)",
+        lambda s: _with(s, "admission_keys", [7, 8], [1, -1]),
+        "admission_sightings",
+        r"`admission_sightings` must be in \[0, 2\*\*62\)",
     ),
     "admission counts float": (
-        lambda s: np.asarray(s["admission_counts"], np.float32),
-        "admission_counts",
-        r"`admission_counts` must be a 2-D integer array \(depth, width\)",
+        lambda s: np.asarray(s["admission_sightings"], np.float32),
+        "admission_sightings",
+        r"`admission_sightings` must be an integer array of shape \(\d+,\) "
+        r"\(one count per admission key\)",
     ),
-    "admission seed array": (
-        lambda s: np.zeros(3, np.int64),
-        "admission_seed",
-        r"`admission_seed` must be an integer array of shape \(\)",
+    "admission keys repeated": (
+        lambda s: _with(s, "admission_sightings", [1, 1], [7, 7]),
+        "admission_keys",
+        r"`admission_keys` must be distinct",
     ),
     "capacity zero": (
         lambda s: np.int64(0),

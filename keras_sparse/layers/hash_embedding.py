@@ -199,9 +199,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     Saving: the ``.keras`` file stores (key, row, vector, optimizer slots,
     score) records rather than the raw table, the table's capacity, bucket
     size, seed and LRU clock, ``sparse_iterations``, the fresh-row seed and
-    the admission sketch's counters (re-binned when the capacity changes,
-    never under-counting, so a key half-way to admission stays half-way or
-    closer). Loaded into a table of the same capacity and seed, every key
+    the keys not yet admitted with their exact sighting counts (so a key
+    half-way to admission stays half-way, on any capacity or device count).
+    Loaded into a table of the same capacity and seed, every key
     returns to its row with its exact state; into another table, keys are
     placed hottest first and any that find no row are dropped with a warning
     saying how many and why. A file missing an entry the layer needs raises

@@ -321,14 +321,15 @@ class HashRecords:
         store["table_clock"] = np.int64(clock)
         store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
         store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
-        sketch = self._admission_sketch()
-        if sketch is not None:
+        pending = self._admission_counts()
+        if pending is not None:
             if trained is not None:
-                store["admission_counts"] = trained.sketch_counts
+                keys, counts = trained.admission
             else:
                 with self.table._lock:
-                    store["admission_counts"] = sketch.state()
-            store["admission_seed"] = np.int64(sketch.seed)
+                    keys, counts = pending.state()
+            store["admission_keys"] = keys
+            store["admission_sightings"] = counts
 
     def load_own_variables(self, store):
         """Restores a checkpoint written by `save_own_variables`.
@@ -402,27 +403,8 @@ class HashRecords:
             ),
         }
         admission = None
-        if self._admission_sketch() is not None:
-            seed = checked_int(
-                self.name,
-                "admission_seed",
-                store["admission_seed"][...],
-                -(2**63),
-                2**63,
-                "(the sketch's seed)",
-            )
-            # uint32 counters, one row per hash (a width other than this
-            # sketch's is rescaled on load).
-            counts = checked_int_array(
-                self.name,
-                "admission_counts",
-                store["admission_counts"][...],
-                (None, None),
-                "(depth, width)",
-                0,
-                2**32,
-            )
-            admission = (counts, seed)
+        if self._admission_counts() is not None:
+            admission = self._checked_admission(store, names)
         return _Checkpoint(
             records,
             geometry,
@@ -439,8 +421,9 @@ class HashRecords:
         required = ["record_keys", "record_values", "record_scores"]
         required += [f"record_{n}" for n in slot_names]
         required += ["sparse_iterations", "seed_state"]
-        if self._admission_sketch() is not None:
-            required += ["admission_counts", "admission_seed"]
+        if self._admission_counts() is not None and "admission_counts" not in names:
+            # (a checkpoint of the older count-min sketch: see _checked_admission)
+            required += ["admission_keys", "admission_sightings"]
         missing = [name for name in required if name not in names]
         if missing:
             raise ValueError(
@@ -498,25 +481,46 @@ class HashRecords:
             progress,
         )
 
+    def _checked_admission(self, store, names):
+        """Saved pending admission counts ``(keys, counts)``; a checkpoint
+        of the older count-min sketch (``admission_counts``) has no per-key
+        counts: None, and the load warns."""
+        if "admission_keys" not in names:
+            return None
+        keys = checked_keys(self.name, "admission_keys", store["admission_keys"][...])
+        counts = checked_int_array(
+            self.name,
+            "admission_sightings",
+            store["admission_sightings"][...],
+            (len(keys),),
+            "(one count per admission key)",
+            0,
+            SCORE_LIMIT,
+        )
+        return keys, counts.astype(np.int64)
+
     def _load_admission(self, admission):
-        """Restores the sketch's counters; another seed or depth (another
-        table) cannot map them, which is warned about, not fatal."""
-        sketch = self._admission_sketch()
-        if sketch is None or admission is None:
+        """Restores the pending admission counts (keys past the table's
+        memory cap, or owned by another process's shards, are dropped)."""
+        pending = self._admission_counts()
+        if pending is None:
             return
-        try:
+        if admission is None:
             with self.table._lock:
-                sketch.load_state(*admission)
-        except ValueError as e:
+                pending.load_state(np.zeros(0, np.int64), np.zeros(0, np.int64))
             warnings.warn(
-                f"Layer '{self.name}': admission counts not restored ({e}); "
-                "keys start counting their sightings from zero.",
+                f"Layer '{self.name}': the checkpoint holds count-min admission "
+                "counters, not per-key counts; keys not admitted yet start "
+                "counting their sightings from zero.",
                 stacklevel=3,
             )
+            return
+        with self.table._lock:
+            pending.load_state(*admission)
 
-    def _admission_sketch(self):
-        """The table's count-min sketch, or None (``admit_after=1``)."""
-        return getattr(self.table._impl, "sketch", None)
+    def _admission_counts(self):
+        """The table's pending admission counts, or None (``admit_after=1``)."""
+        return getattr(self.table._impl, "admission", None)
 
 
 def _host_value(variable):
@@ -572,4 +576,4 @@ class _Checkpoint(NamedTuple):
     clock: int
     iterations: np.ndarray
     seed_state: np.ndarray
-    admission: object  # (counts, seed) or None
+    admission: object  # (keys, counts), or None (none saved)

@@ -1,122 +1,132 @@
-"""Bounded-memory admission counter (count-min sketch) shared by both tables.
+"""Exact admission counts: sightings of the keys not admitted yet.
 
-A count-min sketch keeps ``depth`` rows of ``width`` uint32 counters.  Each key
-increments one counter per row (chosen by an independent salted hash) and its
-estimate is the minimum over rows.  Collisions can only add to a counter, so
-the estimate never under-counts: a key may be admitted *early* (with
-probability roughly ``(1 - exp(-depth * distinct / width)) ** depth`` per key
-when the sketch is crowded), never late.  Memory is ``4 * depth * width``
-bytes, independent of how many distinct keys stream through.
+A table with ``admit_after > 1`` keeps every absent key it has seen, with
+its number of sightings, in a second hash table of the same kind (the
+*pending* table: LFU eviction, its score is the count). A key is admitted
+at exactly its ``admit_after``-th sighting and then leaves the pending
+table, so an admitted key costs nothing here (an evicted key counts its
+sightings from zero again).
+
+Memory cap: the pending table has as many slots as the main table (its
+capacity; per shard for a sharded table, so the same in total), about 17
+bytes per slot (key, count, fingerprint). While the pending keys fit,
+counts are exact, so admission depends only on each key's own sightings:
+identical for any shard count, process count or batch split. Beyond the
+cap the least-counted pending keys are forgotten (LFU), and a key whose two
+pending buckets are full of this call's keys is not counted in that call.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-from .keys import hash_keys
-from .keys import seed_word
+from .keys import to_host
 
-DEFAULT_DEPTH = 4
-MIN_WIDTH = 1 << 10
-MAX_WIDTH = 1 << 22  # 4 rows x 4M x 4 B = 64 MiB at most
+# Salts the pending table's buckets apart from the main table's.
+_SEED_OFFSET = 0x9E3779B9
 
 
-def default_width(capacity: int) -> int:
-    """Power of two near the table capacity, clamped to [1Ki, 4Mi] counters."""
-    width = MIN_WIDTH
-    while width < capacity and width < MAX_WIDTH:
-        width <<= 1
-    return width
+class CountRecord(NamedTuple):
+    """What one call changed in the pending counts (for undo)."""
+
+    keys: object  # the call's distinct absent keys
+    before: object  # their counts before the call (0: not pending)
+    evicted_keys: object  # pending keys forgotten to make room
+    evicted_counts: object
 
 
-class CountMinSketch:
-    """Count-min sketch over int64 keys; ``xp`` is NumPy or CuPy."""
+class ExactCounts:
+    """Pending keys with exact sighting counts; ``table_cls`` is the main
+    table's class (`NumpyTable` or `CupyTable`), which holds them."""
 
-    def __init__(
-        self, width: int, depth: int = DEFAULT_DEPTH, seed: int = 0, xp=np, add_at=None
-    ):
-        if width <= 0 or width & (width - 1):
-            raise ValueError(
-                f"sketch width must be a positive power of two, got {width}"
-            )
-        self.width, self.depth, self.xp = int(width), int(depth), xp
+    def __init__(self, table_cls, num_buckets, bucket_size, seed):
         self.seed = int(seed)
-        self._shift = np.uint64(64 - (self.width.bit_length() - 1))
-        # Row salts differ from the table's bucket salt so sketch collisions are
-        # independent of bucket collisions.
-        self._salts = [
-            seed_word(seed * 1000003 + 7919 * (r + 1)) for r in range(self.depth)
-        ]
-        self._add_at = add_at or _numpy_add_at
-        self.counts = xp.zeros((self.depth, self.width), dtype=xp.uint32)
+        self.table = table_cls(
+            num_buckets, bucket_size, "lfu", 1, (self.seed + _SEED_OFFSET) % 2**63
+        )
+        self.xp = self.table.xp
 
-    def _cells(self, keys):
-        flat = []
-        for r, salt in enumerate(self._salts):
-            col = (hash_keys(keys, salt, self.xp) >> self._shift).astype(self.xp.int64)
-            flat.append(col + r * self.width)
-        return flat
+    @property
+    def capacity(self):
+        """Most pending keys kept (the memory cap)."""
+        return self.table.capacity
 
-    def add(self, keys, counts):
-        """Add ``counts`` for unique int64 ``keys``; return the new estimates."""
-        table = self.counts.reshape(-1)
-        cells = self._cells(keys)
-        inc = counts.astype(self.xp.uint32)
-        for c in cells:
-            self._add_at(table, c, inc)
-        est = table[cells[0]]
-        for c in cells[1:]:
-            est = self.xp.minimum(est, table[c])
-        return est.astype(self.xp.int64)
+    def __len__(self):
+        return self.table.size
 
-    def subtract(self, keys, counts, out=None):
-        """Exactly undo a previous ``add`` (used when a call must leave no
-        trace); from ``out`` (a copy of the counters) when given."""
-        table = (self.counts if out is None else out).reshape(-1)
-        neg = (-counts.astype(self.xp.int64)).astype(self.xp.uint32)  # wraps mod 2**32
-        for c in self._cells(keys):
-            self._add_at(table, c, neg)
+    def peek(self, keys, counts):
+        """``(totals, before)``: counts of distinct ``keys`` after adding
+        ``counts``, and before (0 for keys not pending); nothing changes."""
+        t = self.table
+        rows = t.find(keys)
+        held = rows >= 0
+        before = self.xp.where(held, t.score[self.xp.where(held, rows, 0)], 0)
+        return before + counts, before
+
+    def commit(self, keys, counts, before, admitted, record=False):
+        """Adds ``counts`` of the keys not ``admitted`` and forgets the
+        admitted ones; returns a `CountRecord` when ``record``."""
+        xp, t = self.xp, self.table
+        gone = keys[admitted & (before > 0)]
+        if gone.shape[0]:
+            t.erase(gone)
+        stay = ~admitted
+        sightings = xp.repeat(keys[stay], counts[stay])
+        log = [] if record else None
+        if sightings.shape[0]:
+            # LFU scores count duplicates: each key's score grows by its count.
+            t.lookup_or_insert_fresh(sightings, undo=log)
+        if not record:
+            return None
+        if log:
+            ev_keys, ev_counts = log[0].evicted_keys, log[0].evicted_scores
+        else:
+            ev_keys = ev_counts = xp.zeros(0, dtype=xp.int64)
+        return CountRecord(keys.copy(), before, ev_keys, ev_counts)
 
     def clear(self):
-        self.counts.fill(0)
+        self.table.clear()
 
     def state(self):
-        """The counters as a NumPy ``[depth, width]`` uint32 array (a copy)."""
-        counts = self.counts
-        return counts.get() if hasattr(counts, "get") else np.array(counts)
+        """``(keys, counts)`` of the pending keys as NumPy int64 arrays
+        (ascending keys)."""
+        keys, _, scores = self.table.export()
+        keys, scores = to_host(keys), to_host(scores)
+        order = np.argsort(keys, kind="stable")
+        return keys[order], scores[order]
 
-    def load_state(self, counts, seed):
-        """Restores counters saved by `state`, possibly from another width.
-
-        A key's cell in width ``w`` is the top ``log2(w)`` bits of its hash, so
-        halving the width merges cell pairs ``(2i, 2i + 1)`` into ``i`` and
-        doubling it splits cell ``i`` into ``2i`` and ``2i + 1``. Summing on
-        merge and copying on split keep every estimate an upper bound of the
-        true count: a key is still never admitted late. The depth and the
-        seed must match (they fix the row hashes); otherwise ValueError.
-        """
-        if int(seed) != self.seed:
-            raise ValueError(
-                f"sketch state was made with seed {seed}; this sketch uses "
-                f"{self.seed} (other hash functions)"
-            )
-        counts = np.asarray(counts, dtype=np.uint64)
-        if counts.ndim != 2 or counts.shape[0] != self.depth:
-            raise ValueError(
-                f"sketch state has shape {counts.shape}; expected ({self.depth}, width)"
-            )
-        width = counts.shape[1]
-        if width <= 0 or width & (width - 1):
-            raise ValueError(f"sketch state width {width} is not a power of two")
-        while width > self.width:
-            counts = counts[:, 0::2] + counts[:, 1::2]
-            width //= 2
-        while width < self.width:
-            counts = np.repeat(counts, 2, axis=1)
-            width *= 2
-        counts = np.minimum(counts, np.iinfo(np.uint32).max).astype(np.uint32)
-        self.counts[...] = self.xp.asarray(counts)
+    def load_state(self, keys, counts):
+        """Replaces the pending keys by ``(keys, counts)`` (distinct keys);
+        returns how many were kept: the most-counted up to the cap, zero
+        counts dropped."""
+        keys = np.asarray(keys, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        keep = counts > 0
+        keys, counts = keys[keep], counts[keep]
+        order = np.argsort(-counts, kind="stable")[: self.capacity]
+        keys, counts = keys[order], counts[order]
+        t, xp = self.table, self.xp
+        t.clear()
+        if not keys.shape[0]:
+            return 0
+        res = t.import_(xp.asarray(keys), scores=xp.asarray(counts))
+        return int(to_host(res.rows >= 0).sum())
 
 
-def _numpy_add_at(arr, idx, val):
-    np.add.at(arr, idx, val)
+def counts_before(state, records):
+    """Pending ``(keys, counts)`` (NumPy) before the calls that wrote
+    `CountRecord` ``records`` (call order), from ``state`` after them."""
+    keys, counts = state
+    for r in reversed(records):
+        if r is None:
+            continue
+        uk, before = to_host(r.keys), to_host(r.before)
+        evk, evc = to_host(r.evicted_keys), to_host(r.evicted_counts)
+        drop = np.isin(keys, uk) | np.isin(keys, evk)
+        back = before > 0
+        keys = np.concatenate([keys[~drop], uk[back], evk])
+        counts = np.concatenate([counts[~drop], before[back], evc])
+    order = np.argsort(keys, kind="stable")
+    return keys[order], counts[order]

@@ -50,8 +50,11 @@ class HashTable:
         to at least 4 buckets.  The ``capacity`` property reports the result.
       bucket_size: positive power of two, default 16.
       eviction: ``"lru"``, ``"lfu"`` or ``None``.
-      admit_after: a key gets a row once seen this many times in total
-        (count-min sketch; may admit early on collisions, never late).
+      admit_after: a key gets a row at exactly its ``admit_after``-th
+        sighting (exact counts of the keys not admitted yet, in a second
+        table of ``capacity`` slots, about 17 bytes each; beyond that cap
+        the least-counted pending keys are forgotten; see
+        `keras_sparse.table.admission`).
       device: ``"auto"`` (GPU when CuPy sees one), ``"gpu"`` or ``"cpu"``.
       seed: salts the hash functions.
 
@@ -256,7 +259,7 @@ class HashTable:
 
     def state_before(self, records):
         """`keras_sparse.table.undo.TableState` (live keys, rows, scores,
-        clock, sketch counters) as the table was before the calls that
+        clock, pending admission counts) as the table was before the calls that
         wrote the undo ``records`` (a list in call order, or a callable
         returning one, called under the table's lock so that no call runs
         in between). The table is not changed.
@@ -309,7 +312,7 @@ class HashTable:
             return self._impl.import_(k, r, s)
 
     def clear(self):
-        """Remove every entry and reset the admission sketch (counters are kept)."""
+        """Remove every entry and every admission count (counters are kept)."""
         with self._lock:
             self._impl.clear()
             self._version += 1

@@ -4,7 +4,7 @@ The multi-launch path (``ArrayTable._insert_call`` on CuPy arrays) pays about
 ten host syncs and 70-150 CuPy operations per call, which dominate the time
 of embedding-sized batches. ``ks_insert_calls``
 (``keras_sparse/kernels/insert_call.cu``) runs the whole call in one block:
-probe, dedup of the absent keys, admission, placement and eviction rounds,
+probe, dedup of the absent keys, placement and eviction rounds,
 touch and counts. Rows, new rows, evicted
 pairs, counters and stored state equal the CPU twin's call by call (the
 conformance suite runs on it).
@@ -23,7 +23,9 @@ model's hash fields) in one launch, one block per table.
 
 Batches of more than ``MAX_KEYS`` keys (one block would leave the GPU idle)
 or more keys than the table has rows (the distinct-hit check needs the
-multi-launch path) take the multi-launch path.
+multi-launch path) take the multi-launch path, and so do tables with
+admission (``admit_after > 1``): its exact counts live in a second table
+(`keras_sparse.table.admission`) that the kernel does not read.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class FusedInsert:
         self.dummy_u64 = cp.zeros(1, dtype=cp.uint64)
         self.dummy_i32 = cp.zeros(1, dtype=cp.int32)
         self.step_outputs = cp.empty((4, 0), dtype=cp.int64)
-        self.sketch_salts = None
         self.account = cp.zeros(16, dtype=cp.int64)
         self.unread = False  # the account holds calls the host has not read
         # A read (get, then zero) must not interleave with another thread's
@@ -90,7 +91,10 @@ class FusedInsert:
         return fused
 
     def eligible(self, n):
-        return 0 < n <= MAX_KEYS and n <= self.table.capacity
+        # Exact admission counts live in a second table the kernel does not
+        # read: tables with admit_after > 1 take the multi-launch path.
+        t = self.table
+        return 0 < n <= MAX_KEYS and n <= t.capacity and t.admission is None
 
     def call(self, k, step):
         """``(InsertResult, fresh)`` of one call, or None when not eligible."""
@@ -255,13 +259,10 @@ class FusedInsert:
         (rebuilt when any of them is replaced, e.g. by a resize or import):
         a step's record then costs a few pointer sums, not 40 lookups."""
         t = self.table
-        sketch = t.sketch
         if getattr(t, "_bids", None) is None:
             t._bids = cp.full(t.num_buckets, _NO_BID, dtype=cp.int64)
-        if sketch is not None and self.sketch_salts is None:
-            self.sketch_salts = cp.asarray(np.asarray(sketch._salts, dtype=np.uint64))
         arrays = (t.keys, t.digest, t.score, t.load, t.holey, t.bucket_sentinel)
-        arrays += (t._bids, sketch, self.sketch_salts)
+        arrays += (t._bids,)
         settings = (t.salt, t.num_buckets, t.bucket_size, t.capacity, t.eviction)
         settings += (t.admit_after,)
         cached = self.__dict__.get("_static")
@@ -282,24 +283,8 @@ class FusedInsert:
         words[13] = t.admit_after
         words[14:20] = [a.data.ptr for a in arrays[:6]]
         words[22] = t._bids.data.ptr
-        if sketch is None:
-            words[23:29] = (
-                0,
-                self.dummy_u32.data.ptr,
-                0,
-                0,
-                0,
-                self.dummy_u64.data.ptr,
-            )
-        else:
-            words[23:29] = (
-                1,
-                sketch.counts.data.ptr,
-                sketch.depth,
-                sketch.width,
-                int(sketch._shift),
-                self.sketch_salts.data.ptr,
-            )
+        # No admission sketch (see `eligible`): the kernel admits every key.
+        words[23:29] = (0, self.dummy_u32.data.ptr, 0, 0, 0, self.dummy_u64.data.ptr)
         # The arrays stay referenced here, so their pointers stay valid.
         self._static = (arrays, settings, tuple(words))
         return self._static[2]

@@ -29,8 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .admission import CountMinSketch
-from .admission import default_width
+from .admission import ExactCounts
 from .keys import bucket_pair
 from .keys import digest
 from .keys import hash_keys
@@ -106,10 +105,11 @@ class ArrayTable:
         self.load = xp.zeros(self.num_buckets, dtype=xp.int64)
         self.holey = xp.zeros(self.num_buckets, dtype=bool)
         self.bucket_sentinel = xp.asarray(self._sentinel_per_bucket())
-        self.sketch = None
+        self.admission = None
         if self.admit_after > 1:
-            self.sketch = CountMinSketch(
-                default_width(self.capacity), seed=seed, xp=xp, add_at=self._add_at
+            # Pending keys in a table of this class and size (the memory cap).
+            self.admission = ExactCounts(
+                type(self), self.num_buckets, self.bucket_size, seed
             )
         self.size = 0
         self.clock = 0
@@ -317,7 +317,7 @@ class ArrayTable:
         rows, hit_rows, miss_idx, miss_hash = self._find_for_insert(k)
         if undo is not None:  # before any score changes (hit_rows: scratch)
             hits = (hit_rows.copy(), self.score[hit_rows])
-        sketched = (None, None)
+        counted = None
         n_miss = int(miss_idx.shape[0])
         empty = xp.zeros(0, dtype=xp.int64)
         placed_rows, ev_keys, ev_rows = empty, empty, empty
@@ -327,12 +327,16 @@ class ArrayTable:
             # them by it, identically on both devices.
             first, counts, inv = self._dedup(k[miss_idx])
             src = miss_idx if first is None else miss_idx[first]  # positions in k
-            if counts is None and (self.sketch is not None or self.eviction == "lfu"):
+            if counts is None and (
+                self.admission is not None or self.eviction == "lfu"
+            ):
                 counts = xp.ones(int(src.shape[0]), dtype=xp.int64)  # else unused
             admitted = est = None
-            if self.sketch is not None:
+            if self.admission is not None:
                 uk = k[src]
-                est = self.sketch.add(uk, counts)
+                # Counted only once the call has placed its keys: a call
+                # that raises leaves the counts as they were.
+                est, before = self.admission.peek(uk, counts)
                 admitted = est >= self.admit_after
                 ak_src, acounts = src[admitted], counts[admitted]
             else:
@@ -344,20 +348,15 @@ class ArrayTable:
                     adm = xp.flatnonzero(admitted)
                     sel = adm if first is None else first[adm]
                 hashes = miss_hash if sel is None else tuple(h[sel] for h in miss_hash)
-            try:
-                self._check_batch_fits(int(ak_src.shape[0]), hit_rows)
-                if score_prot:
-                    self._touch(hit_rows, step)
-                placed = self._place(
-                    k[ak_src], acounts, step, hit_rows, hashes, score_prot
-                )
-            except Exception:
-                if self.sketch is not None:
-                    self.sketch.subtract(uk, counts)
-                raise
+            self._check_batch_fits(int(ak_src.shape[0]), hit_rows)
+            if score_prot:
+                self._touch(hit_rows, step)
+            placed = self._place(k[ak_src], acounts, step, hit_rows, hashes, score_prot)
             urows = placed[0]
-            if self.sketch is not None:
-                sketched = (uk, counts)
+            if self.admission is not None:
+                counted = self.admission.commit(
+                    uk, counts, before, admitted, record=undo is not None
+                )
             if admitted is not None:
                 urows_all = xp.full(int(src.shape[0]), -1, dtype=xp.int64)
                 urows_all[admitted] = urows
@@ -377,10 +376,10 @@ class ArrayTable:
         c["inserts"] += int(placed_rows.shape[0])
         c["evictions"] += int(ev_keys.shape[0])
         if undo is not None:
-            undo.append(self._undo_record(clock0, hits, placed_rows, sketched))
+            undo.append(self._undo_record(clock0, hits, placed_rows, counted))
         return InsertResult(rows, placed_rows, ev_keys, ev_rows), miss_idx
 
-    def _undo_record(self, clock0, hits, placed_rows, sketched):
+    def _undo_record(self, clock0, hits, placed_rows, counted):
         """The call's `UndoRecord` (its evictions noted by `note_evicted`)."""
         xp = self.xp
         log = evicted_log(self)
@@ -388,15 +387,15 @@ class ArrayTable:
             ev = [xp.concatenate(part) for part in zip(*log)]
         else:
             ev = [xp.zeros(0, dtype=xp.int64)] * 3
-        return UndoRecord(clock0, *hits, placed_rows, ev[1], ev[0], ev[2], *sketched)
+        return UndoRecord(clock0, *hits, placed_rows, ev[1], ev[0], ev[2], counted)
 
     def _miss_counts(self, n_miss, first, counts, est, urows):
         """``(misses, rejected_admissions)`` of a call's absent keys, counted
         as if its keys arrived one at a time in batch order.
 
         A sighting misses while its key has no row: the sightings up to and
-        including the one that reaches ``admit_after`` (the sketch held
-        ``est - counts`` before this call), or all of them when the key got
+        including the one that reaches ``admit_after`` (the key had
+        ``est - counts`` sightings before this call), or all of them when the key got
         no row; the later duplicates find the row the call gave the key and
         hit. Counted per sighting, a batch's counts do not depend on how its
         keys are grouped into calls, so shuffled or differently batched data
@@ -540,8 +539,8 @@ class ArrayTable:
         self.holey.fill(False)
         self.size = 0
         self._score_above_clock = False
-        if self.sketch is not None:
-            self.sketch.clear()
+        if self.admission is not None:
+            self.admission.clear()
 
     # ------------------------------------------------------------- internals
     def _next_step(self, step):

@@ -8,11 +8,12 @@ by a multiply-shift of its high 32 bits. It depends only on the key and
 Shard ``d`` is an ordinary `HashTable` of ``B`` rows (``capacity / D``
 rounded up to whole buckets); its local row ``r`` is global row ``d * B +
 r``, so a ``[D * B, dim]`` table row-sharded over ``D`` devices holds each
-shard's rows on its owner device. Every shard has its own admission sketch
-and eviction state: a full shard evicts among its own keys only, even when
-another shard has free rows (per-shard LRU/LFU). All shards share the hash
-seed, so their sketches are summable: `sketch_state` is the counters of all
-keys, which any other shard count loads without under-counting.
+shard's rows on its owner device. Every shard has its own eviction state: a
+full shard evicts among its own keys only, even when another shard has free
+rows (per-shard LRU/LFU). Each shard counts the sightings of the keys it
+owns that are not admitted yet (`keras_sparse.table.admission`, exact), so
+admission is the same for any shard count; the merged state is the union of
+the shards' pending keys, and a load routes each key to its owner.
 
 Each call reaches every local shard (with no keys if none are its), so the
 shards' LRU clocks advance together and a batch means the same step
@@ -84,7 +85,7 @@ def keys_of_words(words):
 
 
 class _ShardClock:
-    """The shards' common LRU clock and merged sketch, where the layer's
+    """The shards' common LRU clock and merged admission counts, where the layer's
     checkpoint code reads one table's (``table._impl``)."""
 
     def __init__(self, table):
@@ -100,31 +101,40 @@ class _ShardClock:
             t._impl.clock = int(value)
 
     @property
-    def sketch(self):
+    def admission(self):
         first = self._table.local_shards()[0]
-        if getattr(first._impl, "sketch", None) is None:
+        if getattr(first._impl, "admission", None) is None:
             return None
-        return _MergedSketch(self._table)
+        return _MergedCounts(self._table)
 
 
-class _MergedSketch:
-    """The shards' count-min sketches seen as one (they are summable)."""
+class _MergedCounts:
+    """The local shards' pending admission counts seen as one."""
 
     def __init__(self, table):
-        self._sketches = [t._impl.sketch for t in table.local_shards()]
-        self.seed = self._sketches[0].seed
+        self._table = table
 
     def state(self):
-        total = np.zeros_like(self._sketches[0].state(), dtype=np.uint64)
-        for sketch in self._sketches:
-            total += sketch.state()
-        return np.minimum(total, np.iinfo(np.uint32).max).astype(np.uint32)
+        """``(keys, counts)`` of every local shard (disjoint: owned keys)."""
+        parts = [t._impl.admission.state() for t in self._table.local_shards()]
+        keys = np.concatenate([p[0] for p in parts])
+        counts = np.concatenate([p[1] for p in parts])
+        order = np.argsort(keys, kind="stable")
+        return keys[order], counts[order]
 
-    def load_state(self, counts, seed):
-        # Each shard takes the counts of all keys: a key's own counters are
-        # among them, so no shard under-counts it.
-        for sketch in self._sketches:
-            sketch.load_state(counts, seed)
+    def load_state(self, keys, counts):
+        """Each local shard takes the keys it owns; returns how many were
+        kept (keys of other processes' shards are theirs to load)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        owner = owner_of(keys, self._table.num_shards)
+        kept = 0
+        for d in self._table.local:
+            mine = owner == d
+            with self._table.on_device(d):
+                pending = self._table.shard(d)._impl.admission
+                kept += pending.load_state(keys[mine], counts[mine])
+        return kept
 
 
 class ShardedHashTable:

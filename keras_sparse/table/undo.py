@@ -3,18 +3,21 @@
 A call asked for one (``lookup_or_insert_fresh(keys, undo=log)``) appends,
 under the table's lock, what it overwrote: the clock, the scores of the rows
 it found, the rows it gave to keys (free before, or taken from the evicted
-keys, whose rows and scores are kept) and the counts it added to the
-admission sketch. A call writes each row at most once (found and placed
-rows are protected from the call's own evictions), so undoing records
-newest first gives back exactly the keys, rows, scores, clock and sketch
-counts before them. `state_before` computes that on copies, leaving the
-table as it is: a prefetch stage maps batches ahead of training, and a
-checkpoint must show the table as of the last trained batch.
+keys, whose rows and scores are kept) and the admission counts it changed
+(`keras_sparse.table.admission.CountRecord`). A call writes each row at
+most once (found and placed rows are protected from the call's own
+evictions), so undoing records newest first gives back exactly the keys,
+rows, scores, clock and admission counts before them. `state_before`
+computes that on copies, leaving the table as it is: a prefetch stage maps
+batches ahead of training, and a checkpoint must show the table as of the
+last trained batch.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from .admission import counts_before
 
 
 class UndoRecord(NamedTuple):
@@ -28,18 +31,18 @@ class UndoRecord(NamedTuple):
     evicted_keys: object
     evicted_rows: object
     evicted_scores: object
-    sketch_keys: object  # keys counted by the admission sketch, or None
-    sketch_counts: object  # their counts
+    admission: object  # CountRecord of the admission counts, or None
 
 
 class TableState(NamedTuple):
-    """Live entries (row order), clock and sketch counters (or None)."""
+    """Live entries (row order), clock and pending admission counts
+    (``(keys, counts)`` NumPy arrays, or None without admission)."""
 
     keys: object
     rows: object
     scores: object
     clock: int
-    sketch_counts: object
+    admission: object
 
 
 def state_before(impl, records):
@@ -48,8 +51,6 @@ def state_before(impl, records):
     lock)."""
     xp = impl.xp
     keys, score, clock = impl.keys.copy(), impl.score.copy(), impl.clock
-    sketch = impl.sketch
-    counts = None if sketch is None else sketch.counts.copy()
     for r in reversed(records):
         keys[r.new_rows] = impl._empty_keys(r.new_rows)
         score[r.new_rows] = 0
@@ -57,13 +58,12 @@ def state_before(impl, records):
         score[r.evicted_rows] = r.evicted_scores
         score[r.hit_rows] = r.hit_scores
         clock = r.clock
-        if counts is not None and r.sketch_keys is not None:
-            sketch.subtract(r.sketch_keys, r.sketch_counts, out=counts)
     live = keys != xp.repeat(impl.bucket_sentinel, impl.bucket_size)
     rows = xp.flatnonzero(live).astype(xp.int64)
-    if counts is not None and hasattr(counts, "get"):
-        counts = counts.get()
-    return TableState(keys[rows], rows, score[rows], int(clock), counts)
+    pending = None
+    if impl.admission is not None:
+        pending = counts_before(impl.admission.state(), [r.admission for r in records])
+    return TableState(keys[rows], rows, score[rows], int(clock), pending)
 
 
 def evicted_log(impl):
