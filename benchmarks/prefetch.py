@@ -15,7 +15,7 @@ replayed from memory: no table work at all), for three configurations:
      vocabularies (scale 1.0: many distinct keys, misses, LRU evictions),
      batch 64K;
   C. "input-heavy": dim 4, Dense(8), SGD, full-size vocabularies, keys
-     admitted after 2 sightings (count-min sketch) with LFU eviction, batch
+     admitted after 2 sightings (exact counts) with LFU eviction, batch
      64K: the table work outweighs the step.
 
 On 2 cores the stage can only hide the input side in the cycles the step
