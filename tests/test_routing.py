@@ -13,6 +13,7 @@ from keras_sparse.data.routing import locality_assignment
 from keras_sparse.data.routing import remote_id_bytes
 from keras_sparse.layers import DistributedHashEmbedding
 from keras_sparse.layers.prepared_inputs import host_segments
+from keras_sparse.layers.prepared_inputs import split_words
 from keras_sparse.layers.prepared_inputs import unpack_prepared
 
 
@@ -86,12 +87,14 @@ def test_labels_and_weights_move_with_samples_and_bytes_drop():
         seen_users = []
         for _ in range(len(stage)):
             bx, by, bsw = stage[0]
-            # Codes and segments travel stacked (no distribution: 1 replica).
-            assert bx["user"].shape == (256,) and by.shape == (128, 1)
+            # Codes, segments and (a random initializer draws fresh rows per
+            # key) the keys' two 32-bit words travel stacked (1 replica).
+            assert bx["user"].shape == (4 * 128,) and by.shape == (128, 1)
+            packed, words = split_words(keras.ops.convert_to_tensor(bx["user"]), 1, 4)
             codes, segments = (
-                keras.ops.convert_to_numpy(t)
-                for t in unpack_prepared(keras.ops.convert_to_tensor(bx["user"]), 1)
+                keras.ops.convert_to_numpy(t) for t in unpack_prepared(packed, 1)
             )
+            words = keras.ops.convert_to_numpy(words)
             # The segments moved with their samples: they split the positions
             # exactly as the codes' rows do.
             want = host_segments(codes)
@@ -105,6 +108,8 @@ def test_labels_and_weights_move_with_samples_and_bytes_drop():
             rows_b = np.where(codes <= -2, -2 - codes, codes)
             users = np.array([row_to_key[r] for r in rows_b.tolist()])
             np.testing.assert_array_equal(by[:, 0], (users % 7).astype(np.float32))
+            # The words moved with their samples too.
+            np.testing.assert_array_equal(words[:, 1], users.astype(np.int32))
             seen_users.append(np.sort(users))
         stage.on_epoch_end()
         stats = stage.stats()
@@ -122,9 +127,9 @@ def _weights(model):
 
 def test_routed_training_matches_unrouted_single_device():
     x, y, _ = _data()
-    # A constant initializer: with a random one the routed run draws fresh
-    # rows' initial values at other batch positions (documented).
-    init = keras.initializers.Constant(0.05)
+    # A random initializer: a fresh row's first vector is drawn from its key,
+    # so samples moved to other batch positions start from the same values.
+    init = keras.initializers.RandomUniform(-0.05, 0.05)
     ref = _model(init=init)
     with prefetch((x, y), ref, batch_size=128) as stage:
         ref.fit(stage, epochs=2, verbose=0)
