@@ -7,7 +7,9 @@ another's keys nor wait on one lock around the call. This script builds a
 small recommender (``--fields`` hash fields of 3 int64 keys above 2**32 each,
 one fixed-vocabulary field, Dense layers), computes each batch's output once
 sequentially, then times the same calls from 1, 2 and ``--threads`` threads
-and prints calls/s and the ratio to one thread. It exits 1 if any threaded
+and prints calls/s and the ratio to one thread, beside the same ratio for
+the model built with `keras.layers.Embedding` (how far Keras's own eager
+calls scale with threads on this machine). It exits 1 if any threaded
 output differs from the sequential one.
 
     KERAS_BACKEND=jax python benchmarks/concurrent_inference.py
@@ -54,6 +56,24 @@ def build(fields, batch, batches):
     return model, data
 
 
+def build_plain(fields, data):
+    """The same model with `keras.layers.Embedding` (ids: keys mod 2**16),
+    the baseline for how far Keras's eager calls scale with threads here."""
+    keras.utils.set_random_seed(0)
+    inputs = [keras.Input((3,), dtype="int32") for _ in range(fields)]
+    ids = keras.Input((2,), dtype="int32")
+    pooled = [
+        keras.ops.sum(keras.layers.Embedding(1 << 16, 16)(x), axis=1) for x in inputs
+    ]
+    pooled.append(keras.ops.mean(keras.layers.Embedding(1000, 16)(ids), axis=1))
+    hidden = keras.layers.Dense(64, activation="relu")(
+        keras.layers.Concatenate()(pooled)
+    )
+    model = keras.Model(inputs + [ids], keras.layers.Dense(1)(hidden))
+    plain = [[(a % (1 << 16)).astype("int32") for a in b] for b in data]
+    return model, plain
+
+
 def run(model, data, threads, repeats):
     """Seconds for ``repeats`` passes over ``data`` split over ``threads``,
     and every call's output by batch index."""
@@ -94,21 +114,35 @@ def main():
         f"backend {keras.backend.backend()}, {args.fields} hash fields, "
         f"batch {args.batch}, {args.batches * args.repeats} calls per row\n"
     )
-    print("| threads | calls/s | vs 1 thread | outputs equal |")
-    print("|---|---|---|---|")
-    base, ok = None, True
+    plain, plain_data = build_plain(args.fields, data)
+    plain_expected = [keras.ops.convert_to_numpy(plain(b)) for b in plain_data]
+    run(plain, plain_data, 1, 1)  # warm-up
+    print(
+        "| threads | calls/s | vs 1 thread | outputs equal "
+        "| Keras Embedding: vs 1 thread |"
+    )
+    print("|---|---|---|---|---|")
+    base = plain_base = None
+    ok = True
     for threads in counts:
         seconds, outputs = run(model, data, threads, args.repeats)
-        equal = all(
-            np.array_equal(out, expected[i])
-            for i, outs in outputs.items()
-            for out in outs
-        )
-        ok &= equal
+        plain_seconds, plain_outputs = run(plain, plain_data, threads, args.repeats)
+        equal = _all_equal(outputs, expected)
+        ok &= equal and _all_equal(plain_outputs, plain_expected)
         rate = args.batches * args.repeats / seconds
-        base = base or rate
-        print(f"| {threads} | {rate:,.1f} | {rate / base:.2f}x | {equal} |")
+        plain_rate = args.batches * args.repeats / plain_seconds
+        base, plain_base = base or rate, plain_base or plain_rate
+        print(
+            f"| {threads} | {rate:,.1f} | {rate / base:.2f}x | {equal} | "
+            f"{plain_rate / plain_base:.2f}x |"
+        )
     return 0 if ok else 1
+
+
+def _all_equal(outputs, expected):
+    return all(
+        np.array_equal(out, expected[i]) for i, outs in outputs.items() for out in outs
+    )
 
 
 if __name__ == "__main__":
