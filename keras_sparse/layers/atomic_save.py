@@ -55,43 +55,52 @@ def _local_path(filepath, extension):
     return path
 
 
-def _atomic_model_save(original):
+def _atomic(original, extension, keras_only, temporary):
+    """``original`` (a Keras file writer taking ``(model, filepath, ...)``)
+    writing through ``temporary(path)`` (a context manager giving what Keras
+    writes instead of ``filepath``) for local ``extension`` paths of models
+    holding our layers; ``keras_only(arguments)``: calls left to Keras."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def save_model(model, filepath, *args, **kwargs):
+    def save(model, filepath, *args, **kwargs):
         bound = signature.bind(model, filepath, *args, **kwargs)
         bound.apply_defaults()
-        path = _local_path(filepath, ".keras")
-        if not bound.arguments.get("zipped", True) or path is None:
+        path = _local_path(filepath, extension)
+        if (
+            path is None
+            or keras_only(bound.arguments)
+            or not holds_keras_sparse_layers(model)
+        ):
             return original(*bound.args, **bound.kwargs)
-        if not holds_keras_sparse_layers(model):
-            return original(*bound.args, **bound.kwargs)
-        with atomic_files.atomic_write(path) as f:
-            bound.arguments["filepath"] = f
+        with temporary(path) as target:
+            bound.arguments["filepath"] = target
             return original(*bound.args, **bound.kwargs)
 
-    save_model._ks_atomic = True
-    return save_model
+    save._ks_atomic = True
+    return save
+
+
+def _atomic_model_save(original):
+    """``.keras`` archives: Keras writes the zip into an open temporary file
+    (unzipped folders are left to Keras)."""
+    return _atomic(
+        original,
+        ".keras",
+        lambda arguments: not arguments.get("zipped", True),
+        atomic_files.atomic_write,
+    )
 
 
 def _atomic_weights_save(original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def save_weights_only(model, filepath, *args, **kwargs):
-        bound = signature.bind(model, filepath, *args, **kwargs)
-        bound.apply_defaults()
-        path = _local_path(filepath, ".weights.h5")
-        sharded = bound.arguments.get("max_shard_size") is not None
-        if sharded or path is None or not holds_keras_sparse_layers(model):
-            return original(*bound.args, **bound.kwargs)
-        with atomic_files.atomic_path(path, suffix=".weights.h5") as temp:
-            bound.arguments["filepath"] = temp
-            return original(*bound.args, **bound.kwargs)
-
-    save_weights_only._ks_atomic = True
-    return save_weights_only
+    """``.weights.h5`` files, written under a temporary ``.weights.h5`` name
+    (sharded weights are left to Keras)."""
+    return _atomic(
+        original,
+        ".weights.h5",
+        lambda arguments: arguments.get("max_shard_size") is not None,
+        lambda path: atomic_files.atomic_path(path, suffix=".weights.h5"),
+    )
 
 
 def install():
