@@ -93,7 +93,7 @@ def _run(strategy, optimizer):
     try:
         routing = sharding.keras_integration.route(layers[0])
         if strategy in ("row", "column"):
-            assert routing is not None and routing[0] == strategy
+            assert routing is not None and routing.strategy == strategy
         else:
             assert routing is None  # data: XLA partitions the 1-device primitive
         model = _model(layers)
@@ -287,7 +287,7 @@ def test_auto_plan_lays_out_variables():
         big = model.get_layer("big")
         assert _shard_shapes(big.embeddings) == {(ROWS // 8, DIM)}
         assert _shard_shapes(big.slots["accumulator"]) == {(ROWS // 8, DIM)}
-        assert sharding.keras_integration.route(big)[0] == "row"
+        assert sharding.keras_integration.route(big).strategy == "row"
     finally:
         keras.distribution.set_distribution(None)
 

@@ -85,7 +85,7 @@ def test_mixed_plan_matches_single_device():
         model.set_weights(init)
         for name, (_, strategy, _) in TABLES.items():
             routing = sharding.keras_integration.route(model.get_layer(name))
-            assert (routing and routing[0]) == (
+            assert (routing and routing.strategy) == (
                 strategy if strategy != "data" else None
             )
         losses = _fit(model, x, y)

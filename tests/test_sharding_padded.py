@@ -82,7 +82,7 @@ def _check_layout(model, devices):
             assert shards == {(padded // devices, var.shape[1])}
             # Padding rows stay at zero: no id ever reaches them.
             np.testing.assert_array_equal(np.array(var.value)[rows:], 0)
-        assert keras_integration.route(layer)[0] == "row"
+        assert keras_integration.route(layer).strategy == "row"
 
 
 # The initial checkpoint is saved before the optimizer is built.

@@ -179,9 +179,11 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 f"Layer '{self.name}': `weights` cannot initialize a quantized "
                 "table; build the float layer, set its weights, then quantize."
             )
-        # Padded to the variable's rows when a distribution pads the table.
-        self._embeddings.assign(
-            placement.provider().padded_value(self, self._embeddings, weights)
+        # Padded to the variable's rows when a distribution pads the table
+        # (or cut to this device's part).
+        hooks = placement.provider()
+        hooks.assign_value(
+            self, self._embeddings, hooks.padded_value(self, self._embeddings, weights)
         )
 
     # ----------------------------------------------------------------- build
@@ -325,21 +327,21 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 "build the layer as it was saved, load, then change it."
             )
         values = {}
+        hooks = placement.provider()
         for name, variable in named.items():
-            value = np.asarray(
-                placement.provider().padded_value(self, variable, store[name])
-            )
-            if value.shape != tuple(variable.shape):
+            value = np.asarray(hooks.padded_value(self, variable, store[name]))
+            expected = tuple(hooks.loaded_shape(self, variable))
+            if value.shape != expected:
                 raise ValueError(
                     f"Layer '{self.name}': saved '{name}' has shape "
-                    f"{value.shape}, the layer's variable {tuple(variable.shape)}"
+                    f"{value.shape}, the layer's variable {expected}"
                     "; nothing was loaded."
                 )
             if name == "sparse_iterations":
                 value = checked_step_count(self.name, value, variable)
             values[name] = value
         for name, variable in named.items():
-            variable.assign(values[name])
+            hooks.assign_value(self, variable, values[name])
 
     def get_config(self):
         config = super().get_config()

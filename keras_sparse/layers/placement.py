@@ -1,17 +1,68 @@
 """Where a layer's table lives: the seam between the layers and sharding.
 
-Layers never import `keras_sparse.sharding` (it sits above them). They ask
-`provider()` instead: `keras_sparse.sharding` installs itself here when it
-is imported, which ``import keras_sparse`` always does. Its hooks decide,
-for the active Keras distribution, how a layer's variables are laid out
-(``variable_rows``, ``table_initializer``, ``padded_value`` /
-``unpadded_value``, ``collection_placement`` / ``collection_stacks``), how
-its rows are looked up (``route``, ``routed_lookup``, ``routed_gather``,
-``route_stack``, ``exchange_buckets``) and where a hash layer's keys are
-mapped (``place_hash_table``, ``map_keys_in_step``).
+Two parts:
+
+* `TablePlacement`: the typed object a sharded table's lookups go through
+  (one implementation per strategy family and backend, in
+  `keras_sparse.sharding`). The layers call its methods and never look at
+  how it moves ids and vectors. None stands for the local default: the
+  whole table on this device, the per-backend primitive of
+  `keras_sparse.ops`.
+* `provider()`: the module of build-time hooks. Layers never import
+  `keras_sparse.sharding` (it sits above them); it installs itself here when
+  imported, which ``import keras_sparse`` always does. Its hooks decide, for
+  the active distribution (JAX) or strategy / process group (TensorFlow,
+  PyTorch), a layer's placement (``route``, ``build_placement``), its
+  variables' rows and initializer (``variable_rows``,
+  ``table_initializer``, ``variable_options``), how its state is saved
+  unsharded (``unpadded_value`` / ``padded_value`` / ``assign_saved``), the
+  tables of a collection (``collection_placement`` / ``collection_stacks``
+  / ``route_stack``), compact exchange buffers (``exchange_buckets``) and
+  where a hash layer's keys are mapped (``place_hash_table``,
+  ``map_keys_in_step``).
 """
 
+from typing import Protocol
+from typing import runtime_checkable
+
 _provider = None
+
+
+@runtime_checkable
+class TablePlacement(Protocol):
+    """How one table's rows are spread over devices and reached by ids.
+
+    ``strategy``: "row", "column" or "key" (a key-sharded hash layer's rows
+    are looked up as a row-sharded table's). ``devices``: how many devices
+    (or processes) hold a part of the table.
+
+    ``lookup`` has the signature of the per-backend
+    ``keras_sparse.ops.<backend>_lookup.lookup_with_sparse_update`` (ids
+    are this device's flat batch positions, global row numbers of the
+    unsharded table; the backward pass applies ``optimizer`` on each row's
+    owner). ``gather`` reads rows with no update (inference, dense
+    gradients).
+    """
+
+    strategy: str
+    devices: int
+
+    def lookup(
+        self,
+        table_var,
+        slot_vars,
+        anchor_var,
+        optimizer,
+        ids,
+        valid,
+        iterations,
+        constraint=None,
+        apply_update=True,
+        reset=None,
+        exchange_slot=None,
+    ): ...
+
+    def gather(self, table_var, ids, valid, exchange_slot=None): ...
 
 
 def install(provider):

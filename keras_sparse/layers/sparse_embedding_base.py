@@ -74,6 +74,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
         self.sharding = sharding
         self.slots = {}
+        # A `TablePlacement` when built sharded on TensorFlow or PyTorch.
+        self.placement = None
         # Saves of models holding this layer replace their file atomically.
         atomic_save.install()
 
@@ -95,9 +97,13 @@ class SparseEmbeddingBase(keras.layers.Layer):
         # the Keras optimizer assigns it (overwrite_with_gradient); elsewhere
         # the backward pass writes the variables itself.
         on_jax = keras.backend.backend() == "jax"
-        # --- keras_sparse.sharding hook: row-sharded tables whose rows do not
-        # divide by the device count get zero padding rows (never looked up).
-        rows = placement.provider().variable_rows(self)
+        hooks = placement.provider()
+        # --- keras_sparse.sharding hooks: on TensorFlow and PyTorch a sharded
+        # table is built holding this device's part; row-sharded tables whose
+        # rows do not divide by the device count get zero padding rows.
+        self.placement = hooks.build_placement(self)
+        rows = hooks.variable_rows(self)
+        options = hooks.variable_options(self)
         table = self.add_weight(
             shape=(rows, self.output_dim),
             initializer=placement.provider().table_initializer(self, rows),
@@ -106,12 +112,13 @@ class SparseEmbeddingBase(keras.layers.Layer):
             trainable=(not sparse) or on_jax,
             autocast=False,
             name="embeddings",
+            **options,
         )
         if sparse:
-            self._build_sparse_state(on_jax, rows, table)
+            self._build_sparse_state(on_jax, rows, table, options)
         return table
 
-    def _build_sparse_state(self, on_jax, rows, table):
+    def _build_sparse_state(self, on_jax, rows, table, options):
         """Slots, step counter (and off JAX an anchor) beside ``table``."""
         table.overwrite_with_gradient = on_jax
         for spec in self.sparse_optimizer.slot_specs():
@@ -121,6 +128,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
                 trainable=on_jax,
                 autocast=False,
                 name=spec.name,
+                **options,
             )
             slot.overwrite_with_gradient = on_jax
             self.slots[spec.name] = slot
@@ -338,8 +346,8 @@ def lookup_flat_rows(
         if blocks is not None and update and not on_jax:
             kwargs["blocks"] = blocks
         lookup = backend_module().lookup_with_sparse_update
-        if routing is not None:  # sharding hook
-            lookup = placement.provider().routed_lookup(routing)
+        if routing is not None:  # a sharded table's `TablePlacement`
+            lookup = routing.lookup
         rows = lookup(
             table,
             slots,
@@ -365,10 +373,8 @@ def lookup_flat_rows(
         if loss is not None:
             layer.add_loss(loss)
         return rows
-    if routing is not None:  # sharding hook
-        return placement.provider().routed_gather(
-            routing, table, flat_ids, flat_valid, exchange_slot
-        )
+    if routing is not None:  # a sharded table's `TablePlacement`
+        return routing.gather(table, flat_ids, flat_valid, exchange_slot)
     safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))
     rows = ops.take(table, safe, axis=0)
     return ops.where(ops.expand_dims(flat_valid, -1), rows, 0)

@@ -63,6 +63,7 @@ import keras
 
 from keras_sparse.layers import table_users
 from keras_sparse.sharding import planner as planner_lib
+from keras_sparse.sharding.jax_placement import JaxMeshPlacement
 
 #: Strategies the Keras integration can run ("table": for the tables of an
 #: `EmbeddingCollection`).
@@ -390,14 +391,16 @@ def _replicate_other_variables(layer, mesh):
 
 
 def route(layer):
-    """``(strategy, jax mesh, axis)`` when ``layer``'s lookup must be routed.
+    """The layer's `TablePlacement` when its lookup must be routed, else None.
 
-    None (the unchanged single-device path) unless the backend is JAX, a
-    ``ModelParallel`` distribution is active, and the layer's strategy (from
-    `distribution` or its own ``sharding``) is row or column.
+    On TensorFlow and PyTorch: the placement the layer was built with
+    (`build_placement`). On JAX: made per call, a `JaxMeshPlacement`
+    when a ``ModelParallel`` distribution is active and the layer's
+    strategy (from `distribution` or its own ``sharding``) is row, column
+    or key; None (the unchanged single-device path) otherwise.
     """
     if keras.backend.backend() != "jax":
-        return None
+        return getattr(layer, "placement", None)
     dist = keras.distribution.distribution()
     if dist is None or not isinstance(dist, keras.distribution.ModelParallel):
         return None
@@ -415,7 +418,24 @@ def route(layer):
     if axis not in mesh.axis_names:
         return None
     slack = getattr(dist, "keras_sparse_row_exchange_slack", None)
-    return strategy, mesh.backend_mesh, axis, slack
+    return JaxMeshPlacement(strategy, mesh.backend_mesh, axis, slack)
+
+
+def build_placement(layer):
+    """The placement ``layer`` (about to create its variables) is built
+    with on TensorFlow or PyTorch, where a sharded table's variables hold
+    only this device's part; None on JAX (`route` decides per call) and
+    for a local table."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from keras_sparse.sharding import tf_placement
+
+        return tf_placement.build_placement(layer)
+    if backend == "torch":
+        from keras_sparse.sharding import torch_placement
+
+        return torch_placement.build_placement(layer)
+    return None
 
 
 # ------------------------------------------------------------ row padding
@@ -433,10 +453,11 @@ def variable_rows(layer):
     ``< num_rows``, so the padding rows are never read or updated.
     """
     routing = route(layer)
-    if routing is None or routing[0] not in ("row", "key"):
+    if routing is not None and hasattr(routing, "variable_rows"):
+        return routing.variable_rows(layer.num_rows)
+    if routing is None or routing.strategy not in ("row", "key"):
         return layer.num_rows
-    _, mesh, axis, _ = routing
-    return padded_rows(layer.num_rows, mesh.shape[axis])
+    return padded_rows(layer.num_rows, routing.devices)
 
 
 class PaddedInitializer:
@@ -460,9 +481,31 @@ class PaddedInitializer:
 
 def table_initializer(layer, rows):
     """The initializer of a table variable built with ``rows`` rows."""
+    routing = route(layer)
+    if routing is not None and hasattr(routing, "table_initializer"):
+        return routing.table_initializer(layer.embeddings_initializer, layer.num_rows)
     if rows == layer.num_rows:
         return layer.embeddings_initializer
     return PaddedInitializer(layer.embeddings_initializer, layer.num_rows)
+
+
+def loaded_shape(layer, variable):
+    """The shape `padded_value` gives a loadable value of ``variable``: the
+    variable's own, or the whole table's where a placement holds a part."""
+    routing = route(layer)
+    if _is_row_state(layer, variable) and hasattr(routing, "saved_shape"):
+        return routing.saved_shape(variable, layer.num_rows)
+    return tuple(variable.shape)
+
+
+def assign_value(layer, variable, value):
+    """Assigns a value checked against `loaded_shape` (a placement that
+    holds a part of the table keeps its own part)."""
+    routing = route(layer)
+    if _is_row_state(layer, variable) and hasattr(routing, "assign_saved"):
+        routing.assign_saved(variable, layer.num_rows, value)
+    else:
+        variable.assign(value)
 
 
 def _is_row_state(layer, variable):
@@ -471,8 +514,21 @@ def _is_row_state(layer, variable):
     return any(variable is c for c in candidates)
 
 
+def variable_options(layer):
+    """Extra ``add_weight`` arguments of the table and slot variables (e.g.
+    per-replica variables for a table sharded under tf.distribute)."""
+    routing = route(layer)
+    if routing is not None and hasattr(routing, "variable_options"):
+        return routing.variable_options()
+    return {}
+
+
 def unpadded_value(layer, variable):
-    """The variable's value as NumPy without padding rows (for saving)."""
+    """The variable's value as NumPy without padding rows (for saving): the
+    whole table's rows even where this device holds only a part."""
+    routing = route(layer)
+    if _is_row_state(layer, variable) and hasattr(routing, "saved_value"):
+        return routing.saved_value(variable, layer.num_rows)
     value = variable.numpy()
     if _is_row_state(layer, variable) and value.shape[0] > layer.num_rows:
         value = value[: layer.num_rows]
@@ -489,6 +545,8 @@ def padded_value(layer, variable, value):
 
     if not _is_row_state(layer, variable):
         return value
+    if hasattr(route(layer), "assign_saved"):
+        return value  # the placement cuts it (`assign_value`)
     extra = int(variable.shape[0]) - layer.num_rows
     if extra <= 0:
         return value
@@ -499,34 +557,19 @@ def padded_value(layer, variable, value):
     return np.pad(value, pad)
 
 
-def _lookup_strategy(strategy):
-    """The lookup primitive of a strategy: a key-sharded layer's rows are
-    global rows of a row-sharded table."""
-    return "row" if strategy == "key" else strategy
-
-
-def _lookup_slack(strategy, slack):
-    """Exchange slack of the row lookup. Key sharding's slack sizes its key
-    exchange (distinct keys, spread by hash); its row lookup sends every
-    position, and a hot key's positions all go to one owner, so it keeps
-    full-size buffers."""
-    return None if strategy == "key" else slack
-
-
 # ------------------------------------------------------------ key sharding
 def _key_shards(layer):
     """``(D, local mesh positions, routing)`` of a key-sharded layer under
     the active distribution, else None."""
     routing = route(layer)
-    if routing is None or routing[0] != "key":
+    if not isinstance(routing, JaxMeshPlacement) or routing.strategy != "key":
         return None
     import jax
 
-    _, mesh, axis, _ = routing
-    devices = list(mesh.devices.flat)
+    devices = list(routing.mesh.devices.flat)
     me = jax.process_index()
     local = tuple(i for i, dev in enumerate(devices) if dev.process_index == me)
-    return int(mesh.shape[axis]), local, routing
+    return routing.devices, local, routing
 
 
 def place_hash_table(layer):
@@ -561,7 +604,7 @@ def place_hash_table(layer):
             admit_after=layer.admit_after,
             device=table.device,
             seed=layer.table_seed,
-            gpus=_shard_gpus(local, shards[2][1]) if table.device == "gpu" else None,
+            gpus=_shard_gpus(local, shards[2].mesh) if table.device == "gpu" else None,
         )
     sharing = [u.name for u in table_users.users(layer) if u is not layer]
     if sharing:
@@ -605,7 +648,8 @@ def map_keys_in_step(layer, keys, use, insert, draw=None):
         return None
     from keras_sparse.sharding import jax_key_mapping
 
-    _, _, (_, mesh, axis, slack) = shards
+    routing = shards[2]
+    mesh, axis, slack = routing.mesh, routing.axis, routing.slack
     from keras_sparse.layers.jax_step_mapping import step_failures
 
     failures = step_failures(layer)
@@ -613,100 +657,6 @@ def map_keys_in_step(layer, keys, use, insert, draw=None):
         layer.table, layer._restore_part, mesh, axis, slack, layer.name, failures
     )
     return jax_key_mapping.map_keys(routing, keys, use, insert, draw)
-
-
-def routed_lookup(routing):
-    """A drop-in for ``ops.jax_lookup.lookup_with_sparse_update`` that runs the
-    sharded primitive for ``routing`` (from `route`)."""
-    from keras_sparse.ops import jax_lookup
-    from keras_sparse.sharding import jax_sharded_lookup
-
-    strategy, mesh, axis, slack = routing
-    strategy, slack = _lookup_strategy(strategy), _lookup_slack(strategy, slack)
-
-    def lookup(
-        table_var,
-        slot_vars,
-        anchor_var,
-        optimizer,
-        ids,
-        valid,
-        iterations,
-        constraint=None,
-        apply_update=True,
-        reset=None,
-        exchange_slot=None,
-    ):
-        del anchor_var  # the table itself carries the update on JAX
-        table = table_var.value
-        slots = {name: var.value for name, var in slot_vars.items()}
-        if reset is not None:
-            table, slots = _routed_reset(
-                routing, table_var, slot_vars, optimizer, table, slots, ids, reset
-            )
-        rows, table, slots = jax_sharded_lookup.sharded_lookup_with_sparse_update(
-            strategy,
-            mesh,
-            axis,
-            table,
-            slots,
-            optimizer,
-            ids,
-            valid,
-            iterations,
-            constraint,
-            apply_update=apply_update,
-            slack=slack,
-            exchange_slot=exchange_slot,
-            with_state=True,
-        )
-        jax_lookup.pass_on(table_var, table, slot_vars, slots)
-        return rows
-
-    return lookup
-
-
-def _routed_reset(routing, table_var, slot_vars, optimizer, table, slots, ids, reset):
-    """Applies ``reset=(mask, values)`` to the sharded table and slots.
-
-    Mirrors ``ops.jax_lookup.lookup_with_sparse_update``: done functionally
-    (identity backward) so the sharded lookup's update lands on the reset
-    table; outside a trace the reset is also assigned to the variables.
-    """
-    import jax
-
-    from keras_sparse.sharding import jax_sharded_lookup
-
-    strategy, mesh, axis, _ = routing
-    strategy = _lookup_strategy(strategy)
-    mask, values = reset
-    slot_inits = {spec.name: spec.initial_value for spec in optimizer.slot_specs()}
-    state = jax_sharded_lookup.sharded_reset(
-        strategy,
-        mesh,
-        axis,
-        {"table": table, **slots},
-        ids,
-        mask,
-        values,
-        slot_inits,
-    )
-    table = state.pop("table")
-    if not isinstance(table, jax.core.Tracer):
-        table_var.assign(table)
-        for name, var in slot_vars.items():
-            var.assign(state[name])
-    return table, state
-
-
-def routed_gather(routing, table_var, ids, valid, exchange_slot=None):
-    from keras_sparse.sharding import jax_sharded_lookup
-
-    strategy, mesh, axis, slack = routing
-    strategy, slack = _lookup_strategy(strategy), _lookup_slack(strategy, slack)
-    return jax_sharded_lookup.sharded_gather(
-        strategy, mesh, axis, table_var.value, ids, valid, slack, exchange_slot
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -744,12 +694,11 @@ def exchange_buckets(layer):
     ``row_exchange_slack``), else None: full-size buffers need no packing
     and column sharding all-gathers the ids."""
     routing = route(layer)
-    if routing is None:
+    if not isinstance(routing, JaxMeshPlacement):
         return None
-    strategy, mesh, axis, slack = routing
-    if strategy != "row" or slack is None:
+    if routing.strategy != "row" or routing.slack is None:
         return None
-    devices = int(mesh.shape[axis])
+    devices, slack = routing.devices, routing.slack
     rows = int(layer.embeddings.shape[0]) if layer.built else variable_rows(layer)
     return ExchangeBuckets(devices, rows // devices, float(slack))
 
@@ -916,9 +865,9 @@ def route_stack(stack):
     if stack.strategy == "table":
         # Every id of a table goes to its one owner: only full-size buffers
         # cannot overflow.
-        return "row", mesh.backend_mesh, axis, None
+        return JaxMeshPlacement("row", mesh.backend_mesh, axis, None)
     slack = getattr(dist, "keras_sparse_row_exchange_slack", None)
-    return stack.strategy, mesh.backend_mesh, axis, slack
+    return JaxMeshPlacement(stack.strategy, mesh.backend_mesh, axis, slack)
 
 
 def _relayout_collection(layer, stacks, mesh, axis):

@@ -1,0 +1,130 @@
+"""A table sharded over a JAX device mesh axis (`TablePlacement` on JAX).
+
+Made per call by `keras_integration.route` from the active
+``ModelParallel`` distribution (a distribution may be set after a layer is
+built: the variables are global arrays whose layout changes, not their
+shape). Lookups run the ``shard_map`` primitives of `jax_sharded_lookup`.
+"""
+
+import dataclasses
+from typing import Any
+
+
+def lookup_strategy(strategy):
+    """The lookup primitive of a strategy: a key-sharded layer's rows are
+    global rows of a row-sharded table."""
+    return "row" if strategy == "key" else strategy
+
+
+def lookup_slack(strategy, slack):
+    """Exchange slack of the row lookup. Key sharding's slack sizes its key
+    exchange (distinct keys, spread by hash); its row lookup sends every
+    position, and a hot key's positions all go to one owner, so it keeps
+    full-size buffers."""
+    return None if strategy == "key" else slack
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxMeshPlacement:
+    """``strategy`` ("row", "column", "key") over ``axis`` of ``mesh`` (a
+    ``jax.sharding.Mesh``); ``slack`` sizes compact row-exchange buffers
+    (None: full size, see `keras_sparse.sharding.distribution`)."""
+
+    strategy: str
+    mesh: Any
+    axis: str
+    slack: Any = None
+
+    @property
+    def devices(self):
+        return int(self.mesh.shape[self.axis])
+
+    def lookup(
+        self,
+        table_var,
+        slot_vars,
+        anchor_var,
+        optimizer,
+        ids,
+        valid,
+        iterations,
+        constraint=None,
+        apply_update=True,
+        reset=None,
+        exchange_slot=None,
+    ):
+        """A drop-in for ``ops.jax_lookup.lookup_with_sparse_update``."""
+        from keras_sparse.ops import jax_lookup
+        from keras_sparse.sharding import jax_sharded_lookup
+
+        del anchor_var  # the table itself carries the update on JAX
+        strategy = lookup_strategy(self.strategy)
+        table = table_var.value
+        slots = {name: var.value for name, var in slot_vars.items()}
+        if reset is not None:
+            table, slots = self._reset(
+                table_var, slot_vars, optimizer, table, slots, ids, reset
+            )
+        rows, table, slots = jax_sharded_lookup.sharded_lookup_with_sparse_update(
+            strategy,
+            self.mesh,
+            self.axis,
+            table,
+            slots,
+            optimizer,
+            ids,
+            valid,
+            iterations,
+            constraint,
+            apply_update=apply_update,
+            slack=lookup_slack(self.strategy, self.slack),
+            exchange_slot=exchange_slot,
+            with_state=True,
+        )
+        jax_lookup.pass_on(table_var, table, slot_vars, slots)
+        return rows
+
+    def _reset(self, table_var, slot_vars, optimizer, table, slots, ids, reset):
+        """Applies ``reset=(mask, values)`` to the sharded table and slots.
+
+        Mirrors ``ops.jax_lookup.lookup_with_sparse_update``: done
+        functionally (identity backward) so the sharded lookup's update
+        lands on the reset table; outside a trace the reset is also assigned
+        to the variables.
+        """
+        import jax
+
+        from keras_sparse.sharding import jax_sharded_lookup
+
+        mask, values = reset
+        slot_inits = {spec.name: spec.initial_value for spec in optimizer.slot_specs()}
+        state = jax_sharded_lookup.sharded_reset(
+            lookup_strategy(self.strategy),
+            self.mesh,
+            self.axis,
+            {"table": table, **slots},
+            ids,
+            mask,
+            values,
+            slot_inits,
+        )
+        table = state.pop("table")
+        if not isinstance(table, jax.core.Tracer):
+            table_var.assign(table)
+            for name, var in slot_vars.items():
+                var.assign(state[name])
+        return table, state
+
+    def gather(self, table_var, ids, valid, exchange_slot=None):
+        from keras_sparse.sharding import jax_sharded_lookup
+
+        return jax_sharded_lookup.sharded_gather(
+            lookup_strategy(self.strategy),
+            self.mesh,
+            self.axis,
+            table_var.value,
+            ids,
+            valid,
+            lookup_slack(self.strategy, self.slack),
+            exchange_slot,
+        )
