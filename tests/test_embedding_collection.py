@@ -8,6 +8,7 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse.sharding import keras_integration
+from keras_sparse.sharding import stacks
 from tests.helpers import fit_losses
 
 BATCH, STEPS = 16, 5
@@ -114,7 +115,7 @@ def test_one_stack_per_table_trains_like_one_stack_per_width(monkeypatch):
     x, y = _data()
     results = []
     for per_table in (False, True):
-        monkeypatch.setattr(keras_integration, "PER_TABLE_STACKS_ON_CPU", per_table)
+        monkeypatch.setattr(stacks, "PER_TABLE_STACKS_ON_CPU", per_table)
         keras.utils.set_random_seed(0)
         inputs = _inputs()
         coll = _collection("adagrad")

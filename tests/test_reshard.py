@@ -119,7 +119,9 @@ def test_reshard_round_trip(tmp_path):
     try:
         m8c, dist8c = sharding.load_model(path1, devices=8, plan={"big": "column"})
         assert dist8c.keras_sparse_plan.strategy("big") == "column"
-        assert sharding.keras_integration.route(m8c.get_layer("big")).strategy == "column"
+        assert (
+            sharding.keras_integration.route(m8c.get_layer("big")).strategy == "column"
+        )
         assert _shards(m8c) == (8, {(ROWS, DIM // 8)})
         acc = m8c.get_layer("big").slots["accumulator"].value
         assert {tuple(s.data.shape) for s in acc.addressable_shards} == {

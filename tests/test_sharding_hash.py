@@ -100,7 +100,9 @@ def _run(strategy, optimizer):
         model.set_weights(init)
         hashed = model.get_layer("hashed")
         routing = keras_integration.route(hashed)
-        assert (routing and routing.strategy) == (None if strategy == "data" else strategy)
+        assert (routing and routing.strategy) == (
+            None if strategy == "data" else strategy
+        )
         losses = _fit(model, x, y)
         np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
         _assert_records_close(_records(hashed), ref_records)

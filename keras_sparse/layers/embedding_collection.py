@@ -8,7 +8,7 @@ per stacked variable keeps the in-backward sparse update exact (on JAX the
 updated stack is the variable's "gradient"), and it is what lets the
 "table" strategy place whole tables on devices: the stack of a table-wise
 group is ``[devices * B, dim]``, row-sharded, device ``k``'s block holding
-its tables (see `keras_sparse.sharding.keras_integration`).
+its tables (see `keras_sparse.sharding.stacks`).
 """
 
 import keras

@@ -319,7 +319,7 @@ def lookup_flat_rows(
     ``layer.sparse_step``) the per-backend primitive whose backward applies
     ``layer.sparse_optimizer`` to the touched rows of ``table`` and ``slots``;
     otherwise a plain (dense-gradient) gather. ``routing`` (from
-    `keras_sparse.sharding.keras_integration.route`) selects the sharded
+    `keras_sparse.sharding.routing.route`) selects the sharded
     primitive. ``segments`` (see `SparseEmbeddingBase.lookup_rows`) reach
     the unsharded primitive only, ``exchange_slot`` the sharded one only.
     ``blocks``: ``(batch_major, extents, row_ranges)`` of the tables of a

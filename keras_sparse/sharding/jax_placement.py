@@ -1,6 +1,6 @@
 """A table sharded over a JAX device mesh axis (`TablePlacement` on JAX).
 
-Made per call by `keras_integration.route` from the active
+Made per call by `routing.route` from the active
 ``ModelParallel`` distribution (a distribution may be set after a layer is
 built: the variables are global arrays whose layout changes, not their
 shape). Lookups run the ``shard_map`` primitives of `jax_sharded_lookup`.

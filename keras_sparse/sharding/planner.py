@@ -17,7 +17,7 @@ Strategies:
            the dense table gradient).
 ``table``  whole table on one device; lookups routed there. Runnable for
            the tables of an `EmbeddingCollection` (stacked per device, see
-           ``keras_integration``); a standalone layer is never planned
+           ``stacks``); a standalone layer is never planned
            table-wise (its reason line says so).
 ``row``    rows split evenly over the devices; with ``rows % devices != 0``
            the variables are padded to the next multiple (sparse-optimizer
@@ -35,7 +35,7 @@ Strategies:
            each) to one device, and cannot serve several processes.
 
 Table-wise memory: the tables placed table-wise are stacked, as the runtime
-does (`keras_sparse.sharding.keras_integration.collection_stacks`), one stack
+does (`keras_sparse.sharding.stacks.collection_stacks`), one stack
 per ``(collection, dim)``: a ``[devices * B, dim]`` variable (and one per
 optimizer slot) row-sharded over the devices, ``B`` the rows of its busiest
 device (the sum of the rows of the stack's tables placed there). EVERY device
