@@ -14,8 +14,9 @@ Two parts:
   the active distribution (JAX) or strategy / process group (TensorFlow,
   PyTorch), a layer's placement (``route``, ``build_placement``), its
   variables' rows and initializer (``variable_rows``,
-  ``table_initializer``, ``variable_options``), how its state is saved
-  unsharded (``unpadded_value`` / ``padded_value`` / ``assign_saved``), the
+  ``table_initializer``, ``variable_options``, ``add_state_weight``), how
+  its state is saved unsharded (``unpadded_value`` / ``padded_value`` /
+  ``assign_saved``), the
   tables of a collection (``collection_placement`` / ``collection_stacks``
   / ``route_stack``), compact exchange buffers (``exchange_buckets``) and
   where a hash layer's keys are mapped (``place_hash_table``,

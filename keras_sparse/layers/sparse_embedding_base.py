@@ -101,34 +101,38 @@ class SparseEmbeddingBase(keras.layers.Layer):
         # --- keras_sparse.sharding hooks: on TensorFlow and PyTorch a sharded
         # table is built holding this device's part; row-sharded tables whose
         # rows do not divide by the device count get zero padding rows.
+        # Under tf.distribute a row- or column-sharded table's variables
+        # hold one part per replica (`add_state_weight`).
         self.placement = hooks.build_placement(self)
         rows = hooks.variable_rows(self)
-        options = hooks.variable_options(self)
-        table = self.add_weight(
+        table = hooks.add_state_weight(
+            self,
+            True,
             shape=(rows, self.output_dim),
-            initializer=placement.provider().table_initializer(self, rows),
+            initializer=hooks.table_initializer(self, rows),
             regularizer=None if sparse else self.embeddings_regularizer,
             constraint=None if sparse else self.embeddings_constraint,
             trainable=(not sparse) or on_jax,
             autocast=False,
             name="embeddings",
-            **options,
         )
         if sparse:
-            self._build_sparse_state(on_jax, rows, table, options)
+            self._build_sparse_state(on_jax, rows, table)
         return table
 
-    def _build_sparse_state(self, on_jax, rows, table, options):
+    def _build_sparse_state(self, on_jax, rows, table):
         """Slots, step counter (and off JAX an anchor) beside ``table``."""
         table.overwrite_with_gradient = on_jax
+        hooks = placement.provider()
         for spec in self.sparse_optimizer.slot_specs():
-            slot = self.add_weight(
+            slot = hooks.add_state_weight(
+                self,
+                False,
                 shape=spec.shape(rows, self.output_dim),
                 initializer=spec.initializer(),
                 trainable=on_jax,
                 autocast=False,
                 name=spec.name,
-                **options,
             )
             slot.overwrite_with_gradient = on_jax
             self.slots[spec.name] = slot

@@ -14,6 +14,7 @@ One module per concept, gathered here as the provider the layers see:
 from keras_sparse.sharding.entry_points import RUNNABLE
 from keras_sparse.sharding.entry_points import distribution
 from keras_sparse.sharding.entry_points import load_model
+from keras_sparse.sharding.layouts import add_state_weight
 from keras_sparse.sharding.layouts import assign_value
 from keras_sparse.sharding.layouts import loaded_shape
 from keras_sparse.sharding.layouts import padded_value
@@ -39,6 +40,7 @@ __all__ = [
     "RUNNABLE",
     "ExchangeBuckets",
     "StackLayout",
+    "add_state_weight",
     "assign_value",
     "build_placement",
     "check_hash_layer_processes",

@@ -114,12 +114,22 @@ def table_initializer(layer, rows):
 
 
 def variable_options(layer):
-    """Extra ``add_weight`` arguments of the table and slot variables (e.g.
-    per-replica variables for a table sharded under tf.distribute)."""
+    """Extra ``add_weight`` arguments of the table and slot variables."""
     routing = route(layer)
     if routing is not None and hasattr(routing, "variable_options"):
         return routing.variable_options()
     return {}
+
+
+def add_state_weight(layer, table, **kwargs):
+    """Creates a table (``table=True``) or slot variable of ``layer`` from
+    ``add_weight`` arguments (whole-table shape). A placement that holds a
+    part of the table per replica creates its own variable (Keras's
+    ``add_weight`` cannot make per-replica variables on TensorFlow)."""
+    routing = route(layer)
+    if routing is not None and hasattr(routing, "add_state_weight"):
+        return routing.add_state_weight(layer, table, **kwargs)
+    return layer.add_weight(**kwargs, **variable_options(layer))
 
 
 def loaded_shape(layer, variable):
