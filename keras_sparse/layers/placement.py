@@ -13,7 +13,7 @@ Two parts:
   imported, which ``import keras_sparse`` always does. Its hooks decide, for
   the active distribution (JAX) or strategy / process group (TensorFlow,
   PyTorch), a layer's placement (``route``, ``build_placement``), its
-  variables' rows and initializer (``variable_rows``,
+  variables' rows, columns and initializer (``variable_rows``, ``variable_dim``,
   ``table_initializer``, ``variable_options``), how its state is saved
   unsharded (``unpadded_value`` / ``padded_value`` / ``assign_saved``), the
   tables of a collection (``collection_placement`` / ``collection_stacks``

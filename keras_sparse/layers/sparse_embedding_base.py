@@ -103,9 +103,11 @@ class SparseEmbeddingBase(keras.layers.Layer):
         # rows do not divide by the device count get zero padding rows.
         self.placement = hooks.build_placement(self)
         rows = hooks.variable_rows(self)
+        # Columns of this device's part (column-sharded across processes).
+        self._variable_dim = hooks.variable_dim(self)
         options = hooks.variable_options(self)
         table = self.add_weight(
-            shape=(rows, self.output_dim),
+            shape=(rows, self._variable_dim),
             initializer=placement.provider().table_initializer(self, rows),
             regularizer=None if sparse else self.embeddings_regularizer,
             constraint=None if sparse else self.embeddings_constraint,
@@ -123,7 +125,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
         table.overwrite_with_gradient = on_jax
         for spec in self.sparse_optimizer.slot_specs():
             slot = self.add_weight(
-                shape=spec.shape(rows, self.output_dim),
+                shape=spec.shape(rows, self._variable_dim),
                 initializer=spec.initializer(),
                 trainable=on_jax,
                 autocast=False,

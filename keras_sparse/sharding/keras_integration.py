@@ -460,6 +460,16 @@ def variable_rows(layer):
     return padded_rows(layer.num_rows, routing.devices)
 
 
+def variable_dim(layer):
+    """Columns of ``layer``'s table and slot variables when built now:
+    ``output_dim``, or this process's part of a table whose placement
+    splits the columns (PyTorch and TensorFlow; JAX lays out whole ones)."""
+    routing = route(layer)
+    if routing is not None and hasattr(routing, "variable_dim"):
+        return routing.variable_dim(layer.output_dim)
+    return layer.output_dim
+
+
 class PaddedInitializer:
     """Draws ``num_rows`` rows with ``initializer`` and appends zero rows.
 
@@ -830,9 +840,14 @@ def collection_placement(layer):
     """``(placement, num_devices)`` for building ``layer`` (a collection) now.
 
     From the active distribution made by `distribution` (JAX only); ``(None,
-    1)`` otherwise: without it every table is in a replicated stack.
+    1)`` otherwise: without it every table is in a replicated stack (on
+    PyTorch with several processes, a table asking for sharding raises).
     """
     if keras.backend.backend() != "jax":
+        if keras.backend.backend() == "torch":
+            from keras_sparse.sharding import torch_placement
+
+            torch_placement.check_collection(layer)
         return None, 1
     dist = keras.distribution.distribution()
     if dist is None or not isinstance(dist, keras.distribution.ModelParallel):
