@@ -155,7 +155,41 @@ def _run_case(case, rank, world, out, group=None):
     model.save(path)
     loaded = keras.models.load_model(path)
     result[f"{key}:reloaded"] = _predict(loaded, rank, world)
+    model.save_weights(path.replace(".keras", ".weights.h5"))
+    fresh = _model(strategy, optimizer)  # untrained: the load replaces all
+    fresh.load_weights(path.replace(".keras", ".weights.h5"))
+    result[f"{key}:weights"] = _predict(fresh, rank, world)
     return result
+
+
+def _wrapped_case(rank, group, ignore):
+    """The row-sgd model inside a plain torch module, which DDP asks for the
+    parameters to ignore instead of the Keras model; ``ignore``: tell it
+    with `torch_sharded_parameter_names`. Returns (state, error)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import keras_sparse as ks
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, training=None):
+            return self.model(x, training=training)
+
+    model = _model("row", "sgd")
+    module = Wrapper(model)
+    if ignore:
+        names = ks.sharding.torch_sharded_parameter_names(module)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            module, names
+        )
+    ddp = DistributedDataParallel(module, process_group=group)
+    x, y = _data(48)
+    error = _caught(lambda: _train(model, ddp, x, y, rank, 2, 1))
+    return _state(model), error
 
 
 def _group_of(world):
@@ -196,6 +230,9 @@ def _run_rank(rank, port, out):
         for case in CASES[2]:
             result.update(_run_case(case, rank % 2, 2, out, half))
         errors = _refusals(rank % 2, 2)
+        errors["wrapped"] = _wrapped_case(rank % 2, half, False)[1]
+        state, errors["helper"] = _wrapped_case(rank % 2, half, True)
+        result.update({f"wrapped:{k}": v for k, v in state.items()})
         ks.sharding.set_torch_process_group(None)
         for case in CASES[4]:
             result.update(_run_case(case, rank, 4, out))
@@ -308,6 +345,20 @@ def test_training_matches_one_process(runs, world, case):
         assert result[f"{key}:0"].shape == (ROWS, DIM)  # whole and unpadded
 
 
+def test_model_inside_a_torch_module_needs_the_names_ddp_ignores(runs):
+    """Without them DDP gives every process rank 0's part: the first training
+    call raises; with them the model trains as the Keras model does."""
+    ranks, single, _ = runs
+    for result, errors in ranks:
+        message = errors["wrapped"]
+        assert message is not None and "'emb'" in message, message
+        assert "torch_sharded_parameter_names" in message, message
+        assert errors["helper"] is None, errors["helper"]
+        for name in ("0", "kernel"):
+            got, want = result[f"wrapped:{name}"], single[f"row-sgd-2:{name}"]
+            np.testing.assert_allclose(got, want, atol=TOL)
+
+
 @pytest.mark.parametrize("world,case", _all_cases())
 def test_each_process_holds_its_part(runs, world, case):
     ranks, _, _ = runs
@@ -326,7 +377,7 @@ def _gathered(ranks, world, name):
 def test_inference_save_and_load_in_the_processes(runs, world, case):
     ranks, single, _ = runs
     key = f"{case[0]}-{case[1]}-{world}"
-    for what in ("pred", "reloaded"):
+    for what in ("pred", "reloaded", "weights"):
         for got in _gathered(ranks, world, f"{key}:{what}"):
             np.testing.assert_allclose(got, single[f"{key}:pred"], atol=TOL)
 

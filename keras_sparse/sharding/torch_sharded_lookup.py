@@ -47,19 +47,6 @@ import torch.distributed as dist
 from keras_sparse.ops import torch_lookup
 
 
-def exchange_bytes(strategy, ids_per_process, dim, processes, training=True):
-    """Bytes one process hands to the collectives per step (module note)."""
-    n, d = int(ids_per_process), int(processes)
-    grads = 4 * n * dim if training else 0
-    if strategy == "row":
-        return 16 * d + 8 * n + 4 * n * dim + grads
-    if strategy == "column":
-        return 16 * d + 8 * d * n + 4 * n * dim + grads
-    if strategy == "data":
-        return 8 * d + (8 + 4 * dim) * n if training else 0
-    raise ValueError(f"unknown strategy {strategy!r} (row, column or data)")
-
-
 def _exchange(tensor, send, recv, group):
     """``all_to_all_single`` with per-peer split sizes (lists of ints)."""
     out = tensor.new_empty((sum(recv),) + tuple(tensor.shape[1:]))
@@ -67,9 +54,10 @@ def _exchange(tensor, send, recv, group):
     return out
 
 
-def _counts(send, group):
-    """What every peer sends this process, given what it sends each peer."""
-    send = torch.as_tensor(send, dtype=torch.int64)
+def _counts(send, group, device):
+    """What every peer sends this process, given what it sends each peer
+    (on ``device``: NCCL exchanges GPU tensors only)."""
+    send = torch.as_tensor(send, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.tolist()
@@ -90,13 +78,13 @@ class Route:
             order = torch.argsort(owner, stable=True)
             send = torch.bincount(owner, minlength=self.d + 1)[: self.d].tolist()
             self.order = order[: sum(send)]
-            self.send, self.recv = send, _counts(send, self.group)
+            self.send, self.recv = send, _counts(send, self.group, ids.device)
             picked = self.order
             local = ids[picked] - owner[picked] * self.part
             return _exchange(local, self.send, self.recv, self.group)
         n = ids.shape[0]
         self.send = [n] * self.d
-        self.recv = _counts(self.send, self.group)
+        self.recv = _counts(self.send, self.group, ids.device)
         marked = torch.where(valid, ids, -1)
         return _exchange(marked.repeat(self.d), self.send, self.recv, self.group)
 
