@@ -98,16 +98,20 @@ def build_placement(layer):
     group, d, rank = where
     if strategy == "table":
         _refuse(
-            layer, strategy, "is not supported (a whole table per process needs "
+            layer,
+            strategy,
+            "is not supported (a whole table per process needs "
             "an EmbeddingCollection, which PyTorch does not shard)",
             "Use 'row' or 'column', or 'data' (a full copy per process).",
-        )  # fmt: skip
+        )
     if layer.sparse_optimizer is None:
         _refuse(
-            layer, strategy, "needs a sparse optimizer (the owners update "
+            layer,
+            strategy,
+            "needs a sparse optimizer (the owners update "
             "their rows in the backward pass)",
             "Pass optimizer= (e.g. 'adagrad'), or use sharding='data'.",
-        )  # fmt: skip
+        )
     if strategy == "column":
         _check_column(layer, d)
     _install_ddp_ignore()
@@ -120,34 +124,37 @@ def _check_column(layer, d):
     dim = layer.output_dim
     if dim % d:
         _refuse(
-            layer, "column", f"needs output_dim ({dim}) divisible by the {d} "
-            "processes",
+            layer,
+            "column",
+            f"needs output_dim ({dim}) divisible by the {d} processes",
             f"Use an output_dim that is a multiple of {d}, or sharding='row'.",
-        )  # fmt: skip
+        )
     if layer.embeddings_constraint is not None:
         _refuse(
-            layer, "column", "cannot apply an embeddings_constraint (it needs "
-            "whole rows)", "Use sharding='row'.",
-        )  # fmt: skip
+            layer,
+            "column",
+            "cannot apply an embeddings_constraint (it needs whole rows)",
+            "Use sharding='row'.",
+        )
     for spec in layer.sparse_optimizer.slot_specs():
         if tuple(spec.shape(layer.num_rows, dim))[1:] != (dim,):
             _refuse(
-                layer, "column", f"needs an element-wise optimizer; slot "
+                layer,
+                "column",
+                f"needs an element-wise optimizer; slot "
                 f"'{spec.name}' of {type(layer.sparse_optimizer).__name__} "
                 "holds whole rows (e.g. rowwise_adagrad)",
                 "Use sharding='row', or an element-wise optimizer (sgd, "
                 "adagrad, adam, ftrl).",
-            )  # fmt: skip
+            )
 
 
 def check_collection(layer):
     """Raises for an `EmbeddingCollection` with a table sharded across
     torch.distributed processes (its tables are full copies per process)."""
-    if keras.backend.backend() != "torch" or process_group() is None:
-        return
     asked = SHARDED + ("table",)
     sharded = [n for n in layer.tables if layer.table_sharding(n) in asked]
-    if sharded:
+    if sharded and keras.backend.backend() == "torch" and process_group():
         raise NotImplementedError(
             f"Layer '{layer.name}' (EmbeddingCollection): tables {sharded} ask "
             "for row, column or table sharding, which PyTorch does not do for "
