@@ -105,10 +105,12 @@ class SparseEmbeddingBase(keras.layers.Layer):
         # hold one part per replica (`add_state_weight`).
         self.placement = hooks.build_placement(self)
         rows = hooks.variable_rows(self)
+        # Columns of this device's part (column-sharded across processes).
+        self._variable_dim = hooks.variable_dim(self)
         table = hooks.add_state_weight(
             self,
             True,
-            shape=(rows, self.output_dim),
+            shape=(rows, self._variable_dim),
             initializer=hooks.table_initializer(self, rows),
             regularizer=None if sparse else self.embeddings_regularizer,
             constraint=None if sparse else self.embeddings_constraint,
@@ -128,7 +130,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             slot = hooks.add_state_weight(
                 self,
                 False,
-                shape=spec.shape(rows, self.output_dim),
+                shape=spec.shape(rows, self._variable_dim),
                 initializer=spec.initializer(),
                 trainable=on_jax,
                 autocast=False,

@@ -31,6 +31,11 @@ def _active_ddp():
     return getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
+def active_ddp():
+    """The DistributedDataParallel module whose forward runs now, or None."""
+    return _active_ddp()
+
+
 def replica_count():
     """Processes whose batches one sparse update combines (1 outside DDP).
 

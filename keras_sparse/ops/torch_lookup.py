@@ -322,6 +322,18 @@ def _context(
     }
 
 
+def sparse_update_context(table_var, slot_vars, optimizer, iterations, constraint):
+    """What `apply_sparse_update` needs: the state of ``table_var`` and
+    ``slot_vars`` (a sharded table's own part, for its owner's update)."""
+    return _context(table_var, slot_vars, optimizer, iterations, constraint)
+
+
+def apply_sparse_update(context, ids, valid, grads):
+    """The sparse update of ``context``'s state from ``ids`` (rows of that
+    state), under no_grad; the backward pass of a sharded lookup uses it."""
+    _apply_update(context, ids, valid, grads)
+
+
 def bag_sums_apply(table_var, bags, valids):
     """Whether `bag_sums_with_sparse_update` serves a call: bags of ids
     (``[batch, bag]`` each) of a CPU table, every position valid, one

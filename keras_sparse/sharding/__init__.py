@@ -1,9 +1,17 @@
-"""Model parallelism for keras_sparse embedding tables (JAX backend).
+"""Model parallelism for keras_sparse embedding tables.
+
+JAX (one program over a device mesh):
 
 plan(model_or_layers, devices, memory_per_device, pinned, ...) -> Plan
 distribution(model_or_layers, devices=None, plan=None) -> ModelParallel
 load_model(filepath, devices=None, plan=None) -> (model, distribution)
 exchange_bytes(strategy, rows, dim, num_ids, devices) -> bytes per device
+
+PyTorch (torch.distributed processes; a layer's ``sharding`` decides at
+build, see `keras_sparse.sharding.torch_placement`):
+
+set_torch_process_group(group) -> the group of the tables' exchanges
+torch_sharded_parameter_names(module) -> what DDP must not broadcast
 """
 
 from keras_sparse.layers import placement as _placement
@@ -29,6 +37,20 @@ def exchange_bytes(*args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def set_torch_process_group(group):
+    """See `keras_sparse.sharding.torch_placement.set_process_group`."""
+    from keras_sparse.sharding.torch_placement import set_process_group
+
+    set_process_group(group)
+
+
+def torch_sharded_parameter_names(module):
+    """See `keras_sparse.sharding.torch_placement.sharded_parameter_names`."""
+    from keras_sparse.sharding.torch_placement import sharded_parameter_names
+
+    return sharded_parameter_names(module)
+
+
 __all__ = [
     "RUNNABLE",
     "STRATEGIES",
@@ -39,4 +61,6 @@ __all__ = [
     "exchange_bytes",
     "load_model",
     "plan",
+    "set_torch_process_group",
+    "torch_sharded_parameter_names",
 ]

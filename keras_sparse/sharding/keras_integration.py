@@ -20,6 +20,7 @@ from keras_sparse.sharding.layouts import loaded_shape
 from keras_sparse.sharding.layouts import padded_value
 from keras_sparse.sharding.layouts import table_initializer
 from keras_sparse.sharding.layouts import unpadded_value
+from keras_sparse.sharding.layouts import variable_dim
 from keras_sparse.sharding.layouts import variable_options
 from keras_sparse.sharding.layouts import variable_rows
 from keras_sparse.sharding.routing import ExchangeBuckets
@@ -59,6 +60,7 @@ __all__ = [
     "route_stack",
     "table_initializer",
     "unpadded_value",
+    "variable_dim",
     "variable_options",
     "variable_rows",
 ]

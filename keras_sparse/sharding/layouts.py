@@ -84,6 +84,17 @@ def variable_rows(layer):
     return padded_rows(layer.num_rows, routing.devices)
 
 
+def variable_dim(layer):
+    """Columns of ``layer``'s table and slot variables when built now:
+    ``output_dim``, or this process's part of a table whose placement
+    splits the columns (PyTorch; on TensorFlow the placement cuts whole
+    shapes itself, JAX lays out whole ones)."""
+    routing = route(layer)
+    if routing is not None and hasattr(routing, "variable_dim"):
+        return routing.variable_dim(layer.output_dim)
+    return layer.output_dim
+
+
 class PaddedInitializer:
     """Draws ``num_rows`` rows with ``initializer`` and appends zero rows.
 

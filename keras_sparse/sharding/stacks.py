@@ -165,9 +165,14 @@ def collection_placement(layer):
     """``(placement, num_devices)`` for building ``layer`` (a collection) now.
 
     From the active distribution made by `distribution` (JAX only); ``(None,
-    1)`` otherwise: without it every table is in a replicated stack.
+    1)`` otherwise: without it every table is in a replicated stack (on
+    PyTorch with several processes, a table asking for sharding raises).
     """
     if keras.backend.backend() != "jax":
+        if keras.backend.backend() == "torch":
+            from keras_sparse.sharding import torch_placement
+
+            torch_placement.check_collection(layer)
         return None, 1
     dist = keras.distribution.distribution()
     if dist is None or not isinstance(dist, keras.distribution.ModelParallel):
