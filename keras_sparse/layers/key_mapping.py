@@ -55,12 +55,21 @@ def _key_sharded(layer):
     return getattr(layer.table, "num_shards", None) is not None
 
 
+def _key_mapper(layer):
+    """The layer's `KeyMapper` when it was built key-sharded on TensorFlow
+    or PyTorch (there the mapping is collective in every call), else None."""
+    mapper = getattr(layer, "placement", None)
+    return mapper if isinstance(mapper, placement.KeyMapper) else None
+
+
 def placement_of(layer, keys, insert=True, inference=False):
     """The name of the placement that maps ``keys`` for ``layer`` now."""
     symbolic = not isinstance(keys, np.ndarray) and is_symbolic(keys)
+    if not symbolic and _in_shape_inference():
+        return "shape_only"
+    if _key_mapper(layer) is not None:
+        return "key_sharded"
     if not symbolic:
-        if _in_shape_inference():
-            return "shape_only"
         if layer.table.device == "gpu" and not string_kind(keys):
             return "gpu"
         return "host"
@@ -134,8 +143,12 @@ def _jax_step(layer, keys, use, insert):
 def _key_sharded_step(layer, keys, use, insert):
     flat = ops.reshape(keys, (-1,))
     draw = layer.keyed_draw() if insert else None
-    mapped = placement.provider().map_keys_in_step(layer, flat, use, insert, draw)
-    if mapped is None:  # not key-sharded under the active distribution
+    mapper = _key_mapper(layer)
+    if mapper is not None:
+        mapped = mapper.map_keys(layer, flat, use, insert, draw)
+    else:  # JAX: the active distribution's placement, None if not key-sharded
+        mapped = placement.provider().map_keys_in_step(layer, flat, use, insert, draw)
+    if mapped is None:
         raise ValueError(
             f"Layer '{layer.name}' holds a table shard per device, but the "
             "active distribution does not key-shard it. Run it under the "

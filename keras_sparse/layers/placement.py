@@ -72,6 +72,24 @@ class TablePlacement(Protocol):
     def gather(self, table_var, ids, valid, exchange_slot=None): ...
 
 
+@runtime_checkable
+class KeyMapper(Protocol):
+    """Where a hash layer's keys become rows when its keys are sharded (the
+    placement of a key-sharded `DistributedHashEmbedding` is also its key
+    mapper; one shared with tiers of rows below the device later).
+
+    ``map_keys`` takes the layer, its flat ``keys`` (int64), flat bool
+    ``use`` and ``insert`` (training: admitted new keys get rows), and
+    ``draw`` (the layer's ``keyed_draw()`` in training, else None), and
+    returns flat ``(rows, fresh, init)``: int32 global rows of the layer's
+    row-sharded table variable (-1 where a key has none), bool ``fresh`` at
+    the first position of each newly assigned row, and ``init`` None or the
+    ``[n, dim]`` initial vectors of fresh rows (drawn per key).
+    """
+
+    def map_keys(self, layer, keys, use, insert, draw=None): ...
+
+
 def install(provider):
     """Makes ``provider`` (a module or object with the hooks above) the one
     the layers consult."""

@@ -115,6 +115,23 @@ class JaxMeshPlacement:
                 var.assign(state[name])
         return table, state
 
+    def map_keys(self, layer, keys, use, insert, draw=None):
+        """The `KeyMapper` of a key-sharded hash layer: ``(rows, fresh,
+        init)`` of its traced flat ``keys`` (see `jax_key_mapping.map_keys`)."""
+        from keras_sparse.layers.jax_step_mapping import step_failures
+        from keras_sparse.sharding import jax_key_mapping
+
+        routing = jax_key_mapping.KeyRouting(
+            layer.table,
+            layer._restore_part,
+            self.mesh,
+            self.axis,
+            self.slack,
+            layer.name,
+            step_failures(layer),
+        )
+        return jax_key_mapping.map_keys(routing, keys, use, insert, draw)
+
     def gather(self, table_var, ids, valid, exchange_slot=None):
         from keras_sparse.sharding import jax_sharded_lookup
 

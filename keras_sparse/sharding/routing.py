@@ -181,17 +181,7 @@ def map_keys_in_step(layer, keys, use, insert, draw=None):
     shards = _key_shards(layer)
     if shards is None:
         return None
-    from keras_sparse.sharding import jax_key_mapping
-
-    routing = shards[2]
-    mesh, axis, slack = routing.mesh, routing.axis, routing.slack
-    from keras_sparse.layers.jax_step_mapping import step_failures
-
-    failures = step_failures(layer)
-    routing = jax_key_mapping.KeyRouting(
-        layer.table, layer._restore_part, mesh, axis, slack, layer.name, failures
-    )
-    return jax_key_mapping.map_keys(routing, keys, use, insert, draw)
+    return shards[2].map_keys(layer, keys, use, insert, draw)
 
 
 @dataclasses.dataclass(frozen=True)
