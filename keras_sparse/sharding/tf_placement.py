@@ -60,6 +60,9 @@ def build_placement(layer):
         )
     if layer.sharding == "column":
         _check_column(layer, head, replicas)
+    # Its all-gathers need a step without XLA: "auto" (a model loaded from a
+    # file saved on another backend included) then picks one.
+    layer.supports_jit = False
     return TfShardedPlacement(layer.sharding, replicas, strategy, layer.name)
 
 
