@@ -28,7 +28,7 @@ Reported per variant:
 - collective B/step: bytes each device hands to collectives per training
   step, read from the compiled step's HLO (``jax.jit(model.train_step)`` with
   Keras' own shardings, lowered on one batch and compiled) by
-  `jax_sharded_lookup.hlo_collective_bytes`; this includes the dense part's
+  `jax_exchange_bytes.hlo_collective_bytes`; this includes the dense part's
   gradient all-reduce and, for the gathered mapping, the gather of the keys
   and the broadcast of the callback's results (XLA replicates them: an
   all-gather of the keys, an all-reduce of rows + fresh flags). Collectives
@@ -102,7 +102,7 @@ import numpy as np  # noqa: E402
 import keras_sparse as ks  # noqa: E402
 from keras_sparse import sharding  # noqa: E402
 from keras_sparse.data import zipf_ids  # noqa: E402
-from keras_sparse.sharding import jax_sharded_lookup as jsl  # noqa: E402
+from keras_sparse.sharding import jax_exchange_bytes as jsl  # noqa: E402
 
 D, DIM, CAPACITY, VOCAB, ZIPF = 8, 16, 1 << 16, 1_000_000, 1.2
 VARIANTS = ("key", "row", "data")

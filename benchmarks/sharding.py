@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 import keras_sparse  # noqa: E402
 from keras_sparse import sharding  # noqa: E402
-from keras_sparse.sharding import jax_sharded_lookup  # noqa: E402
+from keras_sparse.sharding import jax_exchange_bytes  # noqa: E402
 
 NUM_TABLES = 26
 DIM = 16
@@ -132,7 +132,7 @@ def compiled_step_bytes(model, x, y):
     ys = jax.device_put(y, dist.get_data_layout(y.shape).backend_layout)
     lowered = jax.jit(model.train_step).lower(state, (xs, ys))
     text = lowered.compile().as_text()
-    return jax_sharded_lookup.hlo_collective_bytes(text, DEVICES)["total"]
+    return jax_exchange_bytes.hlo_collective_bytes(text, DEVICES)["total"]
 
 
 def fit_timed(layers, steps, batch, rng):

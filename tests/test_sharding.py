@@ -7,6 +7,7 @@ import pytest
 import keras_sparse as ks
 from keras_sparse import sharding
 from keras_sparse.ops import jax_lookup
+from keras_sparse.sharding import jax_exchange_bytes
 from keras_sparse.sharding import jax_sharded_lookup
 
 pytestmark = pytest.mark.skipif(
@@ -164,11 +165,11 @@ def test_data_matches_single_device():
 
 def test_row_exchange_below_table_all_gather():
     ids = BATCH * BAG
-    got = jax_sharded_lookup.exchange_bytes("row", ROWS, DIM, ids, 8)
+    got = jax_exchange_bytes.exchange_bytes("row", ROWS, DIM, ids, 8)
     assert got["total"] == 8 * (ids // 8) * (4 + 2 * DIM * 4)
     big = 10_000_000
     got = sharding.exchange_bytes("row", big, DIM, ids, 8)
-    assert got["total"] < jax_sharded_lookup.table_all_gather_bytes(big, DIM, 8)
+    assert got["total"] < jax_exchange_bytes.table_all_gather_bytes(big, DIM, 8)
 
 
 def test_update_keeps_n_rows_under_a_distribution():
@@ -263,8 +264,8 @@ def test_reported_bytes_match_compiled_collectives(strategy, spec, monkeypatch):
         .compile()
         .as_text()
     )
-    measured = jax_sharded_lookup.hlo_collective_bytes(hlo, 8)
-    reported = jax_sharded_lookup.exchange_bytes(strategy, ROWS, DIM, n, 8)
+    measured = jax_exchange_bytes.hlo_collective_bytes(hlo, 8)
+    reported = jax_exchange_bytes.exchange_bytes(strategy, ROWS, DIM, n, 8)
     assert measured["total"] == reported["total"], (measured, reported)
 
 

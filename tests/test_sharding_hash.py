@@ -10,7 +10,9 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse import sharding
+from keras_sparse.sharding import jax_exchange_bytes
 from keras_sparse.sharding import jax_sharded_lookup
+from keras_sparse.sharding import jax_sharded_reset
 from keras_sparse.sharding import keras_integration
 from tests.helpers import fit_losses
 
@@ -117,13 +119,13 @@ def _run(strategy, optimizer):
 
 def test_row_sharded_hash_embedding_matches_single_device(monkeypatch):
     resets = []
-    orig = jax_sharded_lookup.sharded_reset
+    orig = jax_sharded_reset.sharded_reset
 
     def spy(strategy, *args, **kwargs):
         resets.append(strategy)
         return orig(strategy, *args, **kwargs)
 
-    monkeypatch.setattr(jax_sharded_lookup, "sharded_reset", spy)
+    monkeypatch.setattr(jax_sharded_reset, "sharded_reset", spy)
     shards, hashed = _run("row", "adagrad")
     assert resets and set(resets) == {"row"}  # fresh rows went the sharded way
     assert shards == {(hashed.capacity // 8, DIM)}
@@ -228,7 +230,7 @@ def test_reset_bytes_match_compiled_collectives(strategy):
 
     def step(table, slots, ids, valid, fresh, values, grads):
         def lookup(t, s):
-            state = jax_sharded_lookup.sharded_reset(
+            state = jax_sharded_reset.sharded_reset(
                 strategy,
                 mesh,
                 "model",
@@ -262,8 +264,8 @@ def test_reset_bytes_match_compiled_collectives(strategy):
         .compile()
         .as_text()
     )
-    measured = jax_sharded_lookup.hlo_collective_bytes(hlo, 8)
-    reported = jax_sharded_lookup.exchange_bytes(strategy, rows, DIM, n, 8, reset=True)
+    measured = jax_exchange_bytes.hlo_collective_bytes(hlo, 8)
+    reported = jax_exchange_bytes.exchange_bytes(strategy, rows, DIM, n, 8, reset=True)
     # Flags and values, plus the ids for row (column reuses the lookup's).
     id_bytes = 4 if strategy == "row" else 0
     assert reported["reset"] == (n // 8) * (id_bytes + 1 + DIM * 4)

@@ -13,16 +13,10 @@ Two parts:
   imported, which ``import keras_sparse`` always does. Its hooks decide, for
   the active distribution (JAX) or strategy / process group (TensorFlow,
   PyTorch), a layer's placement (``route``, ``build_placement``), its
-<<<<<<< HEAD
-  variables' rows and initializer (``variable_rows``,
-  ``table_initializer``, ``variable_options``, ``add_state_weight``), how
-  its state is saved unsharded (``unpadded_value`` / ``padded_value`` /
-  ``assign_saved``), the
-=======
-  variables' rows, columns and initializer (``variable_rows``, ``variable_dim``,
-  ``table_initializer``, ``variable_options``), how its state is saved
-  unsharded (``unpadded_value`` / ``padded_value`` / ``assign_saved``), the
->>>>>>> torch-shard
+  variables' rows, columns and initializer (``variable_rows``,
+  ``variable_dim``, ``table_initializer``, ``variable_options``,
+  ``add_state_weight``), how its state is saved unsharded
+  (``unpadded_value`` / ``padded_value`` / ``assign_saved``), the
   tables of a collection (``collection_placement`` / ``collection_stacks``
   / ``route_stack``), compact exchange buffers (``exchange_buckets``) and
   where a hash layer's keys are mapped (``place_hash_table``,

@@ -31,8 +31,8 @@ _placement.install(_keras_integration)
 
 
 def exchange_bytes(*args, **kwargs):
-    """See `keras_sparse.sharding.jax_sharded_lookup.exchange_bytes`."""
-    from keras_sparse.sharding.jax_sharded_lookup import exchange_bytes as fn
+    """See `keras_sparse.sharding.jax_exchange_bytes.exchange_bytes`."""
+    from keras_sparse.sharding.jax_exchange_bytes import exchange_bytes as fn
 
     return fn(*args, **kwargs)
 

@@ -94,11 +94,11 @@ class JaxMeshPlacement:
         """
         import jax
 
-        from keras_sparse.sharding import jax_sharded_lookup
+        from keras_sparse.sharding import jax_sharded_reset
 
         mask, values = reset
         slot_inits = {spec.name: spec.initial_value for spec in optimizer.slot_specs()}
-        state = jax_sharded_lookup.sharded_reset(
+        state = jax_sharded_reset.sharded_reset(
             lookup_strategy(self.strategy),
             self.mesh,
             self.axis,

@@ -9,7 +9,7 @@ like a row-sharded table, its step maps keys on their owners
 sharding does. Under "data", "row" or "column" the layer keeps one host
 table per process, which one process cannot share with another
 (`check_hash_layer_processes`). The rows a step assigns are re-initialized by
-`jax_sharded_lookup.sharded_reset` on the devices holding them, before the
+`jax_sharded_reset.sharded_reset` on the devices holding them, before the
 sharded lookup.
 """
 
