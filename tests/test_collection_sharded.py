@@ -163,8 +163,9 @@ def _tf_main():
         out["start"] = _gap(_state(model), start)
         out["placements"] = {s.name: repr(s.placement) for s in layer.stacks}
         out["offsets"] = {s.name: s.offsets for s in layer.stacks}
+        local = strategy.experimental_local_results
         out["shapes"] = {
-            v.name: [list(c.shape) for c in strategy.experimental_local_results(v.value)]
+            v.name: [list(c.shape) for c in local(v.value)]
             for v in layer.weights
             if v.name.startswith("stack_")
         }
@@ -172,10 +173,11 @@ def _tf_main():
         state = _state(model)
         out["fit"] = _gap(state, want)
         stack = layer.stack_variables("stack_4_table")[0]
-        parts = strategy.experimental_local_results(stack.value)
+        parts = local(stack.value)
         out["blocks"] = _blocks([p.numpy() for p in parts], state)
         predicted = model.predict(x, verbose=0)
-        out["predict"] = float(np.abs(predicted - reference.predict(x, verbose=0)).max())
+        want_predicted = reference.predict(x, verbose=0)
+        out["predict"] = float(np.abs(predicted - want_predicted).max())
         path = os.path.join(tmp, "sharded.keras")
         model.save(path)
         loaded = keras.models.load_model(path)

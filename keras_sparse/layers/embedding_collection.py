@@ -56,7 +56,9 @@ class TableConfig:
             the last axis of the ids), as in `AllToAllDenseEmbedding`.
         embeddings_initializer: initializer of the table's rows.
         sharding: "auto" (the collection's), "data", "table", "row" or
-            "column"; used by `keras_sparse.plan` / `keras_sparse.distribution`.
+            "column"; used by `keras_sparse.plan` / `keras_sparse.distribution`
+            (JAX) and at build under a MirroredStrategy or torch.distributed
+            processes.
 
     Example:
 
@@ -217,7 +219,9 @@ class EmbeddingCollection(keras.layers.Layer):
     ``keras_sparse.distribution`` on the JAX backend, tables with
     ``sharding="table"`` each live whole on one device (the planner balances
     bytes and lookups), and "row", "column" and "data" tables are split or
-    replicated as for a standalone layer. Without a distribution, JAX and
+    replicated as for a standalone layer. Under a TensorFlow MirroredStrategy
+    or several torch.distributed processes the tables' own ``sharding``
+    decides the same at build (`keras_sparse.sharding.process_stacks`). Without a distribution, JAX and
     TensorFlow steps on a CPU keep one stack per table instead (the
     per-table updates run side by side; the results are the same).
 
