@@ -221,9 +221,10 @@ class EmbeddingCollection(keras.layers.Layer):
     bytes and lookups), and "row", "column" and "data" tables are split or
     replicated as for a standalone layer. Under a TensorFlow MirroredStrategy
     or several torch.distributed processes the tables' own ``sharding``
-    decides the same at build (`keras_sparse.sharding.process_stacks`). Without a distribution, JAX and
-    TensorFlow steps on a CPU keep one stack per table instead (the
-    per-table updates run side by side; the results are the same).
+    decides the same at build (`keras_sparse.sharding.process_stacks`).
+    Without a distribution, JAX and TensorFlow steps on a CPU keep one stack
+    per table instead (the per-table updates run side by side; the results
+    are the same).
 
     Args:
         tables: ``{name: TableConfig(...) or dict of its arguments}``. Names
