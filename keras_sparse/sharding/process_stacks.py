@@ -79,10 +79,11 @@ def collection_placement(layer):
 def place_stacks(layer, stacks):
     """Gives each sharded stack of ``layer`` (being built) its placement
     (``stack.placement``: a "table" stack is row-sharded)."""
+    backend = _backend()  # None on JAX: the distribution lays stacks out
     sharded = [s for s in stacks if s.strategy != "data"]
-    if not sharded:
+    if backend is None or not sharded:
         return
-    site = _backend().site(layer)
+    site = backend.site(layer)
     for stack in sharded:
         strategy = "column" if stack.strategy == "column" else "row"
         stack.placement = site.placement(layer, stack, strategy)
