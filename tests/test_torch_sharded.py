@@ -115,8 +115,9 @@ def _refusals(rank, world):
         ks.AllToAllDenseEmbedding(ROWS, **{**args, **kw}).build()
 
     def collection():
+        # (sharded collections: tests/test_collection_sharded.py)
         tables = {"a": ks.TableConfig(ROWS, DIM)}
-        ks.EmbeddingCollection(tables, optimizer="sgd", sharding="row", name="col")(
+        ks.EmbeddingCollection(tables, optimizer=None, sharding="row", name="col")(
             {"a": np.zeros((2, 1), "int32")}
         )
 
@@ -403,7 +404,7 @@ def test_files_load_on_any_process_count(runs, saved_by, loaded_in):
         ("rowwise", ["'bad'", "rowwise_adagrad", "sharding='row'"]),
         ("constraint", ["'bad'", "embeddings_constraint", "sharding='row'"]),
         ("dense", ["'bad'", "sparse optimizer", "optimizer="]),
-        ("collection", ["'col'", "['a']", "sharding='data'"]),
+        ("collection", ["'col'", "'col/a'", "sparse optimizer", "`optimizer`"]),
         ("no_ddp", ["'emb'", "DistributedDataParallel"]),
     ],
 )

@@ -56,7 +56,9 @@ class TableConfig:
             the last axis of the ids), as in `AllToAllDenseEmbedding`.
         embeddings_initializer: initializer of the table's rows.
         sharding: "auto" (the collection's), "data", "table", "row" or
-            "column"; used by `keras_sparse.plan` / `keras_sparse.distribution`.
+            "column"; used by `keras_sparse.plan` / `keras_sparse.distribution`
+            (JAX) and at build under a MirroredStrategy or torch.distributed
+            processes.
 
     Example:
 
@@ -217,9 +219,12 @@ class EmbeddingCollection(keras.layers.Layer):
     ``keras_sparse.distribution`` on the JAX backend, tables with
     ``sharding="table"`` each live whole on one device (the planner balances
     bytes and lookups), and "row", "column" and "data" tables are split or
-    replicated as for a standalone layer. Without a distribution, JAX and
-    TensorFlow steps on a CPU keep one stack per table instead (the
-    per-table updates run side by side; the results are the same).
+    replicated as for a standalone layer. Under a TensorFlow MirroredStrategy
+    or several torch.distributed processes the tables' own ``sharding``
+    decides the same at build (`keras_sparse.sharding.process_stacks`).
+    Without a distribution, JAX and TensorFlow steps on a CPU keep one stack
+    per table instead (the per-table updates run side by side; the results
+    are the same).
 
     Args:
         tables: ``{name: TableConfig(...) or dict of its arguments}``. Names
@@ -338,6 +343,9 @@ class EmbeddingCollection(keras.layers.Layer):
         hooks = placement.provider()
         where, devices = hooks.collection_placement(self)
         self.stacks = hooks.collection_stacks(self.tables, where, devices)
+        # TensorFlow replicas / PyTorch processes: each holds its part of a
+        # sharded stack (`keras_sparse.sharding.process_stacks`).
+        hooks.place_stacks(self, self.stacks)
         sparse = self.uses_sparse_update
         # As in SparseEmbeddingBase.build: on JAX the updated stack travels
         # back as its "gradient" (overwrite_with_gradient); elsewhere the
@@ -354,7 +362,10 @@ class EmbeddingCollection(keras.layers.Layer):
             ]
             initializer = StackInitializer(parts, stack.dim)
             assign = _assigns_stacks_in_place()
-            table = self.add_weight(
+            table = hooks.add_stack_weight(
+                self,
+                stack,
+                True,
                 shape=(stack.rows, stack.dim),
                 initializer="zeros" if assign else initializer,
                 trainable=(not sparse) or on_jax,
@@ -367,7 +378,10 @@ class EmbeddingCollection(keras.layers.Layer):
             if sparse:
                 table.overwrite_with_gradient = on_jax
                 for spec in self.sparse_optimizer.slot_specs():
-                    slot = self.add_weight(
+                    slot = hooks.add_stack_weight(
+                        self,
+                        stack,
+                        False,
                         shape=spec.shape(stack.rows, stack.dim),
                         initializer=spec.initializer(),
                         trainable=on_jax,
@@ -585,6 +599,11 @@ class EmbeddingCollection(keras.layers.Layer):
         named.update({f"slot_{k}": v for k, v in self._stack_slots[stack.name].items()})
         return named
 
+    def _whole(self, stack, variable):
+        """The whole stack of one of its variables (NumPy), also where each
+        device holds a part of it."""
+        return placement.provider().stack_value(stack, variable)
+
     def get_table(self, name):
         """Table ``name``'s rows as a NumPy ``[input_dim, output_dim]`` array."""
         if name not in self.tables:
@@ -594,7 +613,7 @@ class EmbeddingCollection(keras.layers.Layer):
             )
         stack = self._stack_of(name)
         start = stack.offsets[name]
-        value = self._stack_tables[stack.name].numpy()
+        value = self._whole(stack, self._stack_tables[stack.name])
         return value[start : start + self.tables[name].input_dim]
 
     def set_table(self, name, value):
@@ -605,7 +624,7 @@ class EmbeddingCollection(keras.layers.Layer):
         # Per table, unpadded and unstacked: loads under any grouping.
         for stack in self.stacks:
             for var_name, variable in self._named_stack_variables(stack).items():
-                value = variable.numpy()
+                value = self._whole(stack, variable)
                 for name in stack.tables:
                     start = stack.offsets[name]
                     rows = self.tables[name].input_dim
@@ -659,7 +678,7 @@ class EmbeddingCollection(keras.layers.Layer):
             for var_name, variable in self._named_stack_variables(stack).items():
                 if not any(var_name in values[n] for n in todo):
                     continue
-                full = np.array(variable.numpy())
+                full = np.array(self._whole(stack, variable))
                 for name in todo:
                     if var_name not in values[name]:
                         continue
@@ -672,9 +691,9 @@ class EmbeddingCollection(keras.layers.Layer):
                         )
                     start = stack.offsets[name]
                     full[start : start + want[0]] = value
-                updates.append((variable, full))
-        for variable, full in updates:
-            variable.assign(full)
+                updates.append((stack, variable, full))
+        for stack, variable, full in updates:
+            placement.provider().assign_stack_value(stack, variable, full)
 
     def quantize(self, mode=None, **kwargs):
         raise NotImplementedError(

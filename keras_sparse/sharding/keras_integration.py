@@ -8,7 +8,9 @@ One module per concept, gathered here as the provider the layers see:
   `map_keys_in_step`, `exchange_buckets`);
 * `layouts`: rows per device, padding and the unsharded values checkpoints
   hold (`variable_rows`, `table_initializer`, `unpadded_value`, ...);
-* `stacks`: the stacked variables of an `EmbeddingCollection`.
+* `stacks`: the stacked variables of an `EmbeddingCollection`;
+  `process_stacks`: their parts on TensorFlow replicas and PyTorch
+  processes (`place_stacks`, `add_stack_weight`, `stack_value`, ...).
 """
 
 from keras_sparse.sharding.entry_points import RUNNABLE
@@ -23,6 +25,10 @@ from keras_sparse.sharding.layouts import unpadded_value
 from keras_sparse.sharding.layouts import variable_dim
 from keras_sparse.sharding.layouts import variable_options
 from keras_sparse.sharding.layouts import variable_rows
+from keras_sparse.sharding.process_stacks import add_stack_weight
+from keras_sparse.sharding.process_stacks import assign_stack_value
+from keras_sparse.sharding.process_stacks import place_stacks
+from keras_sparse.sharding.process_stacks import stack_value
 from keras_sparse.sharding.routing import ExchangeBuckets
 from keras_sparse.sharding.routing import build_placement
 from keras_sparse.sharding.routing import check_hash_layer_processes
@@ -41,7 +47,9 @@ __all__ = [
     "RUNNABLE",
     "ExchangeBuckets",
     "StackLayout",
+    "add_stack_weight",
     "add_state_weight",
+    "assign_stack_value",
     "assign_value",
     "build_placement",
     "check_hash_layer_processes",
@@ -55,9 +63,11 @@ __all__ = [
     "padded_rows",
     "padded_value",
     "per_table_stacks",
+    "place_stacks",
     "place_hash_table",
     "route",
     "route_stack",
+    "stack_value",
     "table_initializer",
     "unpadded_value",
     "variable_dim",

@@ -50,6 +50,8 @@ class StackLayout:
         offsets: table name -> first global row of the table in the stack.
         rows: rows of the stacked variable (padding included).
         block_rows: rows per device of a "table" stack (``B``), else None.
+        placement: the `TablePlacement` of a sharded stack on TensorFlow or
+            PyTorch, set at build (`process_stacks.place_stacks`), else None.
     """
 
     def __init__(self, name, strategy, dim, tables, offsets, rows, block_rows=None):
@@ -60,6 +62,7 @@ class StackLayout:
         self.offsets = dict(offsets)
         self.rows = int(rows)
         self.block_rows = block_rows
+        self.placement = None
 
     def variable_names(self, optimizer):
         names = [self.name]
@@ -164,16 +167,15 @@ def per_table_stacks():
 def collection_placement(layer):
     """``(placement, num_devices)`` for building ``layer`` (a collection) now.
 
-    From the active distribution made by `distribution` (JAX only); ``(None,
-    1)`` otherwise: without it every table is in a replicated stack (on
-    PyTorch with several processes, a table asking for sharding raises).
+    From the active distribution made by `distribution` on JAX, from the
+    tables' own ``sharding`` under a MirroredStrategy or torch.distributed
+    processes (`process_stacks`); ``(None, 1)`` otherwise: every table is in
+    a replicated stack.
     """
     if keras.backend.backend() != "jax":
-        if keras.backend.backend() == "torch":
-            from keras_sparse.sharding import torch_placement
+        from keras_sparse.sharding import process_stacks
 
-            torch_placement.check_collection(layer)
-        return None, 1
+        return process_stacks.collection_placement(layer)
     dist = keras.distribution.distribution()
     if dist is None or not isinstance(dist, keras.distribution.ModelParallel):
         return None, 1
@@ -193,7 +195,9 @@ def collection_placement(layer):
 
 def route_stack(stack):
     """Routing (as `route`) for one stack of a collection, or None."""
-    if stack.strategy == "data" or keras.backend.backend() != "jax":
+    if keras.backend.backend() != "jax":
+        return stack.placement  # decided at build (TensorFlow, PyTorch)
+    if stack.strategy == "data":
         return None
     dist = keras.distribution.distribution()
     if dist is None or not isinstance(dist, keras.distribution.ModelParallel):

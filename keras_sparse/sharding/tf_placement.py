@@ -12,8 +12,9 @@ each exchange moves are stated there). Saved state is the whole unpadded
 table (device-count independent files); ``get_weights`` gives it too.
 
 "data", "auto" and "table" keep one replicated copy per replica
-(`keras_sparse.ops.tf_replicas`). Hash layers, EmbeddingCollection tables
-and strategies other than MirroredStrategy are not sharded here.
+(`keras_sparse.ops.tf_replicas`). Hash layers and strategies other than
+MirroredStrategy are not sharded here; EmbeddingCollection tables are, by
+`keras_sparse.sharding.tf_stacks`.
 """
 
 import keras
@@ -167,7 +168,8 @@ class TfShardedPlacement:
                     name=name,
                 )
         variable._ks_placement = self
-        variable._ks_num_rows = layer.num_rows
+        # A collection's stack has no num_rows: all its rows are saved.
+        variable._ks_num_rows = getattr(layer, "num_rows", shape[0])
         layer._track_variable(variable)
         if parts is not None:
             for component, value in zip(self._components(variable), parts):

@@ -100,9 +100,10 @@ def build_placement(layer):
         _refuse(
             layer,
             strategy,
-            "is not supported (a whole table per process needs "
-            "an EmbeddingCollection, which PyTorch does not shard)",
-            "Use 'row' or 'column', or 'data' (a full copy per process).",
+            "needs the table in an EmbeddingCollection (which stacks "
+            "each process's whole tables into one row-sharded variable)",
+            "Put it in an EmbeddingCollection, or use 'row', 'column' or "
+            "'data' (a full copy per process).",
         )
     if layer.sparse_optimizer is None:
         _refuse(
@@ -147,21 +148,6 @@ def _check_column(layer, d):
                 "Use sharding='row', or an element-wise optimizer (sgd, "
                 "adagrad, adam, ftrl).",
             )
-
-
-def check_collection(layer):
-    """Raises for an `EmbeddingCollection` with a table sharded across
-    torch.distributed processes (its tables are full copies per process)."""
-    asked = SHARDED + ("table",)
-    sharded = [n for n in layer.tables if layer.table_sharding(n) in asked]
-    if sharded and keras.backend.backend() == "torch" and process_group():
-        raise NotImplementedError(
-            f"Layer '{layer.name}' (EmbeddingCollection): tables {sharded} ask "
-            "for row, column or table sharding, which PyTorch does not do for "
-            "a collection's tables yet. Give them sharding='data' (a full "
-            "copy per process), or use one AllToAllDenseEmbedding per table "
-            "with sharding='row' or 'column'."
-        )
 
 
 class TorchShardedPlacement:
@@ -324,6 +310,10 @@ def sharded_parameter_names(module):
             if isinstance(getattr(layer, "placement", None), TorchShardedPlacement):
                 variables = [layer.embeddings, *layer.slots.values()]
                 ids.update(id(v.value) for v in variables)
+            for stack in getattr(layer, "stacks", ()):  # EmbeddingCollection
+                if isinstance(getattr(stack, "placement", None), TorchShardedPlacement):
+                    variables = layer.stack_variables(stack.name)
+                    ids.update(id(v.value) for v in variables)
     return _names_of(module, ids) if ids else []
 
 

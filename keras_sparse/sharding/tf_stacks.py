@@ -1,0 +1,66 @@
+"""`EmbeddingCollection` stacks sharded over a MirroredStrategy's replicas.
+
+See `keras_sparse.sharding.process_stacks` for what is decided and
+`keras_sparse.sharding.tf_placement` for the variables (one
+`ReplicaPartVariable` component per replica) and the lookups
+(`tf_sharded_lookup`'s all-gathers). Replica ``d`` of a "table" or "row"
+stack holds rows ``[d * B, (d + 1) * B)`` of the stack, of a "column" stack
+columns ``[d * dim / D, (d + 1) * dim / D)``.
+"""
+
+import tensorflow as tf
+
+from keras_sparse.sharding.tf_placement import TfShardedPlacement
+
+
+class Site:
+    """The replicas a collection's sharded stacks are split over."""
+
+    def __init__(self, strategy, devices, where):
+        self.strategy, self.devices, self.where = strategy, devices, where
+
+    def placement(self, layer, stack, strategy):
+        # Its all-gathers need a step without XLA ("auto" then picks one).
+        layer.supports_jit = False
+        return TfStackPlacement(strategy, self.devices, self.strategy, layer.name)
+
+
+def site(layer):
+    """A `Site` when ``layer`` is built under a MirroredStrategy of several
+    replicas, else None."""
+    if not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return None
+    where = f"{type(strategy).__name__} ({replicas} replicas)"
+    head = f"Layer '{layer.name}' (EmbeddingCollection) under {where}"
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        raise NotImplementedError(
+            f"{head}: TensorFlow shards a collection's tables under "
+            "tf.distribute.MirroredStrategy only (one host). Use "
+            "MirroredStrategy, or give the tables sharding='data'."
+        )
+    if not tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            f"{head}: the layer is built inside a replica's step; build the "
+            "model under strategy.scope() before training it."
+        )
+    return Site(strategy, replicas, where)
+
+
+class TfStackPlacement(TfShardedPlacement):
+    """`TfShardedPlacement` of one stack ("row" also for a "table" stack)."""
+
+    def lookup(self, *args, blocks=None, **kwargs):
+        # ``blocks`` orders an unsharded stack's per-table updates; each
+        # replica updates its own part here.
+        del blocks
+        return super().lookup(*args, **kwargs)
+
+    def stack_weight(self, layer, table, shape, initializer, name, **kwargs):
+        """This replica's parts of a ``shape`` (whole stack) variable."""
+        return self.add_state_weight(
+            layer, table, shape=shape, initializer=initializer, name=name, **kwargs
+        )
