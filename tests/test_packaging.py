@@ -70,3 +70,22 @@ def test_wheel_installed_with_target_finds_kernels_and_has_license(tmp_path):
     # hash_table.cu includes ks_hash.cuh: found beside it and expanded.
     raw = (ROOT / "keras_sparse" / "kernels" / "hash_table.cu").read_text()
     assert int(sizes["hash_table.cu"]) > len(raw)
+
+
+@pytest.mark.backend_independent
+def test_no_merge_conflict_markers_in_tracked_files():
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found = []
+    for name in tracked:
+        path = os.path.join(ROOT, name)
+        if not name.endswith(
+            (".py", ".md", ".cfg", ".toml", ".cu", ".cc", ".c", ".sh")
+        ):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if line.startswith(("<<<<<<< ", ">>>>>>> ")) or line == "=======\n":
+                    found.append(f"{name}:{number}")
+    assert not found, found
