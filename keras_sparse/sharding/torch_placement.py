@@ -88,7 +88,11 @@ def build_placement(layer):
     """The `TablePlacement` ``layer`` is built with, or None (a local table,
     or a full copy per process)."""
     strategy = layer.sharding
-    if strategy not in SHARDED + ("table",) or planner_lib.is_hash_layer(layer):
+    if planner_lib.is_hash_layer(layer):
+        from keras_sparse.sharding import torch_key_placement
+
+        return torch_key_placement.build_placement(layer)
+    if strategy not in SHARDED + ("table",):
         return None
     if not planner_lib._is_shardable_layer(layer):
         return None
