@@ -147,6 +147,20 @@ def _run_case(name, rank, world, out, group):
     return result
 
 
+def _refused_initializer():
+    """The error of a layer whose initializer has no per-key draw."""
+    import keras_sparse as ks
+
+    layer = ks.DistributedHashEmbedding(
+        DIM, capacity=64, embeddings_initializer="orthogonal", name="ortho"
+    )
+    try:
+        layer.build((None, BAG))
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
 def _group_of(world):
     import torch.distributed as dist
 
@@ -171,6 +185,7 @@ def _run_rank(rank, port, out):
         for name, (world, _) in CASES.items():
             if world == 2:
                 result.update(_run_case(name, rank % 2, 2, out, half))
+        result["orthogonal"] = np.array(_refused_initializer())
         ks.sharding.set_torch_process_group(None)
         result.update(_run_case("lru4", rank, 4, out, None))
         # The file 2 processes wrote, in 4.
@@ -362,6 +377,13 @@ def test_file_of_two_processes_loads_in_one_and_in_four(runs):
     _assert_records(got, want["records"], "one", rows=False)
     four = np.concatenate([r["plain2:in4"] for r in ranks])
     np.testing.assert_allclose(four, single["plain2"]["pred"], atol=TOL)
+
+
+def test_an_initializer_without_a_per_key_draw_is_refused(runs):
+    for result in runs[0]:
+        message = str(result["orthogonal"])
+        assert "'ortho'" in message and "Orthogonal" in message, message
+        assert "RandomUniform" in message, message
 
 
 def test_a_killed_peer_fails_the_survivor_in_bounded_time():

@@ -87,8 +87,11 @@ def build_placement(layer):
 
         return tf_placement.build_placement(layer)
     if backend == "torch":
+        from keras_sparse.sharding import torch_key_placement
         from keras_sparse.sharding import torch_placement
 
+        if planner_lib.is_hash_layer(layer):  # key-sharded across processes
+            return torch_key_placement.build_placement(layer)
         return torch_placement.build_placement(layer)
     return None
 

@@ -102,7 +102,9 @@ class TorchKeyPlacement(TorchShardedPlacement):
             if not _is_collective_error(e):
                 raise
             timeout = torch_placement._timeout()
-            bound = "its timeout" if timeout is None else f"{timeout}"
+            bound = "its timeout"
+            if timeout is not None:
+                bound = f"{timeout.total_seconds():g} s"
             raise RuntimeError(
                 f"Layer '{self.name}': the {what} of its key-sharded table "
                 f"across {self.devices} torch.distributed processes failed "

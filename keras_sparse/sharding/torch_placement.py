@@ -8,7 +8,8 @@ other table ("auto", "data") is a full copy per process, updated from the
 global batch (`keras_sparse.ops.torch_distributed`). The exchanges run on
 a process group of their own (`process_group`), made on the first sharded
 build over all processes with the default group's timeout, or named by
-`set_process_group`.
+`set_process_group`. A `DistributedHashEmbedding` ("key" or "auto") is
+key-sharded over the same group (`keras_sparse.sharding.torch_key_placement`).
 
 DistributedDataParallel broadcasts every parameter of the module it wraps
 from rank 0 when it is made, which would give every process rank 0's part.
@@ -88,11 +89,7 @@ def build_placement(layer):
     """The `TablePlacement` ``layer`` is built with, or None (a local table,
     or a full copy per process)."""
     strategy = layer.sharding
-    if planner_lib.is_hash_layer(layer):
-        from keras_sparse.sharding import torch_key_placement
-
-        return torch_key_placement.build_placement(layer)
-    if strategy not in SHARDED + ("table",):
+    if strategy not in SHARDED + ("table",) or planner_lib.is_hash_layer(layer):
         return None
     if not planner_lib._is_shardable_layer(layer):
         return None
