@@ -122,7 +122,11 @@ def _hash_case(rank, world):
     import keras_sparse as ks
 
     ids = keras.Input((3,), dtype="int64")
-    emb = ks.DistributedHashEmbedding(4, capacity=64, optimizer="sgd", name="hashed")
+    # "data": one key map per process (the default "auto" key-shards the
+    # layer across the processes, tests/test_torch_sharded_hash.py).
+    emb = ks.DistributedHashEmbedding(
+        4, capacity=64, optimizer="sgd", sharding="data", name="hashed"
+    )
     model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
     x, y = _data(False, BATCH * world)
     error = _caught(
@@ -243,6 +247,7 @@ def test_hash_embedding_raises(runs):
     for _, errors in runs[0]:
         message = errors["hash"]
         assert "'hashed'" in message and "DistributedDataParallel" in message
+        assert "sharding='key'" in message, message
         assert message.endswith("[size=0 steps=0]"), message
 
 

@@ -170,7 +170,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             any device or process count matches one device key by key), or
             "data" (replicated), "row", "column" (element-wise optimizers
             only): these keep one host key->row map per process that maps
-            the whole batch each step, so they need a single process.
+            the whole batch each step, so they need a single process. On
+            PyTorch, "key" and "auto" key-shard the layer across the
+            torch.distributed processes when several run (build it after
+            ``init_process_group``; train it under DistributedDataParallel),
+            see `keras_sparse.sharding.torch_key_placement`.
         table_device: "cpu" (default), "gpu" or "auto": where the hash
             table's key->row map lives (see `HashTable`). With the model on
             a GPU, "gpu" keeps keys and rows on the device inside compiled
@@ -521,8 +525,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     def call(self, inputs, weights=None, training=None):
         if training and self.trainable:
             # Before the table changes: replicas (tf.distribute, torch DDP)
-            # would each map their own keys, so they are refused here.
-            check_replicated_training(self.name, maps_keys=True)
+            # would each map their own keys, so they are refused here unless
+            # the keys are sharded to owners (a `KeyMapper` placement).
+            key_sharded = isinstance(self.placement, placement.KeyMapper)
+            check_replicated_training(self.name, maps_keys=not key_sharded)
         # --- prepared-input fast path (keras_sparse.data.prefetch) begin
         if getattr(self, "_prepared_inputs", 0):
             return self._call_prepared(inputs, weights, training)

@@ -56,7 +56,10 @@ class HashRecords:
         """
         variables = self._state_variables()
         progress = progress or silent()
-        return {name: _host_value(variables[name]) for name in progress.each(variables)}
+        # A placement holding this process's rows only (PyTorch key
+        # sharding) gives them at their global rows.
+        host = getattr(self.placement, "host_value", _host_value)
+        return {name: host(variables[name]) for name in progress.each(variables)}
 
     def _state_variables(self):
         """The table and slot variables keyed "table"/slot name."""
@@ -246,8 +249,12 @@ class HashRecords:
                 )
         progress.stage("assign")
         variables = self._state_variables()
+        assign = getattr(self.placement, "assign_host_value", None)
         for name in progress.each(variables):
-            variables[name].assign(state[name])
+            if assign is None:
+                variables[name].assign(state[name])
+            else:  # this process's rows of the whole state
+                assign(variables[name], state[name])
         return len(target)
 
     def _place_records(self, keys, scores):
@@ -296,7 +303,9 @@ class HashRecords:
 
     def save_own_variables(self, store):
         local = getattr(self.table, "local", None)
-        if local is not None and len(local) < self.table.num_shards:
+        # PyTorch key sharding gathers every process's records (a collective).
+        gather = getattr(self.placement, "gathered_records", None)
+        if local is not None and len(local) < self.table.num_shards and not gather:
             raise ValueError(
                 f"Layer '{self.name}': this process holds table shards "
                 f"{list(local)} of {self.table.num_shards}, so a checkpoint "
@@ -312,24 +321,30 @@ class HashRecords:
         trained = self._trained_table()
         with tracker(n, title, _SAVE_STAGES) as progress:
             records = self._records_out(True, progress, trained)
+            clock = self._table_clock() if trained is None else trained.clock
+            admission = self._pending_state(trained)
+            if gather:
+                records, admission, clock = gather(records, admission, clock)
             progress.stage("store")
             for name in progress.each(records):
                 store[f"record_{name}"] = records[name]
         for name, value in zip(_GEOMETRY_ENTRIES, self._geometry()):
             store[name] = np.int64(value)
-        clock = self._table_clock() if trained is None else trained.clock
         store["table_clock"] = np.int64(clock)
         store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
         store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
+        if admission is not None:
+            store["admission_keys"], store["admission_sightings"] = admission
+
+    def _pending_state(self, trained):
+        """``(keys, counts)`` of the keys awaiting admission, or None."""
         pending = self._admission_counts()
-        if pending is not None:
-            if trained is not None:
-                keys, counts = trained.admission
-            else:
-                with self.table._lock:
-                    keys, counts = pending.state()
-            store["admission_keys"] = keys
-            store["admission_sightings"] = counts
+        if pending is None:
+            return None
+        if trained is not None:
+            return trained.admission
+        with self.table._lock:
+            return pending.state()
 
     def load_own_variables(self, store):
         """Restores a checkpoint written by `save_own_variables`.
@@ -347,7 +362,8 @@ class HashRecords:
         with tracker(n, title, _LOAD_STAGES) as progress:
             progress.stage("checkpoint")
             saved = self._read_checkpoint(store)
-            records = saved.records
+            # Key-sharded across processes: the keys this process's shards own.
+            records = self._held_here(saved.records)
             progress.stage("rows")
             rows = self._rows_for_load(records, saved.geometry, progress)
             kept = rows >= 0

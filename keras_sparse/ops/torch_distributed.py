@@ -79,7 +79,13 @@ def check_replicated_training(name, maps_keys):
         )
     if maps_keys:
         where = f"DistributedDataParallel ({world} processes)"
-        raise hash_layer_refusal(name, where, "in one process")
+        raise hash_layer_refusal(
+            name,
+            where,
+            "with sharding='key' or 'auto', built after init_process_group "
+            "(each process then owns the keys of its table shard), in one "
+            "process",
+        )
 
 
 def replica_group(table_var, reset):

@@ -87,15 +87,23 @@ def build_placement(layer):
 
         return tf_placement.build_placement(layer)
     if backend == "torch":
+        from keras_sparse.sharding import torch_key_placement
         from keras_sparse.sharding import torch_placement
 
+        if planner_lib.is_hash_layer(layer):  # key-sharded across processes
+            return torch_key_placement.build_placement(layer)
         return torch_placement.build_placement(layer)
     return None
 
 
 def _key_shards(layer):
     """``(D, local mesh positions, routing)`` of a key-sharded layer under
-    the active distribution, else None."""
+    the active distribution, else None; on PyTorch ``(D, (rank,), None)``
+    across the tables' processes (`torch_key_placement.key_shards`)."""
+    if keras.backend.backend() == "torch":
+        from keras_sparse.sharding import torch_key_placement
+
+        return torch_key_placement.key_shards(layer)
     routing = route(layer)
     if not isinstance(routing, JaxMeshPlacement) or routing.strategy != "key":
         return None
@@ -139,7 +147,7 @@ def place_hash_table(layer):
             admit_after=layer.admit_after,
             device=table.device,
             seed=layer.table_seed,
-            gpus=_shard_gpus(local, shards[2].mesh) if table.device == "gpu" else None,
+            gpus=_shard_gpus(local, shards[2]) if table.device == "gpu" else None,
         )
     sharing = [u.name for u in table_users.users(layer) if u is not layer]
     if sharing:
@@ -160,9 +168,15 @@ def place_hash_table(layer):
     layer.num_rows = new.capacity
 
 
-def _shard_gpus(local, mesh):
+def _shard_gpus(local, routing):
     """CUDA device of each local shard: its mesh device's GPU, or GPU 0
-    when the mesh runs on CPUs (a GPU table beside a CPU step)."""
+    when the mesh runs on CPUs (a GPU table beside a CPU step); PyTorch
+    (no mesh): the current CUDA device."""
+    if routing is None:
+        import torch
+
+        return {d: torch.cuda.current_device() for d in local}
+    mesh = routing.mesh
     devices = list(mesh.devices.flat)
 
     def gpu(device):

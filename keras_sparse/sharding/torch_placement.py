@@ -8,7 +8,8 @@ other table ("auto", "data") is a full copy per process, updated from the
 global batch (`keras_sparse.ops.torch_distributed`). The exchanges run on
 a process group of their own (`process_group`), made on the first sharded
 build over all processes with the default group's timeout, or named by
-`set_process_group`.
+`set_process_group`. A `DistributedHashEmbedding` ("key" or "auto") is
+key-sharded over the same group (`keras_sparse.sharding.torch_key_placement`).
 
 DistributedDataParallel broadcasts every parameter of the module it wraps
 from rank 0 when it is made, which would give every process rank 0's part.

@@ -1,0 +1,140 @@
+"""PyTorch: a key-sharded hash layer's keys become rows on their owners.
+
+Process ``d`` of ``D`` (the tables' process group) holds shard ``d`` of the
+layer's `keras_sparse.table.ShardedHashTable` and rows ``[d * B, (d + 1) *
+B)`` of its table and slots. Every call (training and inference) runs:
+
+```
+local keys ─► distinct used keys per owner (first-occurrence order) with
+              their multiplicities ─► all_to_all_single(counts), then
+              all_to_all_single(keys and multiplicities)
+          ─► owner: one table call on the received keys (source rank major,
+              each repeated by its multiplicity, so admission and LFU count
+              every sighting, and the shard sees its keys as one run over
+              the global batch would) ─► fresh rows drawn per key and
+              re-initialized (values and slots) here, on the owner
+          ─► all_to_all_single(global row and fresh flag) back
+          ─► row per position
+```
+
+The rows are then looked up with the row-sharded primitive
+(`keras_sparse.sharding.torch_sharded_lookup`), after the re-initialization.
+
+Bytes one process hands to the collectives per call for ``m`` distinct keys
+(``n`` positions): ``8 D`` (counts) ``+ 16 m`` (keys, multiplicities) ``+ 8
+m`` (rows and fresh flags back), then the row lookup's (``16 D + 8 n + 4 n
+dim``, and ``4 n dim`` gradients in training).
+"""
+
+import numpy as np
+import torch
+
+from keras_sparse.sharding.torch_sharded_lookup import _counts
+from keras_sparse.sharding.torch_sharded_lookup import _exchange
+from keras_sparse.table.keys import to_host
+from keras_sparse.table.sharded_table import key_words
+from keras_sparse.table.sharded_table import owner_of
+
+
+def route(full, use, d):
+    """Source half for one process's flat int64 ``full`` keys and bool ``use``.
+
+    Returns ``(keys, counts, per_owner, where, first)``: the distinct used
+    keys, owner major and first occurrence minor, with their multiplicities;
+    how many go to each owner; each position's index into ``keys`` (-1
+    where unused); True at the first position of each distinct key.
+    """
+    n = full.shape[0]
+    where = np.full(n, -1, np.int64)
+    first = np.zeros(n, bool)
+    at = np.flatnonzero(use)
+    if not at.size:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros(d, np.int64), where, first
+    uniq, first_at, inverse, counts = np.unique(
+        full[at], return_index=True, return_inverse=True, return_counts=True
+    )
+    arrival = np.argsort(first_at, kind="stable")  # distinct keys, batch order
+    owner = owner_of(uniq[arrival], d)
+    sent = arrival[np.argsort(owner, kind="stable")]  # owner major
+    index = np.empty(len(uniq), np.int64)
+    index[sent] = np.arange(len(uniq))
+    where[at] = index[inverse.reshape(-1)]
+    first[at[first_at]] = True
+    return uniq[sent], counts[sent], np.bincount(owner, minlength=d), where, first
+
+
+def owner_rows(shard, keys, counts, insert):
+    """Owner half: ``(local rows [m] int64, fresh [m] bool)`` of the received
+    distinct-per-source ``keys`` (source major) and multiplicities."""
+    fresh = np.zeros(len(keys), bool)
+    repeated = np.repeat(keys, counts)
+    starts = np.cumsum(counts) - counts
+    if not insert:
+        # A read (inference, a frozen layer): not counted in stats().
+        rows = to_host(shard.lookup(repeated, count=False))
+        return rows[starts].astype(np.int64), fresh
+    res, new = shard.lookup_or_insert_fresh(repeated)
+    rows = to_host(res.rows)[starts].astype(np.int64)
+    # A key sent by several processes is fresh once: at its first entry.
+    _, once = np.unique(keys, return_index=True)
+    fresh[once] = to_host(new)[starts][once]
+    return rows, fresh
+
+
+def reset_on_owner(layer, part, keys, rows, fresh, draw):
+    """Writes the first vectors of the ``fresh`` received keys (drawn per key
+    by ``draw=(fn, seed)``) to their local ``rows`` of this process's part,
+    and their slots to initial values."""
+    from keras_sparse.ops import torch_lookup
+
+    if draw is None or not fresh.any():
+        return
+    at = np.flatnonzero(fresh)
+    device = part.device
+    words = torch.as_tensor(key_words(keys[at]), device=device)
+    mask = torch.ones(len(at), dtype=torch.bool, device=device)
+    values = draw[0](mask, words, draw[1])
+    state = {"table": part}
+    state.update({name: var.value for name, var in layer.slots.items()})
+    ids = torch.as_tensor(rows[at], device=device)
+    torch_lookup.reset_rows(state, layer.sparse_optimizer, ids, mask, values)
+
+
+def map_keys(placement, layer, keys, use, insert, draw):
+    """``(rows int32 [n], fresh bool [n])`` torch tensors of a key-sharded
+    layer's flat ``keys`` (any framework) and ``use``; see the module note.
+    Every process of ``placement.group`` must call it together."""
+    from keras_sparse.layers.host_keys import host_array
+    from keras_sparse.layers.host_keys import host_keys
+
+    group, d, me = placement.group, placement.devices, placement.rank
+    full = host_keys(keys)
+    use = host_array(use).astype(bool).reshape(-1)
+    sent, counts, per_owner, where, first = route(full, use, d)
+    cpu = torch.device("cpu")
+    send = per_owner.tolist()
+    recv = _counts(send, group, cpu)
+    pairs = torch.as_tensor(np.stack([sent, counts], axis=1))
+    got = _exchange(pairs, send, recv, group).numpy()
+    got_keys, got_counts = got[:, 0].copy(), got[:, 1].copy()
+    table = layer.table
+    with table._lock, table.on_device(me):
+        local, fresh = owner_rows(table.shard(me), got_keys, got_counts, insert)
+        if insert:
+            part = layer.embeddings.value
+            reset_on_owner(layer, part, got_keys, local, fresh, draw)
+    shard_rows = table.shard_rows
+    code = np.where(local >= 0, (local + me * shard_rows + 1) * 2 + fresh, 0)
+    back = _exchange(torch.as_tensor(code), recv, send, group).numpy()
+    rows = np.full(full.shape[0], -1, np.int64)
+    fresh_at = np.zeros(full.shape[0], bool)
+    used = where >= 0
+    rows[used] = back[where[used]] // 2 - 1
+    fresh_at[used] = (back[where[used]] % 2 == 1) & first[used]
+    device = getattr(keys, "device", None)
+    device = device if isinstance(device, torch.device) else cpu
+    return (
+        torch.as_tensor(rows.astype(np.int32), device=device),
+        torch.as_tensor(fresh_at, device=device),
+    )
