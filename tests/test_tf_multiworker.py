@@ -120,6 +120,36 @@ def _train(strategy, step, steps, on_step=None):
         step(bx, by)
 
 
+def _apply_plan(strategy):
+    """`ks.sharding.apply_plan` under the strategy (tests/test_plan_apply.py
+    checks the rest): the planned strategies become the built placements."""
+    import keras_sparse as ks
+
+    layers = [
+        ks.AllToAllDenseEmbedding(4000, 8, optimizer="adagrad", name="plan_big"),
+        ks.AllToAllDenseEmbedding(10, 8, optimizer="adagrad", name="plan_small"),
+    ]
+
+    def plan(devices):
+        return ks.sharding.plan(
+            layers, devices=devices, memory_per_device=200_000,
+            strategies=ks.sharding.runnable_strategies(),
+        )  # fmt: skip
+
+    out = {}
+    with strategy.scope():
+        try:
+            ks.sharding.apply_plan(plan(4))
+        except ValueError as error:
+            out["mismatch"] = str(error)
+        applied = ks.sharding.apply_plan(plan(WORKERS))
+        for layer in layers:
+            layer.build()
+    for layer in layers:
+        out[layer.name] = [applied.strategy(layer.name), repr(layer.placement)]
+    return out
+
+
 def _worker(index, ports, tmp):
     began = time.monotonic()
 
@@ -198,6 +228,7 @@ def _worker(index, ports, tmp):
         out["one_device_predict"] = float(np.abs(predictions).max())
     mark("saved")
     print("RESULTS " + json.dumps(out), flush=True)
+    print("PLAN " + json.dumps(_apply_plan(strategy)), flush=True)
 
     # The dead peer: the other worker exits before its second step.
     def die(step):
@@ -269,7 +300,7 @@ def _results(tmp_path_factory):
             lines = {}
             for line in out.splitlines():
                 head, _, rest = line.partition(" ")
-                if head in ("RESULTS", "DEAD"):
+                if head in ("RESULTS", "PLAN", "DEAD"):
                     lines[head] = json.loads(rest)
             lines["returncode"] = code
             lines["log"] = out[-3000:] + err[-3000:]
@@ -322,6 +353,18 @@ def test_saved_file_loads_on_one_device(workers):
     assert results["one_device_placement"] == "None"
     assert results["one_device"] <= TOL
     assert results["one_device_predict"] <= TOL
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_plan_applies_under_the_strategy(workers, index):
+    """A plan made for the 2 replicas sets the unbuilt layers' sharding,
+    which their build places (the big table split, the small replicated);
+    a plan for 4 devices is refused."""
+    plan = _get(workers, index, "PLAN")
+    assert plan["plan_big"] == ["row", "TfShardedPlacement('row', devices=2)"]
+    assert plan["plan_small"] == ["data", "None"]
+    assert "plan is for 4 devices" in plan["mismatch"]
+    assert "runs 2" in plan["mismatch"]
 
 
 def test_dead_peer_fails_in_bounded_time(workers):
