@@ -1,6 +1,7 @@
 """The sparse update under tf.distribute: every replica applies the same one.
 
-Under `tf.distribute.MirroredStrategy` the table and slots are mirrored
+Under `tf.distribute.MirroredStrategy` (and MultiWorkerMirroredStrategy,
+whose all-gathers span the workers) the table and slots are mirrored
 variables, one copy per replica, and each replica's backward pass sees only
 its own slice of the batch. Updating each copy from its own slice would let
 the copies drift apart and train differently from one device. So the
@@ -15,12 +16,15 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from keras_sparse.ops import hash_layer_refusal
+from keras_sparse.ops import tf_workers
 from keras_sparse.ops import variable_layer_name
 
 # Strategies whose variables are plain mirrors updated per replica and whose
-# training this module is tested under; others (MultiWorkerMirroredStrategy,
-# TPUStrategy, ParameterServerStrategy) raise rather than train unverified.
-_SUPPORTED = (tf.distribute.MirroredStrategy,)
+# training this module is tested under (MultiWorkerMirroredStrategy: the
+# all-gather spans the workers); others (TPUStrategy,
+# ParameterServerStrategy, CentralStorageStrategy) raise rather than train
+# unverified.
+_SUPPORTED = tf_workers.STRATEGIES
 
 
 def replica_count():
@@ -47,9 +51,10 @@ def _multi_replica_context():
 
 def check_replicated_training(name, maps_keys):
     """Raises a clear error for what cannot train exactly on several
-    replicas: a strategy other than MirroredStrategy, an XLA-compiled step,
-    and a layer that maps keys to rows on the host (``maps_keys``: each
-    replica would map its own keys, so the replicas' tables would differ)."""
+    replicas: a strategy other than (MultiWorker)MirroredStrategy, an
+    XLA-compiled step, and a layer that maps keys to rows on the host
+    (``maps_keys``: each replica would map its own keys, so the replicas'
+    tables would differ)."""
     context = _multi_replica_context()
     if context is None:
         return
@@ -58,8 +63,8 @@ def check_replicated_training(name, maps_keys):
     if not isinstance(strategy, _SUPPORTED):
         raise NotImplementedError(
             f"Layer '{name}': a sparse `optimizer` cannot train under {where}; "
-            "use tf.distribute.MirroredStrategy, or `optimizer=None` for "
-            "dense gradients."
+            f"use {tf_workers.NAMES}, or `optimizer=None` for dense "
+            "gradients."
         )
     if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
         # Seen on CPU devices: ReplicaContext.all_gather inside an XLA

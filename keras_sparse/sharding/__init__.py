@@ -7,6 +7,12 @@ distribution(model_or_layers, devices=None, plan=None) -> ModelParallel
 load_model(filepath, devices=None, plan=None) -> (model, distribution)
 exchange_bytes(strategy, rows, dim, num_ids, devices) -> bytes per device
 
+Every backend (TensorFlow and PyTorch place a table from its layer's
+``sharding`` at build):
+
+apply_plan(plan) -> sets each planned, unbuilt layer's ``sharding``
+runnable_strategies(backend=None) -> what ``plan(strategies=...)`` may pick
+
 PyTorch (torch.distributed processes; a layer's ``sharding`` decides at
 build, see `keras_sparse.sharding.torch_placement`):
 
@@ -19,6 +25,8 @@ from keras_sparse.sharding import keras_integration as _keras_integration
 from keras_sparse.sharding.keras_integration import RUNNABLE
 from keras_sparse.sharding.keras_integration import distribution
 from keras_sparse.sharding.keras_integration import load_model
+from keras_sparse.sharding.plan_apply import apply_plan
+from keras_sparse.sharding.plan_apply import runnable_strategies
 from keras_sparse.sharding.planner import STRATEGIES
 from keras_sparse.sharding.planner import Plan
 from keras_sparse.sharding.planner import TablePlan
@@ -57,10 +65,12 @@ __all__ = [
     "Plan",
     "TablePlan",
     "TableSpec",
+    "apply_plan",
     "distribution",
     "exchange_bytes",
     "load_model",
     "plan",
+    "runnable_strategies",
     "set_torch_process_group",
     "torch_sharded_parameter_names",
 ]

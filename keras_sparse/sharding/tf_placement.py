@@ -1,4 +1,6 @@
-"""Row- and column-sharded tables under tf.distribute.MirroredStrategy.
+"""Row- and column-sharded tables under tf.distribute.MirroredStrategy
+(and MultiWorkerMirroredStrategy: each worker holds its own replicas' parts,
+`keras_sparse.ops.tf_workers`).
 
 A layer built under ``strategy.scope()`` with ``sharding="row"`` or
 ``"column"`` and a sparse optimizer gets a `TfShardedPlacement`: its table
@@ -12,9 +14,11 @@ each exchange moves are stated there). Saved state is the whole unpadded
 table (device-count independent files); ``get_weights`` gives it too.
 
 "data", "auto" and "table" keep one replicated copy per replica
-(`keras_sparse.ops.tf_replicas`). Hash layers and strategies other than
-MirroredStrategy are not sharded here; EmbeddingCollection tables are, by
-`keras_sparse.sharding.tf_stacks`.
+(`keras_sparse.ops.tf_replicas`). Hash layers are not sharded here;
+EmbeddingCollection tables are, by `keras_sparse.sharding.tf_stacks`. Across
+workers (MultiWorkerMirroredStrategy), whole values (saves,
+``get_weights``, a call outside a step) are all-gathered: every worker must
+ask for them together.
 """
 
 import keras
@@ -22,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_sparse.ops import tf_row_updates
+from keras_sparse.ops import tf_workers
 from keras_sparse.ops.tensorflow_lookup import _tf_variable
 from keras_sparse.ops.tensorflow_lookup import gather_valid
 from keras_sparse.sharding import tf_sharded_lookup
@@ -32,7 +37,7 @@ STRATEGIES = ("row", "column")
 def build_placement(layer):
     """The `TfShardedPlacement` ``layer`` is built with, or None (a local
     or replicated table): row or column sharding of a fixed-vocabulary
-    layer under a MirroredStrategy of several replicas."""
+    layer under a (MultiWorker)MirroredStrategy of several replicas."""
     if layer.sharding not in STRATEGIES or layer.keras_sparse_kind != "fixed":
         return None
     if not tf.distribute.has_strategy():
@@ -43,11 +48,10 @@ def build_placement(layer):
         return None
     where = f"{type(strategy).__name__} ({replicas} replicas)"
     head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
-    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    if not isinstance(strategy, tf_workers.STRATEGIES):
         raise NotImplementedError(
-            f"{head}: TensorFlow shards tables under "
-            "tf.distribute.MirroredStrategy only (one host). Use "
-            "MirroredStrategy, or sharding='data'."
+            f"{head}: TensorFlow shards tables under {tf_workers.NAMES} "
+            "only. Use one of them, or sharding='data'."
         )
     if not tf.distribute.in_cross_replica_context():
         raise ValueError(
@@ -113,8 +117,9 @@ class ReplicaPartVariable(keras.Variable):
 
 
 class TfShardedPlacement:
-    """`TablePlacement` of a table sharded over a MirroredStrategy's
-    replicas (``strategy`` "row" or "column", ``devices`` replicas)."""
+    """`TablePlacement` of a table sharded over a (MultiWorker)
+    MirroredStrategy's replicas (``strategy`` "row" or "column", ``devices``
+    replicas in sync, over all workers)."""
 
     def __init__(self, strategy, devices, distribute, layer_name):
         self.strategy = strategy
@@ -172,7 +177,8 @@ class TfShardedPlacement:
         variable._ks_num_rows = getattr(layer, "num_rows", shape[0])
         layer._track_variable(variable)
         if parts is not None:
-            for component, value in zip(self._components(variable), parts):
+            local = tf_workers.local_parts(self.distribute, parts)
+            for component, value in zip(self._components(variable), local, strict=True):
                 component.assign(value)
         return variable
 
@@ -180,11 +186,18 @@ class TfShardedPlacement:
         return self.distribute.experimental_local_results(variable.value)
 
     def saved_value(self, variable, num_rows):
-        """The whole unpadded array of ``variable`` (NumPy)."""
-        parts = [np.asarray(c.numpy()) for c in self._components(variable)]
-        if self.strategy == "row":
-            return np.concatenate(parts, axis=0)[:num_rows]
-        return np.concatenate(parts, axis=1)
+        """The whole unpadded array of ``variable`` (NumPy; across workers
+        a collective: every worker must ask, in the same order)."""
+        whole = np.asarray(self._whole(variable))
+        return whole[:num_rows] if self.strategy == "row" else whole
+
+    def _whole(self, variable):
+        """The whole padded table of ``variable`` (a tensor)."""
+        axis = 0 if self.strategy == "row" else 1
+        parts = self._components(variable)
+        if tf_workers.is_multi_worker(self.distribute, parts):
+            return tf_workers.gather_whole(self.distribute, variable.value, axis)
+        return tf.concat(list(parts), axis)
 
     def saved_shape(self, variable, num_rows):
         rows, dim = variable.shape
@@ -199,7 +212,8 @@ class TfShardedPlacement:
             rows = int(variable.shape[0]) * self.devices
             pad = [(0, rows - value.shape[0])] + [(0, 0)] * (value.ndim - 1)
             value = np.pad(value, pad)
-        for component, part in zip(self._components(variable), self._split(value)):
+        parts = tf_workers.local_parts(self.distribute, self._split(value))
+        for component, part in zip(self._components(variable), parts, strict=True):
             component.assign(part.astype(component.dtype.as_numpy_dtype))
 
     # --------------------------------------------------------------- lookups
@@ -215,7 +229,8 @@ class TfShardedPlacement:
     def local(self, variable, context):
         """This replica's component of ``variable`` (a tf.Variable)."""
         me = tf_sharded_lookup.replica_id(context)
-        return self._components(variable)[me]
+        first = tf_workers.first_local_replica(self.distribute)
+        return self._components(variable)[me - first]
 
     def _check_step(self):
         if tf_row_updates.in_xla():
@@ -266,9 +281,7 @@ class TfShardedPlacement:
         valid = tf.cast(valid, tf.bool)
         context = self.replica_context()
         if context is None:
-            parts = self._components(table_var)
-            axis = 0 if self.strategy == "row" else 1
-            return gather_valid(tf.concat(list(parts), axis), ids, valid)
+            return gather_valid(self._whole(table_var), ids, valid)
         self._check_step()
         state = {"table": self.local(table_var, context)}
         return tf_sharded_lookup.sharded_lookup(

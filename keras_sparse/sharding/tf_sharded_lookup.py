@@ -1,4 +1,5 @@
-"""TensorFlow: a table sharded over the replicas of a MirroredStrategy.
+"""TensorFlow: a table sharded over the replicas of a MirroredStrategy (or
+MultiWorkerMirroredStrategy: the all-gathers span the workers).
 
 Replica ``d`` of ``D`` holds its part of the table and slots (see
 `keras_sparse.sharding.tf_placement`): rows ``[d*B, (d+1)*B)`` (row
@@ -35,8 +36,8 @@ from keras_sparse.ops import tf_row_updates
 
 
 def replica_id(context):
-    """This replica's index (a Python int: MirroredStrategy traces each
-    replica's step on its own)."""
+    """This replica's index in sync, over all workers (a Python int:
+    MirroredStrategy traces each replica's step on its own)."""
     return int(tf.get_static_value(context.replica_id_in_sync_group))
 
 
