@@ -134,6 +134,7 @@ def _refusals(rank, world):
         ),
         "dense": _caught(lambda: layer(output_dim=DIM, optimizer=None, sharding="row")),
         "collection": _caught(collection),
+        "table": _caught(lambda: layer(output_dim=DIM, sharding="table")),
         "no_ddp": _caught(no_ddp),
     }
 
@@ -406,6 +407,7 @@ def test_files_load_on_any_process_count(runs, saved_by, loaded_in):
         ("dense", ["'bad'", "sparse optimizer", "optimizer="]),
         ("collection", ["'col'", "'col/a'", "sparse optimizer", "`optimizer`"]),
         ("no_ddp", ["'emb'", "DistributedDataParallel"]),
+        ("table", ["'bad'", "EmbeddingCollection", "'row'"]),
     ],
 )
 def test_refused_cases_raise_clear_errors(runs, case, words):

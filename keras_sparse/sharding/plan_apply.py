@@ -29,9 +29,12 @@ _BUILT_RUNNABLE = {
 }
 
 
-def _runnable(backend, kind):
+def _runnable(backend, kind, devices=None):
     if backend == "jax":
         return RUNNABLE
+    if backend == "torch" and kind == "hash table" and (devices or 1) > 1:
+        # One key map per process cannot train under DDP.
+        return ("key",)
     return _BUILT_RUNNABLE[backend][kind]
 
 
@@ -59,7 +62,7 @@ def _current(table):
     return spec.layer.sharding
 
 
-def _check(table, backend):
+def _check(table, backend, devices=None):
     """Raises for what ``backend`` cannot build ``table`` with."""
     spec, strategy = table.spec, table.strategy
     if spec.layer is None:
@@ -68,7 +71,7 @@ def _check(table, backend):
             "was planned from a TableSpec). Plan the model's layers: "
             "ks.sharding.plan(layers, ...)."
         )
-    runnable = _runnable(backend, _kind(table))
+    runnable = _runnable(backend, _kind(table), devices)
     if strategy not in runnable:
         raise ValueError(
             f"Table '{spec.name}': the plan's strategy {strategy!r} is not "
@@ -96,7 +99,11 @@ def _devices_in_use(backend):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
+            from keras_sparse.sharding import torch_placement
+
+            # The tables shard over their own group (`set_torch_process_group`).
+            where = torch_placement.process_group()
+            return 1 if where is None else where[1]
     return None
 
 
@@ -125,7 +132,7 @@ def apply_plan(plan, backend=None):
         )
     tables = list(plan)
     for table in tables:
-        _check(table, backend)
+        _check(table, backend, in_use)
     for table in tables:
         spec = table.spec
         if spec.collection_table is not None:

@@ -13,7 +13,8 @@ model starts as on one device. Lookups run `tf_sharded_lookup` (the bytes
 each exchange moves are stated there). Saved state is the whole unpadded
 table (device-count independent files); ``get_weights`` gives it too.
 
-"data", "auto" and "table" keep one replicated copy per replica
+"data" and "auto" keep one replicated copy per replica ("table" needs an
+EmbeddingCollection and raises)
 (`keras_sparse.ops.tf_replicas`). Hash layers are not sharded here;
 EmbeddingCollection tables are, by `keras_sparse.sharding.tf_stacks`. Across
 workers (MultiWorkerMirroredStrategy), whole values (saves,
@@ -38,7 +39,8 @@ def build_placement(layer):
     """The `TfShardedPlacement` ``layer`` is built with, or None (a local
     or replicated table): row or column sharding of a fixed-vocabulary
     layer under a (MultiWorker)MirroredStrategy of several replicas."""
-    if layer.sharding not in STRATEGIES or layer.keras_sparse_kind != "fixed":
+    wanted = STRATEGIES + ("table",)
+    if layer.sharding not in wanted or layer.keras_sparse_kind != "fixed":
         return None
     if not tf.distribute.has_strategy():
         return None
@@ -48,6 +50,13 @@ def build_placement(layer):
         return None
     where = f"{type(strategy).__name__} ({replicas} replicas)"
     head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
+    if layer.sharding == "table":
+        raise ValueError(
+            f"{head} needs the table in an EmbeddingCollection (which stacks "
+            "each replica's whole tables into one row-sharded variable). Put "
+            "it in an EmbeddingCollection, or use 'row', 'column' or 'data' "
+            "(a full copy per replica)."
+        )
     if not isinstance(strategy, tf_workers.STRATEGIES):
         raise NotImplementedError(
             f"{head}: TensorFlow shards tables under {tf_workers.NAMES} "

@@ -27,8 +27,12 @@ def key_shards(layer):
     """``(D, (rank,), None)`` for a hash layer key-sharded over the tables'
     processes, else None (one table per process; ``"data"``, ``"row"`` and
     ``"column"`` then refuse to train under DDP)."""
+    from keras_sparse.ops import torch_distributed
+
     if layer.sharding not in KEY_SHARDED:
         return None
+    if layer.sharding == "auto" and torch_distributed.ALLOW_LOCAL_UPDATES:
+        return None  # the processes train independent tables
     where = torch_placement.process_group()
     if where is None:
         return None

@@ -191,8 +191,12 @@ class TorchShardedPlacement:
         )  # fmt: skip
 
     def gather(self, table_var, ids, valid, exchange_slot=None):
+        from keras_sparse.ops import torch_distributed
         from keras_sparse.sharding import torch_sharded_lookup
 
+        if torch_distributed.active_ddp() is not None:
+            # Inference inside a DDP forward: the parts must not be rank 0's.
+            self._check_ddp([table_var])
         return torch_sharded_lookup.gather(self._route(), table_var, ids, valid)
 
     def _check_ddp(self, variables):
@@ -320,6 +324,8 @@ def sharded_parameter_names(module):
 
 def _ignored(layer):
     given = layer.__dict__.get("_keras_sparse_ddp_ignore")
+    if given is None:  # set on the instance before the property was installed
+        given = layer.__dict__.get("_ddp_params_and_buffers_to_ignore")
     names = sharded_parameter_names(layer)
     if given is None and not names:
         raise AttributeError("_ddp_params_and_buffers_to_ignore")
