@@ -101,6 +101,16 @@ def reset_on_owner(layer, part, keys, rows, fresh, draw):
     torch_lookup.reset_rows(state, layer.sparse_optimizer, ids, mask, values)
 
 
+def _link_device(group):
+    """Where the exchanged tensors live: NCCL moves GPU tensors only (the
+    keys are mapped on the host either way)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def map_keys(placement, layer, keys, use, insert, draw):
     """``(rows int32 [n], fresh bool [n])`` torch tensors of a key-sharded
     layer's flat ``keys`` (any framework) and ``use``; see the module note.
@@ -113,10 +123,11 @@ def map_keys(placement, layer, keys, use, insert, draw):
     use = host_array(use).astype(bool).reshape(-1)
     sent, counts, per_owner, where, first = route(full, use, d)
     cpu = torch.device("cpu")
+    link = _link_device(group)
     send = per_owner.tolist()
-    recv = _counts(send, group, cpu)
-    pairs = torch.as_tensor(np.stack([sent, counts], axis=1))
-    got = _exchange(pairs, send, recv, group).numpy()
+    recv = _counts(send, group, link)
+    pairs = torch.as_tensor(np.stack([sent, counts], axis=1)).to(link)
+    got = _exchange(pairs, send, recv, group).cpu().numpy()
     got_keys, got_counts = got[:, 0].copy(), got[:, 1].copy()
     table = layer.table
     with table._lock, table.on_device(me):
@@ -126,7 +137,8 @@ def map_keys(placement, layer, keys, use, insert, draw):
             reset_on_owner(layer, part, got_keys, local, fresh, draw)
     shard_rows = table.shard_rows
     code = np.where(local >= 0, (local + me * shard_rows + 1) * 2 + fresh, 0)
-    back = _exchange(torch.as_tensor(code), recv, send, group).numpy()
+    back = _exchange(torch.as_tensor(code).to(link), recv, send, group)
+    back = back.cpu().numpy()
     rows = np.full(full.shape[0], -1, np.int64)
     fresh_at = np.zeros(full.shape[0], bool)
     used = where >= 0
