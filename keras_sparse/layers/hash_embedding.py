@@ -521,8 +521,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     def call(self, inputs, weights=None, training=None):
         if training and self.trainable:
             # Before the table changes: replicas (tf.distribute, torch DDP)
-            # would each map their own keys, so they are refused here.
-            check_replicated_training(self.name, maps_keys=True)
+            # would each map their own keys, so they are refused here,
+            # unless the keys are sharded (each owner maps its own).
+            key_sharded = isinstance(self.placement, placement.KeyMapper)
+            check_replicated_training(self.name, maps_keys=not key_sharded)
         # --- prepared-input fast path (keras_sparse.data.prefetch) begin
         if getattr(self, "_prepared_inputs", 0):
             return self._call_prepared(inputs, weights, training)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 from keras import ops
 
+from keras_sparse.layers import placement
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
 from keras_sparse.layers.record_checks import Records
 from keras_sparse.layers.record_checks import check_distinct
@@ -56,6 +57,12 @@ class HashRecords:
         """
         variables = self._state_variables()
         progress = progress or silent()
+        if self.placement is not None:  # parts per replica: the whole arrays
+            hooks = placement.provider()
+            return {
+                name: hooks.unpadded_value(self, variables[name])
+                for name in progress.each(variables)
+            }
         return {name: _host_value(variables[name]) for name in progress.each(variables)}
 
     def _state_variables(self):
@@ -247,7 +254,10 @@ class HashRecords:
         progress.stage("assign")
         variables = self._state_variables()
         for name in progress.each(variables):
-            variables[name].assign(state[name])
+            if self.placement is not None:  # each replica takes its part
+                placement.provider().assign_value(self, variables[name], state[name])
+            else:
+                variables[name].assign(state[name])
         return len(target)
 
     def _place_records(self, keys, scores):

@@ -95,7 +95,13 @@ def build_placement(layer):
 
 def _key_shards(layer):
     """``(D, local mesh positions, routing)`` of a key-sharded layer under
-    the active distribution, else None."""
+    the active distribution, else None (TensorFlow: ``(D, all, None)``
+    under a MirroredStrategy, `tf_key_placement`)."""
+    if keras.backend.backend() == "tensorflow":
+        from keras_sparse.sharding import tf_key_placement
+
+        replicas = tf_key_placement.key_replicas(layer)
+        return None if replicas is None else (replicas, tuple(range(replicas)), None)
     routing = route(layer)
     if not isinstance(routing, JaxMeshPlacement) or routing.strategy != "key":
         return None
@@ -139,7 +145,9 @@ def place_hash_table(layer):
             admit_after=layer.admit_after,
             device=table.device,
             seed=layer.table_seed,
-            gpus=_shard_gpus(local, shards[2].mesh) if table.device == "gpu" else None,
+            gpus=_shard_gpus(local, shards[2].mesh)
+            if table.device == "gpu" and shards[2] is not None
+            else None,
         )
     sharing = [u.name for u in table_users.users(layer) if u is not layer]
     if sharing:

@@ -12,8 +12,9 @@ each exchange moves are stated there). Saved state is the whole unpadded
 table (device-count independent files); ``get_weights`` gives it too.
 
 "data", "auto" and "table" keep one replicated copy per replica
-(`keras_sparse.ops.tf_replicas`). Hash layers, EmbeddingCollection tables
-and strategies other than MirroredStrategy are not sharded here.
+(`keras_sparse.ops.tf_replicas`). Hash layers are key-sharded
+(`tf_key_placement`); EmbeddingCollection tables and strategies other than
+MirroredStrategy are not sharded here.
 """
 
 import keras
@@ -31,7 +32,12 @@ STRATEGIES = ("row", "column")
 def build_placement(layer):
     """The `TfShardedPlacement` ``layer`` is built with, or None (a local
     or replicated table): row or column sharding of a fixed-vocabulary
-    layer under a MirroredStrategy of several replicas."""
+    layer under a MirroredStrategy of several replicas; a hash layer's
+    `tf_key_placement.TfKeyPlacement` (key sharding)."""
+    if layer.keras_sparse_kind == "hash":
+        from keras_sparse.sharding import tf_key_placement
+
+        return tf_key_placement.build_placement(layer)
     if layer.sharding not in STRATEGIES or layer.keras_sparse_kind != "fixed":
         return None
     if not tf.distribute.has_strategy():
