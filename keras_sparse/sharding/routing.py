@@ -83,8 +83,11 @@ def build_placement(layer):
     for a local table."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
+        from keras_sparse.sharding import tf_key_placement
         from keras_sparse.sharding import tf_placement
 
+        if layer.keras_sparse_kind == "hash":  # key sharding
+            return tf_key_placement.build_placement(layer)
         return tf_placement.build_placement(layer)
     if backend == "torch":
         from keras_sparse.sharding import torch_placement

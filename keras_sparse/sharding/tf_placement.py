@@ -32,12 +32,7 @@ STRATEGIES = ("row", "column")
 def build_placement(layer):
     """The `TfShardedPlacement` ``layer`` is built with, or None (a local
     or replicated table): row or column sharding of a fixed-vocabulary
-    layer under a MirroredStrategy of several replicas; a hash layer's
-    `tf_key_placement.TfKeyPlacement` (key sharding)."""
-    if layer.keras_sparse_kind == "hash":
-        from keras_sparse.sharding import tf_key_placement
-
-        return tf_key_placement.build_placement(layer)
+    layer under a MirroredStrategy of several replicas."""
     if layer.sharding not in STRATEGIES or layer.keras_sparse_kind != "fixed":
         return None
     if not tf.distribute.has_strategy():
