@@ -170,7 +170,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             any device or process count matches one device key by key), or
             "data" (replicated), "row", "column" (element-wise optimizers
             only): these keep one host key->row map per process that maps
-            the whole batch each step, so they need a single process.
+            the whole batch each step, so they need a single process. On
+            TensorFlow under a MirroredStrategy of several replicas "key"
+            and "auto" key-shard over the replicas the same way (see
+            `keras_sparse.sharding.tf_key_placement`); the others are
+            refused at the first training step.
         table_device: "cpu" (default), "gpu" or "auto": where the hash
             table's key->row map lives (see `HashTable`). With the model on
             a GPU, "gpu" keeps keys and rows on the device inside compiled
