@@ -106,8 +106,8 @@ def _hash_error(strategy):
     with strategy.scope():
         ids = keras.Input((3,), dtype="int64")
         emb = ks.DistributedHashEmbedding(
-            4, capacity=64, optimizer="sgd", name="hashed"
-        )
+            4, capacity=64, optimizer="sgd", name="hashed", sharding="data"
+        )  # replicated: "auto" and "key" key-shard (test_tf_sharded_hash.py)
         model = keras.Model(
             ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids)))
         )
@@ -252,6 +252,7 @@ def test_hash_embedding_raises_before_training(replicas):
     result = _results(replicas)["hash"]
     assert result["error"] is not None, "trained under MirroredStrategy"
     assert "'hashed'" in result["error"] and "MirroredStrategy" in result["error"]
+    assert "sharding='key'" in result["error"]
     assert result["size"] == 0  # the failed step inserted no key
 
 

@@ -174,7 +174,11 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             PyTorch, "key" and "auto" key-shard the layer across the
             torch.distributed processes when several run (build it after
             ``init_process_group``; train it under DistributedDataParallel),
-            see `keras_sparse.sharding.torch_key_placement`.
+            see `keras_sparse.sharding.torch_key_placement`. On
+            TensorFlow under a MirroredStrategy of several replicas "key"
+            and "auto" key-shard over the replicas the same way (see
+            `keras_sparse.sharding.tf_key_placement`); the others are
+            refused at the first training step.
         table_device: "cpu" (default), "gpu" or "auto": where the hash
             table's key->row map lives (see `HashTable`). With the model on
             a GPU, "gpu" keeps keys and rows on the device inside compiled

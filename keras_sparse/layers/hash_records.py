@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 from keras import ops
 
+from keras_sparse.layers import placement
 from keras_sparse.layers.host_keys import to_numpy as _to_numpy
 from keras_sparse.layers.record_checks import Records
 from keras_sparse.layers.record_checks import check_distinct
@@ -57,8 +58,16 @@ class HashRecords:
         variables = self._state_variables()
         progress = progress or silent()
         # A placement holding this process's rows only (PyTorch key
-        # sharding) gives them at their global rows.
-        host = getattr(self.placement, "host_value", _host_value)
+        # sharding) gives them at their global rows; one holding a part per
+        # replica (TensorFlow) gives the whole arrays.
+        host = getattr(self.placement, "host_value", None)
+        if host is None and self.placement is not None:
+            hooks = placement.provider()
+            return {
+                name: hooks.unpadded_value(self, variables[name])
+                for name in progress.each(variables)
+            }
+        host = host or _host_value
         return {name: host(variables[name]) for name in progress.each(variables)}
 
     def _state_variables(self):
@@ -251,10 +260,12 @@ class HashRecords:
         variables = self._state_variables()
         assign = getattr(self.placement, "assign_host_value", None)
         for name in progress.each(variables):
-            if assign is None:
-                variables[name].assign(state[name])
-            else:  # this process's rows of the whole state
+            if assign is not None:  # this process's rows of the whole state
                 assign(variables[name], state[name])
+            elif self.placement is not None:  # each replica takes its part
+                placement.provider().assign_value(self, variables[name], state[name])
+            else:
+                variables[name].assign(state[name])
         return len(target)
 
     def _place_records(self, keys, scores):

@@ -80,7 +80,9 @@ def check_replicated_training(name, maps_keys):
         raise hash_layer_refusal(
             name,
             where,
-            "on one device (no strategy, or tf.distribute.OneDeviceStrategy)",
+            "with sharding='key' (or 'auto'; each replica then owns its "
+            "keys' table shard) under tf.distribute.MirroredStrategy, or on "
+            "one device",
         )
 
 

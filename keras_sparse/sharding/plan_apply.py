@@ -18,7 +18,7 @@ from keras_sparse.sharding.planner import is_hash_layer
 _BUILT_RUNNABLE = {
     "tensorflow": {
         "table": ("data", "row", "column"),  # AllToAllDenseEmbedding
-        "hash table": ("data",),  # DistributedHashEmbedding: one key map
+        "hash table": ("data", "key"),  # DistributedHashEmbedding
         "collection table": ("data", "table", "row", "column"),
     },
     "torch": {
@@ -32,8 +32,8 @@ _BUILT_RUNNABLE = {
 def _runnable(backend, kind, devices=None):
     if backend == "jax":
         return RUNNABLE
-    if backend == "torch" and kind == "hash table" and (devices or 1) > 1:
-        # One key map per process cannot train under DDP.
+    if kind == "hash table" and (devices or 1) > 1:
+        # One key map per replica or process cannot train there.
         return ("key",)
     return _BUILT_RUNNABLE[backend][kind]
 

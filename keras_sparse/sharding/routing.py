@@ -83,8 +83,11 @@ def build_placement(layer):
     for a local table."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
+        from keras_sparse.sharding import tf_key_placement
         from keras_sparse.sharding import tf_placement
 
+        if layer.keras_sparse_kind == "hash":  # key sharding
+            return tf_key_placement.build_placement(layer)
         return tf_placement.build_placement(layer)
     if backend == "torch":
         from keras_sparse.sharding import torch_key_placement
@@ -99,11 +102,18 @@ def build_placement(layer):
 def _key_shards(layer):
     """``(D, local mesh positions, routing)`` of a key-sharded layer under
     the active distribution, else None; on PyTorch ``(D, (rank,), None)``
-    across the tables' processes (`torch_key_placement.key_shards`)."""
+    across the tables' processes (`torch_key_placement.key_shards`); on
+    TensorFlow ``(D, all, None)`` under a MirroredStrategy
+    (`tf_key_placement`)."""
     if keras.backend.backend() == "torch":
         from keras_sparse.sharding import torch_key_placement
 
         return torch_key_placement.key_shards(layer)
+    if keras.backend.backend() == "tensorflow":
+        from keras_sparse.sharding import tf_key_placement
+
+        replicas = tf_key_placement.key_replicas(layer)
+        return None if replicas is None else (replicas, tuple(range(replicas)), None)
     routing = route(layer)
     if not isinstance(routing, JaxMeshPlacement) or routing.strategy != "key":
         return None
@@ -173,6 +183,8 @@ def _shard_gpus(local, routing):
     when the mesh runs on CPUs (a GPU table beside a CPU step); PyTorch
     (no mesh): the current CUDA device."""
     if routing is None:
+        if keras.backend.backend() != "torch":
+            return {d: 0 for d in local}  # TensorFlow refuses GPU shards
         import torch
 
         return {d: torch.cuda.current_device() for d in local}

@@ -14,12 +14,11 @@ each exchange moves are stated there). Saved state is the whole unpadded
 table (device-count independent files); ``get_weights`` gives it too.
 
 "data" and "auto" keep one replicated copy per replica ("table" needs an
-EmbeddingCollection and raises)
-(`keras_sparse.ops.tf_replicas`). Hash layers are not sharded here;
-EmbeddingCollection tables are, by `keras_sparse.sharding.tf_stacks`. Across
-workers (MultiWorkerMirroredStrategy), whole values (saves,
-``get_weights``, a call outside a step) are all-gathered: every worker must
-ask for them together.
+EmbeddingCollection and raises) (`keras_sparse.ops.tf_replicas`). Hash
+layers are key-sharded (`tf_key_placement`); EmbeddingCollection tables are
+sharded by `keras_sparse.sharding.tf_stacks`. Across workers
+(MultiWorkerMirroredStrategy), whole values (saves, ``get_weights``, a call
+outside a step) are all-gathered: every worker must ask for them together.
 """
 
 import keras

@@ -1,0 +1,250 @@
+"""Key-sharded `DistributedHashEmbedding` under tf.distribute.MirroredStrategy.
+
+With ``sharding="key"`` (or ``"auto"``) under a MirroredStrategy of ``D``
+replicas the layer holds a `keras_sparse.table.ShardedHashTable` of ``D``
+shards in this process: replica ``d`` owns the keys with
+``owner_of(key, D) == d``, the shard's admission counts and LRU/LFU state,
+and rows ``[d * B, (d + 1) * B)`` of the ``[D * B, dim]`` table and slots,
+held as per-replica parts (`tf_placement.ReplicaPartVariable`, laid out as a
+row-sharded table's). In each step every replica runs:
+
+```
+local keys ─► all_gather(keys, use)          (the global batch, in order)
+          ─► numpy_function on shard d: one lookup_or_insert of the used keys
+              it owns, in global batch order (admission, eviction, clock)
+          ─► owner re-initializes its fresh rows (values drawn per key from
+              the gathered keys, slots to initial) before any gather
+          ─► all_gather(owned rows, fresh) ─► each replica takes its positions
+          ─► the row-sharded lookup (`tf_sharded_lookup`) of the global rows
+```
+
+Each shard sees exactly the keys, in exactly the order, that a one-device
+layer holding the same ``ShardedHashTable`` gives it (replica 0's positions
+first): rows, admission counts, scores and evictions match it key by key.
+Every shard is called in every training step (maybe with no keys), so the
+shards' LRU clocks advance together.
+
+Bytes each replica receives per step, with ``T`` keys in the global batch,
+``U <= T`` of them used (not padding) and ``dim`` float32 columns: the keys
+and use flags (``12 T``) and batch sizes (``4 D``), the owners' answers
+(``8 U``), then the row-sharded lookup's ``4 T + 4 D`` (ids) and ``4 T dim``
+forward and backward. Fresh rows cost no bytes: their owner draws them from
+the gathered keys. All exchanges are all-gathers (TensorFlow's all_to_all
+hangs on logical CPU devices).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from keras_sparse.layers.keyed_fresh_rows import has_seed
+from keras_sparse.layers.keyed_fresh_rows import per_key
+from keras_sparse.ops.key_hash import words_of_keys
+from keras_sparse.ops.tensorflow_lookup import reset_rows
+from keras_sparse.sharding.tf_placement import TfShardedPlacement
+from keras_sparse.sharding.tf_sharded_lookup import replica_id
+from keras_sparse.table.keys import to_host
+from keras_sparse.table.sharded_table import owner_of
+
+#: A hash layer's strategies that key-shard it under several replicas.
+KEY_STRATEGIES = ("key", "auto")
+
+
+def key_replicas(layer):
+    """``D`` when ``layer`` (a hash layer about to be built) is key-sharded
+    over the ``D > 1`` replicas of the active MirroredStrategy, else None."""
+    if layer.sharding not in KEY_STRATEGIES or not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return None
+    where = f"{type(strategy).__name__} ({replicas} replicas)"
+    head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        if layer.sharding == "auto":
+            return None  # trained, it is refused by `tf_replicas`
+        raise NotImplementedError(
+            f"{head}: TensorFlow key-shards hash layers under "
+            "tf.distribute.MirroredStrategy only (one host)."
+        )
+    if not tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            f"{head}: the layer is built inside a replica's step; build the "
+            "model under strategy.scope() before training it."
+        )
+    if layer.table.device != "cpu":
+        raise ValueError(
+            f"{head}: key-sharded on TensorFlow, the table shards live on the "
+            f"host; use table_device='cpu' (got {layer.table_device!r})."
+        )
+    init = layer.embeddings_initializer
+    if has_seed(init) and not per_key(init):
+        raise ValueError(
+            f"{head}: fresh rows are drawn per key on their owner, which "
+            f"{type(init).__name__} cannot do. Use a RandomUniform, "
+            "RandomNormal, TruncatedNormal or VarianceScaling (Glorot, He, "
+            "Lecun) initializer, or an unseeded one (zeros, constant)."
+        )
+    return replicas
+
+
+def build_placement(layer):
+    """The `TfKeyPlacement` of a hash layer whose table `place_hash_table`
+    made a ``ShardedHashTable`` of the replica count, else None."""
+    replicas = key_replicas(layer)
+    if replicas is None or getattr(layer.table, "num_shards", None) != replicas:
+        return None
+    # Its all-gathers and host calls need a step without XLA.
+    layer.supports_jit = False
+    return TfKeyPlacement(replicas, tf.distribute.get_strategy(), layer.name)
+
+
+class TfKeyPlacement:
+    """`TablePlacement` and `KeyMapper` of a key-sharded hash layer: its
+    variables and lookups are those of a row-sharded table (``rows``, a
+    `TfShardedPlacement`); `map_keys` maps keys on their owners' shards."""
+
+    strategy = "key"
+
+    def __init__(self, devices, distribute, layer_name):
+        self.devices = int(devices)
+        self.layer_name = layer_name
+        self.rows = TfShardedPlacement("row", devices, distribute, layer_name)
+
+    def __repr__(self):
+        return f"TfKeyPlacement(devices={self.devices})"
+
+    def __getattr__(self, name):
+        # Variables, saves and loads: those of the row-sharded layout.
+        if name == "rows":
+            raise AttributeError(name)
+        return getattr(self.rows, name)
+
+    # --------------------------------------------------------------- lookups
+    def lookup(self, table_var, slot_vars, anchor_var, optimizer, ids, valid,
+               iterations, constraint=None, apply_update=True, reset=None,
+               exchange_slot=None):  # fmt: skip
+        """The row-sharded lookup; ``reset`` is ignored: `map_keys` had each
+        owner re-initialize its fresh rows already."""
+        del reset
+        return self.rows.lookup(
+            table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
+            constraint, apply_update, None, exchange_slot,
+        )  # fmt: skip
+
+    def gather(self, table_var, ids, valid, exchange_slot=None):
+        return self.rows.gather(table_var, ids, valid, exchange_slot)
+
+    # ---------------------------------------------------------------- keys
+    def map_keys(self, layer, keys, use, insert, draw=None):
+        """``(rows, fresh, init)`` of this replica's flat ``keys``/``use``
+        (see `keras_sparse.layers.placement.KeyMapper`). ``init`` is zeros:
+        the owners re-initialized the fresh rows before this returns."""
+        keys = tf.cast(tf.reshape(keys, [-1]), tf.int64)
+        use = tf.cast(tf.reshape(use, [-1]), tf.bool)
+        context = self.rows.replica_context()
+        if context is None:
+            return self._map_outside_steps(layer, keys, use, insert)
+        self.rows._check_step()
+        me = replica_id(context)
+        n = tf.shape(keys)[0]
+        all_keys, all_use, sizes = context.all_gather(
+            [keys, tf.cast(use, tf.int32), n[None]], axis=0
+        )
+        start = tf.reduce_sum(sizes[:me])
+        rows, fresh, owner = tf.numpy_function(
+            lambda k, u: _owner_call(layer, me, self.devices, k, u, insert),
+            [all_keys, all_use],
+            [tf.int32, tf.bool, tf.int32],
+            stateful=True,
+            name="key_sharded_owner_call",
+        )
+        rows.set_shape(all_keys.shape)
+        fresh.set_shape(all_keys.shape)
+        owner.set_shape(all_keys.shape)
+        reset = tf.no_op()
+        if insert:
+            reset = self._reset_owned(layer, context, me, all_keys, rows, fresh)
+        with tf.control_dependencies([reset]):
+            mine = owner == me
+            answer = tf.stack([rows, tf.cast(fresh, tf.int32)], axis=1)
+            answers = context.all_gather(tf.boolean_mask(answer, mine), axis=0)
+        # Owner-major, each owner's in batch order: a stable sort by owner
+        # (unused positions, owner D, last) gives the same order.
+        place = tf.math.invert_permutation(tf.argsort(owner, stable=True))
+        missing = tf.shape(owner)[0] - tf.shape(answers)[0]
+        answers = tf.concat([answers, tf.tile([[-1, 0]], [missing, 1])], 0)
+        got = tf.gather(answers, place[start : start + n])
+        init = tf.zeros([n, layer.output_dim], layer.embeddings.dtype)
+        return got[:, 0], got[:, 1] > 0, init
+
+    def _reset_owned(self, layer, context, me, all_keys, rows, fresh):
+        """Re-initializes the rows this replica's shard assigned in this
+        step: values drawn per key, slots to their initial values."""
+        init = layer.embeddings_initializer
+        dim, dtype = layer.output_dim, layer.embeddings.dtype
+        if per_key(init):
+            draw, seed = layer.keyed_draw()
+            values = draw(fresh, words_of_keys(all_keys), seed)
+        else:  # unseeded (zeros, constant): every row alike
+            values = tf.broadcast_to(
+                tf.cast(init((1, dim), dtype=dtype), dtype),
+                [tf.shape(all_keys)[0], dim],
+            )
+        state = {"table": self.rows.local(layer.embeddings, context)}
+        state.update({n: self.rows.local(v, context) for n, v in layer.slots.items()})
+        local = tf.where(fresh, rows - me * int(state["table"].shape[0]), 0)
+        reset_rows(state, layer.sparse_optimizer, local, fresh, values)
+        return tf.group([tf.identity(state["table"][:1])])
+
+    def _map_outside_steps(self, layer, keys, use, insert):
+        """Outside a replica's step (an eager or cross-replica call): reads
+        the shards on the host; training there is refused."""
+        if insert:
+            raise NotImplementedError(
+                f"Layer '{self.layer_name}': a key-sharded layer trains only "
+                "inside its strategy's steps (model.fit, or strategy.run)."
+            )
+
+        def read(k, u):
+            rows = np.full(k.shape, -1, np.int32)
+            u = u.astype(bool)
+            rows[u] = to_host(layer.table.lookup(k[u].astype(np.int64), count=False))
+            return rows
+
+        rows = tf.numpy_function(read, [keys, use], tf.int32, stateful=True)
+        rows.set_shape(keys.shape)
+        return rows, tf.zeros_like(use), None
+
+
+def _owner_call(layer, me, devices, keys, use, insert):
+    """Host half on replica ``me``: one call of its shard with the used
+    keys it owns, in global batch order. Returns ``(rows, fresh, owner)``
+    over all positions: global rows and fresh flags (at the first position
+    of each newly assigned row) where ``me`` owns the key, -1 / False
+    elsewhere, and each position's owner (``devices`` where unused)."""
+    keys = np.asarray(keys, np.int64)
+    owner = np.where(np.asarray(use, bool), owner_of(keys, devices), devices)
+    at = np.flatnonzero(owner == me)
+    table = layer.table.shard(me)
+    rows = np.full(keys.shape, -1, np.int32)
+    fresh = np.zeros(keys.shape, bool)
+    try:
+        if insert:
+            res, new = table.lookup_or_insert_fresh(keys[at])
+            got, new = to_host(res.rows), to_host(new).astype(bool)
+            # A key at several positions is fresh at its first one only.
+            new_at = np.flatnonzero(new)
+            _, first = np.unique(got[new_at], return_index=True)
+            fresh[at[new_at[first]]] = True
+        else:  # a read (inference, a frozen layer): not counted in stats()
+            got = to_host(table.lookup(keys[at], count=False))
+    except (ValueError, RuntimeError) as e:  # TableFullError is one
+        raise type(e)(
+            f"Layer '{layer.name}': table shard {me} of {devices} (capacity "
+            f"{table.capacity}, size {table.size}) refused this step's keys. "
+            f"({e})"
+        ) from None
+    got = np.asarray(got, np.int64)
+    rows[at] = np.where(got >= 0, got + me * layer.table.shard_rows, -1)
+    return rows, fresh, owner.astype(np.int32)
