@@ -40,38 +40,68 @@ def make_tables():
     cols = ks.AllToAllDenseEmbedding(
         ROWS, DIM, combiner="mean", optimizer="sgd", sharding="column", name="cols"
     )
-    return rows, cols
+    # Key-sharded; roomy (no key is evicted or dropped on any layout), keys
+    # seen once wait for admission (their counts are saved too).
+    hashed = ks.DistributedHashEmbedding(
+        DIM, capacity=512, combiner="sum", optimizer="adagrad", admit_after=2,
+        sharding="key", name="hashed",
+    )  # fmt: skip
+    return rows, cols, hashed
 
 
 def build_model(tables=None):
     import keras
 
     keras.utils.set_random_seed(0)
-    rows, cols = tables or make_tables()
+    rows, cols, hashed = tables or make_tables()
     a = keras.Input((3,), dtype="int32", name="a")
     b = keras.Input((2,), dtype="int32", name="b")
-    x = keras.layers.Concatenate()([rows(a), cols(b)])
-    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(1, name="head")(x))
+    k = keras.Input((2,), dtype="int64", name="k")
+    x = keras.layers.Concatenate()([rows(a), cols(b), hashed(k)])
+    inputs = {"a": a, "b": b, "k": k}
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
     return model
 
 
 def data(samples=BATCH * STEPS):
     rng = np.random.default_rng(0)
+    pool = rng.integers(-(2**62), 2**62, 60)  # 64-bit keys
     x = {
         "a": rng.integers(0, ROWS, (samples, 3)).astype("int32"),
         "b": rng.integers(0, ROWS, (samples, 2)).astype("int32"),
+        "k": pool[rng.integers(0, 60, (samples, 2))].astype("int64"),
     }
     return x, rng.normal(size=(samples, 1)).astype("float32")
 
 
 def table_state(model):
-    """Each table's saved state as the layer writes it (unsharded)."""
+    """Each table's saved state as the layer writes it (unsharded); the
+    hash layer's per-key records and admission counts sorted by key (rows
+    and table geometry depend on the layout)."""
     out = {}
-    for name in ("rows", "cols"):
+    for name in ("rows", "cols", "hashed"):
         store = {}
         model.get_layer(name).save_own_variables(store)
-        out[name] = {k: np.asarray(v).tolist() for k, v in store.items()}
+        store = {k: np.asarray(v) for k, v in store.items()}
+        if name == "hashed":
+            store = _by_key(store)
+        out[name] = {k: v.tolist() for k, v in store.items()}
     return out
+
+
+def _by_key(store):
+    order = np.argsort(store["record_keys"])
+    kept = {
+        k: v[order]
+        for k, v in store.items()
+        if k.startswith("record_") and k != "record_rows"  # rows: per layout
+    }
+    if "admission_keys" in store:
+        pending = np.argsort(store["admission_keys"])
+        for name in ("admission_keys", "admission_sightings"):
+            kept[name] = store[name][pending]
+    kept["table_clock"] = store["table_clock"]
+    return kept
 
 
 def result(model):

@@ -63,8 +63,9 @@ class HashRecords:
         host = getattr(self.placement, "host_value", None)
         if host is None and self.placement is not None:
             hooks = placement.provider()
+            # Written in place by loads: a read-only gathered array is copied.
             return {
-                name: hooks.unpadded_value(self, variables[name])
+                name: _writable(hooks.unpadded_value(self, variables[name]))
                 for name in progress.each(variables)
             }
         host = host or _host_value
@@ -548,6 +549,11 @@ class HashRecords:
     def _admission_counts(self):
         """The table's pending admission counts, or None (``admit_after=1``)."""
         return getattr(self.table._impl, "admission", None)
+
+
+def _writable(array):
+    array = np.asarray(array)
+    return array if array.flags.writeable else array.copy()
 
 
 def _host_value(variable):
