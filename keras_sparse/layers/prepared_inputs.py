@@ -16,6 +16,8 @@ layer's blocks (codes, or codes and segments) into that input the same way,
 (`take_blocks`, ``layer._prepared_share``).
 """
 
+import sys
+
 import numpy as np
 from keras import ops
 
@@ -70,22 +72,34 @@ def segment_scratch(num_rows):
 
 
 def pack_blocks(arrays, replicas):
-    """``[k B, ...]`` array holding the ``k`` ``arrays`` (each ``[B, ...]``).
+    """``[k B, ...]`` array holding the ``k`` ``arrays`` (each ``[B, ...]``;
+    a `KeyWords` item stands for its two blocks).
 
     Laid out per data-parallel replica as ``[replicas, k, B / replicas, ...]``
     and flattened, so that each replica's share of the batch axis holds its
     samples of every array.
     """
-    arrays = [np.asarray(a) for a in arrays]
-    b = arrays[0].shape[0]
+    items = [a if isinstance(a, KeyWords) else np.asarray(a) for a in arrays]
+    b, rest = items[0].shape[0], items[0].shape[1:]
     if b % replicas:
         raise ValueError(
             f"prefetch: a batch of {b} samples does not split evenly over "
             f"{replicas} data-parallel replicas."
         )
-    rest = arrays[0].shape[1:]
-    per_replica = [a.reshape((replicas, b // replicas) + rest) for a in arrays]
-    return np.stack(per_replica, axis=1).reshape((len(arrays) * b,) + rest)
+    dtypes = [np.int32 if isinstance(a, KeyWords) else a.dtype for a in items]
+    count = sum(2 if isinstance(a, KeyWords) else 1 for a in items)
+    per_replica = (replicas, b // replicas) + rest
+    # Each block is written once, in place (no per-block temporaries).
+    out = np.empty((replicas, count) + per_replica[1:], np.result_type(*dtypes))
+    i = 0
+    for a in items:
+        if isinstance(a, KeyWords):
+            a.fill(out[:, i], out[:, i + 1])
+            i += 2
+        else:
+            out[:, i] = a.reshape(per_replica)
+            i += 1
+    return out.reshape((count * b,) + rest)
 
 
 def pack_prepared(codes, segments, replicas):
@@ -115,12 +129,45 @@ def unpack_prepared(x, replicas):
     return codes, segments
 
 
-def key_word_blocks(keys):
-    """``(high, low)`` int32 words of host ``keys`` (the keys' shape): the
-    blocks a stage adds for a layer drawing fresh rows per key."""
-    keys = np.asarray(keys)
-    words = key_words(host_keys(keys))
-    return words[:, 0].reshape(keys.shape), words[:, 1].reshape(keys.shape)
+class KeyWords:
+    """The two blocks of key words a stage adds for a layer drawing fresh
+    rows per key: the ``(high, low)`` int32 words of the int64 keys that
+    `host_keys` makes of host ``keys`` (the keys' shape), as
+    `keras_sparse.table.sharded_table.key_words` splits them. `pack_blocks`
+    has them written straight into the packed array."""
+
+    shape = property(lambda self: self.keys.shape)
+
+    def __init__(self, keys):
+        self.keys = np.asarray(keys)
+
+    def fill(self, high, low):
+        """Writes the words into ``high`` and ``low`` (int32 arrays of
+        ``[replicas, B / replicas, ...]``)."""
+        keys = self.keys
+        kind, size = keys.dtype.kind, keys.dtype.itemsize
+        if kind in "iu" and size <= 4:
+            # Narrow integers: the low word is the value (uint32: its bits),
+            # the high word its sign.
+            np.copyto(low, keys.reshape(low.shape), casting="unsafe")
+            if kind == "i":
+                np.right_shift(low, 31, out=high)
+            else:
+                high.fill(0)
+            return
+        if keys.dtype == np.int64:
+            flat = np.ascontiguousarray(keys).reshape(-1)  # no copy if it is
+        else:
+            flat = host_keys(keys)
+        if sys.byteorder != "little":
+            words = key_words(flat)
+            np.copyto(high, words[:, 0].reshape(high.shape))
+            np.copyto(low, words[:, 1].reshape(low.shape))
+            return
+        # int64 as (low, high) int32 pairs in memory: two strided copies.
+        pairs = flat.view(np.int32).reshape(-1, 2)
+        np.copyto(low, pairs[:, 0].reshape(low.shape))
+        np.copyto(high, pairs[:, 1].reshape(high.shape))
 
 
 def split_words(x, replicas, blocks):
