@@ -148,7 +148,7 @@ from keras_sparse.layers.model_feeds import replace_at
 from keras_sparse.layers.model_feeds import split_batch
 from keras_sparse.layers.prepared_inputs import KeyWords
 from keras_sparse.layers.prepared_inputs import host_segments
-from keras_sparse.layers.prepared_inputs import pack_blocks
+from keras_sparse.layers.prepared_inputs import pack_groups
 from keras_sparse.layers.prepared_inputs import rows_of_codes
 from keras_sparse.layers.prepared_inputs import segment_scratch
 
@@ -318,7 +318,8 @@ class _Engine:
         if insert and fresh.any():
             from keras_sparse.layers.host_keys import host_keys as _host_keys
 
-            fresh_keys = _host_keys(k)[fresh]
+            # Converted elementwise: the fresh positions' keys alone.
+            fresh_keys = _host_keys(k.reshape(-1)[fresh])
         codes = codes.reshape(keys.shape)
         segments = None
         layout = self.layouts[f_idx]
@@ -326,7 +327,7 @@ class _Engine:
             # The caller holds this layer's turn: its scratch is ours alone.
             if f_idx not in self.scratch:
                 self.scratch[f_idx] = segment_scratch(layer.num_rows)
-            segments = host_segments(codes, self.scratch[f_idx])
+            segments = host_segments(codes, self.scratch[f_idx], rows=rows)
         return codes, fresh_keys, segments
 
     def finish(self, parts, codes, segments):
@@ -334,7 +335,7 @@ class _Engine:
         codes (with what they travel with), routed, copied to the device."""
         (x, y, sw), jobs = parts
         # Layers drawing fresh rows per key: their keys' words, written into
-        # the packed array by `pack_blocks`.
+        # the packed array by `pack_groups`.
         words = [[KeyWords(j[0])] if w else [] for j, w in zip(jobs, self.words)]
         if self.route == "locality":
             t0 = time.perf_counter()
@@ -343,6 +344,7 @@ class _Engine:
             if perm is not None:
                 x, y, sw, codes, segments = _permuted(perm, x, y, sw, codes, segments)
                 words = [[KeyWords(a.keys[perm]) for a in w] for w in words]
+        packs = []  # (path, blocks, replicas) of the inputs packed below
         for group, replicas in self.groups:
             blocks = [
                 b for f in group for b in self._blocks(f, codes, segments) + words[f]
@@ -351,7 +353,11 @@ class _Engine:
             if len(blocks) == 1:
                 x = replace_at(x, path, blocks[0])
             else:
-                x = replace_at(x, path, pack_blocks(blocks, replicas))
+                packs.append((path, blocks, replicas))
+        if packs:
+            packed = pack_groups([(blocks, r) for _, blocks, r in packs])
+            for (path, _, _), array in zip(packs, packed):
+                x = replace_at(x, path, array)
         if self.copy_batch is not None:
             x, y, sw = self.copy_batch((x, y, sw))
         return x, y, sw
