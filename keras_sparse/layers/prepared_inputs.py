@@ -184,10 +184,9 @@ class KeyWords:
             else:
                 high.fill(0)
             return
-        if keys.dtype == np.int64:
-            flat = np.ascontiguousarray(keys).reshape(-1)  # no copy if it is
-        else:
-            flat = host_keys(keys)
+        # Contiguous int64 (a copy only where it is not).
+        flat = keys if keys.dtype == np.int64 else host_keys(keys)
+        flat = np.ascontiguousarray(flat).reshape(-1)
         if sys.byteorder != "little":
             words = key_words(flat)
             np.copyto(high, words[:, 0].reshape(high.shape))
