@@ -309,11 +309,12 @@ class _Engine:
         if layer.combiner is not None and k.ndim == 1:
             k = k[:, None]
             w = None if w is None else w[:, None]
-        use = np.ones(k.size, bool) if w is None else (w != 0).reshape(-1)
+        use = None if w is None else (w != 0).reshape(-1)  # None: every position
         insert = self.insert and layer.trainable
         undo = journal if insert else None
         rows, fresh = layer._map_on_host(k, use, insert, undo=undo)
-        codes = np.where(fresh, -2 - rows, rows).astype(np.int32, copy=False)
+        codes = rows.astype(np.int32)  # a copy: rows are kept for the segments
+        np.subtract(-2, codes, out=codes, where=fresh)  # fresh rows: -2 - row
         fresh_keys = None
         if insert and fresh.any():
             from keras_sparse.layers.host_keys import host_keys as _host_keys

@@ -16,6 +16,7 @@ layer's blocks (codes, or codes and segments) into that input the same way,
 (`take_blocks`, ``layer._prepared_share``).
 """
 
+import math
 import sys
 
 import numpy as np
@@ -108,15 +109,14 @@ def pack_groups(groups):
         dtype = np.result_type(*dtypes)
         count = sum(2 if isinstance(a, KeyWords) else 1 for a in items)
         shape = (replicas, count, b // replicas) + rest
-        size = int(np.prod(shape)) * dtype.itemsize
-        plans.append((items, shape, dtype, total))
+        size = math.prod(shape) * dtype.itemsize
+        plans.append((items, shape, dtype, total, size))
         total += -(-size // _ALIGN) * _ALIGN
     memory = np.empty(total + _ALIGN, np.uint8)
     skip = -memory.ctypes.data % _ALIGN
     out = []
-    for items, shape, dtype, offset in plans:
+    for items, shape, dtype, offset, size in plans:
         at = skip + offset
-        size = int(np.prod(shape)) * dtype.itemsize
         packed = memory[at : at + size].view(dtype).reshape(shape)
         # Each block is written once, in place (no per-block temporaries).
         i = 0
