@@ -145,7 +145,7 @@ def test_step_uses_the_stage_segments_and_works_without_them(monkeypatch):
     monkeypatch.setattr(
         prefetch_module,
         "host_segments",
-        lambda codes, scratch=None: np.zeros(np.shape(codes), np.int32),
+        lambda codes, scratch=None, rows=None: np.zeros(np.shape(codes), np.int32),
     )
     model = _model(capacity=64)
     with prefetch((x, y), model, batch_size=BATCH) as stage:

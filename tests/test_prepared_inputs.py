@@ -71,3 +71,87 @@ def test_pack_refuses_a_batch_that_does_not_split_over_replicas():
     codes = np.zeros(6, np.int32)
     with pytest.raises(ValueError, match="6 samples .* 4 data-parallel replicas"):
         pack_prepared(codes, codes, 4)
+
+
+def _split_words(keys):
+    """Reference: (high, low) int32 words of the int64 keys, via Python ints."""
+    from keras_sparse.layers.host_keys import host_keys
+
+    flat = [int(v) % 2**64 for v in host_keys(keys).tolist()]
+
+    def signed(w):
+        return w - 2**32 if w >= 2**31 else w
+
+    high = np.array([signed(v >> 32) for v in flat], np.int32).reshape(keys.shape)
+    low = np.array([signed(v & 0xFFFFFFFF) for v in flat], np.int32)
+    return high, low.reshape(keys.shape)
+
+
+def _stacked(arrays, replicas):
+    """Reference layout: ``[replicas, k, B / replicas, ...]`` by np.stack."""
+    b, rest = arrays[0].shape[0], arrays[0].shape[1:]
+    parts = [a.reshape((replicas, b // replicas) + rest) for a in arrays]
+    return np.stack(parts, axis=1).reshape((len(arrays) * b,) + rest)
+
+
+_KEY_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+@pytest.mark.parametrize("dtype", _KEY_DTYPES + ["str", "object"])
+@pytest.mark.parametrize("shape", [(8,), (8, 3)])
+def test_key_words_are_packed_as_the_keys_int64_words(dtype, shape):
+    from keras_sparse.layers.prepared_inputs import KeyWords
+    from keras_sparse.layers.prepared_inputs import pack_blocks
+
+    rng = np.random.default_rng(7)
+    n = int(np.prod(shape))
+    if dtype == "str":
+        keys = np.array([f"k{i}" for i in rng.integers(0, 99, n)]).reshape(shape)
+    elif dtype == "object":
+        values = [int(v) for v in rng.integers(-(2**62), 2**62, n)]
+        values[:2] = [2**64 - 1, -(2**63)]  # uint64 bits; the int64 minimum
+        keys = np.array(values, dtype=object).reshape(shape)
+    else:
+        info = np.iinfo(dtype)
+        keys = rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+        keys.flat[:2] = [info.min, info.max]
+    codes = rng.integers(-5, 50, shape).astype(np.int32)
+    for replicas in (1, 2, 4):
+        got = pack_blocks([codes, KeyWords(keys), codes + 1], replicas)
+        want = _stacked([codes, *_split_words(keys), codes + 1], replicas)
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+    # A strided view reads the same words as its copy.
+    wide = np.repeat(keys, 2, axis=0)[::2]
+    got = pack_blocks([codes, KeyWords(wide)], 2)
+    np.testing.assert_array_equal(got, _stacked([codes, *_split_words(keys)], 2))
+
+
+def test_pack_groups_lay_each_group_out_alone():
+    from keras_sparse.layers.prepared_inputs import pack_groups
+
+    rng = np.random.default_rng(2)
+    a = [rng.integers(0, 9, (12,)).astype(np.int32) for _ in range(3)]
+    b = [rng.integers(0, 9, (12, 5)).astype(np.int64) for _ in range(2)]
+    c = [rng.integers(0, 9, (12,)).astype(np.int32)]
+    groups = [(a, 2), (b, 4), (c, 1), (a[:2], 3)]
+    got = pack_groups(groups)
+    for packed, (arrays, replicas) in zip(got, groups):
+        want = _stacked(arrays, replicas)
+        assert packed.dtype == want.dtype
+        np.testing.assert_array_equal(packed, want)
+        assert packed.ctypes.data % 64 == 0  # cache-line aligned views
+    got[0][:] = -7  # views of one allocation, not overlapping
+    np.testing.assert_array_equal(got[1], _stacked(b, 4))
+    np.testing.assert_array_equal(got[2], _stacked(c, 1))
+
+
+def test_segments_from_given_rows_equal_those_from_codes():
+    rng = np.random.default_rng(4)
+    codes = rng.integers(-40, 60, (300, 2)).astype(np.int32)
+    codes[codes < -1] = np.maximum(codes[codes < -1], -1 - 40)
+    rows = np.where(codes <= -2, -2 - codes, codes)
+    scratch = segment_scratch(60)
+    want = host_segments(codes, scratch)
+    np.testing.assert_array_equal(host_segments(codes, scratch, rows=rows), want)
+    np.testing.assert_array_equal(host_segments(codes, rows=rows), host_segments(codes))

@@ -14,18 +14,54 @@ pass keeps them tagged with their batch. The layer asks for the records of
 the batches its step counter says are not trained yet (`Lookahead`), and the
 table computes its state before them. That costs the call a copy of the
 found rows and their scores, plus the evicted keys' scores; nothing is
-copied at a save beyond what ``export`` copies.
+copied at a save beyond what ``export`` copies. The arrays of the found rows
+and scores are recycled from dropped records (`RecordBuffers`): memory new
+to the process costs a page fault per 4 KiB, more than the copies
+themselves.
 """
 
 import collections
 import threading
 import weakref
 
+import numpy as np
+
 # Batches whose records are kept after they were handed to Keras: Keras'
 # own prefetching (tf.data's on TensorFlow) may hold a few untrained; a save
 # that needs records already dropped raises rather than writing a wrong
 # table. A record holds about two int64 per key of its batch.
 KEEP_SERVED = 16
+# Spare record arrays kept per table: about the records a pass holds at once
+# (the batches kept after serving, plus those prepared ahead).
+_SPARES = 2 * KEEP_SERVED
+
+
+class RecordBuffers:
+    """int64 ``[2, n]`` arrays for the found rows and scores of one table's
+    undo records (``log.buffer``, see `keras_sparse.table.undo`), taken
+    back from the records a `Journal` drops. Shared by the table's journals
+    of every pass of a stage."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._spare = []
+
+    def take(self, n):
+        """A spare array of at least ``n`` columns, else a new one."""
+        with self._lock:
+            for i in range(len(self._spare) - 1, -1, -1):
+                if self._spare[i].shape[1] >= n:
+                    return self._spare.pop(i)
+        return np.empty((2, n), np.int64)
+
+    def give(self, records):
+        """Takes back the arrays of dropped ``records``: no one reads them
+        again (saves read records under the table's lock, which the calls
+        that reuse them hold too)."""
+        with self._lock:
+            for r in records:
+                if r.buffer is not None and len(self._spare) < _SPARES:
+                    self._spare.append(r.buffer)
 
 
 class Journal:
@@ -33,22 +69,39 @@ class Journal:
     batch. A table's calls are serialized (one lane), so the caller sets
     ``seq`` before each call and the table `append`s under its lock."""
 
-    def __init__(self):
+    def __init__(self, buffers=None):
         self.seq = 0
         self._lock = threading.Lock()
         self._records = collections.deque()  # (seq, UndoRecord), call order
         self._floor = 0  # records of batches below are dropped
+        self._buffers = RecordBuffers() if buffers is None else buffers
 
     def append(self, record):
         with self._lock:
             self._records.append((self.seq, record))
 
+    def buffer(self, n):
+        """An array for a call's record (see `RecordBuffers`)."""
+        return self._buffers.take(n)
+
+    def _drop_below(self, below):
+        """Drops the records of batches before ``below`` (lock held)."""
+        dropped = []
+        while self._records and self._records[0][0] < below:
+            dropped.append(self._records.popleft()[1])
+        self._buffers.give(dropped)
+
     def trim(self, below):
         """Drops the records of batches before ``below``."""
         with self._lock:
             self._floor = max(self._floor, below)
-            while self._records and self._records[0][0] < below:
-                self._records.popleft()
+            self._drop_below(below)
+
+    def release(self):
+        """Drops every record: the pass is over (every batch it served
+        trained, or the stage rolled the untrained ones back)."""
+        with self._lock:
+            self._drop_below(float("inf"))
 
     def since(self, first, name):
         """Records of batches ``first`` on, in call order (``name``: the
@@ -65,8 +118,7 @@ class Journal:
                 )
             # Batches before ``first`` are trained: their records are not
             # needed again (the count only grows within a pass).
-            while self._records and self._records[0][0] < first:
-                self._records.popleft()
+            self._drop_below(first)
             self._floor = max(self._floor, first)
             return [r for _, r in self._records]
 

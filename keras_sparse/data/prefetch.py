@@ -146,9 +146,9 @@ from keras_sparse.layers.model_feeds import input_groups
 from keras_sparse.layers.model_feeds import plan
 from keras_sparse.layers.model_feeds import replace_at
 from keras_sparse.layers.model_feeds import split_batch
+from keras_sparse.layers.prepared_inputs import KeyWords
 from keras_sparse.layers.prepared_inputs import host_segments
-from keras_sparse.layers.prepared_inputs import key_word_blocks
-from keras_sparse.layers.prepared_inputs import pack_blocks
+from keras_sparse.layers.prepared_inputs import pack_groups
 from keras_sparse.layers.prepared_inputs import rows_of_codes
 from keras_sparse.layers.prepared_inputs import segment_scratch
 
@@ -192,6 +192,7 @@ class _Engine:
         }  # fmt: skip
         self._pass = None
         self._pass_count = 0
+        self.record_buffers = []  # per lane: `lookahead.RecordBuffers`
         # Per feed: its layer's step counter when the next pass begins
         # (None: unknown, read then).
         self.base = _counters(feeds)
@@ -228,6 +229,8 @@ class _Engine:
             trained = self._rollback(p)
         else:
             trained = [p.next] * len(self.feeds)  # every batch served was trained
+        for journal in p.journals:
+            journal.release()  # no save asks for this pass's records again
         # The next pass's first step count, known without reading the counter
         # inside a fit (see `_Pass`).
         self.base = [
@@ -306,16 +309,18 @@ class _Engine:
         if layer.combiner is not None and k.ndim == 1:
             k = k[:, None]
             w = None if w is None else w[:, None]
-        use = np.ones(k.size, bool) if w is None else (w != 0).reshape(-1)
+        use = None if w is None else (w != 0).reshape(-1)  # None: every position
         insert = self.insert and layer.trainable
         undo = journal if insert else None
         rows, fresh = layer._map_on_host(k, use, insert, undo=undo)
-        codes = np.where(fresh, -2 - rows, rows).astype(np.int32, copy=False)
+        codes = rows.astype(np.int32)  # a copy: rows are kept for the segments
+        np.subtract(-2, codes, out=codes, where=fresh)  # fresh rows: -2 - row
         fresh_keys = None
         if insert and fresh.any():
             from keras_sparse.layers.host_keys import host_keys as _host_keys
 
-            fresh_keys = _host_keys(k)[fresh]
+            # Converted elementwise: the fresh positions' keys alone.
+            fresh_keys = _host_keys(k.reshape(-1)[fresh])
         codes = codes.reshape(keys.shape)
         segments = None
         layout = self.layouts[f_idx]
@@ -323,30 +328,37 @@ class _Engine:
             # The caller holds this layer's turn: its scratch is ours alone.
             if f_idx not in self.scratch:
                 self.scratch[f_idx] = segment_scratch(layer.num_rows)
-            segments = host_segments(codes, self.scratch[f_idx])
+            segments = host_segments(codes, self.scratch[f_idx], rows=rows)
         return codes, fresh_keys, segments
 
     def finish(self, parts, codes, segments):
         """The batch handed to Keras: each hash layer's input replaced by its
         codes (with what they travel with), routed, copied to the device."""
         (x, y, sw), jobs = parts
-        words = [key_word_blocks(j[0]) if w else () for j, w in zip(jobs, self.words)]
+        # Layers drawing fresh rows per key: their keys' words, written into
+        # the packed array by `pack_groups`.
+        words = [[KeyWords(j[0])] if w else [] for j, w in zip(jobs, self.words)]
         if self.route == "locality":
             t0 = time.perf_counter()
             perm = self._route(jobs, codes)
             self._add("route_s", time.perf_counter() - t0)
             if perm is not None:
                 x, y, sw, codes, segments = _permuted(perm, x, y, sw, codes, segments)
-                words = [tuple(a[perm] for a in w) for w in words]
+                words = [[KeyWords(a.keys[perm]) for a in w] for w in words]
+        packs = []  # (path, blocks, replicas) of the inputs packed below
         for group, replicas in self.groups:
             blocks = [
-                b for f in group for b in self._blocks(f, codes, segments) + [*words[f]]
+                b for f in group for b in self._blocks(f, codes, segments) + words[f]
             ]
             path = self.feeds[group[0]].keys.find(x)
             if len(blocks) == 1:
                 x = replace_at(x, path, blocks[0])
             else:
-                x = replace_at(x, path, pack_blocks(blocks, replicas))
+                packs.append((path, blocks, replicas))
+        if packs:
+            packed = pack_groups([(blocks, r) for _, blocks, r in packs])
+            for (path, _, _), array in zip(packs, packed):
+                x = replace_at(x, path, array)
         if self.copy_batch is not None:
             x, y, sw = self.copy_batch((x, y, sw))
         return x, y, sw
@@ -501,7 +513,10 @@ class _Pass:
         self.turn = [0] * len(self.lane_size)  # per lane: next ticket to run
         # Per lane (table): undo records of its calls, for saves that must
         # show it as of the last trained step (`lookahead`).
-        self.journals = [lookahead.Journal() for _ in self.lane_size]
+        # The arrays of their records are recycled across passes.
+        while len(engine.record_buffers) < len(self.lane_size):
+            engine.record_buffers.append(lookahead.RecordBuffers())
+        self.journals = [lookahead.Journal(b) for b in engine.record_buffers]
         self.unit_s = [0.0] * len(engine.feeds)  # per layer: running mean time
         self.next = 0  # next sequence number handed out
         self.total = None  # batches in this pass, once known

@@ -404,7 +404,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 return rows, fresh
         # No padding (the usual case): no mask copies and scatters. On CuPy
         # the check is one host sync, cheaper than the syncs of mask indexing.
-        if bool(use.all()):
+        if use is None or bool(use.all()):
             use = slice(None)
         else:
             rows[...] = -1
@@ -426,8 +426,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         return rows, fresh
 
     def _map_on_host(self, keys, use, insert, out=None, undo=None):
-        """Host keys (any shape), use (bool) -> flat NumPy (rows, fresh)."""
-        use = np.asarray(use, dtype=bool).reshape(-1)
+        """Host keys (any shape), use (bool; None: every position) -> flat
+        NumPy (rows, fresh)."""
+        if use is not None:
+            use = np.asarray(use, dtype=bool).reshape(-1)
         return self._table_rows(_host_keys(keys), use, insert, np, out, undo)
 
     def _map_step_keys(self, keys, use, insert, out=None):

@@ -16,6 +16,9 @@ layer's blocks (codes, or codes and segments) into that input the same way,
 (`take_blocks`, ``layer._prepared_share``).
 """
 
+import math
+import sys
+
 import numpy as np
 from keras import ops
 
@@ -35,7 +38,7 @@ def rows_of_codes(codes):
     return np.where(codes <= -2, -2 - codes, codes)
 
 
-def host_segments(codes, scratch=None):
+def host_segments(codes, scratch=None, rows=None):
     """int32 segment of each position of ``codes`` (any shape), row-major.
 
     Positions with the same row share a segment, and so do positions without
@@ -46,20 +49,24 @@ def host_segments(codes, scratch=None):
     vectorized passes and no sort: each row's last position claims a scratch
     slot, every position reads its row's claimant, and claimants are numbered
     in position order. Any dense numbering gives the step the same result.
+    ``rows``: `rows_of_codes` of ``codes`` when the caller has them.
     """
     codes = np.asarray(codes)
-    rows = rows_of_codes(codes).reshape(-1)
+    rows = rows_of_codes(codes) if rows is None else np.asarray(rows)
+    rows = rows.reshape(-1)
     if scratch is None:
         keys = np.where(rows >= 0, rows, _NO_ROW)
         _, inverse = np.unique(keys, return_inverse=True)
         return inverse.astype(np.int32).reshape(codes.shape)
-    slot = np.where(rows >= 0, rows, scratch.shape[0] - 1)
-    positions = np.arange(slot.shape[0], dtype=scratch.dtype)
-    scratch[slot] = positions  # duplicates: one position wins per row
-    claimant = scratch[slot]
+    # Positions without a row (-1) claim the scratch's last slot, which no
+    # row uses (Python's negative indexing).
+    positions = np.arange(rows.shape[0], dtype=scratch.dtype)
+    scratch[rows] = positions  # duplicates: one position wins per row
+    claimant = scratch.take(rows)
     is_claimant = claimant == positions
-    number = np.cumsum(is_claimant, dtype=np.int32) - 1
-    return number[claimant].reshape(codes.shape)
+    number = np.cumsum(is_claimant, dtype=np.int32)
+    number -= 1
+    return number.take(claimant).reshape(codes.shape)
 
 
 def segment_scratch(num_rows):
@@ -70,22 +77,58 @@ def segment_scratch(num_rows):
 
 
 def pack_blocks(arrays, replicas):
-    """``[k B, ...]`` array holding the ``k`` ``arrays`` (each ``[B, ...]``).
+    """``[k B, ...]`` array holding the ``k`` ``arrays`` (each ``[B, ...]``;
+    a `KeyWords` item stands for its two blocks).
 
     Laid out per data-parallel replica as ``[replicas, k, B / replicas, ...]``
     and flattened, so that each replica's share of the batch axis holds its
     samples of every array.
     """
-    arrays = [np.asarray(a) for a in arrays]
-    b = arrays[0].shape[0]
-    if b % replicas:
-        raise ValueError(
-            f"prefetch: a batch of {b} samples does not split evenly over "
-            f"{replicas} data-parallel replicas."
-        )
-    rest = arrays[0].shape[1:]
-    per_replica = [a.reshape((replicas, b // replicas) + rest) for a in arrays]
-    return np.stack(per_replica, axis=1).reshape((len(arrays) * b,) + rest)
+    return pack_groups([(arrays, replicas)])[0]
+
+
+# Offsets of the packed arrays inside their common allocation: cache lines.
+_ALIGN = 64
+
+
+def pack_groups(groups):
+    """`pack_blocks` of each ``(arrays, replicas)`` in ``groups``, as views
+    of one allocation: a batch's arrays are new memory, which the OS maps a
+    page at a time on first write (a fault per 4 KiB, about as costly as
+    the copy), and one large allocation takes fewer, larger pages."""
+    plans, total = [], 0
+    for arrays, replicas in groups:
+        items = [a if isinstance(a, KeyWords) else np.asarray(a) for a in arrays]
+        b, rest = items[0].shape[0], items[0].shape[1:]
+        if b % replicas:
+            raise ValueError(
+                f"prefetch: a batch of {b} samples does not split evenly over "
+                f"{replicas} data-parallel replicas."
+            )
+        dtypes = [np.int32 if isinstance(a, KeyWords) else a.dtype for a in items]
+        dtype = np.result_type(*dtypes)
+        count = sum(2 if isinstance(a, KeyWords) else 1 for a in items)
+        shape = (replicas, count, b // replicas) + rest
+        size = math.prod(shape) * dtype.itemsize
+        plans.append((items, shape, dtype, total, size))
+        total += -(-size // _ALIGN) * _ALIGN
+    memory = np.empty(total + _ALIGN, np.uint8)
+    skip = -memory.ctypes.data % _ALIGN
+    out = []
+    for items, shape, dtype, offset, size in plans:
+        at = skip + offset
+        packed = memory[at : at + size].view(dtype).reshape(shape)
+        # Each block is written once, in place (no per-block temporaries).
+        i = 0
+        for a in items:
+            if isinstance(a, KeyWords):
+                a.fill(packed[:, i], packed[:, i + 1])
+                i += 2
+            else:
+                packed[:, i] = a.reshape(shape[:1] + shape[2:])
+                i += 1
+        out.append(packed.reshape((shape[1] * shape[0] * shape[2],) + shape[3:]))
+    return out
 
 
 def pack_prepared(codes, segments, replicas):
@@ -115,12 +158,44 @@ def unpack_prepared(x, replicas):
     return codes, segments
 
 
-def key_word_blocks(keys):
-    """``(high, low)`` int32 words of host ``keys`` (the keys' shape): the
-    blocks a stage adds for a layer drawing fresh rows per key."""
-    keys = np.asarray(keys)
-    words = key_words(host_keys(keys))
-    return words[:, 0].reshape(keys.shape), words[:, 1].reshape(keys.shape)
+class KeyWords:
+    """The two blocks of key words a stage adds for a layer drawing fresh
+    rows per key: the ``(high, low)`` int32 words of the int64 keys that
+    `host_keys` makes of host ``keys`` (the keys' shape), as
+    `keras_sparse.table.sharded_table.key_words` splits them. `pack_blocks`
+    has them written straight into the packed array."""
+
+    shape = property(lambda self: self.keys.shape)
+
+    def __init__(self, keys):
+        self.keys = np.asarray(keys)
+
+    def fill(self, high, low):
+        """Writes the words into ``high`` and ``low`` (int32 arrays of
+        ``[replicas, B / replicas, ...]``)."""
+        keys = self.keys
+        kind, size = keys.dtype.kind, keys.dtype.itemsize
+        if kind in "iu" and size <= 4:
+            # Narrow integers: the low word is the value (uint32: its bits),
+            # the high word its sign.
+            np.copyto(low, keys.reshape(low.shape), casting="unsafe")
+            if kind == "i":
+                np.right_shift(low, 31, out=high)
+            else:
+                high.fill(0)
+            return
+        # Contiguous int64 (a copy only where it is not).
+        flat = keys if keys.dtype == np.int64 else host_keys(keys)
+        flat = np.ascontiguousarray(flat).reshape(-1)
+        if sys.byteorder != "little":
+            words = key_words(flat)
+            np.copyto(high, words[:, 0].reshape(high.shape))
+            np.copyto(low, words[:, 1].reshape(low.shape))
+            return
+        # int64 as (low, high) int32 pairs in memory: two strided copies.
+        pairs = flat.view(np.int32).reshape(-1, 2)
+        np.copyto(low, pairs[:, 0].reshape(low.shape))
+        np.copyto(high, pairs[:, 1].reshape(high.shape))
 
 
 def split_words(x, replicas, blocks):

@@ -316,7 +316,7 @@ class ArrayTable:
         n = int(k.shape[0])
         rows, hit_rows, miss_idx, miss_hash = self._find_for_insert(k)
         if undo is not None:  # before any score changes (hit_rows: scratch)
-            hits = (hit_rows.copy(), self.score[hit_rows])
+            hits = self._record_hits(hit_rows, undo, n)
         counted = None
         n_miss = int(miss_idx.shape[0])
         empty = xp.zeros(0, dtype=xp.int64)
@@ -379,6 +379,23 @@ class ArrayTable:
             undo.append(self._undo_record(clock0, hits, placed_rows, counted))
         return InsertResult(rows, placed_rows, ev_keys, ev_rows), miss_idx
 
+    def _record_hits(self, hit_rows, undo, n_keys):
+        """``(rows, scores, buffer)``: copies of the found rows (scratch)
+        and of their scores, in an array ``undo`` lends (``buffer``, sized
+        for the call's ``n_keys``; see `keras_sparse.table.undo`) or in new
+        ones (``buffer`` None)."""
+        lend = getattr(undo, "buffer", None)
+        if lend is None or self.xp is not np:
+            return hit_rows.copy(), self.score.take(hit_rows), None
+        n = int(hit_rows.shape[0])
+        buffer = lend(max(n, n_keys))
+        rows, scores = buffer[0, :n], buffer[1, :n]
+        rows[...] = hit_rows
+        # mode="clip" (the rows are in range): "raise" would gather into a
+        # temporary first.
+        self.score.take(hit_rows, out=scores, mode="clip")
+        return rows, scores, buffer
+
     def _undo_record(self, clock0, hits, placed_rows, counted):
         """The call's `UndoRecord` (its evictions noted by `note_evicted`)."""
         xp = self.xp
@@ -387,7 +404,10 @@ class ArrayTable:
             ev = [xp.concatenate(part) for part in zip(*log)]
         else:
             ev = [xp.zeros(0, dtype=xp.int64)] * 3
-        return UndoRecord(clock0, *hits, placed_rows, ev[1], ev[0], ev[2], counted)
+        rows, scores, buffer = hits
+        return UndoRecord(
+            clock0, rows, scores, placed_rows, ev[1], ev[0], ev[2], counted, buffer
+        )
 
     def _miss_counts(self, n_miss, first, counts, est, urows):
         """``(misses, rejected_admissions)`` of a call's absent keys, counted

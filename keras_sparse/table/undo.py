@@ -11,6 +11,12 @@ rows, scores, clock and admission counts before them. `state_before`
 computes that on copies, leaving the table as it is: a prefetch stage maps
 batches ahead of training, and a checkpoint must show the table as of the
 last trained batch.
+
+A log may lend the arrays for the found rows and their scores: with a
+method ``buffer(n)`` returning an int64 ``[2, m]`` NumPy array, ``m >= n``,
+which no record in use holds (a prefetch stage recycles those of dropped
+records: each call's record is about two int64 per key, and new memory
+costs a page fault per 4 KiB).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ class UndoRecord(NamedTuple):
     evicted_rows: object
     evicted_scores: object
     admission: object  # CountRecord of the admission counts, or None
+    # The array ``hit_rows`` and ``hit_scores`` are views of when the log
+    # lent it (``log.buffer``), else None: given back once the record is
+    # dropped, for a later call to fill.
+    buffer: object = None
 
 
 class TableState(NamedTuple):
