@@ -161,6 +161,23 @@ def _refused_initializer():
     return "built"
 
 
+def _outside_ddp():
+    """Training a key-sharded layer outside DDP: ``(error, keys held)``;
+    the refusal comes before any key is inserted."""
+    import keras_sparse as ks
+
+    layer = ks.DistributedHashEmbedding(
+        DIM, capacity=64, combiner="sum", optimizer="sgd", name="no_ddp"
+    )
+    keys = np.arange(1, 1 + 2 * BAG, dtype="int64").reshape(2, BAG)
+    layer(keys)  # builds; inference inserts nothing
+    try:
+        layer(keys, training=True)
+    except RuntimeError as error:
+        return str(error), layer.table.size
+    return "trained", layer.table.size
+
+
 def _group_of(world):
     import torch.distributed as dist
 
@@ -186,6 +203,9 @@ def _run_rank(rank, port, out):
             if world == 2:
                 result.update(_run_case(name, rank % 2, 2, out, half))
         result["orthogonal"] = np.array(_refused_initializer())
+        error, held = _outside_ddp()
+        result["outside_ddp"] = np.array(error)
+        result["outside_ddp_keys"] = np.array(held)
         ks.sharding.set_torch_process_group(None)
         result.update(_run_case("lru4", rank, 4, out, None))
         # The file 2 processes wrote, in 4.
@@ -384,6 +404,13 @@ def test_an_initializer_without_a_per_key_draw_is_refused(runs):
         message = str(result["orthogonal"])
         assert "'ortho'" in message and "Orthogonal" in message, message
         assert "RandomUniform" in message, message
+
+
+def test_training_outside_ddp_raises_before_inserting_keys(runs):
+    for result in runs[0]:
+        message = str(result["outside_ddp"])
+        assert "'no_ddp'" in message and "DistributedDataParallel" in message
+        assert int(result["outside_ddp_keys"]) == 0
 
 
 def test_a_killed_peer_fails_the_survivor_in_bounded_time():

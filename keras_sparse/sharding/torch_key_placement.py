@@ -119,8 +119,14 @@ class TorchKeyPlacement(TorchShardedPlacement):
 
     # ------------------------------------------------------------ KeyMapper
     def map_keys(self, layer, keys, use, insert, draw=None):
+        from keras_sparse.ops import torch_distributed
         from keras_sparse.sharding import torch_key_mapping
 
+        if insert or torch_distributed.active_ddp() is not None:
+            # Before any key is inserted: training needs DDP (and a DDP that
+            # left the parts alone); every process raises alike, no
+            # collective has started.
+            self._check_ddp([layer.embeddings, *layer.slots.values()])
         with self._collective("key exchange"):
             rows, fresh = torch_key_mapping.map_keys(
                 self, layer, keys, use, insert, draw if insert else None
