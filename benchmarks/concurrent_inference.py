@@ -14,6 +14,7 @@ output differs from the sequential one.
 
     KERAS_BACKEND=jax python benchmarks/concurrent_inference.py
     KERAS_BACKEND=torch python benchmarks/concurrent_inference.py --quick
+    KERAS_BACKEND=jax python benchmarks/concurrent_inference.py --compiled
 
 Run it alone on the machine; compare ratios from one run only.
 """
@@ -74,6 +75,20 @@ def build_plain(fields, data):
     return model, plain
 
 
+def compiled(model):
+    """A served model as a model server compiles it on JAX: one jitted
+    stateless call (hash layers read their serving map inside the program),
+    which runs without the interpreter lock; Keras's ``predict`` is not
+    thread-safe on JAX."""
+    import jax
+
+    ks.refresh_serving_maps(model)  # a compiled program reads the maps
+    trainable = [v.value for v in model.trainable_variables]
+    frozen = [v.value for v in model.non_trainable_variables]
+    step = jax.jit(lambda t, n, x: model.stateless_call(t, n, x, training=False)[0])
+    return lambda x, training=False: step(trainable, frozen, x)
+
+
 def run(model, data, threads, repeats):
     """Seconds for ``repeats`` passes over ``data`` split over ``threads``,
     and every call's output by batch index."""
@@ -103,11 +118,28 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="JAX: serve one jitted stateless call (both models)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.fields, args.batch, args.batches, args.repeats = 2, 64, 4, 2
+    if args.compiled:
+        import jax
+
+        # 64-bit keys inside a compiled program (docs: serving guide).
+        jax.config.update("jax_enable_x64", True)
     model, data = build(args.fields, args.batch, args.batches)
     expected = [keras.ops.convert_to_numpy(model(b, training=False)) for b in data]
+    if args.compiled:
+        model = compiled(model)
+        eager, expected = expected, [keras.ops.convert_to_numpy(model(b)) for b in data]
+        # The compiled program reads the serving map; XLA may fuse the float
+        # math differently from eager calls, so equal to rounding here, and
+        # the threads below must give exactly the sequential compiled result.
+        np.testing.assert_allclose(np.stack(expected), np.stack(eager), atol=1e-5)
     run(model, data, 1, 1)  # warm-up
     counts = sorted({1, 2, args.threads})
     print(
@@ -116,6 +148,9 @@ def main():
     )
     plain, plain_data = build_plain(args.fields, data)
     plain_expected = [keras.ops.convert_to_numpy(plain(b)) for b in plain_data]
+    if args.compiled:
+        plain = compiled(plain)
+        plain_expected = [keras.ops.convert_to_numpy(plain(b)) for b in plain_data]
     run(plain, plain_data, 1, 1)  # warm-up
     print(
         "| threads | calls/s | vs 1 thread | outputs equal "
