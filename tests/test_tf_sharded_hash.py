@@ -12,12 +12,12 @@ must exist before TensorFlow starts) and print their results as JSON.
 
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
+
+from tests.subprocess_results import module_results
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
@@ -219,30 +219,9 @@ if __name__ == "__main__":
 
 
 # --------------------------------------------------------------------- tests
-_CACHE = {}
-
-
 def _results(replicas):
     """The subprocess's results for ``replicas`` (one run for the module)."""
-    if not _CACHE:
-        path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-        env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=path)
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=400,
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-        if proc.returncode == 0 and lines:
-            _CACHE.update(json.loads(lines[-1][len("RESULTS ") :]))
-        else:  # reported by every test, without running the cases again
-            _CACHE["failure"] = proc.stdout[-3000:] + proc.stderr[-3000:]
-    if "failure" in _CACHE:
-        pytest.fail(_CACHE["failure"])
-    return _CACHE[str(replicas)]
+    return module_results(__file__, timeout=400)[str(replicas)]
 
 
 REPLICAS = pytest.mark.parametrize("replicas", [2, 4])
