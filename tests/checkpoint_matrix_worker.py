@@ -209,7 +209,12 @@ def main():
     if BACKEND == "torch":
         import torch.distributed as dist
 
+        dist.barrier()
         dist.destroy_process_group()  # gloo's threads must stop before exit
+        sys.stdout.flush()
+        # Skips C++ static destructors, which can abort ("terminate called
+        # without an active exception") while a gloo thread winds down.
+        os._exit(0)
 
 
 if __name__ == "__main__":
