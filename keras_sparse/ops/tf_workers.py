@@ -18,6 +18,29 @@ STRATEGIES = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredS
 NAMES = "tf.distribute.MirroredStrategy or MultiWorkerMirroredStrategy"
 
 
+def several_replicas():
+    """``(strategy, replicas, where)`` of the active tf.distribute strategy
+    when it runs more than one replica (``where`` names it for errors),
+    else None."""
+    if not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return None
+    return strategy, replicas, f"{type(strategy).__name__} ({replicas} replicas)"
+
+
+def check_built_outside_step(head):
+    """Raises when a sharded layer is built inside a replica's step (its
+    per-replica variables are made in the strategy's cross-replica scope)."""
+    if not tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            f"{head}: the layer is built inside a replica's step; build the "
+            "model under strategy.scope() before training it."
+        )
+
+
 def first_local_replica(strategy):
     """The replica id (in sync) of this process's first local replica."""
     # MirroredExtended (MultiWorker's base) numbers local replicas from

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from keras_sparse.layers.keyed_fresh_rows import has_seed
 from keras_sparse.layers.keyed_fresh_rows import per_key
+from keras_sparse.ops import tf_workers
 from keras_sparse.ops.key_hash import words_of_keys
 from keras_sparse.ops.tensorflow_lookup import reset_rows
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
@@ -52,13 +53,10 @@ KEY_STRATEGIES = ("key", "auto")
 def key_replicas(layer):
     """``D`` when ``layer`` (a hash layer about to be built) is key-sharded
     over the ``D > 1`` replicas of the active MirroredStrategy, else None."""
-    if layer.sharding not in KEY_STRATEGIES or not tf.distribute.has_strategy():
+    active = tf_workers.several_replicas()
+    if layer.sharding not in KEY_STRATEGIES or active is None:
         return None
-    strategy = tf.distribute.get_strategy()
-    replicas = strategy.num_replicas_in_sync
-    if replicas == 1:
-        return None
-    where = f"{type(strategy).__name__} ({replicas} replicas)"
+    strategy, replicas, where = active
     head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
     if not isinstance(strategy, tf.distribute.MirroredStrategy):
         if layer.sharding == "auto":
@@ -67,11 +65,7 @@ def key_replicas(layer):
             f"{head}: TensorFlow key-shards hash layers under "
             "tf.distribute.MirroredStrategy only (one host)."
         )
-    if not tf.distribute.in_cross_replica_context():
-        raise ValueError(
-            f"{head}: the layer is built inside a replica's step; build the "
-            "model under strategy.scope() before training it."
-        )
+    tf_workers.check_built_outside_step(head)
     if layer.table.device != "cpu":
         raise ValueError(
             f"{head}: key-sharded on TensorFlow, the table shards live on the "

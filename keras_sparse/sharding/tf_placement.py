@@ -41,13 +41,10 @@ def build_placement(layer):
     wanted = STRATEGIES + ("table",)
     if layer.sharding not in wanted or layer.keras_sparse_kind != "fixed":
         return None
-    if not tf.distribute.has_strategy():
+    active = tf_workers.several_replicas()
+    if active is None:
         return None
-    strategy = tf.distribute.get_strategy()
-    replicas = strategy.num_replicas_in_sync
-    if replicas == 1:
-        return None
-    where = f"{type(strategy).__name__} ({replicas} replicas)"
+    strategy, replicas, where = active
     head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
     if layer.sharding == "table":
         raise ValueError(
@@ -61,11 +58,7 @@ def build_placement(layer):
             f"{head}: TensorFlow shards tables under {tf_workers.NAMES} "
             "only. Use one of them, or sharding='data'."
         )
-    if not tf.distribute.in_cross_replica_context():
-        raise ValueError(
-            f"{head}: the layer is built inside a replica's step; build the "
-            "model under strategy.scope() before training it."
-        )
+    tf_workers.check_built_outside_step(head)
     if layer.sparse_optimizer is None:
         raise ValueError(
             f"{head} needs a sparse `optimizer` (the owners update their part "

@@ -10,6 +10,7 @@ columns ``[d * dim / D, (d + 1) * dim / D)``.
 
 import tensorflow as tf
 
+from keras_sparse.ops import tf_workers
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 
 
@@ -28,13 +29,10 @@ class Site:
 def site(layer):
     """A `Site` when ``layer`` is built under a MirroredStrategy of several
     replicas, else None."""
-    if not tf.distribute.has_strategy():
+    active = tf_workers.several_replicas()
+    if active is None:
         return None
-    strategy = tf.distribute.get_strategy()
-    replicas = strategy.num_replicas_in_sync
-    if replicas == 1:
-        return None
-    where = f"{type(strategy).__name__} ({replicas} replicas)"
+    strategy, replicas, where = active
     head = f"Layer '{layer.name}' (EmbeddingCollection) under {where}"
     if not isinstance(strategy, tf.distribute.MirroredStrategy):
         raise NotImplementedError(
@@ -42,11 +40,7 @@ def site(layer):
             "tf.distribute.MirroredStrategy only (one host). Use "
             "MirroredStrategy, or give the tables sharding='data'."
         )
-    if not tf.distribute.in_cross_replica_context():
-        raise ValueError(
-            f"{head}: the layer is built inside a replica's step; build the "
-            "model under strategy.scope() before training it."
-        )
+    tf_workers.check_built_outside_step(head)
     return Site(strategy, replicas, where)
 
 
