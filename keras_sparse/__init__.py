@@ -33,6 +33,9 @@ Public API:
     compiled_cpu_helpers: whether the CPU update of the current backend runs
         its compiled code (built on first use) or the backend's own
         operations, and why.
+    store: row stores, the full table below a device cache of hot rows
+        (`store.HostStore`, `store.DiskStore`: memory-mapped files on
+        local disk; `store.Host()` / `store.Disk(path)` name one).
     set_progress: whether long exports, imports, saves and loads of big hash
         tables show a progress bar (by default: in interactive sessions).
 
@@ -48,6 +51,7 @@ from keras_sparse import _keras_import  # noqa: F401
 from keras_sparse import data
 from keras_sparse import optimizers
 from keras_sparse import sharding
+from keras_sparse import store
 from keras_sparse.cpu_allocator import tune_cpu_allocator
 from keras_sparse.gpu_memory import share_gpu_memory
 from keras_sparse.layers import AllToAllDenseEmbedding
@@ -87,6 +91,7 @@ __all__ = [
     "set_progress",
     "share_gpu_memory",
     "sharding",
+    "store",
     "TableConfig",
     "tune_cpu_allocator",
 ]

@@ -1,0 +1,162 @@
+"""A row store keyed by any int64: a `KeyIndex` over storage slots, and
+the rows of those slots (in host memory or memory-mapped files)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .fields import check_keys
+from .fields import check_rows
+from .fields import distinct
+from .fields import zero_rows
+
+
+class KeyedStore:
+    """Shared by `HostStore` and `DiskStore`: the rows backend (``_rows``)
+    is theirs. Freed slots are reused; with ``hold_freed`` (disk) only
+    after the next `flush`, so a slot the saved index names never takes
+    another key's rows before the index on disk says so."""
+
+    _hold_freed = False
+
+    def _setup(self, fields, rows, index, live, free, slots):
+        self._fields = fields
+        self._rows = rows
+        self._index = index
+        self._live = live  # bool per slot: holds a key
+        self._free = free  # int64 stack of reusable slots
+        self._held = np.zeros(0, np.int64)  # freed since the last flush
+        self._slots = int(slots)  # slots ever used: [0, _slots)
+        self._closed = False
+        self._version = 0
+        self._counts = dict.fromkeys(("reads", "writes", "hits", "misses", "erases"), 0)
+
+    # --- state -------------------------------------------------------------
+    @property
+    def fields(self):
+        return self._fields
+
+    @property
+    def size(self) -> int:
+        return self._index.count
+
+    @property
+    def nbytes(self) -> int:
+        row_bytes = sum(f.row_bytes for f in self._fields)
+        return self.size * row_bytes + self._index.nbytes + self._live.nbytes
+
+    def stats(self) -> dict:
+        return {"size": self.size, "nbytes": self.nbytes, **self._counts}
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError(f"{type(self).__name__} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __len__(self):
+        return self.size
+
+    # --- operations ----------------------------------------------------------
+    def read(self, keys):
+        self._check_open()
+        keys = check_keys(keys, f"{type(self).__name__}.read")
+        slots, _ = self._index.find(keys)
+        found = slots >= 0
+        hits = int(np.count_nonzero(found))
+        self._counts["reads"] += keys.size
+        self._counts["hits"] += hits
+        self._counts["misses"] += keys.size - hits
+        if hits == keys.size:
+            return found, self._rows.gather(slots)
+        rows = zero_rows(self._fields, keys.size)
+        got = self._rows.gather(slots[found])
+        for name, r in rows.items():
+            r[found] = got[name]
+        return found, rows
+
+    def contains(self, keys):
+        self._check_open()
+        keys = check_keys(keys, f"{type(self).__name__}.contains")
+        return self._index.find(keys)[0] >= 0
+
+    def write(self, keys, rows):
+        self._check_open()
+        who = f"{type(self).__name__}.write"
+        keys = check_keys(keys, who, unique=True)
+        rows = check_rows(self._fields, rows, keys.size, who)
+        slots, _ = self._index.find(keys)
+        new = slots < 0
+        if new.any():
+            slots[new] = self._take_slots(int(np.count_nonzero(new)))
+            self._index.insert(keys[new], slots[new])
+            self._live[slots[new]] = True
+        self._rows.scatter(slots, rows)
+        self._counts["writes"] += keys.size
+        self._version += 1
+
+    def _take_slots(self, m: int):
+        reuse = min(m, self._free.size)
+        taken = self._free[self._free.size - reuse :]
+        self._free = self._free[: self._free.size - reuse]
+        fresh = np.arange(self._slots, self._slots + m - reuse, dtype=np.int64)
+        self._slots += fresh.size
+        if self._slots > self._live.size:
+            live = np.zeros(max(self._slots, 2 * self._live.size), bool)
+            live[: self._live.size] = self._live
+            self._live = live
+        self._index.reserve_slots(self._slots)
+        self._rows.reserve(self._slots)
+        return np.concatenate([taken, fresh])
+
+    def erase(self, keys) -> int:
+        self._check_open()
+        keys = check_keys(keys, f"{type(self).__name__}.erase")
+        _, where = self._index.find(keys)
+        where = distinct(where[where >= 0])  # a key given twice: once
+        slots = self._index.table[where].astype(np.int64)
+        self._index.remove(where)
+        self._live[slots] = False
+        if self._hold_freed:
+            self._held = np.concatenate([self._held, slots])
+        else:
+            self._free = np.concatenate([self._free, slots])
+        self._counts["erases"] += slots.size
+        self._version += 1
+        return int(slots.size)
+
+    def chunks(self, rows_per_chunk: int = 65536):
+        self._check_open()
+        if int(rows_per_chunk) < 1:
+            raise ValueError(
+                f"{type(self).__name__}.chunks: rows_per_chunk must be >= 1, "
+                f"got {rows_per_chunk}"
+            )
+        return self._chunks(int(rows_per_chunk), self._version)
+
+    def _chunks(self, step, version):
+        start = 0
+        while start < self._slots:
+            if self._version != version or self._closed:
+                raise RuntimeError(
+                    f"{type(self).__name__} changed while its chunks were read"
+                )
+            end = min(start + step, self._slots)
+            slots = start + np.flatnonzero(self._live[start:end])
+            start = end
+            if slots.size:
+                yield self._index.keys[slots].copy(), self._rows.gather(slots)
+
+    def clear(self):
+        self._check_open()
+        self._index.clear()
+        self._live[:] = False
+        self._free = np.zeros(0, np.int64)
+        self._held = np.zeros(0, np.int64)
+        self._slots = 0
+        self._rows.shrink(self._initial_capacity)
+        self._version += 1
