@@ -10,6 +10,8 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import key_mapping
 from keras_sparse.layers import placement
+from keras_sparse.layers import row_moves
+from keras_sparse.layers import row_tier
 from keras_sparse.layers import serving_hooks
 from keras_sparse.layers import serving_map
 from keras_sparse.layers import table_users
@@ -66,6 +68,7 @@ _OWN_ARGUMENTS = (
     "sharding",
     "table_device",
     "table_seed",
+    "store",
 )
 
 
@@ -246,6 +249,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         sharding="auto",
         table_device="cpu",
         table_seed=0,
+        store=None,
         **kwargs,
     ):
         name = kwargs.get("name") or "distributed_hash_embedding"
@@ -324,6 +328,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         self.key_dtype = key_dtype
         self.table_device = table_device
         self.table_seed = int(table_seed)
+        # Evicted keys go down to this store (None: they are dropped).
+        self.store = row_tier.store_spec(name, store)
+        self.row_tier = None
         self.seed_generator = keras.random.SeedGenerator(int(table_seed) + 1)
         # Fresh rows' first vectors are a function of (fresh_seed, key): a
         # constant, so they do not depend on the step (`keyed_fresh_rows`).
@@ -359,6 +366,8 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         super().build(input_shape)
         if not built:
             serving_map.build(self)
+            if self.store is not None:
+                self.row_tier = row_tier.attach(self, self.store)
 
     # ---------------------------------------------------------------- mapping
     def _lookup_or_insert(self, keys, undo=None):
@@ -412,6 +421,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         as_xp = _to_numpy if xp is np else xp.asarray
         selected = flat[use]
         if insert:
+            tier = self.row_tier
+            if tier is not None:  # the call's evictions go down to the store
+                undo = row_tier.UndoCollector(undo)
             if undo is None:
                 got, new = self._lookup_or_insert(selected)
             else:
@@ -419,10 +431,14 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             rows[use] = as_xp(got)
             fresh[use] = as_xp(new)
             _first_fresh_only(rows, fresh, xp)
+            if tier is not None:
+                tier.record(flat, rows, fresh, undo.record)
         else:
             # Read-only calls (inference, a frozen layer) leave `stats` alone:
             # compiled inference reads the serving map, which cannot count.
             rows[use] = as_xp(self.table.lookup(selected, count=False))
+            if self.row_tier is not None:  # its store read follows (whole keys)
+                self.row_tier.read_keys = flat
         return rows, fresh
 
     def _map_on_host(self, keys, use, insert, out=None, undo=None):
@@ -545,6 +561,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         # the serving map is refreshed for inference calls only.
         rows, fresh, extra = self._map_keys(keys, use, insert, inference=not training)
         valid = rows >= 0
+        if self.row_tier is not None and not insert:
+            # Read-only calls read evicted keys from the store.
+            rows = ops.where(use, rows, -2)  # padding is never looked up
+            extra = {"stored": row_moves.read_stored(self, keys, rows)}
         return self._vectors_out(rows, valid, fresh, weights, shape, insert, extra)
 
     def _call_keys(self, inputs, weights):
@@ -697,6 +717,9 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 self.seed_generator,
                 fans=(self.num_rows, self.output_dim),
             )
+        if self.row_tier is not None:  # rows the store fills are not drawn
+            filled = row_moves.move_rows(self, rows, fresh)
+            fresh = ops.logical_and(fresh, ops.logical_not(filled))
         return self.lookup_rows(rows, valid, True, reset=(fresh, init), **prepared)
 
     def _vectors_out(self, rows, valid, fresh, weights, shape, insert, prepared=None):
@@ -712,7 +735,12 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         else:
             prepared.pop("words", None)
             prepared.pop("init", None)
+            stored = prepared.pop("stored", None)
             vectors = self.lookup_rows(rows, valid, False, **prepared)
+            if stored is not None:  # keys the row store holds
+                found, values = stored
+                vectors = ops.where(ops.expand_dims(found, -1), values, vectors)
+                valid = ops.logical_or(valid, found)
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))
         return ops.cast(out, self.compute_dtype)
@@ -744,7 +772,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         or traces a model. Key-sharded, the counters are those of this
         process's shards. They are not saved.
         """
-        return self.table.stats()
+        out = self.table.stats()
+        if self.row_tier is not None:
+            out.update(self.row_tier.stats())
+        return out
 
     @property
     def table(self):
@@ -770,6 +801,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 "key_dtype": self.key_dtype,
                 "table_device": self.table_device,
                 "table_seed": self.table_seed,
+                "store": row_tier.store_config(self.store),
             }
         )
         return config

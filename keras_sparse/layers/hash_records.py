@@ -29,6 +29,7 @@ from keras_sparse.layers.record_placement import greedy_rows
 from keras_sparse.layers.record_placement import hottest_first
 from keras_sparse.layers.record_placement import import_drop_reason
 from keras_sparse.layers.record_placement import load_drop_message
+from keras_sparse.layers.row_tier import stored_records
 from keras_sparse.progress import silent
 from keras_sparse.progress import tracker
 from keras_sparse.table import TableFullError
@@ -129,6 +130,9 @@ class HashRecords:
         out["scores"] = scores
         if include_rows:
             out["rows"] = rows
+        tier = getattr(self, "row_tier", None)
+        if tier is not None:  # the keys the store holds (row -1)
+            out = stored_records(tier, out, include_rows)
         return out
 
     def import_(self, keys, values, slots=None, scores=None, rows=None):
@@ -204,8 +208,10 @@ class HashRecords:
             scores = checked_ints(self.name, label("scores"), scores, n, 0, SCORE_LIMIT)
         if rows is not None:
             capacity = self.table.capacity
-            rows = checked_ints(self.name, label("rows"), rows, n, 0, capacity)
-            check_distinct(self.name, label("rows"), rows)
+            # -1: a key held by the layer's row store, not by the table.
+            low = -1 if saved else 0
+            rows = checked_ints(self.name, label("rows"), rows, n, low, capacity)
+            check_distinct(self.name, label("rows"), rows[rows >= 0])
         return Records(keys, values, slots, scores, rows)
 
     def _checked_slots(self, slots, n, saved):
@@ -381,7 +387,14 @@ class HashRecords:
             kept = rows >= 0
             self.table.clear()
             self._table_clock(saved.clock)
-            records = subset(records, kept)._replace(rows=rows[kept])
+            if getattr(self, "row_tier", None) is not None:
+                # The keys without a row go down to the store, not away.
+                self.row_tier.reset(subset(records, ~kept))
+                kept[:] = True
+                rows_kept = rows >= 0
+                records = subset(records, rows_kept)._replace(rows=rows[rows_kept])
+            else:
+                records = subset(records, kept)._replace(rows=rows[kept])
             self._store_records(records, progress)
         self.sparse_iterations.assign(saved.iterations)
         self.seed_generator.state.assign(saved.seed_state)
@@ -497,8 +510,14 @@ class HashRecords:
         b1, b2 = (_to_numpy(b) for b in self.table.candidate_buckets(records.keys))
         # Same geometry but other buckets: hash functions changed since saving.
         if records.rows is not None and geometry == self._geometry():
-            bucket = records.rows // self.table.bucket_size
-            if bool(((bucket == b1) | (bucket == b2)).all()):
+            # Rows -1 (keys a row store held) stay there when this layer
+            # has a store too; otherwise every key is placed again.
+            placed = records.rows >= 0
+            if getattr(self, "row_tier", None) is None:
+                placed = np.ones_like(placed)
+            bucket = records.rows[placed] // self.table.bucket_size
+            hit = (bucket == b1[placed]) | (bucket == b2[placed])
+            if bool((hit & (records.rows[placed] >= 0)).all()):
                 return records.rows
         return greedy_rows(
             b1,

@@ -228,6 +228,20 @@ class HashTable:
             self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
 
+    def set_held_keys(self, hook):
+        """Declares a tier below the table (a row store) that holds keys.
+
+        ``hook(keys) -> (held, scores)``: for the distinct new keys of an
+        insert call (NumPy int64), a bool mask of those the tier holds and
+        their scores there. A held key is admitted at sight (it was admitted
+        before), and under LFU its sightings add to its held score, so an
+        evicted key that comes back continues where it left. None removes
+        the hook. The hook runs under the table's lock and must not call
+        the table.
+        """
+        with self._lock:
+            self._impl.held_keys = hook
+
     def step_rows(self, keys, use=None, out=None):
         """``(rows, fresh)`` of a training step's keys, flat, with no host sync.
 

@@ -332,15 +332,21 @@ class ArrayTable:
             ):
                 counts = xp.ones(int(src.shape[0]), dtype=xp.int64)  # else unused
             admitted = est = None
+            held = self._held_below(k[src], counts)
+            place_counts = counts
+            if held is not None:
+                held, place_counts = held
             if self.admission is not None:
                 uk = k[src]
                 # Counted only once the call has placed its keys: a call
                 # that raises leaves the counts as they were.
                 est, before = self.admission.peek(uk, counts)
                 admitted = est >= self.admit_after
-                ak_src, acounts = src[admitted], counts[admitted]
+                if held is not None:
+                    admitted |= held
+                ak_src, acounts = src[admitted], place_counts[admitted]
             else:
-                ak_src, acounts = src, counts
+                ak_src, acounts = src, place_counts
             hashes = None
             if miss_hash is not None:  # reuse the probe's hashes of these keys
                 sel = first  # the unique misses (None: all of them)
@@ -378,6 +384,22 @@ class ArrayTable:
         if undo is not None:
             undo.append(self._undo_record(clock0, hits, placed_rows, counted))
         return InsertResult(rows, placed_rows, ev_keys, ev_rows), miss_idx
+
+    def _held_below(self, keys, counts):
+        """``(held, counts)`` for a call's distinct new ``keys`` when a tier
+        below the table holds keys (``self.held_keys``, see
+        `HashTable.set_held_keys`), else None: held keys are admitted at
+        sight, and under LFU their sightings add to their held scores."""
+        hook = getattr(self, "held_keys", None)
+        if hook is None:
+            return None
+        held, scores = hook(keys)
+        held = self.xp.asarray(held, dtype=bool)
+        if self.eviction == "lfu" and bool(held.any()):
+            base = self.xp.ones(int(keys.shape[0]), self.xp.int64)
+            counts = base if counts is None else counts.astype(self.xp.int64)
+            counts = counts + self.xp.where(held, self.xp.asarray(scores), 0)
+        return held, counts
 
     def _record_hits(self, hit_rows, undo, n_keys):
         """``(rows, scores, buffer)``: copies of the found rows (scratch)

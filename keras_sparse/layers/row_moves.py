@@ -1,0 +1,146 @@
+"""A training step's row moves between a hash layer's variables and its store.
+
+`move_rows` runs inside the step, before the lookup: it reads the fresh
+rows as they are (the evicted keys' last values), hands them to the host
+(`keras_sparse.layers.row_tier.RowTier.move`: write-backs, then store
+reads) and writes the rows the store filled into the table and slot
+variables. The host hop is a direct call in eager steps, an ordered
+``io_callback`` in a compiled JAX step and a ``tf.numpy_function`` in a
+TensorFlow graph; only ``n`` rows per step cross it (n: the batch's
+positions), whatever the table's size.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_sparse.backend_utils import is_symbolic
+from keras_sparse.ops import backend_module
+
+
+def move_rows(layer, rows, fresh):
+    """Bool ``[n]``: the fresh positions of flat ``rows`` whose rows the
+    layer's store filled (their values and slots are written; the others
+    are for the caller to initialize)."""
+    tier = layer.row_tier
+    variables = {"table": layer.embeddings, **layer.slots}
+    safe = ops.where(fresh, rows, ops.zeros_like(rows))
+    # Read only: no gradient flows through the moves.
+    before = {
+        name: ops.stop_gradient(ops.take(var, safe, axis=0))
+        for name, var in variables.items()
+    }
+    names = list(before)
+
+    def host(step_rows, step_fresh, *values):
+        filled, fills = tier.move(
+            np.asarray(step_rows),
+            np.asarray(step_fresh),
+            {name: np.asarray(v) for name, v in zip(names, values)},
+        )
+        return (filled,) + tuple(fills[name] for name in names)
+
+    args = [rows, fresh] + [before[name] for name in names]
+    if not is_symbolic(rows):
+        out = host(*(ops.convert_to_numpy(a) for a in args))
+        filled, *fills = (ops.convert_to_tensor(x) for x in out)
+    else:
+        filled, *fills = _HOPS[keras.backend.backend()](host, args)
+    _write_rows(variables, rows, filled, dict(zip(names, fills)))
+    return filled
+
+
+def _jax_hop(host, args):
+    import jax
+
+    shapes = [jax.ShapeDtypeStruct(args[1].shape, "bool")]
+    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
+    return jax.experimental.io_callback(host, shapes, *args, ordered=True)
+
+
+def _tf_hop(host, args):
+    import tensorflow as tf
+
+    dtypes = [tf.bool] + [a.dtype for a in args[2:]]
+    out = tf.numpy_function(host, args, dtypes, stateful=True)
+    for x, a in zip(out, args[1:]):
+        x.set_shape(a.shape)
+    return out
+
+
+_HOPS = {"jax": _jax_hop, "tensorflow": _tf_hop}
+
+
+def _write_rows(variables, rows, filled, fills):
+    """``variable[rows[filled]] = values[filled]`` for each variable, in
+    place where the backend allows (the cost is the filled rows, not the
+    table)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        # A reset whose backward passes the table's "gradient" through: a
+        # plain scatter would zero the filled rows in the updated table the
+        # lookup's backward hands back.
+        state = {name: var.value for name, var in variables.items()}
+        new = backend_module().reset_rows(state, rows, filled, fills)
+        for name, var in variables.items():
+            var.assign(new[name])
+        return
+    for name, variable in variables.items():
+        values = ops.cast(fills[name], variable.dtype)
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            tf_var = variable.value
+            if not isinstance(tf_var, tf.Variable):
+                tf_var = variable._value
+            index = tf.boolean_mask(rows, filled)
+            tf_var.scatter_nd_update(index[:, None], tf.boolean_mask(values, filled))
+        else:
+            import torch
+
+            with torch.no_grad():
+                variable.value[rows[filled].long()] = values[filled]
+
+
+def read_stored(layer, keys, rows):
+    """``(found, values)`` of a read-only call: flat bool ``found`` where a
+    key without a row in the table (``rows`` -1) is held by the layer's
+    store, and ``[n, dim]`` its stored vector there (zeros elsewhere). The
+    store is only read: inference never moves rows."""
+    tier = layer.row_tier
+    flat = ops.reshape(keys, (-1,))
+    dim = layer.output_dim
+    dtype = layer.embeddings.dtype
+
+    def host(step_keys, step_rows):
+        step_keys = np.asarray(step_keys).reshape(-1)
+        # The keys this call's mapping used (whole 64-bit keys on JAX
+        # without x64, which the step itself sees truncated).
+        full, tier.read_keys = tier.read_keys, None
+        if (
+            full is None
+            or full.shape != step_keys.shape
+            or not np.array_equal(full.astype(step_keys.dtype), step_keys)
+        ):
+            full = layer._full_keys(step_keys)
+        full = np.asarray(full, np.int64).reshape(-1)
+        return tier.read_missing(full, np.asarray(step_rows), dtype)
+
+    if not is_symbolic(rows):
+        out = host(ops.convert_to_numpy(flat), ops.convert_to_numpy(rows))
+        return tuple(ops.convert_to_tensor(x) for x in out)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        shapes = [
+            jax.ShapeDtypeStruct(rows.shape, "bool"),
+            jax.ShapeDtypeStruct(tuple(rows.shape) + (dim,), dtype),
+        ]
+        return tuple(jax.experimental.io_callback(host, shapes, flat, rows))
+    import tensorflow as tf
+
+    found, values = tf.numpy_function(host, [flat, rows], [tf.bool, dtype])
+    found.set_shape(rows.shape)
+    values.set_shape(tuple(rows.shape) + (dim,))
+    return found, values

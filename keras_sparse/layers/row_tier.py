@@ -1,0 +1,325 @@
+"""A hash layer's rows below the device: evicted keys kept in a row store.
+
+With ``store=`` a `DistributedHashEmbedding`'s ``capacity`` rows on the
+device are a cache. A key the table evicts is written back to the store
+(vector, optimizer slots, score) and comes back with them when it is seen
+again; it is admitted at sight, since it was admitted before. Training
+equals training with a table large enough to hold every key, key by key.
+
+Moves are decided where keys are mapped (the table call, on the host) and
+carried out in the step that trains the batch, because only the step has
+the rows' current values (an earlier step of the input stage's look-ahead
+may still update them). Each training table call records a `MovePlan`; the
+step that trains its batch pops it (`RowTier.move`): first every evicted
+key is written back from the rows it left (their values before this step),
+then every fresh row whose key the store holds is filled from it (and the
+key leaves the store: a key lives in the table or in the store, never
+both). Plans are consumed in the order the calls made them, which is the
+order of the steps, with or without `keras_sparse.data.prefetch`; a step
+whose fresh rows are not those of the oldest plan raises instead of moving
+the wrong rows.
+
+Fresh rows the store does not fill are drawn per key (a function of the
+layer seed and the key), so a key's first vector does not depend on which
+other keys the store filled in the same batch.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Store field of a key's table score (LRU step or LFU count).
+SCORE = "score"
+#: Store field of a key's vector.
+VALUES = "values"
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """The row moves of one training table call (NumPy arrays).
+
+    ``rows``: the rows the call gave to keys (distinct), ``keys`` their
+    keys; ``victim_keys``/``victim_rows``/``victim_scores``: the keys the
+    call evicted, the rows they left and their scores then.
+    """
+
+    rows: np.ndarray
+    keys: np.ndarray
+    victim_keys: np.ndarray
+    victim_rows: np.ndarray
+    victim_scores: np.ndarray
+
+
+class UndoCollector:
+    """Receives a table call's undo record (its evictions with their
+    scores) and passes it on to the input stage's journal, if any."""
+
+    def __init__(self, journal=None):
+        self.record = None
+        self._journal = journal
+
+    def append(self, record):
+        self.record = record
+        if self._journal is not None:
+            self._journal.append(record)
+
+    def __getattr__(self, name):
+        # The stage's journal may lend buffers (`buffer`); forward them.
+        if name == "buffer" and self._journal is not None:
+            return self._journal.buffer
+        raise AttributeError(name)
+
+
+class RowTier:
+    """The row store under one hash layer's table, and its pending moves."""
+
+    def __init__(self, layer_name, store, slot_names):
+        self.layer_name = layer_name
+        self.store = store
+        self.slot_names = tuple(slot_names)
+        self.plans = deque()
+        # The whole keys of the last read-only table call (see row_moves).
+        self.read_keys = None
+        self.counts = {"fills": 0, "write_backs": 0, "store_hits": 0}
+
+    # ------------------------------------------------------------- mapping
+    def held(self, keys):
+        """The table's `set_held_keys` hook: keys in the store, or evicted
+        by a call whose step has not run yet (their write-back is pending)."""
+        keys = np.asarray(keys, np.int64)
+        found, rows = self.store.read(keys)
+        held = np.asarray(found, bool).copy()
+        scores = np.asarray(rows[SCORE]).reshape(-1).astype(np.int64)
+        for plan in self.plans:
+            if plan.victim_keys.size:
+                pos = _positions(plan.victim_keys, keys)
+                hit = pos >= 0
+                held |= hit
+                scores[hit] = plan.victim_scores[pos[hit]]
+        return held, scores
+
+    def record(self, keys, rows, fresh, undo_record):
+        """Queues the plan of a training call: ``keys``/``rows``/``fresh``
+        its flat NumPy keys, rows and fresh flags (first positions only),
+        ``undo_record`` its `keras_sparse.table.undo.UndoRecord`."""
+        at = np.flatnonzero(fresh)
+        empty = np.zeros(0, np.int64)
+        if undo_record is None:
+            victims = (empty, empty, empty)
+        else:
+            victims = (
+                np.asarray(undo_record.evicted_keys, np.int64),
+                np.asarray(undo_record.evicted_rows, np.int64),
+                np.asarray(undo_record.evicted_scores, np.int64),
+            )
+        self.plans.append(
+            MovePlan(
+                np.asarray(rows[at], np.int64),
+                np.asarray(keys[at], np.int64),
+                *victims,
+            )
+        )
+
+    # ---------------------------------------------------------------- step
+    def move(self, rows, fresh, before):
+        """Carries out the oldest plan in the step that trains its batch.
+
+        ``rows``/``fresh``: the step's flat rows and fresh flags;
+        ``before``: ``{"table" | slot name: [n, width]}``, each position's
+        row as it is before this step's fills. Returns ``(filled, fills)``:
+        a bool ``[n]`` mask of the fresh positions filled from the store and
+        their rows ``{"table" | slot name: [n, width]}`` (zeros elsewhere).
+        """
+        rows = np.asarray(rows).reshape(-1)
+        fresh = np.asarray(fresh, bool).reshape(-1)
+        plan = self._pop(rows, fresh)
+        at = np.flatnonzero(fresh)
+        if plan.victim_keys.size:
+            pos = _positions(rows[at], plan.victim_rows)
+            if (pos < 0).any():
+                raise RuntimeError(
+                    f"Layer '{self.layer_name}': an evicted key's row is not "
+                    "among the step's fresh rows; nothing was written back."
+                )
+            pos = at[pos]
+            out = {VALUES: before["table"][pos]}
+            out.update({name: before[name][pos] for name in self.slot_names})
+            out[SCORE] = plan.victim_scores.reshape(-1, 1)
+            self.store.write(plan.victim_keys, out)
+            self.counts["write_backs"] += int(plan.victim_keys.size)
+        n = rows.shape[0]
+        filled = np.zeros(n, bool)
+        fills = {
+            name: np.zeros((n,) + before[name].shape[1:], before[name].dtype)
+            for name in before
+        }
+        if plan.keys.size:
+            keys = plan.keys[_positions(plan.rows, rows[at])]
+            found, got = self.store.read(keys)
+            found = np.asarray(found, bool)
+            if found.any():
+                hit = at[found]
+                filled[hit] = True
+                fills["table"][hit] = got[VALUES][found]
+                for name in self.slot_names:
+                    fills[name][hit] = got[name][found]
+                self.store.erase(keys[found])
+                self.counts["fills"] += int(found.sum())
+        return filled, fills
+
+    def read_missing(self, keys, rows, dtype):
+        """``(found, values)``: where a key has no row (``rows`` -1) but the
+        store holds it, and its stored vector (``[n, dim]`` of ``dtype``)."""
+        missing = np.flatnonzero(np.asarray(rows).reshape(-1) < 0)
+        width = next(f.width for f in self.store.fields if f.name == VALUES)
+        found = np.zeros(keys.shape[0], bool)
+        values = np.zeros((keys.shape[0], width), dtype)
+        if missing.size:
+            hit, got = self.store.read(keys[missing])
+            hit = np.asarray(hit, bool)
+            found[missing[hit]] = True
+            values[missing[hit]] = got[VALUES][hit]
+            self.counts["store_hits"] += int(hit.sum())
+        return found, values
+
+    def _pop(self, rows, fresh):
+        if not self.plans:
+            raise RuntimeError(
+                f"Layer '{self.layer_name}': a training step found no row moves "
+                "to carry out for its batch (its keys were not mapped by this "
+                "layer's table in training). Nothing was changed."
+            )
+        plan = self.plans[0]
+        step_rows = np.sort(rows[fresh].astype(np.int64))
+        if not np.array_equal(step_rows, np.sort(plan.rows)):
+            raise RuntimeError(
+                f"Layer '{self.layer_name}': the step's fresh rows are not "
+                "those its batch's table call gave out (a batch was mapped "
+                "but never trained, or trained twice). The store was not "
+                "changed; restore the model from a checkpoint."
+            )
+        return self.plans.popleft()
+
+    def drop_plans(self):
+        """Forgets the pending plans (their batches will not be trained)."""
+        self.plans.clear()
+
+    def reset(self, records):
+        """Empties the store and fills it with ``records`` (a checkpoint's
+        keys that have no row in the table), dropping pending plans."""
+        self.plans.clear()
+        self.store.clear()
+        if not len(records.keys):
+            return
+        out = {VALUES: records.values}
+        out.update({name: records.slots[name] for name in self.slot_names})
+        if records.scores is None:
+            out[SCORE] = np.ones((len(records.keys), 1), np.int64)
+        else:
+            out[SCORE] = np.asarray(records.scores, np.int64).reshape(-1, 1)
+        self.store.write(records.keys, out)
+
+    def stats(self):
+        out = dict(self.counts)
+        out["store_size"] = int(self.store.size)
+        out["store_bytes"] = int(self.store.nbytes)
+        return out
+
+
+def _positions(haystack, needles):
+    """Index in ``haystack`` (distinct values) of each of ``needles``, -1
+    where absent."""
+    haystack = np.asarray(haystack)
+    needles = np.asarray(needles)
+    if haystack.size == 0:
+        return np.full(needles.shape, -1, np.int64)
+    order = np.argsort(haystack, kind="stable")
+    ranked = haystack[order]
+    i = np.minimum(np.searchsorted(ranked, needles), ranked.size - 1)
+    return np.where(ranked[i] == needles, order[i], -1)
+
+
+# ------------------------------------------------------------------ wiring
+def store_spec(layer_name, store):
+    """The layer's ``store`` argument as a store spec (None: no store)."""
+    if store is None:
+        return None
+    from keras_sparse import store as row_stores
+
+    try:
+        return row_stores.get(store)
+    except ValueError as e:
+        raise ValueError(f"Layer '{layer_name}': `store`: {e}") from None
+
+
+def store_config(spec):
+    """The spec's config for ``get_config`` (None without a store)."""
+    if spec is None:
+        return None
+    from keras_sparse import store as row_stores
+
+    return row_stores.serialize(spec)
+
+
+def attach(layer, spec):
+    """A `RowTier` for built ``layer`` over a store opened from ``spec``;
+    the layer's table admits the store's keys at sight."""
+    from keras_sparse import store as row_stores
+    from keras_sparse.layers.keyed_fresh_rows import has_seed
+    from keras_sparse.layers.keyed_fresh_rows import per_key
+
+    where = f"Layer '{layer.name}': `store`"
+    if layer.table.device != "cpu":
+        raise ValueError(
+            f"{where} needs the key->row map on the host (table_device='cpu'); "
+            f"received table_device={layer.table_device!r}."
+        )
+    if getattr(layer.table, "num_shards", None) is not None or (
+        layer.placement is not None
+    ):
+        raise ValueError(
+            f"{where} is not available with sharding='key' yet: use "
+            "sharding='data' (one host table) or no store."
+        )
+    init = layer.embeddings_initializer
+    if has_seed(init) and not per_key(init):
+        raise ValueError(
+            f"{where} needs fresh rows drawn per key, so that a key's first "
+            "vector does not depend on which keys the store brought back in "
+            "the same step: use RandomUniform, RandomNormal, TruncatedNormal, "
+            "a VarianceScaling initializer or an unseeded one; received "
+            f"embeddings_initializer={type(init).__name__}."
+        )
+    fields = [row_stores.FieldSpec(VALUES, layer.output_dim, _dtype(layer.embeddings))]
+    for name, var in layer.slots.items():
+        fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
+    fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
+    opened = spec.open_keyed(tuple(fields), name=layer.name)
+    tier = RowTier(layer.name, opened, layer.slots)
+    layer.table.set_held_keys(tier.held)
+    return tier
+
+
+def _dtype(variable):
+    return np.dtype(str(variable.dtype).split(".")[-1]).name
+
+
+def stored_records(tier, out, include_rows):
+    """``out`` (a layer's exported table records) followed by the records
+    of the keys ``tier``'s store holds (row -1)."""
+    parts = {name: [value] for name, value in out.items()}
+    for keys, rows in tier.store.chunks():
+        parts["keys"].append(np.asarray(keys, np.int64))
+        for name in out:
+            if name == "keys":
+                continue
+            if name == "rows":
+                parts[name].append(np.full(len(keys), -1, out[name].dtype))
+            elif name == "scores":
+                parts[name].append(rows[SCORE].reshape(-1).astype(out[name].dtype))
+            else:
+                field = VALUES if name == "values" else name
+                parts[name].append(rows[field].astype(out[name].dtype, copy=False))
+    del include_rows  # rows are in ``out`` exactly when asked for
+    return {name: np.concatenate(chunks) for name, chunks in parts.items()}

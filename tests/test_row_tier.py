@@ -1,0 +1,128 @@
+"""A hash layer over a row store trains as a table holding every key.
+
+The reference is the same layer with a capacity no key is ever evicted
+from; the layer under test has a small table (a cache) whose evicted keys
+go down to a `keras_sparse.store` and come back with their vector, slots
+and score. Both train through ``model.fit`` (a compiled step on JAX and
+TensorFlow, eager on PyTorch) on the same batches; every key's record
+(values, slots, score) must match.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_sparse as ks
+from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+
+UNIVERSE = 250
+BATCH, FIELDS, STEPS = 8, 2, 60
+
+
+def _batches(seed, universe=UNIVERSE):
+    rng = np.random.default_rng(seed)
+    # Zipf-like: a few hot keys, a long tail that keeps evicting.
+    p = 1.0 / np.arange(1, universe + 1) ** 0.9
+    ranks = rng.choice(universe, size=(STEPS * BATCH, FIELDS), p=p / p.sum())
+    keys = (ranks * 7919 + 3).astype("int64")
+    keys[::5, 1] = -(2**62) - ranks[::5, 1]  # far keys too
+    target = rng.normal(size=(STEPS * BATCH, 1)).astype("float32")
+    return keys, target
+
+
+def _model(capacity, store, eviction, optimizer, admit_after):
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((FIELDS,), dtype="int64")
+    layer = DistributedHashEmbedding(
+        4,
+        capacity=capacity,
+        combiner="sum",
+        optimizer=optimizer,
+        eviction=eviction,
+        admit_after=admit_after,
+        store=store,
+        name="ids",
+    )
+    out = keras.layers.Dense(1)(layer(inputs))
+    model = keras.Model(inputs, out)
+    model.compile(optimizer="sgd", loss="mse")
+    return model, layer
+
+
+def _records(layer):
+    rec = layer.export()
+    order = np.argsort(rec["keys"])
+    return {name: np.asarray(value)[order] for name, value in rec.items()}
+
+
+@pytest.mark.parametrize(
+    "eviction, optimizer, admit_after, universe",
+    # With admission, few enough keys that the keys waiting for it never
+    # outnumber the small table's count slots (one per row, as many as the
+    # reference's would need).
+    [("lru", "adagrad", 1, UNIVERSE), ("lfu", "adam", 2, 80), ("lru", "ftrl", 1, 120)],
+)
+def test_store_matches_a_table_holding_every_key(
+    eviction, optimizer, admit_after, universe
+):
+    keys, target = _batches(0, universe)
+    full, full_layer = _model(4096, None, eviction, optimizer, admit_after)
+    cached, layer = _model(64, "host", eviction, optimizer, admit_after)
+    for model in (full, cached):
+        model.fit(keys, target, batch_size=BATCH, shuffle=False, verbose=0)
+    stats = layer.stats()
+    assert stats["evictions"] >= 5 and stats["fills"] >= 1, stats
+    assert full_layer.stats()["evictions"] == 0
+    want, got = _records(full_layer), _records(layer)
+    np.testing.assert_array_equal(got["keys"], want["keys"])
+    for name in want:
+        if name in ("keys", "scores"):
+            continue
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got["scores"], want["scores"])
+    assert stats["store_size"] + stats["size"] == len(want["keys"])
+    np.testing.assert_allclose(
+        cached.predict(keys[:16], verbose=0), full.predict(keys[:16], verbose=0),
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_store_survives_save_and_load(tmp_path, kind):
+    keys, target = _batches(1)
+    spec = ks.store.Host() if kind == "host" else ks.store.Disk(tmp_path / "rows")
+    cached, layer = _model(64, spec, "lru", "adagrad", 1)
+    half = STEPS // 2 * BATCH
+    cached.fit(keys[:half], target[:half], batch_size=BATCH, shuffle=False, verbose=0)
+    path = tmp_path / "m.keras"
+    cached.save(path)
+    before = _records(layer)
+    assert layer.stats()["store_size"] > 0
+    loaded = keras.models.load_model(path)
+    again = loaded.get_layer("ids")
+    assert again.row_tier is not None
+    after = _records(again)
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name])
+    # Both go on training identically.
+    for model in (cached, loaded):
+        model.fit(
+            keys[half:], target[half:], batch_size=BATCH, shuffle=False, verbose=0
+        )
+    a, b = _records(layer), _records(again)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7)
+
+
+def test_store_refuses_what_it_cannot_keep_exact():
+    with pytest.raises(ValueError, match="store"):
+        DistributedHashEmbedding(4, capacity=64, store="nowhere", name="x")
+    layer = DistributedHashEmbedding(
+        4,
+        capacity=64,
+        store="host",
+        embeddings_initializer=keras.initializers.Orthogonal(seed=1),
+        name="orth",
+    )
+    with pytest.raises(ValueError, match="per key"):
+        layer.build((None, 2))
