@@ -4,12 +4,18 @@ A page's ```python blocks run in order, in one fresh interpreter per page
 (as a reader would paste them into one session), each compiled with the
 page's own line numbers so a failure points at the line of the page.
 
-Two HTML comments, invisible on the rendered page, steer this:
+HTML comments, invisible on the rendered page, steer this:
 
 - ``<!-- not run: REASON -->`` on the line before a block: the block needs
   what CI lacks (a GPU, several hosts); the reason is required.
 - ``<!-- runs on: jax -->`` anywhere on a page: its blocks run only under
   the listed Keras backends (comma-separated); other backends skip the page.
+- ``<!-- runs on: BACKEND, devices: N -->`` or ``<!-- runs on: BACKEND,
+  processes: N -->`` on the line before a block: a whole program on its own
+  (not part of the page's session), run only under that Keras backend in a
+  fresh interpreter that must end with a strategy of N replicas (devices),
+  or as N processes launched as torchrun / a TF_CONFIG cluster would
+  (processes); see tests/test_docs_multidevice.py.
 """
 
 import builtins
@@ -22,6 +28,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(\S.*?)\s*-->$")
 RUNS_ON = re.compile(r"<!--\s*runs on:\s*([a-z, ]+?)\s*-->")
 FENCE = re.compile(r"^```(\S*)")
+LAUNCH = re.compile(
+    r"^<!--\s*runs on:\s*(jax|tensorflow|torch)\s*,"
+    r"\s*(devices|processes):\s*([1-9][0-9]*)\s*-->$"
+)
+LAUNCH_LIKE = re.compile(r"^<!--\s*runs on:.*(devices|processes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How a block that needs several devices or processes is run."""
+
+    backend: str
+    kind: str  # "devices" (one process, N replicas) or "processes"
+    count: int
 
 
 @dataclasses.dataclass
@@ -30,6 +50,7 @@ class Block:
     language: str
     code: str
     not_run: str | None  # the reason, for a block CI cannot run
+    launch: Launch | None = None  # a program of its own, on N devices/processes
 
 
 def pages():
@@ -57,7 +78,15 @@ def blocks(page):
         reason = NOT_RUN.match(before)
         code = "\n".join(lines[start:end]) + "\n"
         lang = opened.group(1)
-        out.append(Block(start + 1, lang, code, reason and reason.group(1)))
+        launch = LAUNCH.match(before)
+        if LAUNCH_LIKE.match(before) and not launch:
+            raise ValueError(
+                f"{page}:{i}: write <!-- runs on: jax|tensorflow|torch, "
+                f"devices|processes: N -->, got {before!r}"
+            )
+        if launch:
+            launch = Launch(launch[1], launch[2], int(launch[3]))
+        out.append(Block(start + 1, lang, code, reason and reason.group(1), launch))
         i = end + 1
     return out
 
@@ -70,7 +99,11 @@ def backends(page):
 
 def script(page):
     """A Python program running the page's runnable python blocks in order."""
-    runnable = [b for b in blocks(page) if b.language == "python" and not b.not_run]
+    runnable = [
+        b
+        for b in blocks(page)
+        if b.language == "python" and not b.not_run and not b.launch
+    ]
     parts = [
         "import sys",
         "__scope = {'__name__': '__main__'}",
@@ -81,6 +114,22 @@ def script(page):
             f"exec(compile({padded!r}, {str(ROOT / page)!r}, 'exec'), __scope)"
         )
     return "\n".join(parts) + "\n", len(runnable)
+
+
+def launched(page):
+    """The page's python blocks that run as programs of their own."""
+    return [b for b in blocks(page) if b.language == "python" and b.launch]
+
+
+def program(page, block, epilogue=""):
+    """A Python program running ``block`` alone (its lines numbered as on
+    the page) in ``__scope``, then ``epilogue`` (test code, which may read
+    ``__scope``)."""
+    padded = "\n" * (block.line - 1) + block.code
+    return (
+        "__scope = {'__name__': '__main__'}\n"
+        f"exec(compile({padded!r}, {str(ROOT / page)!r}, 'exec'), __scope)\n" + epilogue
+    )
 
 
 def unbound_names(code):

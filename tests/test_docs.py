@@ -4,7 +4,8 @@ The site (mkdocs.yml, docs/) is built with ``--strict``: a broken link or
 anchor, a page left out of the navigation or a docstring the API reference
 cannot parse fails the build. Every ```python block of the README and of the
 docs pages runs, page by page, under the backend of this run (see
-tests/docs_blocks.py for the two comments that steer it).
+tests/docs_blocks.py for the comments that steer it; blocks for several
+devices or processes run in tests/test_docs_multidevice.py).
 """
 
 import os
@@ -59,12 +60,15 @@ def test_every_python_block_runs_or_says_why_not():
 
 @pytest.mark.backend_independent
 def test_blocks_not_run_compile_and_define_what_they_use():
-    """A block CI cannot run is still valid Python that a reader can run on
-    its own: every name it reads is imported or assigned in it."""
+    """A block CI cannot run, or runs alone on several devices or processes
+    (tests/test_docs_multidevice.py, in its backend's run only), is still
+    valid Python that a reader can run on its own: every name it reads is
+    imported or assigned in it."""
     checked = 0
     for page in docs_blocks.pages():
         for block in docs_blocks.blocks(page):
-            if block.language != "python" or block.not_run is None:
+            alone = block.not_run is not None or block.launch is not None
+            if block.language != "python" or not alone:
                 continue
             where = f"{page}:{block.line}"
             compile(block.code, where, "exec")  # SyntaxError names the place
