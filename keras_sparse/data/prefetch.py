@@ -1236,6 +1236,13 @@ def prefetch(
                 "yet. Train it without the stage, or plan the layer with "
                 "another strategy."
             )
+        if getattr(layer, "row_tier", None) is not None:
+            # An abandoned look-ahead batch would lose the keys it evicted.
+            raise ValueError(
+                f"prefetch: layer '{layer.name}' has a row store (`store=`), "
+                "whose moves are planned per step; a prefetch stage does not "
+                "drive them yet. Train the layer without the stage."
+            )
     copy_batch = batch_copier(transfer)
     insert = bool(training)
     ordered = bool(deterministic) or (insert and bool(hash_layers))
