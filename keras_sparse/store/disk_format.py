@@ -11,8 +11,8 @@ dependency; a batch of rows is one vectorized NumPy gather or scatter on a
 map, by slot (a key-value store pays a call and a copy per key); the OS
 page cache keeps the hot pages and writes dirty ones back, with no cache
 of our own to size; and the keys stay in memory, as GPU hash tables keep
-keys in fast memory and spill values: 16-25 bytes per key (`key_index`),
-so a billion rows of 64 floats are 256 GB on disk and ~20 GB of RAM.
+keys in fast memory and spill values: 16-33 bytes per key (`key_index`),
+so a billion rows of 64 floats are 256 GB on disk and 16-33 GB of RAM.
 
 Crash safety: `flush` syncs the row files, then writes the index and then
 the manifest each under a temporary name, ``fsync``-ed and renamed over

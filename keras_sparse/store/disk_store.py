@@ -24,7 +24,7 @@ class DiskStore(KeyedStore):
     Creates a new store in the folder ``path`` (made if missing; a store
     already there raises FileExistsError unless ``overwrite``). Reopen a
     flushed store in place with `DiskStore.open`. `flush` makes it
-    durable; `close` flushes. Keys and the index stay in memory (16-25
+    durable; `close` flushes. Keys and the index stay in memory (16-33
     bytes per key); rows are read and written through the page cache.
 
     >>> import tempfile

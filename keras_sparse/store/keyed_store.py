@@ -9,6 +9,7 @@ from .fields import check_keys
 from .fields import check_rows
 from .fields import distinct
 from .fields import zero_rows
+from .key_index import KeyIndex
 
 
 class KeyedStore:
@@ -153,8 +154,9 @@ class KeyedStore:
 
     def clear(self):
         self._check_open()
-        self._index.clear()
-        self._live[:] = False
+        # Back to the initial sizes: a cleared store gives its memory back.
+        self._index = KeyIndex(self._initial_capacity)
+        self._live = np.zeros(self._initial_capacity, bool)
         self._free = np.zeros(0, np.int64)
         self._held = np.zeros(0, np.int64)
         self._slots = 0
