@@ -103,15 +103,17 @@ class KeyedStore:
         self._version += 1
 
     def _take_slots(self, m: int):
-        taken = self._free.pop(m)
-        fresh = np.arange(self._slots, self._slots + m - taken.size, dtype=np.int64)
-        self._slots += fresh.size
-        if self._slots > self._live.size:
-            live = np.zeros(max(self._slots, 2 * self._live.size), bool)
+        end = self._slots + m - min(m, self._free.size)
+        # Room first: a failed growth (memory, disk) leaves the store as it was.
+        if end > self._live.size:
+            live = np.zeros(max(end, 2 * self._live.size), bool)
             live[: self._live.size] = self._live
             self._live = live
-        self._index.reserve_slots(self._slots)
-        self._rows.reserve(self._slots)
+        self._index.reserve_slots(end)
+        self._rows.reserve(end)
+        taken = self._free.pop(m)
+        fresh = np.arange(self._slots, end, dtype=np.int64)
+        self._slots = end
         return np.concatenate([taken, fresh])
 
     def erase(self, keys) -> int:
