@@ -119,7 +119,7 @@ class KeyedStore:
     def erase(self, keys) -> int:
         self._check_open()
         keys = check_keys(keys, f"{type(self).__name__}.erase")
-        _, where = self._index.find(keys)
+        _, where = self._index.find(keys, positions=True)
         where = distinct(where[where >= 0])  # a key given twice: once
         slots = self._index.table[where].astype(np.int64)
         self._index.remove(where)
