@@ -61,4 +61,5 @@ class RowStore(Protocol):
         """Flush and release memory and files; later calls raise."""
 
     def stats(self) -> dict:
-        """size, nbytes, reads, writes, hits, misses, erases (disk: file_bytes)."""
+        """size, nbytes; keys read, written, hit, missed and erased since the
+        store was made or opened; disk stores: file_bytes."""
