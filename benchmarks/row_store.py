@@ -16,9 +16,13 @@ as a layer's cache would write back and fill them. Per store, in order:
 Best of ``--reps`` runs, each on a fresh store (disk stores in a new
 folder under ``--folder``, by default the system's temporary folder).
 Disk numbers are page-cache numbers (the files fit in RAM here): they
-measure the store's own work, not the disk.
+measure the store's own work, not the disk. A read of 1e6 rows returns
+two new 64 MB arrays, which glibc maps fresh from the kernel (a page
+fault per 4 KiB page on first write) unless ``--tune-allocator`` keeps
+freed memory for reuse (`keras_sparse.tune_cpu_allocator`).
 
     python benchmarks/row_store.py [--keys 1000000] [--reps 3] [--quick]
+                                   [--tune-allocator]
 """
 
 from __future__ import annotations
@@ -143,7 +147,16 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--folder", default=None)
     parser.add_argument("--quick", action="store_true", help="1e4 keys, 1 run")
+    parser.add_argument(
+        "--tune-allocator",
+        action="store_true",
+        help="keep freed memory for reuse (keras_sparse.tune_cpu_allocator)",
+    )
     args = parser.parse_args()
+    if args.tune_allocator:
+        from keras_sparse import tune_cpu_allocator
+
+        tune_cpu_allocator()
     n, reps = (10_000, 1) if args.quick else (args.keys, args.reps)
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         print(table(run(n, reps, folder), n))

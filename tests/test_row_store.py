@@ -198,7 +198,11 @@ def test_growth_far_past_the_initial_capacity(small_blocks):
     store = HostStore(FIELDS, initial_capacity=1)
     keys = np.unique(rng.integers(-(2**63), 2**63 - 1, 5000, endpoint=True))
     rng.shuffle(keys)
+    store.write(keys[:10], _rows(keys[:10], 1))
+    first = store._rows.blocks["values"][0]
     store.write(keys, _rows(keys, 1))
+    # Growth adds blocks: the rows already held are never copied.
+    assert store._rows.blocks["values"][0] is first
     assert store.erase(keys[:2000]) == 2000
     slots_before = store._slots
     store.write(keys[:1000], _rows(keys[:1000], 2))
@@ -326,6 +330,19 @@ def test_errors_name_the_argument_and_change_nothing(kind, tmp_path):
     store.close()
     with pytest.raises(ValueError, match="closed"):
         store.read([1])
+
+
+def test_disk_files_grow_in_large_sparse_steps(tmp_path):
+    store = DiskStore(tmp_path / "s", FIELDS, initial_capacity=1)
+    store.write([1, 2], _rows([1, 2], 0))
+    # One step of at least GROW_BYTES, not one row at a time.
+    assert os.path.getsize(tmp_path / "s" / "score.rows") >= mapped_rows.GROW_BYTES
+    store.close()
+
+
+def test_a_dense_initializer_of_the_wrong_shape_is_named():
+    with pytest.raises(ValueError, match=r"initializer\(0, 4\).*shape \(4, 3\)"):
+        DenseHostStore(FIELDS, 4, lambda a, b: _rows(np.arange(a, b + 1), 0))
 
 
 def test_field_specs_are_checked():

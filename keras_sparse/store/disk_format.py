@@ -11,19 +11,22 @@ dependency; a batch of rows is one vectorized NumPy gather or scatter on a
 map, by slot (a key-value store pays a call and a copy per key); the OS
 page cache keeps the hot pages and writes dirty ones back, with no cache
 of our own to size; and the keys stay in memory, as GPU hash tables keep
-keys in fast memory and spill values: 16-25 bytes per key (`key_index`),
-so a billion rows of 64 floats are 256 GB on disk and ~20 GB of RAM.
+keys in fast memory and spill values: 16-33 bytes per key (`key_index`),
+so a billion rows of 64 floats are 256 GB on disk and 16-33 GB of RAM.
 
 Crash safety: `flush` syncs the row files, then writes the index and then
 the manifest each under a temporary name, ``fsync``-ed and renamed over
 the old one (`keras_sparse.atomic_files`); the old index file goes last.
 A crash at any point leaves the manifest of the last finished flush and
-the index it names. What a crash between flushes loses: keys written
-since are not in the reopened store, keys erased since are back, and the
-rows of keys held at the flush may be newer than at the flush (rows are
-written in place). A slot freed since the last flush is not reused until
-the next one, so a row never holds another key's values. The layers
-treat a store as a working set and restore tables from their checkpoints.
+the index it names. Each flush writes the whole index (about 17 bytes per
+key: 1.7 GB at 1e8 keys), so flush at checkpoints, not every step.
+
+What a crash between flushes loses: keys written since are not in the
+reopened store, keys erased since are back, and the rows of keys held at
+the flush may be newer than at the flush (rows are written in place). A
+slot freed since the last flush is not reused until the next one, so a
+row never holds another key's values. The layers treat a store as a
+working set and restore tables from their checkpoints.
 
 A missing manifest raises FileNotFoundError; a manifest or index that
 does not match the files raises `StoreFormatError`.

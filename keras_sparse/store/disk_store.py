@@ -16,6 +16,7 @@ from .key_index import REMOVED
 from .key_index import KeyIndex
 from .keyed_store import KeyedStore
 from .mapped_rows import MappedRows
+from .slot_stack import SlotStack
 
 
 class DiskStore(KeyedStore):
@@ -24,7 +25,7 @@ class DiskStore(KeyedStore):
     Creates a new store in the folder ``path`` (made if missing; a store
     already there raises FileExistsError unless ``overwrite``). Reopen a
     flushed store in place with `DiskStore.open`. `flush` makes it
-    durable; `close` flushes. Keys and the index stay in memory (16-25
+    durable; `close` flushes. Keys and the index stay in memory (16-33
     bytes per key); rows are read and written through the page cache.
 
     >>> import tempfile
@@ -92,7 +93,7 @@ class DiskStore(KeyedStore):
         """Rows, then the index, then the manifest, each durable on disk."""
         self._check_open()
         self._rows.flush()
-        free = np.concatenate([self._free, self._held])
+        free = np.concatenate([self._free.values(), self._held.values()])
         n = self._slots
         name = disk_format.write_index(
             self._folder,
@@ -116,7 +117,8 @@ class DiskStore(KeyedStore):
         self._index_name = name
         disk_format.remove_indexes(self._folder, keep=name)
         # The index on disk no longer names these: they may take new keys.
-        self._free, self._held = free, np.zeros(0, np.int64)
+        self._free.push(self._held.values())
+        self._held = SlotStack()
 
     def clear(self):
         super().clear()

@@ -108,9 +108,12 @@ class HostRows:
             self.blocks[f.name][0][start : start + v.shape[0]] = v
 
     def zero_all(self):
-        for f in self.fields:
-            for b in self.blocks[f.name]:
-                b.fill(0)
+        # New zeroed arrays: the OS maps their pages on first touch, where
+        # filling the old ones would write every page.
+        self.blocks = {
+            f.name: [np.zeros(b.shape, b.dtype) for b in self.blocks[f.name]]
+            for f in self.fields
+        }
 
     def shrink(self, capacity: int):
         """Back to one zeroed block of ``capacity`` rows (a cleared store)."""

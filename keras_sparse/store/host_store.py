@@ -22,7 +22,7 @@ class HostStore(KeyedStore):
 
     Keys are any int64 (negative ones and 2**63-1 included). Rows live in
     blocks of 64 MiB per field (`host_rows`), found through a vectorized
-    hash index of 16-25 bytes per key (`key_index`); freed slots are
+    hash index of 16-33 bytes per key (`key_index`); freed slots are
     reused. ``initial_capacity``: keys held before the first growth.
 
     >>> store = HostStore([FieldSpec("values", 2, "float32")])

@@ -3,8 +3,9 @@
 Linear probing over a power-of-two table of slot numbers (-1 empty, -2 a
 removed entry). Keys are not kept in the table but per slot (``keys``), so
 the table is 4 bytes per position while slots fit int32: with the load
-kept between 0.25 and 0.6, the index costs 7-16 bytes per key plus 8 for
-the key itself. Every operation probes all keys of a call together, one
+kept between 0.25 and 0.6, the table costs 7-16 bytes per key, plus 8-16
+for the key itself (the slot arrays grow by doubling); about 17 in all
+for 1e6 keys. Every operation probes all keys of a call together, one
 NumPy step per probe distance (a few dozen at most), never a Python loop
 per key. Any int64 is a key: emptiness is a table value, not a key value.
 """
@@ -69,27 +70,34 @@ class KeyIndex:
         # High bits of the splitmix64 hash: the best mixed ones.
         return (hash_keys(keys, _SALT) >> self._shift).view(np.int64)
 
-    def find(self, keys):
-        """``(slots, positions)`` of ``keys``: -1 where a key is absent."""
+    def find(self, keys, positions: bool = False):
+        """``(slots, table positions or None)`` of ``keys``: -1 where a key
+        is absent (positions only when asked)."""
         n = keys.size
-        slots = np.full(n, -1, np.int64)
-        where = np.full(n, -1, np.int64)
         if n == 0 or self.count == 0:
-            return slots, where
-        idx = np.arange(n)
-        k, p = keys, self._home(keys)
+            missing = np.full(n, -1, np.int64)
+            return missing, (missing.copy() if positions else None)
         table, stored, mask = self.table, self.keys, self._mask
-        while True:
+        # The first probe covers every key: whole-array steps, no index.
+        p = self._home(keys)
+        v = table[p].astype(np.int64)
+        used = v >= 0
+        hit = used & (stored[np.where(used, v, 0)] == keys)
+        slots = np.where(hit, v, -1)
+        where = np.where(hit, p, -1) if positions else None
+        idx = np.flatnonzero((v != EMPTY) & ~hit)
+        k, p = keys[idx], (p[idx] + 1) & mask
+        while idx.size:  # the keys probing further: fewer each round
             v = table[p].astype(np.int64)
             used = v >= 0
             hit = used & (stored[np.where(used, v, 0)] == k)
             if hit.any():
                 slots[idx[hit]] = v[hit]
-                where[idx[hit]] = p[hit]
+                if positions:
+                    where[idx[hit]] = p[hit]
             go = (v != EMPTY) & ~hit
-            if not go.any():
-                return slots, where
             idx, k, p = idx[go], k[go], (p[go] + 1) & mask
+        return slots, where
 
     def reserve_slots(self, slot_capacity: int):
         """Room for slots ``[0, slot_capacity)`` (grows by doubling)."""
@@ -116,10 +124,6 @@ class KeyIndex:
         self.table[positions] = REMOVED
         self.count -= positions.size
         self.removed += positions.size
-
-    def clear(self):
-        self.table = np.full(self.table.size, EMPTY, self.table.dtype)
-        self.count = self.removed = 0
 
     def _rebuild(self, entries: int):
         """A new table for ``entries`` keys, without removed entries."""

@@ -9,6 +9,8 @@ from .fields import check_keys
 from .fields import check_rows
 from .fields import distinct
 from .fields import zero_rows
+from .key_index import KeyIndex
+from .slot_stack import SlotStack
 
 
 class KeyedStore:
@@ -24,8 +26,8 @@ class KeyedStore:
         self._rows = rows
         self._index = index
         self._live = live  # bool per slot: holds a key
-        self._free = free  # int64 stack of reusable slots
-        self._held = np.zeros(0, np.int64)  # freed since the last flush
+        self._free = SlotStack(free)  # reusable slots
+        self._held = SlotStack()  # freed since the last flush (disk)
         self._slots = int(slots)  # slots ever used: [0, _slots)
         self._closed = False
         self._version = 0
@@ -43,7 +45,8 @@ class KeyedStore:
     @property
     def nbytes(self) -> int:
         row_bytes = sum(f.row_bytes for f in self._fields)
-        return self.size * row_bytes + self._index.nbytes + self._live.nbytes
+        index = self._index.nbytes + self._live.nbytes
+        return self.size * row_bytes + index + self._free.nbytes + self._held.nbytes
 
     def stats(self) -> dict:
         return {"size": self.size, "nbytes": self.nbytes, **self._counts}
@@ -100,31 +103,28 @@ class KeyedStore:
         self._version += 1
 
     def _take_slots(self, m: int):
-        reuse = min(m, self._free.size)
-        taken = self._free[self._free.size - reuse :]
-        self._free = self._free[: self._free.size - reuse]
-        fresh = np.arange(self._slots, self._slots + m - reuse, dtype=np.int64)
-        self._slots += fresh.size
-        if self._slots > self._live.size:
-            live = np.zeros(max(self._slots, 2 * self._live.size), bool)
+        end = self._slots + m - min(m, self._free.size)
+        # Room first: a failed growth (memory, disk) leaves the store as it was.
+        if end > self._live.size:
+            live = np.zeros(max(end, 2 * self._live.size), bool)
             live[: self._live.size] = self._live
             self._live = live
-        self._index.reserve_slots(self._slots)
-        self._rows.reserve(self._slots)
+        self._index.reserve_slots(end)
+        self._rows.reserve(end)
+        taken = self._free.pop(m)
+        fresh = np.arange(self._slots, end, dtype=np.int64)
+        self._slots = end
         return np.concatenate([taken, fresh])
 
     def erase(self, keys) -> int:
         self._check_open()
         keys = check_keys(keys, f"{type(self).__name__}.erase")
-        _, where = self._index.find(keys)
+        _, where = self._index.find(keys, positions=True)
         where = distinct(where[where >= 0])  # a key given twice: once
         slots = self._index.table[where].astype(np.int64)
         self._index.remove(where)
         self._live[slots] = False
-        if self._hold_freed:
-            self._held = np.concatenate([self._held, slots])
-        else:
-            self._free = np.concatenate([self._free, slots])
+        (self._held if self._hold_freed else self._free).push(slots)
         self._counts["erases"] += slots.size
         self._version += 1
         return int(slots.size)
@@ -153,10 +153,10 @@ class KeyedStore:
 
     def clear(self):
         self._check_open()
-        self._index.clear()
-        self._live[:] = False
-        self._free = np.zeros(0, np.int64)
-        self._held = np.zeros(0, np.int64)
+        # Back to the initial sizes: a cleared store gives its memory back.
+        self._index = KeyIndex(self._initial_capacity)
+        self._live = np.zeros(self._initial_capacity, bool)
+        self._free, self._held = SlotStack(), SlotStack()
         self._slots = 0
         self._rows.shrink(self._initial_capacity)
         self._version += 1

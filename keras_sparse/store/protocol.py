@@ -17,7 +17,8 @@ class RowStore(Protocol):
     """int64 key -> one row per field (`FieldSpec`).
 
     Keys are 1-D integer arrays (uint64 keys keep their bits as int64).
-    Every operation works on whole arrays of keys at once.
+    Every operation works on whole arrays of keys at once. A store is not
+    thread-safe: one caller at a time (the layer's cache owns it).
     """
 
     @property
@@ -60,4 +61,5 @@ class RowStore(Protocol):
         """Flush and release memory and files; later calls raise."""
 
     def stats(self) -> dict:
-        """size, nbytes, reads, writes, hits, misses, erases (disk: file_bytes)."""
+        """size, nbytes; keys read, written, hit, missed and erased since the
+        store was made or opened; disk stores: file_bytes."""
