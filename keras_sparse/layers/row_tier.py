@@ -24,6 +24,7 @@ layer seed and the key), so a key's first vector does not depend on which
 other keys the store filled in the same batch.
 """
 
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -79,6 +80,8 @@ class RowTier:
         self.store = store
         self.slot_names = tuple(slot_names)
         self.plans = deque()
+        # Stores serve one caller at a time; inference threads read too.
+        self.lock = threading.RLock()
         # The whole keys of the last read-only table call (see row_moves).
         self.read_keys = None
         self.counts = {"fills": 0, "write_backs": 0, "store_hits": 0}
@@ -88,7 +91,8 @@ class RowTier:
         """The table's `set_held_keys` hook: keys in the store, or evicted
         by a call whose step has not run yet (their write-back is pending)."""
         keys = np.asarray(keys, np.int64)
-        found, rows = self.store.read(keys)
+        with self.lock:
+            found, rows = self.store.read(keys)
         held = np.asarray(found, bool).copy()
         scores = np.asarray(rows[SCORE]).reshape(-1).astype(np.int64)
         for plan in self.plans:
@@ -123,6 +127,11 @@ class RowTier:
 
     # ---------------------------------------------------------------- step
     def move(self, rows, fresh, before):
+        """See `_move` (one caller at a time)."""
+        with self.lock:
+            return self._move(rows, fresh, before)
+
+    def _move(self, rows, fresh, before):
         """Carries out the oldest plan in the step that trains its batch.
 
         ``rows``/``fresh``: the step's flat rows and fresh flags;
@@ -169,6 +178,11 @@ class RowTier:
         return filled, fills
 
     def read_missing(self, keys, rows, dtype):
+        """See `_read_missing` (one caller at a time)."""
+        with self.lock:
+            return self._read_missing(keys, rows, dtype)
+
+    def _read_missing(self, keys, rows, dtype):
         """``(found, values)``: where a key has no row (``rows`` -1) but the
         store holds it, and its stored vector (``[n, dim]`` of ``dtype``)."""
         missing = np.flatnonzero(np.asarray(rows).reshape(-1) < 0)
