@@ -8,8 +8,6 @@ stack holds rows ``[d * B, (d + 1) * B)`` of the stack, of a "column" stack
 columns ``[d * dim / D, (d + 1) * dim / D)``.
 """
 
-import tensorflow as tf
-
 from keras_sparse.ops import tf_workers
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 
@@ -34,11 +32,11 @@ def site(layer):
         return None
     strategy, replicas, where = active
     head = f"Layer '{layer.name}' (EmbeddingCollection) under {where}"
-    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    if not isinstance(strategy, tf_workers.STRATEGIES):
         raise NotImplementedError(
             f"{head}: TensorFlow shards a collection's tables under "
-            "tf.distribute.MirroredStrategy only (one host). Use "
-            "MirroredStrategy, or give the tables sharding='data'."
+            f"{tf_workers.NAMES} only. Use one of them, or give the tables "
+            "sharding='data'."
         )
     tf_workers.check_built_outside_step(head)
     return Site(strategy, replicas, where)
