@@ -1,8 +1,10 @@
 """tf.distribute.MultiWorkerMirroredStrategy (TensorFlow): two worker
 processes on localhost (one CPU replica each) train row-, column-sharded and
-replicated ("data") tables in the strategy's custom loop exactly like one
-device on the global batches, save files that load on one device, and a
-worker whose peer dies fails with an error in bounded time.
+replicated ("data") tables, then an EmbeddingCollection and key-sharded
+hash layers (tests/multiworker_sparse.py), in the strategy's custom loop
+exactly like one device on the global batches, infer like it, save files
+that load on one device, and a worker whose peer dies fails with an error
+in bounded time.
 
 Keras's ``fit`` does not run under MultiWorkerMirroredStrategy (Keras 3,
 https://github.com/keras-team/keras/issues/20585), so the workers train with

@@ -1,4 +1,5 @@
-"""Key-sharded `DistributedHashEmbedding` under tf.distribute.MirroredStrategy.
+"""Key-sharded `DistributedHashEmbedding` under tf.distribute.MirroredStrategy
+(and MultiWorkerMirroredStrategy).
 
 With ``sharding="key"`` (or ``"auto"``) under a MirroredStrategy of ``D``
 replicas the layer holds a `keras_sparse.table.ShardedHashTable` of ``D``
@@ -23,6 +24,12 @@ layer holding the same ``ShardedHashTable`` gives it (replica 0's positions
 first): rows, admission counts, scores and evictions match it key by key.
 Every shard is called in every training step (maybe with no keys), so the
 shards' LRU clocks advance together.
+
+Under MultiWorkerMirroredStrategy each worker holds the shards of its own
+replicas (``table.local``) and the all-gathers span the workers; saves and
+`export` gather every worker's records (`gathered_records`, a collective),
+and a call outside a step gathers every worker's keys for the workers to
+answer from the shards they hold (`_map_outside_steps`).
 
 Bytes each replica receives per step, with ``T`` keys in the global batch,
 ``U <= T`` of them used (not padding) and ``dim`` float32 columns: the keys
@@ -52,7 +59,8 @@ KEY_STRATEGIES = ("key", "auto")
 
 def key_replicas(layer):
     """``D`` when ``layer`` (a hash layer about to be built) is key-sharded
-    over the ``D > 1`` replicas of the active MirroredStrategy, else None."""
+    over the ``D > 1`` replicas of the active (MultiWorker)MirroredStrategy,
+    else None."""
     active = tf_workers.several_replicas()
     if layer.sharding not in KEY_STRATEGIES or active is None:
         return None

@@ -1,4 +1,5 @@
-"""`EmbeddingCollection` stacks sharded over a MirroredStrategy's replicas.
+"""`EmbeddingCollection` stacks sharded over a (MultiWorker)MirroredStrategy's
+replicas (across workers each worker holds its own replicas' parts).
 
 See `keras_sparse.sharding.process_stacks` for what is decided and
 `keras_sparse.sharding.tf_placement` for the variables (one
@@ -25,8 +26,8 @@ class Site:
 
 
 def site(layer):
-    """A `Site` when ``layer`` is built under a MirroredStrategy of several
-    replicas, else None."""
+    """A `Site` when ``layer`` is built under a (MultiWorker)MirroredStrategy
+    of several replicas, else None."""
     active = tf_workers.several_replicas()
     if active is None:
         return None
