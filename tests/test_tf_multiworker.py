@@ -1,8 +1,10 @@
 """tf.distribute.MultiWorkerMirroredStrategy (TensorFlow): two worker
 processes on localhost (one CPU replica each) train row-, column-sharded and
-replicated ("data") tables in the strategy's custom loop exactly like one
-device on the global batches, save files that load on one device, and a
-worker whose peer dies fails with an error in bounded time.
+replicated ("data") tables, then an EmbeddingCollection and key-sharded
+hash layers (tests/multiworker_sparse.py), in the strategy's custom loop
+exactly like one device on the global batches, infer like it, save files
+that load on one device, and a worker whose peer dies fails with an error
+in bounded time.
 
 Keras's ``fit`` does not run under MultiWorkerMirroredStrategy (Keras 3,
 https://github.com/keras-team/keras/issues/20585), so the workers train with
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, DIM, GLOBAL, STEPS, TOL = 21, 4, 8, 4, 1e-5
-WORKERS, TIMEOUT = 2, 20  # collective timeout (seconds)
+WORKERS, TIMEOUT = 2, 60  # collective timeout (seconds): a busy machine
 # name: (sharding, optimizer, combiner); 21 rows leave a padding row.
 LAYERS = {
     "row_sgd": ("row", "sgd", None),
@@ -82,7 +84,7 @@ def _gap(a, b):
     return max(float(np.abs(a[k].astype(float) - b[k]).max()) for k in a)
 
 
-def _train_step(strategy, model, optimizer):
+def _train_step(strategy, model, optimizer, batch=GLOBAL):
     """The strategy's custom-loop step: each replica's mean-squared error
     summed and divided by the global batch, so the replicas' gradients sum
     to one device's (the sparse update all-gathers them; dense ones are
@@ -92,7 +94,7 @@ def _train_step(strategy, model, optimizer):
     def replica_step(x, y):
         with tf.GradientTape() as tape:
             errors = tf.reduce_mean((model(x, training=True) - y) ** 2, axis=-1)
-            loss = tf.nn.compute_average_loss(errors, global_batch_size=GLOBAL)
+            loss = tf.nn.compute_average_loss(errors, global_batch_size=batch)
         variables = model.trainable_variables
         grads = tape.gradient(loss, variables)
         optimizer.apply_gradients(zip(grads, variables))
@@ -104,12 +106,13 @@ def _train_step(strategy, model, optimizer):
     return step
 
 
-def _train(strategy, step, steps, on_step=None):
-    """``steps`` global batches, each split over the replicas in order."""
+def _train(strategy, step, steps, on_step=None, data=None, batch=GLOBAL):
+    """``steps`` global batches (of ``data`` when given), each split over
+    the replicas in order."""
     import tensorflow as tf
 
-    x, y = _data(GLOBAL * steps)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL)
+    x, y = _data(GLOBAL * steps) if data is None else data
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
     options = tf.data.Options()
     policy = tf.data.experimental.AutoShardPolicy.DATA
     options.experimental_distribute.auto_shard_policy = policy
@@ -148,6 +151,21 @@ def _apply_plan(strategy):
     for layer in layers:
         out[layer.name] = [applied.strategy(layer.name), repr(layer.placement)]
     return out
+
+
+def _sparse_cases(strategy, index, tmp, mark):
+    """Collection and key-sharded hash tables (tests/multiworker_sparse.py)
+    trained in the same loop."""
+    from tests import multiworker_sparse
+
+    def train(model, x, y):
+        with strategy.scope():
+            optimizer = keras.optimizers.SGD(0.05)
+            optimizer.build(model.trainable_variables)
+        step = _train_step(strategy, model, optimizer, multiworker_sparse.GLOBAL)
+        _train(strategy, step, None, data=(x, y), batch=multiworker_sparse.GLOBAL)
+
+    return multiworker_sparse.run(strategy, train, index, tmp, mark)
 
 
 def _worker(index, ports, tmp):
@@ -228,6 +246,8 @@ def _worker(index, ports, tmp):
         out["one_device_predict"] = float(np.abs(predictions).max())
     mark("saved")
     print("RESULTS " + json.dumps(out), flush=True)
+    sparse = _sparse_cases(strategy, index, tmp, mark)
+    print("SPARSE " + json.dumps(sparse), flush=True)
     print("PLAN " + json.dumps(_apply_plan(strategy)), flush=True)
 
     # The dead peer: the other worker exits before its second step.
@@ -300,7 +320,7 @@ def _results(tmp_path_factory):
             lines = {}
             for line in out.splitlines():
                 head, _, rest = line.partition(" ")
-                if head in ("RESULTS", "PLAN", "DEAD"):
+                if head in ("RESULTS", "SPARSE", "PLAN", "DEAD"):
                     lines[head] = json.loads(rest)
             lines["returncode"] = code
             lines["log"] = out[-3000:] + err[-3000:]
@@ -374,3 +394,90 @@ def test_dead_peer_fails_in_bounded_time(workers):
     assert dead["error"] is not None, "the loop finished without its peer"
     assert dead["seconds"] < TIMEOUT + 30, dead
     assert workers[1]["returncode"] == 3 and workers[0]["returncode"] == 0
+
+
+# --------------------------------------- collection and hash tables (SPARSE)
+# tests/multiworker_sparse.py: an EmbeddingCollection ("table", "row",
+# "column", "data" tables) and key-sharded LRU/LFU hash layers
+# (admit_after=2, under pressure) trained in the same pair of processes.
+COUNTERS = ("hits", "misses", "inserts", "evictions", "rejected_admissions")
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_collection_and_hash_layers_are_placed_over_the_workers(workers, index):
+    """Each worker holds its part of each stack (the "table" stack's block
+    of 13 rows holds whole tables; "row": ceil(18 / 2); "column": 2 of 4
+    columns; "data": the whole stack) and its replica's hash table shard."""
+    results = _get(workers, index, "SPARSE")
+    row, column = "TfShardedPlacement('row', devices=2)", "TfShardedPlacement("
+    assert results["placements"] == {
+        "stack_4_table": row, "stack_4_row": row,
+        "stack_4_column": column + "'column', devices=2)", "stack_4_data": "None",
+    }  # fmt: skip
+    shapes = {"table": [13, 4], "row": [6, 4], "column": [9, 2], "data": [5, 4]}
+    for name, parts in results["shapes"].items():
+        assert parts == [shapes[name.split("_")[2]]], name
+    assert len(results["shapes"]) == 8  # 4 stacks, adagrad: 1 slot each
+    assert results["hash_placement"] == "TfKeyPlacement(devices=2)"
+    assert results["local_shards"] == [index]
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_collection_and_hash_training_matches_one_device(workers, index):
+    """Collection tables and slots, each hash layer's records key by key
+    (rows, values, slots, scores), pending admission counts and clock, and
+    the head equal one device to 1e-5, the hash shards under pressure (LRU
+    and LFU evict, admit_after=2 rejects); the workers' counters sum to
+    the one-device 2-shard table's."""
+    results = _get(workers, index, "SPARSE")
+    assert results["trained"] <= TOL
+    reference = results["reference_stats"]
+    for name, counters in reference.items():
+        assert counters["evictions"] > 0 and counters["rejected_admissions"] > 0
+        summed = {
+            k: sum(_get(workers, i, "SPARSE")["stats"][name][k] for i in range(WORKERS))
+            for k in COUNTERS
+        }
+        assert summed == counters, name
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+@pytest.mark.parametrize("what", ["call_outside_step", "predict"])
+def test_collection_and_hash_inference_matches_one_device(workers, index, what):
+    """A plain call in inference mode (outside a step: whole tables and
+    every worker's keys are gathered) and ``model.predict`` (each replica
+    in its step) equal one device on trained, evicted, rejected and unseen
+    keys, and count nothing."""
+    results = _get(workers, index, "SPARSE")
+    assert results["predict_error"] is None
+    assert results[what] <= TOL
+    assert results["inference_keeps_stats"] is True
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_collection_and_hash_save_reloads_under_the_strategy(workers, index):
+    """Every worker saves (the hash records are gathered from the workers);
+    loaded under the strategy, each worker takes its parts and shards, and
+    the state equals the trained one (saved after the inference above, so
+    inference changed no record)."""
+    results = _get(workers, index, "SPARSE")
+    assert results["reloaded"] == 0.0
+    assert results["reloaded_placements"] == [
+        "TfShardedPlacement('row', devices=2)",
+        "TfKeyPlacement(devices=2)",
+    ]
+    assert results["reloaded_call"] <= TOL
+
+
+def test_collection_and_hash_file_loads_on_one_device(workers):
+    """The chief's file on one device: the collection equals the reference;
+    the hash keys are re-placed in one table of the same capacity (a few
+    whose buckets filled up are dropped) with the reference's records, and
+    predictions on samples without the dropped keys equal it."""
+    one = _get(workers, 0, "SPARSE")["one_device"]
+    assert one["placement"] == "None"
+    assert one["collection"] <= TOL
+    assert one["hash"] <= TOL
+    assert max(one["dropped"].values()) <= 8
+    assert one["compared_samples"] >= 16
+    assert one["call"] <= TOL

@@ -81,8 +81,7 @@ def check_replicated_training(name, maps_keys):
             name,
             where,
             "with sharding='key' (or 'auto'; each replica then owns its "
-            "keys' table shard) under tf.distribute.MirroredStrategy, or on "
-            "one device",
+            f"keys' table shard) under {tf_workers.NAMES}, or on one device",
         )
 
 

@@ -103,8 +103,8 @@ def _key_shards(layer):
     """``(D, local mesh positions, routing)`` of a key-sharded layer under
     the active distribution, else None; on PyTorch ``(D, (rank,), None)``
     across the tables' processes (`torch_key_placement.key_shards`); on
-    TensorFlow ``(D, all, None)`` under a MirroredStrategy
-    (`tf_key_placement`)."""
+    TensorFlow ``(D, this process's replicas, None)`` under a
+    (MultiWorker)MirroredStrategy (`tf_key_placement`)."""
     if keras.backend.backend() == "torch":
         from keras_sparse.sharding import torch_key_placement
 
@@ -112,8 +112,7 @@ def _key_shards(layer):
     if keras.backend.backend() == "tensorflow":
         from keras_sparse.sharding import tf_key_placement
 
-        replicas = tf_key_placement.key_replicas(layer)
-        return None if replicas is None else (replicas, tuple(range(replicas)), None)
+        return tf_key_placement.key_shards(layer)
     routing = route(layer)
     if not isinstance(routing, JaxMeshPlacement) or routing.strategy != "key":
         return None

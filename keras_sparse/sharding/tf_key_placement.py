@@ -1,4 +1,5 @@
-"""Key-sharded `DistributedHashEmbedding` under tf.distribute.MirroredStrategy.
+"""Key-sharded `DistributedHashEmbedding` under tf.distribute.MirroredStrategy
+(and MultiWorkerMirroredStrategy).
 
 With ``sharding="key"`` (or ``"auto"``) under a MirroredStrategy of ``D``
 replicas the layer holds a `keras_sparse.table.ShardedHashTable` of ``D``
@@ -23,6 +24,12 @@ layer holding the same ``ShardedHashTable`` gives it (replica 0's positions
 first): rows, admission counts, scores and evictions match it key by key.
 Every shard is called in every training step (maybe with no keys), so the
 shards' LRU clocks advance together.
+
+Under MultiWorkerMirroredStrategy each worker holds the shards of its own
+replicas (``table.local``) and the all-gathers span the workers; saves and
+`export` gather every worker's records (`gathered_records`, a collective),
+and a call outside a step gathers every worker's keys for the workers to
+answer from the shards they hold (`_map_outside_steps`).
 
 Bytes each replica receives per step, with ``T`` keys in the global batch,
 ``U <= T`` of them used (not padding) and ``dim`` float32 columns: the keys
@@ -52,18 +59,18 @@ KEY_STRATEGIES = ("key", "auto")
 
 def key_replicas(layer):
     """``D`` when ``layer`` (a hash layer about to be built) is key-sharded
-    over the ``D > 1`` replicas of the active MirroredStrategy, else None."""
+    over the ``D > 1`` replicas of the active (MultiWorker)MirroredStrategy,
+    else None."""
     active = tf_workers.several_replicas()
     if layer.sharding not in KEY_STRATEGIES or active is None:
         return None
     strategy, replicas, where = active
     head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
-    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    if not isinstance(strategy, tf_workers.STRATEGIES):
         if layer.sharding == "auto":
             return None  # trained, it is refused by `tf_replicas`
         raise NotImplementedError(
-            f"{head}: TensorFlow key-shards hash layers under "
-            "tf.distribute.MirroredStrategy only (one host)."
+            f"{head}: TensorFlow key-shards hash layers under {tf_workers.NAMES} only."
         )
     tf_workers.check_built_outside_step(head)
     if layer.table.device != "cpu":
@@ -80,6 +87,16 @@ def key_replicas(layer):
             "Lecun) initializer, or an unseeded one (zeros, constant)."
         )
     return replicas
+
+
+def key_shards(layer):
+    """``(D, this process's shards, None)`` of a key-sharded hash layer
+    (`key_replicas`): under MultiWorkerMirroredStrategy a worker holds the
+    shards of its own replicas only."""
+    replicas = key_replicas(layer)
+    if replicas is None:
+        return None
+    return replicas, tf_workers.local_replicas(tf.distribute.get_strategy()), None
 
 
 def build_placement(layer):
@@ -199,16 +216,57 @@ class TfKeyPlacement:
                 f"Layer '{self.layer_name}': a key-sharded layer trains only "
                 "inside its strategy's steps (model.fit, or strategy.run)."
             )
+        strategy = self.rows.distribute
+        held = layer.table.local
+        if len(held) == self.devices:
+            return _read_held(layer, keys, use), tf.zeros_like(use), None
+        # Across workers each holds its replicas' shards: every worker reads
+        # every worker's keys in the shards it holds (-1 elsewhere).
+        n = tf.shape(keys)[0]
+        both = tf.stack([keys, tf.cast(use, tf.int64)], axis=1)
+        both, start = tf_workers.concat_over_workers(strategy, both)
+        found = _read_held(layer, both[:, 0], both[:, 1] > 0) + 1
+        rows = tf_workers.sum_over_workers(strategy, found) - 1
+        return rows[start : start + n], tf.zeros_like(use), None
 
-        def read(k, u):
-            rows = np.full(k.shape, -1, np.int32)
-            u = u.astype(bool)
-            rows[u] = to_host(layer.table.lookup(k[u].astype(np.int64), count=False))
-            return rows
+    def gathered_records(self, records, admission, clock):
+        """Every worker's ``records`` (dict of arrays, concatenated in
+        worker order), ``admission`` (``(keys, counts)`` or None, sorted by
+        key) and LRU ``clock`` (the largest): under
+        MultiWorkerMirroredStrategy a collective, so every worker must save
+        together; one process holds every shard otherwise."""
+        if len(tf_workers.local_replicas(self.rows.distribute)) == self.devices:
+            return records, admission, clock
+        mine = (records, admission, int(clock))
+        parts = tf_workers.gather_objects(self.rows.distribute, mine)
+        merged = {
+            name: np.concatenate([np.asarray(p[0][name]) for p in parts])
+            for name in records
+        }
+        pending = None
+        if admission is not None:
+            keys = np.concatenate([p[1][0] for p in parts])
+            counts = np.concatenate([p[1][1] for p in parts])
+            order = np.argsort(keys, kind="stable")
+            pending = keys[order], counts[order]
+        return merged, pending, max(p[2] for p in parts)
 
-        rows = tf.numpy_function(read, [keys, use], tf.int32, stateful=True)
-        rows.set_shape(keys.shape)
-        return rows, tf.zeros_like(use), None
+
+def _read_held(layer, keys, use):
+    """Global rows of the used ``keys`` that this process's shards hold
+    (-1 elsewhere), without counting them in the stats."""
+    devices = layer.table.num_shards
+    held = np.asarray(layer.table.local)
+
+    def read(k, u):
+        rows = np.full(k.shape, -1, np.int32)
+        u = u.astype(bool) & np.isin(owner_of(k, devices), held)
+        rows[u] = to_host(layer.table.lookup(k[u].astype(np.int64), count=False))
+        return rows
+
+    rows = tf.numpy_function(read, [keys, use], tf.int32, stateful=True)
+    rows.set_shape(keys.shape)
+    return rows
 
 
 def _owner_call(layer, me, devices, keys, use, insert):

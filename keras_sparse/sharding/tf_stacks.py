@@ -1,4 +1,5 @@
-"""`EmbeddingCollection` stacks sharded over a MirroredStrategy's replicas.
+"""`EmbeddingCollection` stacks sharded over a (MultiWorker)MirroredStrategy's
+replicas (across workers each worker holds its own replicas' parts).
 
 See `keras_sparse.sharding.process_stacks` for what is decided and
 `keras_sparse.sharding.tf_placement` for the variables (one
@@ -7,8 +8,6 @@ See `keras_sparse.sharding.process_stacks` for what is decided and
 stack holds rows ``[d * B, (d + 1) * B)`` of the stack, of a "column" stack
 columns ``[d * dim / D, (d + 1) * dim / D)``.
 """
-
-import tensorflow as tf
 
 from keras_sparse.ops import tf_workers
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
@@ -27,18 +26,18 @@ class Site:
 
 
 def site(layer):
-    """A `Site` when ``layer`` is built under a MirroredStrategy of several
-    replicas, else None."""
+    """A `Site` when ``layer`` is built under a (MultiWorker)MirroredStrategy
+    of several replicas, else None."""
     active = tf_workers.several_replicas()
     if active is None:
         return None
     strategy, replicas, where = active
     head = f"Layer '{layer.name}' (EmbeddingCollection) under {where}"
-    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+    if not isinstance(strategy, tf_workers.STRATEGIES):
         raise NotImplementedError(
             f"{head}: TensorFlow shards a collection's tables under "
-            "tf.distribute.MirroredStrategy only (one host). Use "
-            "MirroredStrategy, or give the tables sharding='data'."
+            f"{tf_workers.NAMES} only. Use one of them, or give the tables "
+            "sharding='data'."
         )
     tf_workers.check_built_outside_step(head)
     return Site(strategy, replicas, where)
