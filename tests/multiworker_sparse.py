@@ -16,7 +16,7 @@ import os
 import keras
 import numpy as np
 
-DIM, GLOBAL, STEPS, KEYS, CAPACITY, SHARDS = 4, 16, 12, 200, 128, 2
+DIM, GLOBAL, STEPS, KEYS, CAPACITY, SHARDS = 4, 32, 6, 200, 128, 2
 # Collection tables: name: (rows, combiner, sharding, ids per sample).
 TABLES = {
     "ta": (13, "sum", "table", 3),
