@@ -6,7 +6,7 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse import sharding
-from keras_sparse.ops import jax_lookup
+from keras_sparse.ops.jax import lookup as jax_lookup
 from keras_sparse.sharding import jax_exchange_bytes
 from keras_sparse.sharding import jax_sharded_lookup
 

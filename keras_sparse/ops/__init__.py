@@ -5,9 +5,9 @@ import importlib
 import keras
 
 _MODULES = {
-    "jax": "keras_sparse.ops.jax_lookup",
-    "tensorflow": "keras_sparse.ops.tensorflow_lookup",
-    "torch": "keras_sparse.ops.torch_lookup",
+    "jax": "keras_sparse.ops.jax.lookup",
+    "tensorflow": "keras_sparse.ops.tensorflow.lookup",
+    "torch": "keras_sparse.ops.torch.lookup",
 }
 
 

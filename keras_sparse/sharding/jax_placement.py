@@ -53,8 +53,8 @@ class JaxMeshPlacement:
         reset=None,
         exchange_slot=None,
     ):
-        """A drop-in for ``ops.jax_lookup.lookup_with_sparse_update``."""
-        from keras_sparse.ops import jax_lookup
+        """A drop-in for ``ops.jax.lookup.lookup_with_sparse_update``."""
+        from keras_sparse.ops.jax import lookup as jax_lookup
         from keras_sparse.sharding import jax_sharded_lookup
 
         del anchor_var  # the table itself carries the update on JAX
@@ -87,7 +87,7 @@ class JaxMeshPlacement:
     def _reset(self, table_var, slot_vars, optimizer, table, slots, ids, reset):
         """Applies ``reset=(mask, values)`` to the sharded table and slots.
 
-        Mirrors ``ops.jax_lookup.lookup_with_sparse_update``: done
+        Mirrors ``ops.jax.lookup.lookup_with_sparse_update``: done
         functionally (identity backward) so the sharded lookup's update
         lands on the reset table; outside a trace the reset is also assigned
         to the variables.

@@ -38,9 +38,9 @@ import tensorflow as tf
 
 from keras_sparse.layers.keyed_fresh_rows import has_seed
 from keras_sparse.layers.keyed_fresh_rows import per_key
-from keras_sparse.ops import tf_workers
 from keras_sparse.ops.key_hash import words_of_keys
-from keras_sparse.ops.tensorflow_lookup import reset_rows
+from keras_sparse.ops.tensorflow import workers as tf_workers
+from keras_sparse.ops.tensorflow.lookup import reset_rows
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 from keras_sparse.sharding.tf_sharded_lookup import replica_id
 from keras_sparse.table.keys import to_host
@@ -60,7 +60,7 @@ def key_replicas(layer):
     head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
     if not isinstance(strategy, tf.distribute.MirroredStrategy):
         if layer.sharding == "auto":
-            return None  # trained, it is refused by `tf_replicas`
+            return None  # trained, it is refused by `ops.tensorflow.replicas`
         raise NotImplementedError(
             f"{head}: TensorFlow key-shards hash layers under "
             "tf.distribute.MirroredStrategy only (one host)."

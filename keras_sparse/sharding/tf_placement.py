@@ -1,6 +1,6 @@
 """Row- and column-sharded tables under tf.distribute.MirroredStrategy
 (and MultiWorkerMirroredStrategy: each worker holds its own replicas' parts,
-`keras_sparse.ops.tf_workers`).
+`keras_sparse.ops.tensorflow.workers`).
 
 A layer built under ``strategy.scope()`` with ``sharding="row"`` or
 ``"column"`` and a sparse optimizer gets a `TfShardedPlacement`: its table
@@ -14,7 +14,7 @@ each exchange moves are stated there). Saved state is the whole unpadded
 table (device-count independent files); ``get_weights`` gives it too.
 
 "data" and "auto" keep one replicated copy per replica ("table" needs an
-EmbeddingCollection and raises) (`keras_sparse.ops.tf_replicas`). Hash
+EmbeddingCollection and raises) (`keras_sparse.ops.tensorflow.replicas`). Hash
 layers are key-sharded (`tf_key_placement`); EmbeddingCollection tables are
 sharded by `keras_sparse.sharding.tf_stacks`. Across workers
 (MultiWorkerMirroredStrategy), whole values (saves, ``get_weights``, a call
@@ -25,10 +25,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_sparse.ops import tf_row_updates
-from keras_sparse.ops import tf_workers
-from keras_sparse.ops.tensorflow_lookup import _tf_variable
-from keras_sparse.ops.tensorflow_lookup import gather_valid
+from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
+from keras_sparse.ops.tensorflow import workers as tf_workers
+from keras_sparse.ops.tensorflow.lookup import _tf_variable
+from keras_sparse.ops.tensorflow.lookup import gather_valid
 from keras_sparse.sharding import tf_sharded_lookup
 
 STRATEGIES = ("row", "column")

@@ -10,7 +10,7 @@ columns ``[d * dim / D, (d + 1) * dim / D)``.
 
 import tensorflow as tf
 
-from keras_sparse.ops import tf_workers
+from keras_sparse.ops.tensorflow import workers as tf_workers
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 
 

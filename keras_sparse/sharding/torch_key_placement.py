@@ -27,7 +27,7 @@ def key_shards(layer):
     """``(D, (rank,), None)`` for a hash layer key-sharded over the tables'
     processes, else None (one table per process; ``"data"``, ``"row"`` and
     ``"column"`` then refuse to train under DDP)."""
-    from keras_sparse.ops import torch_distributed
+    from keras_sparse.ops.torch import distributed as torch_distributed
 
     if layer.sharding not in KEY_SHARDED:
         return None
@@ -119,7 +119,7 @@ class TorchKeyPlacement(TorchShardedPlacement):
 
     # ------------------------------------------------------------ KeyMapper
     def map_keys(self, layer, keys, use, insert, draw=None):
-        from keras_sparse.ops import torch_distributed
+        from keras_sparse.ops.torch import distributed as torch_distributed
         from keras_sparse.sharding import torch_key_mapping
 
         if insert or torch_distributed.active_ddp() is not None:

@@ -5,7 +5,7 @@ When torch.distributed is initialized with more than one process, a layer
 built with ``sharding="row"`` or ``"column"`` holds only this process's part
 of its table and slots (`keras_sparse.sharding.torch_sharded_lookup`); every
 other table ("auto", "data") is a full copy per process, updated from the
-global batch (`keras_sparse.ops.torch_distributed`). The exchanges run on
+global batch (`keras_sparse.ops.torch.distributed`). The exchanges run on
 a process group of their own (`process_group`), made on the first sharded
 build over all processes with the default group's timeout, or named by
 `set_process_group`. A `DistributedHashEmbedding` ("key" or "auto") is
@@ -191,7 +191,7 @@ class TorchShardedPlacement:
         )  # fmt: skip
 
     def gather(self, table_var, ids, valid, exchange_slot=None):
-        from keras_sparse.ops import torch_distributed
+        from keras_sparse.ops.torch import distributed as torch_distributed
         from keras_sparse.sharding import torch_sharded_lookup
 
         if torch_distributed.active_ddp() is not None:
@@ -204,7 +204,7 @@ class TorchShardedPlacement:
         did not broadcast rank 0's part (`sharded_parameter_names`)."""
         import torch.distributed as dist
 
-        from keras_sparse.ops import torch_distributed
+        from keras_sparse.ops.torch import distributed as torch_distributed
 
         ddp = torch_distributed.active_ddp()
         if ddp is None:

@@ -13,7 +13,7 @@ all-reduce), one table part each:
            part); owners gather their rows; a mirror ``all_to_all_single``
            returns them. Backward: the row gradients go to the owners the same
            way, and each owner applies the sparse optimizer to its part
-           (`keras_sparse.ops.torch_lookup.apply_sparse_update`).
+           (`keras_sparse.ops.torch.lookup.apply_sparse_update`).
 ``column`` process ``d`` holds columns ``[d * dim / D, (d + 1) * dim / D)``
            of every row. Forward: the local id counts, then every process's
            ids go to every process (an ``all_to_all_single`` of the ids
@@ -37,14 +37,14 @@ of it leaves the process when ids spread over the parts):
   average) ``+ 4 n dim`` (gradients, training only);
 * column: ``16 D`` ``+ 8 D n`` (ids to every process) ``+ 4 n dim``
   (column slices) ``+ 4 n dim`` (gradients, training only);
-* data (replicated, `keras_sparse.ops.torch_distributed`): ``8 D`` ``+
+* data (replicated, `keras_sparse.ops.torch.distributed`): ``8 D`` ``+
   (8 + 4 dim) n`` sent, ``D`` times that received (all-gathers).
 """
 
 import torch
 import torch.distributed as dist
 
-from keras_sparse.ops import torch_lookup
+from keras_sparse.ops.torch import lookup as torch_lookup
 
 
 def _exchange(tensor, send, recv, group):

@@ -4,7 +4,7 @@ Table and slots are parameters without gradients. A scalar trainable
 "anchor" is the function's only differentiable input; its backward updates
 the touched rows in place under no_grad and returns a zero anchor gradient.
 Inside a DistributedDataParallel forward every process applies the update
-of the global batch (see `keras_sparse.ops.torch_distributed`).
+of the global batch (see `keras_sparse.ops.torch.distributed`).
 """
 
 import concurrent.futures
@@ -14,13 +14,13 @@ import threading
 import torch
 
 from keras_sparse.ops import native_optimizers
-from keras_sparse.ops import torch_distributed
 from keras_sparse.ops.cpu_threads import available_cpus
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.row_updates import TableBlocks
-from keras_sparse.ops.torch_row_updates import apply_row_updates
-from keras_sparse.ops.torch_row_updates import compiled_route
-from keras_sparse.ops.torch_row_updates import scratch_for
+from keras_sparse.ops.torch import distributed as torch_distributed
+from keras_sparse.ops.torch.row_updates import apply_row_updates
+from keras_sparse.ops.torch.row_updates import compiled_route
+from keras_sparse.ops.torch.row_updates import scratch_for
 
 #: Whether a stack's tables update side by side on a CPU (`_update_tables`).
 PARALLEL_TABLES = True
@@ -282,7 +282,7 @@ def lookup_with_sparse_update(
 ):
     """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
 
-    ``segments``: see `keras_sparse.ops.torch_row_updates.apply_row_updates`.
+    ``segments``: see `keras_sparse.ops.torch.row_updates.apply_row_updates`.
     ``blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
     tables, updated table by table (see
     `keras_sparse.ops.row_updates.TableBlocks`).

@@ -15,9 +15,9 @@ from jax.custom_derivatives import CustomVJPPrimal
 from jax.custom_derivatives import SymbolicZero
 
 from keras_sparse.ops import dense_row_updates
-from keras_sparse.ops import jax_native_rows
 from keras_sparse.ops import row_updates
 from keras_sparse.ops import take_rows
+from keras_sparse.ops.jax import native_rows as jax_native_rows
 from keras_sparse.ops.row_updates import compute_row_updates
 
 # Whether the backward takes the touched rows from the forward's gather
@@ -31,7 +31,7 @@ FORWARD_ROWS_MIN_BYTES = 16 << 20
 
 def gather_valid(table, ids, valid, compiled=False):
     """``table[ids]`` where ``valid``, else zero rows. ``compiled``: by the
-    prefetching custom call where it applies (`jax_native_rows`); only
+    prefetching custom call where it applies (`native_rows`); only
     training steps ask for it, so that inference programs (exported ones
     included) hold no custom call."""
     if compiled:
@@ -234,7 +234,7 @@ reset_rows.defvjp(_reset_forward, _reset_backward)
 
 def fused_update_applies(optimizer, constraint, table):
     """Whether the sparse update of ``table`` (a variable) runs as one
-    compiled custom call (`keras_sparse.ops.jax_native_rows`), which finds
+    compiled custom call (`keras_sparse.ops.jax.native_rows`), which finds
     duplicates itself: such a table needs no dedup scratch."""
     return jax_native_rows.fused_rule(optimizer, constraint, table) is not None
 

@@ -5,19 +5,19 @@ variable is the function's only differentiable input, so the tape calls the
 gradient function, which scatter-updates the touched rows in place and
 returns a zero gradient for the anchor. Under tf.distribute.MirroredStrategy
 every replica applies the update of the global batch (see
-`keras_sparse.ops.tf_replicas`).
+`keras_sparse.ops.tensorflow.replicas`).
 """
 
 import tensorflow as tf
 
-from keras_sparse.ops import tf_native_rows
-from keras_sparse.ops import tf_replicas
-from keras_sparse.ops import tf_row_updates
 from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
 from keras_sparse.ops.row_updates import number_representatives
 from keras_sparse.ops.row_updates import scratch_keys
+from keras_sparse.ops.tensorflow import native_rows as tf_native_rows
+from keras_sparse.ops.tensorflow import replicas as tf_replicas
+from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
 
 # Scales a layer's row-regularizer penalty (see `tf_replicas.replica_count`).
 replica_count = tf_replicas.replica_count
@@ -58,7 +58,7 @@ def scratch_segments(scratch_var, ids, valid, num_rows):
     """`row_updates.scratch_segments` writing the scratch variable in place.
 
     None outside XLA: there the update dedups with ``tf.unique`` instead
-    (`keras_sparse.ops.tf_row_updates`), cheaper than a graph's cumsum.
+    (`keras_sparse.ops.tensorflow.row_updates`), cheaper than a graph's cumsum.
     """
     if not tf_row_updates.in_xla():
         return None
