@@ -45,13 +45,8 @@ def site(layer):
 
 
 class TfStackPlacement(TfShardedPlacement):
-    """`TfShardedPlacement` of one stack ("row" also for a "table" stack)."""
-
-    def lookup(self, *args, blocks=None, **kwargs):
-        # ``blocks`` orders an unsharded stack's per-table updates; each
-        # replica updates its own part here.
-        del blocks
-        return super().lookup(*args, **kwargs)
+    """`TfShardedPlacement` of one stack ("row" also for a "table" stack;
+    its lookup ignores ``batch.blocks``: each replica updates its own part)."""
 
     def stack_weight(self, layer, table, shape, initializer, name, **kwargs):
         """This replica's parts of a ``shape`` (whole stack) variable."""

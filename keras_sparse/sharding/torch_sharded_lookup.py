@@ -134,13 +134,13 @@ class _ShardedLookup(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def lookup(route, table_var, slot_vars, anchor_var, optimizer, ids, valid,
-           iterations, constraint=None):  # fmt: skip
-    """``[n, dim]`` rows; the backward pass updates the owners' parts."""
-    context = torch_lookup.sparse_update_context(
-        table_var, slot_vars, optimizer, iterations, constraint
+def lookup(route, state, batch):
+    """``[n, dim]`` rows of ``batch.ids`` (``state``: a `TableState`); the
+    backward pass updates the owners' parts."""
+    context = torch_lookup.sparse_update_context(state, batch.iterations)
+    return _ShardedLookup.apply(
+        state.anchor_var.value, batch.ids, batch.valid, route, context
     )
-    return _ShardedLookup.apply(anchor_var.value, ids, valid, route, context)
 
 
 @torch.compiler.disable
