@@ -55,10 +55,7 @@ class JaxMeshPlacement:
         table = table_var.value
         slots = {name: var.value for name, var in slot_vars.items()}
         if batch.reset is not None:
-            table, slots = self._reset(
-                table_var, slot_vars, state.optimizer, table, slots, batch.ids,
-                batch.reset,
-            )  # fmt: skip
+            table, slots = self._reset(state, table, slots, batch)
         rows, table, slots = jax_sharded_lookup.sharded_lookup_with_sparse_update(
             strategy,
             self.mesh,
@@ -78,36 +75,37 @@ class JaxMeshPlacement:
         jax_lookup.pass_on(table_var, table, slot_vars, slots)
         return rows
 
-    def _reset(self, table_var, slot_vars, optimizer, table, slots, ids, reset):
-        """Applies ``reset=(mask, values)`` to the sharded table and slots.
+    def _reset(self, state, table, slots, batch):
+        """Applies ``batch.reset=(mask, values)`` to the sharded table and
+        slots.
 
-        Mirrors ``ops.jax.lookup.lookup``: done
-        functionally (identity backward) so the sharded lookup's update
-        lands on the reset table; outside a trace the reset is also assigned
-        to the variables.
+        Mirrors ``ops.jax.lookup.lookup``: done functionally (identity
+        backward) so the sharded lookup's update lands on the reset table;
+        outside a trace the reset is also assigned to the variables.
         """
         import jax
 
         from keras_sparse.sharding import jax_sharded_reset
 
-        mask, values = reset
-        slot_inits = {spec.name: spec.initial_value for spec in optimizer.slot_specs()}
-        state = jax_sharded_reset.sharded_reset(
+        mask, values = batch.reset
+        specs = state.optimizer.slot_specs()
+        slot_inits = {spec.name: spec.initial_value for spec in specs}
+        reset = jax_sharded_reset.sharded_reset(
             lookup_strategy(self.strategy),
             self.mesh,
             self.axis,
             {"table": table, **slots},
-            ids,
+            batch.ids,
             mask,
             values,
             slot_inits,
         )
-        table = state.pop("table")
+        table = reset.pop("table")
         if not isinstance(table, jax.core.Tracer):
-            table_var.assign(table)
-            for name, var in slot_vars.items():
-                var.assign(state[name])
-        return table, state
+            state.table_var.assign(table)
+            for name, var in state.slot_vars.items():
+                var.assign(reset[name])
+        return table, reset
 
     def map_keys(self, layer, keys, use, insert, draw=None):
         """The `KeyMapper` of a key-sharded hash layer: ``(rows, fresh,
