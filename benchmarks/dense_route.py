@@ -2,7 +2,7 @@
 
 Three routes per row of the table: XLA's sparse route, the dense route, and
 (on a CPU, where it can be built) the compiled call of
-`keras_sparse.ops.jax_native_rows`, which the layers take first.
+`keras_sparse.ops.jax.native_rows`, which the layers take first.
 
 Times the backward pass of the JAX lookup primitive alone (jitted, state
 donated as Keras' trainer does) with each route forced, for several table
@@ -33,9 +33,9 @@ import numpy as np  # noqa: E402
 
 from keras_sparse import optimizers  # noqa: E402
 from keras_sparse.ops import dense_row_updates  # noqa: E402
-from keras_sparse.ops import jax_lookup  # noqa: E402
-from keras_sparse.ops import jax_native_rows  # noqa: E402
 from keras_sparse.ops import row_updates  # noqa: E402
+from keras_sparse.ops.jax import lookup as jax_lookup  # noqa: E402
+from keras_sparse.ops.jax import native_rows as jax_native_rows  # noqa: E402
 
 
 def make_step(optimizer, rows, route):

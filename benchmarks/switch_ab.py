@@ -9,7 +9,7 @@ percentile ms per step of each and their ratios, and the last loss (equal
 when the switch changes speed only).
 
     python benchmarks/switch_ab.py --rows 1e6 --form layers \\
-        --switch keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS
+        --switch keras_sparse.ops.jax.lookup.REUSE_FORWARD_ROWS
     python benchmarks/switch_ab.py --quick   # CI smoke run, tiny sizes
     KERAS_BACKEND=torch python benchmarks/switch_ab.py --rows 1e6 \\
         --switch keras_sparse.ops.native_optimizers.FUSED_OPTIMIZERS
@@ -49,7 +49,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--switch",
-        default="keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS",
+        default="keras_sparse.ops.jax.lookup.REUSE_FORWARD_ROWS",
         help="module.ATTRIBUTE, a bool read when the step is traced or run",
     )
     p.add_argument("--form", choices=("layers", "collection"), default="layers")

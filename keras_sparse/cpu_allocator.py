@@ -170,7 +170,7 @@ def _tf_cpu_buffer(variable):
     import numpy as np
     import tensorflow as tf
 
-    from keras_sparse.ops.tf_native_rows import local_cpu
+    from keras_sparse.ops.tensorflow.native_rows import local_cpu
 
     tf_variable = variable._value  # the tf.Variable itself, not a read
     if (

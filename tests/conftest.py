@@ -26,10 +26,10 @@ def backend():
 @pytest.fixture
 def xla_route(monkeypatch):
     """JAX updates and gathers rows with XLA, not the compiled custom calls
-    (`keras_sparse.ops.jax_native_rows`): for tests of the XLA route's own
+    (`keras_sparse.ops.jax.native_rows`): for tests of the XLA route's own
     parts (the dedup scratch, sizes, reused forward rows)."""
     if backend() == "jax":
-        from keras_sparse.ops import jax_native_rows
+        from keras_sparse.ops.jax import native_rows as jax_native_rows
 
         monkeypatch.setattr(jax_native_rows, "FUSED_OPTIMIZERS", False)
         monkeypatch.setattr(jax_native_rows, "PREFETCH_GATHER", False)

@@ -140,7 +140,7 @@ def tf_op():
     import pytest
     import tensorflow as tf
 
-    from keras_sparse.ops import tf_native_rows
+    from keras_sparse.ops.tensorflow import native_rows as tf_native_rows
 
     if tf_native_rows.library() is None:
         pytest.skip(f"TensorFlow op unavailable: {tf_native_rows.status()}")

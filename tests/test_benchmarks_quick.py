@@ -134,7 +134,7 @@ def test_dense_route_prints_every_route():
 
     if keras.backend.backend() != "jax":
         pytest.skip("the benchmark runs on JAX")
-    from keras_sparse.ops import jax_native_rows
+    from keras_sparse.ops.jax import native_rows as jax_native_rows
 
     routes = 3 if jax_native_rows.library() is not None else 2
     args = ["benchmarks/dense_route.py", "--rows", "64", "--ids-per-row", "0.5",

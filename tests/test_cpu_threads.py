@@ -43,7 +43,7 @@ def test_available_cpus_is_affinity_capped_by_quota(monkeypatch, affinity, quota
 
 def test_torch_update_pool_never_exceeds_the_usable_cpus(monkeypatch):
     torch = pytest.importorskip("torch")
-    from keras_sparse.ops import torch_lookup
+    from keras_sparse.ops.torch import lookup as torch_lookup
 
     monkeypatch.setattr(cpu_threads, "cgroup_cpu_quota", lambda: None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)

@@ -2,7 +2,7 @@
 
 The backward takes each distinct row's values from the rows the forward
 pass gathered instead of gathering them from the table again
-(`keras_sparse.ops.jax_lookup.REUSE_FORWARD_ROWS`). These tests check that
+(`keras_sparse.ops.jax.lookup.REUSE_FORWARD_ROWS`). These tests check that
 it trains as the table gather does (to the ulp), on every dedup route and
 size, and that the table is in fact gathered once.
 """
@@ -28,7 +28,7 @@ ROWS, DIM, BATCH, BAG = 300, 4, 64, 3
 
 
 def _trained(monkeypatch, reuse, collection, scratch, sized, constraint=None):
-    from keras_sparse.ops import jax_lookup
+    from keras_sparse.ops.jax import lookup as jax_lookup
 
     monkeypatch.setattr(jax_lookup, "REUSE_FORWARD_ROWS", reuse)
     monkeypatch.setattr(dedup_scratch, "ENABLED", scratch)
@@ -92,7 +92,7 @@ def _table_rows_read(monkeypatch, reuse, constraint=None):
     import jax
     import jax.numpy as jnp
 
-    from keras_sparse.ops import jax_lookup
+    from keras_sparse.ops.jax import lookup as jax_lookup
 
     monkeypatch.setattr(jax_lookup, "REUSE_FORWARD_ROWS", reuse)
     monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
@@ -140,7 +140,7 @@ def test_the_backward_reads_no_table_row_again(monkeypatch):
 def test_large_tables_only_and_not_under_a_distribution():
     import jax.numpy as jnp
 
-    from keras_sparse.ops import jax_lookup
+    from keras_sparse.ops.jax import lookup as jax_lookup
 
     small = jnp.zeros((1000, 16))
     large = jnp.zeros((jax_lookup.FORWARD_ROWS_MIN_BYTES // 64, 16))

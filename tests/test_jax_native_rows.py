@@ -1,4 +1,4 @@
-"""The compiled JAX row update and gather (keras_sparse.ops.jax_native_rows):
+"""The compiled JAX row update and gather (keras_sparse.ops.jax.native_rows):
 equal to a NumPy float32 model of SGD, Adagrad and Adam to the bit, in place
 on donated state, safe on bad ids, used only where it applies, close to the
 XLA route, and a clean fallback when it cannot be built."""
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 def _module():
     """``jax_native_rows``; skips the test where it cannot be built."""
-    from keras_sparse.ops import jax_native_rows
+    from keras_sparse.ops.jax import native_rows as jax_native_rows
 
     if jax_native_rows.library() is None:
         pytest.skip(f"JAX custom calls unavailable: {jax_native_rows.status()}")
@@ -184,7 +184,7 @@ def test_a_table_on_the_call_gets_no_dedup_scratch():
 
 def test_without_a_compiler_the_xla_route_runs(tmp_path):
     code = (
-        "from keras_sparse.ops import jax_native_rows as j;"
+        "from keras_sparse.ops.jax import native_rows as j;"
         "print(j.library() is None);print(j.status())"
     )
     env = {
@@ -207,7 +207,7 @@ def test_only_training_steps_hold_the_custom_calls(monkeypatch):
     import jax.numpy as jnp
 
     import keras_sparse as ks
-    from keras_sparse.ops import jax_lookup
+    from keras_sparse.ops.jax import lookup as jax_lookup
 
     native = _module()
     monkeypatch.setattr(native, "PREFETCH_GATHER", True)  # small tables too
@@ -241,7 +241,7 @@ def test_the_forward_keeps_no_rows_for_the_call(monkeypatch):
     gather; on the call's route the forward keeps none for the backward."""
     import jax.numpy as jnp
 
-    from keras_sparse.ops import jax_lookup
+    from keras_sparse.ops.jax import lookup as jax_lookup
 
     native = _module()
     large = jnp.zeros((jax_lookup.FORWARD_ROWS_MIN_BYTES // 64, 16))

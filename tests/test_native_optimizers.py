@@ -25,7 +25,7 @@ def _modules():
 
     from keras_sparse.ops import native_optimizers
     from keras_sparse.ops import native_rows
-    from keras_sparse.ops import torch_row_updates
+    from keras_sparse.ops.torch import row_updates as torch_row_updates
 
     if native_rows.library() is None:
         pytest.skip(f"compiled helpers unavailable: {native_rows.status()}")
@@ -130,7 +130,7 @@ def test_models_train_alike_on_both_routes(form, monkeypatch):
 
 def test_a_stacks_tables_update_side_by_side_to_the_same_bits(monkeypatch):
     torch, _, _ = _modules()
-    from keras_sparse.ops import torch_lookup
+    from keras_sparse.ops.torch import lookup as torch_lookup
 
     if torch.get_num_threads() < 2:
         pytest.skip("one torch thread: the tables update one after another")
@@ -162,7 +162,7 @@ def test_a_stacks_tables_update_side_by_side_to_the_same_bits(monkeypatch):
 def test_only_compiled_in_range_updates_run_side_by_side():
     torch, _, _ = _modules()
     from keras_sparse import optimizers
-    from keras_sparse.ops import torch_lookup
+    from keras_sparse.ops.torch import lookup as torch_lookup
 
     def job(ids, valid, optimizer=None, constraint=None):
         context = {

@@ -24,7 +24,7 @@ def _modules():
     import torch
 
     from keras_sparse.ops import native_rows
-    from keras_sparse.ops import torch_row_updates
+    from keras_sparse.ops.torch import row_updates as torch_row_updates
 
     return torch, native_rows, torch_row_updates
 

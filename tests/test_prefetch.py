@@ -90,7 +90,7 @@ def _route():
     float rounding differs: a reference is kept per route."""
     if keras.backend.backend() != "jax":
         return None
-    from keras_sparse.ops import jax_native_rows
+    from keras_sparse.ops.jax import native_rows as jax_native_rows
 
     return jax_native_rows.FUSED_OPTIMIZERS, jax_native_rows.PREFETCH_GATHER
 

@@ -6,7 +6,9 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse import sharding
-from keras_sparse.ops import jax_lookup
+from keras_sparse.ops.jax import lookup as jax_lookup
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.sharding import jax_exchange_bytes
 from keras_sparse.sharding import jax_sharded_lookup
 
@@ -231,15 +233,10 @@ def test_reported_bytes_match_compiled_collectives(strategy, spec, monkeypatch):
 
     def lookup(t, s, ids, valid):
         if strategy == "data":  # the single-device primitive, XLA-partitioned
-            return jax_lookup.lookup_with_sparse_update(
-                _Value(t),
-                {k: _Value(v) for k, v in s.items()},
-                None,
-                opt,
-                ids,
-                valid,
-                0,
+            state = TableState(
+                _Value(t), {k: _Value(v) for k, v in s.items()}, None, opt
             )
+            return jax_lookup.lookup(state, LookupBatch(ids, valid, 0))
         return jax_sharded_lookup.sharded_lookup_with_sparse_update(
             strategy, mesh, "model", t, s, opt, ids, valid, 0
         )

@@ -1,4 +1,4 @@
-"""The compiled TensorFlow row-update op (keras_sparse.ops.tf_native_rows):
+"""The compiled TensorFlow row-update op (keras_sparse.ops.tensorflow.native_rows):
 equal to a NumPy float32 model of SGD, Adagrad and Adam to the bit, within
 an ulp of the graph route, safe on bad ids, used only where it applies, and
 a clean fallback when it cannot be built."""
@@ -36,7 +36,7 @@ def _apply(
     """One update of rows ``[first, first + rows)``: the op where it applies,
     else the graph route. Returns ``(state, whether the op ran)``."""
     tf, tf_native_rows = _modules()
-    from keras_sparse.ops import tf_row_updates
+    from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
 
     state = {"table": tf.Variable(table)}
     state.update({k: tf.Variable(v) for k, v in slots.items()})
@@ -120,7 +120,7 @@ def test_models_train_alike_on_both_routes(form, eager, monkeypatch):
 
 def test_without_a_compiler_the_graph_route_runs(tmp_path):
     code = (
-        "from keras_sparse.ops import tf_native_rows as t;"
+        "from keras_sparse.ops.tensorflow import native_rows as t;"
         "print(t.library() is None);print(t.status())"
     )
     env = {**os.environ, "KERAS_SPARSE_CACHE": str(tmp_path), "CXX": "no-such-cxx"}

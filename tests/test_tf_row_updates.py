@@ -24,7 +24,7 @@ def test_update_matches_numpy_adagrad(
     import tensorflow as tf
 
     from keras_sparse import optimizers
-    from keras_sparse.ops import tf_row_updates
+    from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
 
     table, acc, ids, valid, grads, segments = adagrad_case(
         seed, n, num_rows, invalid_share, prepared
@@ -51,7 +51,7 @@ def test_update_matches_numpy_adagrad(
 def test_xla_context_is_detected():
     import tensorflow as tf
 
-    from keras_sparse.ops import tf_row_updates
+    from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
 
     seen = []
 

@@ -30,7 +30,7 @@ def _train(combiner, constraint=None, mask_zero=False, optimizer="adagrad"):
 
 
 def _calls(monkeypatch, fused):
-    from keras_sparse.ops import torch_lookup
+    from keras_sparse.ops.torch import lookup as torch_lookup
 
     calls = []
     real = torch_lookup.bag_sums_with_sparse_update

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 def _torch():
     import torch
 
-    from keras_sparse.ops import torch_row_updates
+    from keras_sparse.ops.torch import row_updates as torch_row_updates
 
     return torch, torch_row_updates
 

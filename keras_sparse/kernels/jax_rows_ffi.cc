@@ -1,4 +1,4 @@
-/* JAX CPU custom calls (keras_sparse.ops.jax_native_rows): the sparse row
+/* JAX CPU custom calls (keras_sparse.ops.jax.native_rows): the sparse row
  * update of a table and its optimizer slots, in place, in one pass; and the
  * forward's gather of a table's rows, prefetched.
  *

@@ -1,4 +1,4 @@
-/* TensorFlow CPU ops (keras_sparse.ops.tf_native_rows): the sparse row
+/* TensorFlow CPU ops (keras_sparse.ops.tensorflow.native_rows): the sparse row
  * update of a table and its optimizer slots, in place, in one pass; and the
  * forward's gather of a table's rows, prefetched.
  *

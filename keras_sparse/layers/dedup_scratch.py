@@ -14,8 +14,8 @@ entries it wrote itself, so its contents between steps do not matter (a
 trained layer's differs from a fresh one's; neither is saved). Sharded
 tables (a JAX distribution) and replicas (tf.distribute) keep the sort:
 their ids and rows live on several devices. PyTorch keeps its own scratch
-(`keras_sparse.ops.torch_row_updates`). Tables that JAX updates by its
-compiled call on a CPU (`keras_sparse.ops.jax_native_rows`) get none: the
+(`keras_sparse.ops.torch.row_updates`). Tables that JAX updates by its
+compiled call on a CPU (`keras_sparse.ops.jax.native_rows`) get none: the
 call finds duplicates in a hash sized by the batch.
 """
 
@@ -72,7 +72,7 @@ def uses_scratch():
 def add_dedup_scratch(layer, table, rows, name):
     """Gives ``table`` (a variable of ``layer``, ``rows`` rows) a scratch,
     unless its update is a compiled call that finds duplicates itself (JAX
-    on a CPU, `keras_sparse.ops.jax_native_rows`). Were that route off when
+    on a CPU, `keras_sparse.ops.jax.native_rows`). Were that route off when
     a step is traced, the update sorts instead."""
     if not uses_scratch():
         return

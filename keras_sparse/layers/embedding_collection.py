@@ -31,6 +31,7 @@ from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
 from keras_sparse.layers.sparse_embedding_base import sparse_step
+from keras_sparse.layers.sparse_embedding_base import table_state
 from keras_sparse.ops import backend_module
 
 
@@ -500,10 +501,7 @@ class EmbeddingCollection(keras.layers.Layer):
         if not module.bag_sums_apply(table, ids, [prepared[n][2] for n in names]):
             return None
         sums = module.bag_sums_with_sparse_update(
-            table,
-            self._stack_slots[stack.name],
-            self.sparse_anchor,
-            self.sparse_optimizer,
+            table_state(self, table, self._stack_slots[stack.name]),
             [ops.cast(x, "int32") + stack.offsets[n] for x, n in zip(ids, names)],
             iterations,
             row_ranges=[

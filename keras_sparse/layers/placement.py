@@ -26,6 +26,9 @@ Two parts:
 from typing import Protocol
 from typing import runtime_checkable
 
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
+
 _provider = None
 
 
@@ -37,33 +40,22 @@ class TablePlacement(Protocol):
     are looked up as a row-sharded table's). ``devices``: how many devices
     (or processes) hold a part of the table.
 
-    ``lookup`` has the signature of the per-backend
-    ``keras_sparse.ops.<backend>_lookup.lookup_with_sparse_update`` (ids
-    are this device's flat batch positions, global row numbers of the
-    unsharded table; the backward pass applies ``optimizer`` on each row's
-    owner). ``gather`` reads rows with no update (inference, dense
-    gradients).
+    ``lookup(state, batch)`` has the signature of every backend's
+    ``keras_sparse.ops.<backend>.lookup.lookup`` (`TableState`,
+    `LookupBatch` of `keras_sparse.ops.lookup_batch`; ``batch.ids`` are
+    this device's flat batch positions, global row numbers of the unsharded
+    table; the backward pass applies ``state.optimizer`` on each row's
+    owner). ``gather(table_var, batch)`` reads rows with no update
+    (inference, dense gradients). A placement ignores the fields of the
+    batch it has no use for.
     """
 
     strategy: str
     devices: int
 
-    def lookup(
-        self,
-        table_var,
-        slot_vars,
-        anchor_var,
-        optimizer,
-        ids,
-        valid,
-        iterations,
-        constraint=None,
-        apply_update=True,
-        reset=None,
-        exchange_slot=None,
-    ): ...
+    def lookup(self, state: TableState, batch: LookupBatch): ...
 
-    def gather(self, table_var, ids, valid, exchange_slot=None): ...
+    def gather(self, table_var, batch: LookupBatch): ...
 
 
 @runtime_checkable

@@ -19,6 +19,8 @@ from keras_sparse.layers.dedup_scratch import scratch_segments
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.ops import dense_row_updates
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
 
 SHARDING_CHOICES = ("auto", "data", "table", "row", "column")
 #: Hash layers may also own their keys per device.
@@ -217,13 +219,9 @@ class SparseEmbeddingBase(keras.layers.Layer):
         ):
             return None
         return module.bag_sums_with_sparse_update(
-            self.embeddings,
-            self.slots,
-            self.sparse_anchor,
-            self.sparse_optimizer,
+            table_state(self, self.embeddings, self.slots),
             [ids],
             sparse_step(self, training),
-            self.embeddings_constraint,
         )
 
     def combine(self, rows, weights, valid):
@@ -305,6 +303,18 @@ def sparse_step(layer, training):
     return iterations
 
 
+def table_state(layer, table, slots):
+    """The `TableState` of ``table`` (a variable of ``layer``) and its
+    optimizer ``slots``."""
+    return TableState(
+        table,
+        slots,
+        layer.sparse_anchor,
+        layer.sparse_optimizer,
+        layer.embeddings_constraint,
+    )
+
+
 def lookup_flat_rows(
     layer,
     table,
@@ -326,8 +336,9 @@ def lookup_flat_rows(
     ``layer.sparse_optimizer`` to the touched rows of ``table`` and ``slots``;
     otherwise a plain (dense-gradient) gather. ``routing`` (from
     `keras_sparse.sharding.routing.route`) selects the sharded
-    primitive. ``segments`` (see `SparseEmbeddingBase.lookup_rows`) reach
-    the unsharded primitive only, ``exchange_slot`` the sharded one only.
+    primitive. Every argument reaches either as one `LookupBatch`; the
+    unsharded primitive uses ``segments`` (see
+    `SparseEmbeddingBase.lookup_rows`), the sharded one ``exchange_slot``.
     ``blocks``: ``(batch_major, extents, row_ranges)`` of the tables of a
     stacked ``table``, updated table by table on PyTorch and on TensorFlow
     without XLA (see `keras_sparse.ops.row_updates.TableBlocks`; under XLA
@@ -340,31 +351,24 @@ def lookup_flat_rows(
         exchange_slot = ops.reshape(exchange_slot, (-1,))
     if iterations is not None:
         update = layer.uses_sparse_update and layer.trainable and bool(training)
-        kwargs = {"apply_update": update} if on_jax else {}
-        if reset is not None:
-            kwargs["reset"] = reset
         if _needs_segments(layer, table, flat_ids, segments, update, routing):
             segments = scratch_segments(layer, table, flat_ids, flat_valid)
-        if segments is not None and update and routing is None:
-            kwargs["segments"] = ops.reshape(segments, (-1,))
-        if exchange_slot is not None and routing is not None:
-            kwargs["exchange_slot"] = exchange_slot
-        if blocks is not None and update and not on_jax:
-            kwargs["blocks"] = blocks
-        lookup = backend_module().lookup_with_sparse_update
-        if routing is not None:  # a sharded table's `TablePlacement`
-            lookup = routing.lookup
-        rows = lookup(
-            table,
-            slots,
-            layer.sparse_anchor,
-            layer.sparse_optimizer,
+        if not update:
+            segments = None  # an inference call (JAX) numbers no rows
+        batch = LookupBatch(
             flat_ids,
             flat_valid,
             iterations,
-            layer.embeddings_constraint,
-            **kwargs,
+            apply_update=update,
+            reset=reset,
+            segments=None if segments is None else ops.reshape(segments, (-1,)),
+            exchange_slot=exchange_slot,
+            blocks=blocks,
         )
+        state = table_state(layer, table, slots)
+        # A sharded table's `TablePlacement`, else the backend's primitive.
+        lookup = backend_module().lookup if routing is None else routing.lookup
+        rows = lookup(state, batch)
         loss = None
         if on_jax:
             loss = _zero_that_reaches(rows)
@@ -380,7 +384,9 @@ def lookup_flat_rows(
             layer.add_loss(loss)
         return rows
     if routing is not None:  # a sharded table's `TablePlacement`
-        return routing.gather(table, flat_ids, flat_valid, exchange_slot)
+        return routing.gather(
+            table, LookupBatch(flat_ids, flat_valid, exchange_slot=exchange_slot)
+        )
     safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))
     rows = ops.take(table, safe, axis=0)
     return ops.where(ops.expand_dims(flat_valid, -1), rows, 0)

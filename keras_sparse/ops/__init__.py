@@ -1,18 +1,24 @@
-"""Per-backend lookup primitives with the sparse update in their backward."""
+"""Per-backend lookup primitives with the sparse update in their backward.
+
+``keras_sparse.ops.jax``, ``.tensorflow`` and ``.torch`` hold one package per
+backend with the same module names; `backend_module` is the one place that
+picks the active backend's ``lookup`` module, whose ``lookup(state, batch)``
+has the same signature on every backend (`keras_sparse.ops.lookup_batch`).
+"""
 
 import importlib
 
 import keras
 
 _MODULES = {
-    "jax": "keras_sparse.ops.jax_lookup",
-    "tensorflow": "keras_sparse.ops.tensorflow_lookup",
-    "torch": "keras_sparse.ops.torch_lookup",
+    "jax": "keras_sparse.ops.jax.lookup",
+    "tensorflow": "keras_sparse.ops.tensorflow.lookup",
+    "torch": "keras_sparse.ops.torch.lookup",
 }
 
 
 def backend_module():
-    """The lookup module of the active Keras backend."""
+    """The ``lookup`` module of the active Keras backend's package."""
     name = keras.backend.backend()
     if name not in _MODULES:
         raise NotImplementedError(
@@ -51,12 +57,14 @@ def variable_layer_name(variable):
     return path.rsplit("/", 1)[0]
 
 
-def lookup_with_sparse_update(*args, **kwargs):
+def lookup(state, batch):
     """Gathers rows; the backward pass applies the sparse optimizer in place.
 
-    See the per-backend modules for how each framework is wired.
+    ``state``: a `keras_sparse.ops.lookup_batch.TableState`, ``batch`` a
+    `keras_sparse.ops.lookup_batch.LookupBatch`; see the per-backend
+    ``lookup`` modules for how each framework is wired.
     """
-    return backend_module().lookup_with_sparse_update(*args, **kwargs)
+    return backend_module().lookup(state, batch)
 
 
 def take_rows(table, ids):

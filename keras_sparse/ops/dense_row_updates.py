@@ -39,7 +39,7 @@ FORCE_DENSE_ROUTE = None
 # - H200: the sort and the launches of the sparse route cost more, so the
 #   dense route wins from rows / 4 on (1.1-2.2x; 1.4x at 5 ids per row)
 #   and the two are even at rows / 16.
-# - The compiled call (`jax_native_rows`, taken on a CPU below the
+# - The compiled call (`ops.jax.native_rows`, taken on a CPU below the
 #   threshold): at 1e5 rows 0.5-0.6 ms for rows / 4 ids against 0.9-1.2
 #   ms for either XLA route; from ids = rows on the dense route wins again
 #   (1.4-2.8 ms against 3.3 ms), its pass over the table being cheaper

@@ -194,13 +194,13 @@ def compiled_cpu_helpers():
 
     backend = keras.backend.backend()
     if backend == "tensorflow":
-        from keras_sparse.ops import tf_native_rows
+        from keras_sparse.ops.tensorflow import native_rows as tf_native_rows
 
         return tf_native_rows.status()
     if backend == "jax":
         import jax
 
-        from keras_sparse.ops import jax_native_rows
+        from keras_sparse.ops.jax import native_rows as jax_native_rows
 
         if jax.default_backend() != "cpu":
             return f"off: JAX runs on {jax.default_backend()}; XLA's update runs"

@@ -9,6 +9,9 @@ shape). Lookups run the ``shard_map`` primitives of `jax_sharded_lookup`.
 import dataclasses
 from typing import Any
 
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
+
 
 def lookup_strategy(strategy):
     """The lookup primitive of a strategy: a key-sharded layer's rows are
@@ -39,81 +42,70 @@ class JaxMeshPlacement:
     def devices(self):
         return int(self.mesh.shape[self.axis])
 
-    def lookup(
-        self,
-        table_var,
-        slot_vars,
-        anchor_var,
-        optimizer,
-        ids,
-        valid,
-        iterations,
-        constraint=None,
-        apply_update=True,
-        reset=None,
-        exchange_slot=None,
-    ):
-        """A drop-in for ``ops.jax_lookup.lookup_with_sparse_update``."""
-        from keras_sparse.ops import jax_lookup
+    def lookup(self, state: TableState, batch: LookupBatch):
+        """A drop-in for ``ops.jax.lookup.lookup`` (``blocks`` and
+        ``segments`` are not used: no stack or input stage reaches a
+        sharded table's update)."""
+        from keras_sparse.ops.jax import lookup as jax_lookup
         from keras_sparse.sharding import jax_sharded_lookup
 
-        del anchor_var  # the table itself carries the update on JAX
+        # ``state.anchor_var`` is not used: the table carries the update on JAX.
+        table_var, slot_vars = state.table_var, state.slot_vars
         strategy = lookup_strategy(self.strategy)
         table = table_var.value
         slots = {name: var.value for name, var in slot_vars.items()}
-        if reset is not None:
-            table, slots = self._reset(
-                table_var, slot_vars, optimizer, table, slots, ids, reset
-            )
+        if batch.reset is not None:
+            table, slots = self._reset(state, table, slots, batch)
         rows, table, slots = jax_sharded_lookup.sharded_lookup_with_sparse_update(
             strategy,
             self.mesh,
             self.axis,
             table,
             slots,
-            optimizer,
-            ids,
-            valid,
-            iterations,
-            constraint,
-            apply_update=apply_update,
+            state.optimizer,
+            batch.ids,
+            batch.valid,
+            batch.iterations,
+            state.constraint,
+            apply_update=batch.apply_update,
             slack=lookup_slack(self.strategy, self.slack),
-            exchange_slot=exchange_slot,
+            exchange_slot=batch.exchange_slot,
             with_state=True,
         )
         jax_lookup.pass_on(table_var, table, slot_vars, slots)
         return rows
 
-    def _reset(self, table_var, slot_vars, optimizer, table, slots, ids, reset):
-        """Applies ``reset=(mask, values)`` to the sharded table and slots.
+    def _reset(self, state, table, slots, batch):
+        """Applies ``batch.reset=(mask, values)`` to the sharded table and
+        slots.
 
-        Mirrors ``ops.jax_lookup.lookup_with_sparse_update``: done
-        functionally (identity backward) so the sharded lookup's update
-        lands on the reset table; outside a trace the reset is also assigned
-        to the variables.
+        Mirrors ``ops.jax.lookup.lookup``: done functionally (identity
+        backward) so the sharded lookup's update lands on the reset table;
+        outside a trace the reset is also assigned to the variables.
         """
         import jax
 
         from keras_sparse.sharding import jax_sharded_reset
 
-        mask, values = reset
-        slot_inits = {spec.name: spec.initial_value for spec in optimizer.slot_specs()}
-        state = jax_sharded_reset.sharded_reset(
+        mask, values = batch.reset
+        specs = state.optimizer.slot_specs()
+        slot_inits = {spec.name: spec.initial_value for spec in specs}
+        reset = jax_sharded_reset.sharded_reset(
             lookup_strategy(self.strategy),
             self.mesh,
             self.axis,
             {"table": table, **slots},
-            ids,
+            batch.ids,
             mask,
             values,
             slot_inits,
         )
-        table = state.pop("table")
+        table = reset.pop("table")
         if not isinstance(table, jax.core.Tracer):
-            table_var.assign(table)
-            for name, var in slot_vars.items():
-                var.assign(state[name])
-        return table, state
+            state.table_var.assign(table)
+            for name, var in state.slot_vars.items():
+                var.assign(reset[name])
+        return table, reset
 
     def map_keys(self, layer, keys, use, insert, draw=None):
         """The `KeyMapper` of a key-sharded hash layer: ``(rows, fresh,
@@ -132,7 +124,7 @@ class JaxMeshPlacement:
         )
         return jax_key_mapping.map_keys(routing, keys, use, insert, draw)
 
-    def gather(self, table_var, ids, valid, exchange_slot=None):
+    def gather(self, table_var, batch: LookupBatch):
         from keras_sparse.sharding import jax_sharded_lookup
 
         return jax_sharded_lookup.sharded_gather(
@@ -140,8 +132,8 @@ class JaxMeshPlacement:
             self.mesh,
             self.axis,
             table_var.value,
-            ids,
-            valid,
+            batch.ids,
+            batch.valid,
             lookup_slack(self.strategy, self.slack),
-            exchange_slot,
+            batch.exchange_slot,
         )

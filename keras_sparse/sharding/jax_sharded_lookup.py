@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from keras_sparse.ops.jax_lookup import chained_state
-from keras_sparse.ops.jax_lookup import instantiate
-from keras_sparse.ops.jax_lookup import primal_values
+from keras_sparse.ops.jax.lookup import chained_state
+from keras_sparse.ops.jax.lookup import instantiate
+from keras_sparse.ops.jax.lookup import primal_values
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.exchange_buckets import overflow_message

@@ -40,14 +40,18 @@ the gathered keys. All exchanges are all-gathers (TensorFlow's all_to_all
 hangs on logical CPU devices).
 """
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 
 from keras_sparse.layers.keyed_fresh_rows import has_seed
 from keras_sparse.layers.keyed_fresh_rows import per_key
-from keras_sparse.ops import tf_workers
 from keras_sparse.ops.key_hash import words_of_keys
-from keras_sparse.ops.tensorflow_lookup import reset_rows
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
+from keras_sparse.ops.tensorflow import workers as tf_workers
+from keras_sparse.ops.tensorflow.lookup import reset_rows
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 from keras_sparse.sharding.tf_sharded_lookup import replica_id
 from keras_sparse.table.keys import to_host
@@ -68,7 +72,7 @@ def key_replicas(layer):
     head = f"Layer '{layer.name}': sharding={layer.sharding!r} under {where}"
     if not isinstance(strategy, tf_workers.STRATEGIES):
         if layer.sharding == "auto":
-            return None  # trained, it is refused by `tf_replicas`
+            return None  # trained, it is refused by `ops.tensorflow.replicas`
         raise NotImplementedError(
             f"{head}: TensorFlow key-shards hash layers under {tf_workers.NAMES} only."
         )
@@ -132,19 +136,13 @@ class TfKeyPlacement:
         return getattr(self.rows, name)
 
     # --------------------------------------------------------------- lookups
-    def lookup(self, table_var, slot_vars, anchor_var, optimizer, ids, valid,
-               iterations, constraint=None, apply_update=True, reset=None,
-               exchange_slot=None):  # fmt: skip
-        """The row-sharded lookup; ``reset`` is ignored: `map_keys` had each
-        owner re-initialize its fresh rows already."""
-        del reset
-        return self.rows.lookup(
-            table_var, slot_vars, anchor_var, optimizer, ids, valid, iterations,
-            constraint, apply_update, None, exchange_slot,
-        )  # fmt: skip
+    def lookup(self, state: TableState, batch: LookupBatch):
+        """The row-sharded lookup; ``batch.reset`` is ignored: `map_keys`
+        had each owner re-initialize its fresh rows already."""
+        return self.rows.lookup(state, dataclasses.replace(batch, reset=None))
 
-    def gather(self, table_var, ids, valid, exchange_slot=None):
-        return self.rows.gather(table_var, ids, valid, exchange_slot)
+    def gather(self, table_var, batch: LookupBatch):
+        return self.rows.gather(table_var, batch)
 
     # ---------------------------------------------------------------- keys
     def map_keys(self, layer, keys, use, insert, draw=None):

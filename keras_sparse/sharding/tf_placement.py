@@ -1,6 +1,6 @@
 """Row- and column-sharded tables under tf.distribute.MirroredStrategy
 (and MultiWorkerMirroredStrategy: each worker holds its own replicas' parts,
-`keras_sparse.ops.tf_workers`).
+`keras_sparse.ops.tensorflow.workers`).
 
 A layer built under ``strategy.scope()`` with ``sharding="row"`` or
 ``"column"`` and a sparse optimizer gets a `TfShardedPlacement`: its table
@@ -14,7 +14,7 @@ each exchange moves are stated there). Saved state is the whole unpadded
 table (device-count independent files); ``get_weights`` gives it too.
 
 "data" and "auto" keep one replicated copy per replica ("table" needs an
-EmbeddingCollection and raises) (`keras_sparse.ops.tf_replicas`). Hash
+EmbeddingCollection and raises) (`keras_sparse.ops.tensorflow.replicas`). Hash
 layers are key-sharded (`tf_key_placement`); EmbeddingCollection tables are
 sharded by `keras_sparse.sharding.tf_stacks`. Across workers
 (MultiWorkerMirroredStrategy), whole values (saves, ``get_weights``, a call
@@ -25,10 +25,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_sparse.ops import tf_row_updates
-from keras_sparse.ops import tf_workers
-from keras_sparse.ops.tensorflow_lookup import _tf_variable
-from keras_sparse.ops.tensorflow_lookup import gather_valid
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
+from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
+from keras_sparse.ops.tensorflow import workers as tf_workers
+from keras_sparse.ops.tensorflow.lookup import _tf_variable
+from keras_sparse.ops.tensorflow.lookup import gather_valid
 from keras_sparse.sharding import tf_sharded_lookup
 
 STRATEGIES = ("row", "column")
@@ -242,44 +244,31 @@ class TfShardedPlacement:
                 "jit_compile=False."
             )
 
-    def lookup(
-        self,
-        table_var,
-        slot_vars,
-        anchor_var,
-        optimizer,
-        ids,
-        valid,
-        iterations,
-        constraint=None,
-        apply_update=True,
-        reset=None,
-        exchange_slot=None,
-    ):
-        """Rows of ``ids``; the backward pass updates the owners' parts."""
-        del apply_update, exchange_slot
+    def lookup(self, state: TableState, batch: LookupBatch):
+        """Rows of ``batch.ids``; the backward pass updates the owners'
+        parts (``apply_update``, ``segments``, ``exchange_slot`` and
+        ``blocks`` are not used: each replica updates its own part)."""
         context = self.replica_context()
-        if context is None or reset is not None:
+        if context is None or batch.reset is not None:
             raise NotImplementedError(
                 f"Layer '{self.layer_name}': a {self.strategy}-sharded table "
                 "trains only inside its strategy's steps (model.fit, or "
                 "strategy.run)."
             )
         self._check_step()
-        state = {"table": self.local(table_var, context)}
-        state.update({n: self.local(v, context) for n, v in slot_vars.items()})
-        anchor = tf.convert_to_tensor(_tf_variable(anchor_var))
+        parts = {"table": self.local(state.table_var, context)}
+        parts.update({n: self.local(v, context) for n, v in state.slot_vars.items()})
+        anchor = tf.convert_to_tensor(_tf_variable(state.anchor_var))
         return tf_sharded_lookup.sharded_lookup(
-            self.strategy, context, state, anchor, optimizer, ids, valid,
-            iterations, constraint,
+            self.strategy, context, parts, anchor, state.optimizer, batch.ids,
+            batch.valid, batch.iterations, state.constraint,
         )  # fmt: skip
 
-    def gather(self, table_var, ids, valid, exchange_slot=None):
-        """Rows of ``ids`` with no update (outside a step: from the whole
-        table)."""
-        del exchange_slot
-        ids = tf.cast(ids, tf.int32)
-        valid = tf.cast(valid, tf.bool)
+    def gather(self, table_var, batch: LookupBatch):
+        """Rows of ``batch.ids`` with no update (outside a step: from the
+        whole table)."""
+        ids = tf.cast(batch.ids, tf.int32)
+        valid = tf.cast(batch.valid, tf.bool)
         context = self.replica_context()
         if context is None:
             return gather_valid(self._whole(table_var), ids, valid)

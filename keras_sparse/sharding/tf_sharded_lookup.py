@@ -7,7 +7,7 @@ sharding, ``B = ceil(num_rows / D)``) or columns ``[d*c, (d+1)*c)`` of every
 row (column sharding, ``c = dim / D``). Each replica looks up its own batch
 positions (global row ids); the sparse optimizer runs on each part's owner
 inside the backward pass (a ``tf.custom_gradient`` on the layer's anchor, as
-`keras_sparse.ops.tensorflow_lookup`), with that module's row update.
+`keras_sparse.ops.tensorflow.lookup`), with that module's row update.
 
 TensorFlow's ``all_to_all`` hangs on logical CPU devices under
 MirroredStrategy, so the exchanges are all-gathers (``ReplicaContext
@@ -26,13 +26,13 @@ each replica receives (its own part included):
   ``id - d*B``); column: every id, on its own columns of the gradients.
 
 A replicated ("data") table needs no forward exchange and ``4 T (dim + 1)``
-bytes backward (`keras_sparse.ops.tf_replicas`). An all-to-all would bring
+bytes backward (`keras_sparse.ops.tensorflow.replicas`). An all-to-all would bring
 each sharded exchange down to about ``4 n dim``; it is not used here.
 """
 
 import tensorflow as tf
 
-from keras_sparse.ops import tf_row_updates
+from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
 
 
 def replica_id(context):
@@ -134,7 +134,7 @@ def sharded_lookup(kind, context, state, anchor, optimizer, ids, valid, iteratio
                 state, optimizer, step_ids, step_valid, grads, iterations,
                 local_rows, constraint, None,
             )  # fmt: skip
-            # As `tensorflow_lookup`: the zero gradient depends on the
+            # As `ops.tensorflow.lookup`: the zero gradient depends on the
             # written data, which Grappler keeps.
             with tf.control_dependencies(writes):
                 probe = tf.reduce_sum(table[:1])

@@ -9,7 +9,7 @@ stack holds rows ``[d * B, (d + 1) * B)`` of the stack, of a "column" stack
 columns ``[d * dim / D, (d + 1) * dim / D)``.
 """
 
-from keras_sparse.ops import tf_workers
+from keras_sparse.ops.tensorflow import workers as tf_workers
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 
 
@@ -44,13 +44,8 @@ def site(layer):
 
 
 class TfStackPlacement(TfShardedPlacement):
-    """`TfShardedPlacement` of one stack ("row" also for a "table" stack)."""
-
-    def lookup(self, *args, blocks=None, **kwargs):
-        # ``blocks`` orders an unsharded stack's per-table updates; each
-        # replica updates its own part here.
-        del blocks
-        return super().lookup(*args, **kwargs)
+    """`TfShardedPlacement` of one stack ("row" also for a "table" stack;
+    its lookup ignores ``batch.blocks``: each replica updates its own part)."""
 
     def stack_weight(self, layer, table, shape, initializer, name, **kwargs):
         """This replica's parts of a ``shape`` (whole stack) variable."""

@@ -86,7 +86,7 @@ def reset_on_owner(layer, part, keys, rows, fresh, draw):
     """Writes the first vectors of the ``fresh`` received keys (drawn per key
     by ``draw=(fn, seed)``) to their local ``rows`` of this process's part,
     and their slots to initial values."""
-    from keras_sparse.ops import torch_lookup
+    from keras_sparse.ops.torch import lookup as torch_lookup
 
     if draw is None or not fresh.any():
         return

@@ -13,9 +13,12 @@ together and a file loads on any process count.
 """
 
 import contextlib
+import dataclasses
 
 import numpy as np
 
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.sharding import torch_placement
 from keras_sparse.sharding.torch_placement import TorchShardedPlacement
 
@@ -27,7 +30,7 @@ def key_shards(layer):
     """``(D, (rank,), None)`` for a hash layer key-sharded over the tables'
     processes, else None (one table per process; ``"data"``, ``"row"`` and
     ``"column"`` then refuse to train under DDP)."""
-    from keras_sparse.ops import torch_distributed
+    from keras_sparse.ops.torch import distributed as torch_distributed
 
     if layer.sharding not in KEY_SHARDED:
         return None
@@ -119,7 +122,7 @@ class TorchKeyPlacement(TorchShardedPlacement):
 
     # ------------------------------------------------------------ KeyMapper
     def map_keys(self, layer, keys, use, insert, draw=None):
-        from keras_sparse.ops import torch_distributed
+        from keras_sparse.ops.torch import distributed as torch_distributed
         from keras_sparse.sharding import torch_key_mapping
 
         if insert or torch_distributed.active_ddp() is not None:
@@ -134,9 +137,8 @@ class TorchKeyPlacement(TorchShardedPlacement):
         return rows, fresh, RESET_ON_OWNERS if insert else None
 
     # -------------------------------------------------------------- lookups
-    def lookup(self, table_var, slot_vars, anchor_var, optimizer, ids, valid,
-               iterations, constraint=None, apply_update=True, reset=None,
-               exchange_slot=None):  # fmt: skip
+    def lookup(self, state: TableState, batch: LookupBatch):
+        reset = batch.reset
         if reset is not None and reset[1] is not RESET_ON_OWNERS:
             raise NotImplementedError(
                 f"Layer '{self.name}': a key-sharded PyTorch table resets its "
@@ -144,14 +146,11 @@ class TorchKeyPlacement(TorchShardedPlacement):
                 "elsewhere (e.g. by an input stage) cannot be reset."
             )
         with self._collective("row exchange"):
-            return super().lookup(
-                table_var, slot_vars, anchor_var, optimizer, ids, valid,
-                iterations, constraint, apply_update,
-            )  # fmt: skip
+            return super().lookup(state, dataclasses.replace(batch, reset=None))
 
-    def gather(self, table_var, ids, valid, exchange_slot=None):
+    def gather(self, table_var, batch: LookupBatch):
         with self._collective("row exchange"):
-            return super().gather(table_var, ids, valid)
+            return super().gather(table_var, batch)
 
     # ----------------------------------------------------------- checkpoints
     def host_value(self, variable):

@@ -5,7 +5,7 @@ When torch.distributed is initialized with more than one process, a layer
 built with ``sharding="row"`` or ``"column"`` holds only this process's part
 of its table and slots (`keras_sparse.sharding.torch_sharded_lookup`); every
 other table ("auto", "data") is a full copy per process, updated from the
-global batch (`keras_sparse.ops.torch_distributed`). The exchanges run on
+global batch (`keras_sparse.ops.torch.distributed`). The exchanges run on
 a process group of their own (`process_group`), made on the first sharded
 build over all processes with the default group's timeout, or named by
 `set_process_group`. A `DistributedHashEmbedding` ("key" or "auto") is
@@ -24,6 +24,8 @@ training call checks it and raises otherwise.
 
 import keras
 
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.sharding import planner as planner_lib
 
 #: Strategies that shard a table over the processes.
@@ -174,37 +176,37 @@ class TorchShardedPlacement:
         return Route(self.strategy, self.group, self.devices, self.part_rows)
 
     # -------------------------------------------------------------- lookups
-    def lookup(self, table_var, slot_vars, anchor_var, optimizer, ids, valid,
-               iterations, constraint=None, apply_update=True, reset=None,
-               exchange_slot=None):  # fmt: skip
+    def lookup(self, state: TableState, batch: LookupBatch):
+        """Rows of ``batch.ids``; the backward pass updates the owners'
+        parts (``apply_update``, ``segments``, ``exchange_slot`` and
+        ``blocks`` are not used: torch looks up to update, each process
+        its own part)."""
         from keras_sparse.sharding import torch_sharded_lookup
 
-        del apply_update, exchange_slot  # torch looks up to update; no stage
-        if reset is not None:
+        if batch.reset is not None:
             raise NotImplementedError(
                 f"Layer '{self.name}': a sharded PyTorch table cannot reset rows."
             )
-        self._check_ddp([table_var, *slot_vars.values()])
-        return torch_sharded_lookup.lookup(
-            self._route(), table_var, slot_vars, anchor_var, optimizer,
-            ids, valid, iterations, constraint,
-        )  # fmt: skip
+        self._check_ddp([state.table_var, *state.slot_vars.values()])
+        return torch_sharded_lookup.lookup(self._route(), state, batch)
 
-    def gather(self, table_var, ids, valid, exchange_slot=None):
-        from keras_sparse.ops import torch_distributed
+    def gather(self, table_var, batch: LookupBatch):
+        from keras_sparse.ops.torch import distributed as torch_distributed
         from keras_sparse.sharding import torch_sharded_lookup
 
         if torch_distributed.active_ddp() is not None:
             # Inference inside a DDP forward: the parts must not be rank 0's.
             self._check_ddp([table_var])
-        return torch_sharded_lookup.gather(self._route(), table_var, ids, valid)
+        return torch_sharded_lookup.gather(
+            self._route(), table_var, batch.ids, batch.valid
+        )
 
     def _check_ddp(self, variables):
         """Training needs a DDP forward over this table's processes that
         did not broadcast rank 0's part (`sharded_parameter_names`)."""
         import torch.distributed as dist
 
-        from keras_sparse.ops import torch_distributed
+        from keras_sparse.ops.torch import distributed as torch_distributed
 
         ddp = torch_distributed.active_ddp()
         if ddp is None:

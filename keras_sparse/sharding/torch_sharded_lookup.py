@@ -13,7 +13,7 @@ all-reduce), one table part each:
            part); owners gather their rows; a mirror ``all_to_all_single``
            returns them. Backward: the row gradients go to the owners the same
            way, and each owner applies the sparse optimizer to its part
-           (`keras_sparse.ops.torch_lookup.apply_sparse_update`).
+           (`keras_sparse.ops.torch.lookup.apply_sparse_update`).
 ``column`` process ``d`` holds columns ``[d * dim / D, (d + 1) * dim / D)``
            of every row. Forward: the local id counts, then every process's
            ids go to every process (an ``all_to_all_single`` of the ids
@@ -37,14 +37,14 @@ of it leaves the process when ids spread over the parts):
   average) ``+ 4 n dim`` (gradients, training only);
 * column: ``16 D`` ``+ 8 D n`` (ids to every process) ``+ 4 n dim``
   (column slices) ``+ 4 n dim`` (gradients, training only);
-* data (replicated, `keras_sparse.ops.torch_distributed`): ``8 D`` ``+
+* data (replicated, `keras_sparse.ops.torch.distributed`): ``8 D`` ``+
   (8 + 4 dim) n`` sent, ``D`` times that received (all-gathers).
 """
 
 import torch
 import torch.distributed as dist
 
-from keras_sparse.ops import torch_lookup
+from keras_sparse.ops.torch import lookup as torch_lookup
 
 
 def _exchange(tensor, send, recv, group):
@@ -134,13 +134,13 @@ class _ShardedLookup(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def lookup(route, table_var, slot_vars, anchor_var, optimizer, ids, valid,
-           iterations, constraint=None):  # fmt: skip
-    """``[n, dim]`` rows; the backward pass updates the owners' parts."""
-    context = torch_lookup.sparse_update_context(
-        table_var, slot_vars, optimizer, iterations, constraint
+def lookup(route, state, batch):
+    """``[n, dim]`` rows of ``batch.ids`` (``state``: a `TableState`); the
+    backward pass updates the owners' parts."""
+    context = torch_lookup.sparse_update_context(state, batch.iterations)
+    return _ShardedLookup.apply(
+        state.anchor_var.value, batch.ids, batch.valid, route, context
     )
-    return _ShardedLookup.apply(anchor_var.value, ids, valid, route, context)
 
 
 @torch.compiler.disable

@@ -38,13 +38,8 @@ def site(layer):
 
 class TorchStackPlacement(TorchShardedPlacement):
     """`TorchShardedPlacement` of one stack ("row" also for a "table"
-    stack; ``num_rows`` the stack's rows)."""
-
-    def lookup(self, *args, blocks=None, **kwargs):
-        # ``blocks`` orders an unsharded stack's per-table updates; each
-        # process updates its own part here.
-        del blocks
-        return super().lookup(*args, **kwargs)
+    stack; ``num_rows`` the stack's rows; its lookup ignores
+    ``batch.blocks``: each process updates its own part)."""
 
     def stack_weight(self, layer, table, shape, initializer, name, **kwargs):
         """This process's part of a ``shape`` (whole stack) variable."""

@@ -5,19 +5,21 @@ variable is the function's only differentiable input, so the tape calls the
 gradient function, which scatter-updates the touched rows in place and
 returns a zero gradient for the anchor. Under tf.distribute.MirroredStrategy
 every replica applies the update of the global batch (see
-`keras_sparse.ops.tf_replicas`).
+`keras_sparse.ops.tensorflow.replicas`).
 """
 
 import tensorflow as tf
 
-from keras_sparse.ops import tf_native_rows
-from keras_sparse.ops import tf_replicas
-from keras_sparse.ops import tf_row_updates
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
 from keras_sparse.ops.row_updates import number_representatives
 from keras_sparse.ops.row_updates import scratch_keys
+from keras_sparse.ops.tensorflow import native_rows as tf_native_rows
+from keras_sparse.ops.tensorflow import replicas as tf_replicas
+from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
 
 # Scales a layer's row-regularizer penalty (see `tf_replicas.replica_count`).
 replica_count = tf_replicas.replica_count
@@ -58,7 +60,7 @@ def scratch_segments(scratch_var, ids, valid, num_rows):
     """`row_updates.scratch_segments` writing the scratch variable in place.
 
     None outside XLA: there the update dedups with ``tf.unique`` instead
-    (`keras_sparse.ops.tf_row_updates`), cheaper than a graph's cumsum.
+    (`keras_sparse.ops.tensorflow.row_updates`), cheaper than a graph's cumsum.
     """
     if not tf_row_updates.in_xla():
         return None
@@ -113,48 +115,44 @@ def _fused_update(
     )
 
 
-def lookup_with_sparse_update(
-    table_var,
-    slot_vars,
-    anchor_var,
-    optimizer,
-    ids,
-    valid,
-    iterations,
-    constraint=None,
-    reset=None,
-    segments=None,
-    blocks=None,
-):
-    """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
+def lookup(state: TableState, batch: LookupBatch):
+    """``batch.reset=(mask, values)``: see `reset_rows` (applied before the
+    gather).
 
-    ``segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
-    ``blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
+    ``batch.segments``: see `keras_sparse.ops.row_updates.compute_row_updates`.
+    ``batch.blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
     tables, updated table by table outside XLA (see
-    `keras_sparse.ops.row_updates.TableBlocks`).
+    `keras_sparse.ops.row_updates.TableBlocks`). A lookup with
+    ``iterations`` always updates (``apply_update`` is JAX's);
+    ``exchange_slot`` is not used.
     """
-    if blocks is not None:
-        blocks = TableBlocks(*blocks)
+    table_var, optimizer, constraint = (
+        state.table_var,
+        state.optimizer,
+        state.constraint,
+    )
+    reset, segments, iterations = batch.reset, batch.segments, batch.iterations
+    blocks = None if batch.blocks is None else TableBlocks(*batch.blocks)
     replicas = tf_replicas.replica_context(table_var, reset)
     if replicas is not None:
         segments = None  # they number one replica's ids, not the gathered ones
         if blocks is not None and not blocks.batch_major:
             blocks = None  # the gathered batch repeats the table order
-    state = {"table": _tf_variable(table_var)}
-    state.update({name: _tf_variable(v) for name, v in slot_vars.items()})
-    ids = tf.cast(ids, tf.int32)
-    valid = tf.cast(valid, tf.bool)
+    variables = {"table": _tf_variable(table_var)}
+    variables.update({n: _tf_variable(v) for n, v in state.slot_vars.items()})
+    ids = tf.cast(batch.ids, tf.int32)
+    valid = tf.cast(batch.valid, tf.bool)
     num_rows = int(table_var.shape[0])
     if reset is not None:
-        reset_rows(state, optimizer, ids, tf.cast(reset[0], tf.bool), reset[1])
+        reset_rows(variables, optimizer, ids, tf.cast(reset[0], tf.bool), reset[1])
 
     @tf.custom_gradient
-    def lookup(anchor):
+    def gather_with_update(anchor):
         out = None
         if replicas is None and not tf_row_updates.in_xla():
-            out = tf_native_rows.gather_rows(state["table"], ids, valid)
+            out = tf_native_rows.gather_rows(variables["table"], ids, valid)
         if out is None:
-            out = gather_valid(state["table"], ids, valid)
+            out = gather_valid(variables["table"], ids, valid)
 
         def grad(upstream):
             step_ids, step_valid, grads = ids, valid, tf.convert_to_tensor(upstream)
@@ -166,7 +164,7 @@ def lookup_with_sparse_update(
                 # One update over the stack: XLA would serialize per-table
                 # writes into one variable.
                 writes, indices = _static_shape_update(
-                    state, optimizer, step_ids, step_valid, grads, iterations,
+                    variables, optimizer, step_ids, step_valid, grads, iterations,
                     num_rows, constraint, segments,
                 )  # fmt: skip
             else:
@@ -179,12 +177,12 @@ def lookup_with_sparse_update(
                     fused = None
                     if replicas is None:
                         fused = _fused_update(
-                            state, optimizer, part_ids, part_valid, part_grads,
+                            variables, optimizer, part_ids, part_valid, part_grads,
                             iterations, first, end - first, constraint, segments,
                         )  # fmt: skip
                     writes += [fused] if fused is not None else (
                         tf_row_updates.apply_row_updates(
-                            state, optimizer, part_ids + first, part_valid,
+                            variables, optimizer, part_ids + first, part_valid,
                             part_grads, iterations, num_rows, constraint, segments,
                         )
                     )  # fmt: skip
@@ -192,11 +190,11 @@ def lookup_with_sparse_update(
             # Grappler prunes control-only dependencies here, so the zero
             # gradient is made to depend on the written data itself.
             with tf.control_dependencies(writes):
-                probe = tf.reduce_sum(tf.gather(state["table"], indices[:1]))
+                probe = tf.reduce_sum(tf.gather(variables["table"], indices[:1]))
             return tf.math.multiply_no_nan(
                 tf.cast(probe, anchor.dtype), tf.zeros_like(anchor)
             )
 
         return out, grad
 
-    return lookup(tf.convert_to_tensor(_tf_variable(anchor_var)))
+    return gather_with_update(tf.convert_to_tensor(_tf_variable(state.anchor_var)))

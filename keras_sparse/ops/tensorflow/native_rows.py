@@ -1,7 +1,7 @@
 """TensorFlow on a CPU: the sparse row update of SGD, Adagrad and Adam as one op,
 and the forward's gather of rows with prefetching.
 
-Outside XLA the graph route (`keras_sparse.ops.tf_row_updates`) runs a
+Outside XLA the graph route (`keras_sparse.ops.tensorflow.row_updates`) runs a
 dozen operations per table and step, two of them gathers and two scatters
 that each fetch every touched row from memory. `keras_sparse/kernels/tf_rows_op.cc`
 does the same update in one op: the dedup and gradient sums of

@@ -15,9 +15,11 @@ from jax.custom_derivatives import CustomVJPPrimal
 from jax.custom_derivatives import SymbolicZero
 
 from keras_sparse.ops import dense_row_updates
-from keras_sparse.ops import jax_native_rows
 from keras_sparse.ops import row_updates
 from keras_sparse.ops import take_rows
+from keras_sparse.ops.jax import native_rows as jax_native_rows
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.ops.row_updates import compute_row_updates
 
 # Whether the backward takes the touched rows from the forward's gather
@@ -31,7 +33,7 @@ FORWARD_ROWS_MIN_BYTES = 16 << 20
 
 def gather_valid(table, ids, valid, compiled=False):
     """``table[ids]`` where ``valid``, else zero rows. ``compiled``: by the
-    prefetching custom call where it applies (`jax_native_rows`); only
+    prefetching custom call where it applies (`native_rows`); only
     training steps ask for it, so that inference programs (exported ones
     included) hold no custom call."""
     if compiled:
@@ -47,7 +49,7 @@ def _lookup(config, table, slots, ids, valid, iterations, segments):
     """``(rows, table, slots)``: the gathered rows and the state passed on.
 
     A layer called twice in one step reads the state passed on by its first
-    call in the second (`lookup_with_sparse_update`), so the two updates
+    call in the second (`lookup`), so the two updates
     chain in the backward pass (the second call's, then the first's on top)
     instead of JAX summing two whole updated tables into the variable's
     "gradient".
@@ -234,7 +236,7 @@ reset_rows.defvjp(_reset_forward, _reset_backward)
 
 def fused_update_applies(optimizer, constraint, table):
     """Whether the sparse update of ``table`` (a variable) runs as one
-    compiled custom call (`keras_sparse.ops.jax_native_rows`), which finds
+    compiled custom call (`keras_sparse.ops.jax.native_rows`), which finds
     duplicates itself: such a table needs no dedup scratch."""
     return jax_native_rows.fused_rule(optimizer, constraint, table) is not None
 
@@ -249,55 +251,49 @@ def scratch_segments(scratch_var, ids, valid, num_rows):
     return segments
 
 
-def lookup_with_sparse_update(
-    table_var,
-    slot_vars,
-    anchor_var,
-    optimizer,
-    ids,
-    valid,
-    iterations,
-    constraint=None,
-    reset=None,
-    apply_update=True,
-    segments=None,
-):
-    """See the module docstring; ``reset=(mask, values)`` re-initializes rows.
+def lookup(state: TableState, batch: LookupBatch):
+    """See the module docstring; ``batch.reset=(mask, values)``
+    re-initializes rows.
 
-    ``segments``: optional ``[N]`` segment index per position computed ahead
-    of the step (`keras_sparse.ops.row_updates.segments_from_positions`).
+    ``batch.segments``: optional ``[N]`` segment index per position computed
+    ahead of the step (`keras_sparse.ops.row_updates.segments_from_positions`).
+    ``batch.apply_update``: False hands the state back unchanged (an
+    inference call inside a gradient computation). Unused on JAX:
+    ``state.anchor_var`` (the table itself carries the update),
+    ``batch.blocks`` and ``batch.exchange_slot`` (no exchange).
 
     With ``reset``, the rows ``ids[mask]`` get ``values[mask]`` (``[N, dim]``)
     and their optimizer slots their initial values before the gather (done
     functionally; the reset is part of the table returned by the backward).
     Outside a trace the reset is also assigned to the variables directly.
     """
-    del anchor_var  # the table itself carries the update on JAX
+    table_var, slot_vars, optimizer = state.table_var, state.slot_vars, state.optimizer
     table = table_var.value
     slots = {name: var.value for name, var in slot_vars.items()}
-    ids = jnp.asarray(ids, jnp.int32)
-    if reset is not None:
-        mask, values = reset
+    ids = jnp.asarray(batch.ids, jnp.int32)
+    if batch.reset is not None:
+        mask, values = batch.reset
         mask = jnp.asarray(mask, bool)
         n = ids.shape[0]
         new_values = {"table": jnp.asarray(values)}
         for spec in optimizer.slot_specs():
             width = slots[spec.name].shape[1]
             new_values[spec.name] = jnp.full((n, width), spec.initial_value)
-        state = reset_rows({"table": table, **slots}, ids, mask, new_values)
-        table = state.pop("table")
-        slots = state
+        reset = reset_rows({"table": table, **slots}, ids, mask, new_values)
+        table = reset.pop("table")
+        slots = reset
         if not isinstance(table, jax.core.Tracer):
             table_var.assign(table)
             for name, var in slot_vars.items():
                 var.assign(slots[name])
+    segments = batch.segments
     rows, table, slots = _lookup(
-        _Config(optimizer, constraint, apply_update),
+        _Config(optimizer, state.constraint, batch.apply_update),
         table,
         slots,
         ids,
-        jnp.asarray(valid, bool),
-        jnp.asarray(iterations, jnp.int32),
+        jnp.asarray(batch.valid, bool),
+        jnp.asarray(batch.iterations, jnp.int32),
         None if segments is None else jnp.asarray(segments, jnp.int32),
     )
     pass_on(table_var, table, slot_vars, slots)

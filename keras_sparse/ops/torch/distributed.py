@@ -74,7 +74,7 @@ def check_replicated_training(name, maps_keys):
             "the layer trains outside a DistributedDataParallel forward, so "
             "each process would update its tables from its own batch only. "
             "Wrap the model in torch.nn.parallel.DistributedDataParallel, or "
-            "set keras_sparse.ops.torch_distributed.ALLOW_LOCAL_UPDATES = "
+            "set keras_sparse.ops.torch.distributed.ALLOW_LOCAL_UPDATES = "
             "True if the processes train independent tables."
         )
     if maps_keys:

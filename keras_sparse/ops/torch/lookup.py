@@ -4,7 +4,7 @@ Table and slots are parameters without gradients. A scalar trainable
 "anchor" is the function's only differentiable input; its backward updates
 the touched rows in place under no_grad and returns a zero anchor gradient.
 Inside a DistributedDataParallel forward every process applies the update
-of the global batch (see `keras_sparse.ops.torch_distributed`).
+of the global batch (see `keras_sparse.ops.torch.distributed`).
 """
 
 import concurrent.futures
@@ -14,13 +14,15 @@ import threading
 import torch
 
 from keras_sparse.ops import native_optimizers
-from keras_sparse.ops import torch_distributed
 from keras_sparse.ops.cpu_threads import available_cpus
+from keras_sparse.ops.lookup_batch import LookupBatch
+from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.row_updates import TableBlocks
-from keras_sparse.ops.torch_row_updates import apply_row_updates
-from keras_sparse.ops.torch_row_updates import compiled_route
-from keras_sparse.ops.torch_row_updates import scratch_for
+from keras_sparse.ops.torch import distributed as torch_distributed
+from keras_sparse.ops.torch.row_updates import apply_row_updates
+from keras_sparse.ops.torch.row_updates import compiled_route
+from keras_sparse.ops.torch.row_updates import scratch_for
 
 #: Whether a stack's tables update side by side on a CPU (`_update_tables`).
 PARALLEL_TABLES = True
@@ -267,65 +269,53 @@ def reset_rows(state, optimizer, ids, mask, values):
 
 
 @torch.compiler.disable
-def lookup_with_sparse_update(
-    table_var,
-    slot_vars,
-    anchor_var,
-    optimizer,
-    ids,
-    valid,
-    iterations,
-    constraint=None,
-    reset=None,
-    segments=None,
-    blocks=None,
-):
-    """``reset=(mask, values)``: see `reset_rows` (applied before the gather).
+def lookup(state: TableState, batch: LookupBatch):
+    """``batch.reset=(mask, values)``: see `reset_rows` (applied before the
+    gather).
 
-    ``segments``: see `keras_sparse.ops.torch_row_updates.apply_row_updates`.
-    ``blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
+    ``batch.segments``: see `keras_sparse.ops.torch.row_updates.apply_row_updates`.
+    ``batch.blocks``: ``(batch_major, extents, row_ranges)`` of a stack of
     tables, updated table by table (see
-    `keras_sparse.ops.row_updates.TableBlocks`).
+    `keras_sparse.ops.row_updates.TableBlocks`). A lookup with
+    ``iterations`` always updates (``apply_update`` is JAX's);
+    ``exchange_slot`` is not used.
     """
-    if blocks is not None:
-        blocks = TableBlocks(*blocks)
-    group = torch_distributed.replica_group(table_var, reset)
+    reset, segments = batch.reset, batch.segments
+    blocks = None if batch.blocks is None else TableBlocks(*batch.blocks)
+    group = torch_distributed.replica_group(state.table_var, reset)
     if group is not None:
         segments = None  # they number this process's ids, not the gathered ones
         if blocks is not None and not blocks.batch_major:
             blocks = None  # the gathered batch repeats the table order
 
-    context = _context(
-        table_var, slot_vars, optimizer, iterations, constraint, segments, blocks, group
-    )
+    context = _context(state, batch.iterations, segments, blocks, group)
+    ids = batch.ids.long()
     if reset is not None:
-        reset_rows(context["state"], optimizer, ids.long(), reset[0].bool(), reset[1])
-    return _SparseLookup.apply(anchor_var.value, ids.long(), valid.bool(), context)
+        reset_rows(context["state"], state.optimizer, ids, reset[0].bool(), reset[1])
+    return _SparseLookup.apply(state.anchor_var.value, ids, batch.valid.bool(), context)
 
 
-def _context(
-    table_var, slot_vars, optimizer, iterations, constraint,
-    segments=None, blocks=None, group=None,
-):  # fmt: skip
-    """What a lookup's backward pass needs for its update."""
-    state = {"table": table_var.value}
-    state.update({name: var.value for name, var in slot_vars.items()})
+def _context(state, iterations, segments=None, blocks=None, group=None):
+    """What a lookup's backward pass needs for its update (``state``: a
+    `TableState`)."""
+    tensors = {"table": state.table_var.value}
+    tensors.update({name: var.value for name, var in state.slot_vars.items()})
     return {
-        "state": state,
-        "table_var": table_var,
-        "optimizer": optimizer,
+        "state": tensors,
+        "table_var": state.table_var,
+        "optimizer": state.optimizer,
         "iterations": iterations,
-        "constraint": constraint,
+        "constraint": state.constraint,
         "segments": segments,
         "blocks": blocks,
         "group": group,
     }
 
 
-def sparse_update_context(table_var, slot_vars, optimizer, iterations, constraint):
-    """What `apply_sparse_update` needs: the state of ``table_var`` and
-    ``slot_vars`` (a sharded table's own part, for its owner's update)."""
-    return _context(table_var, slot_vars, optimizer, iterations, constraint)
+def sparse_update_context(state, iterations):
+    """What `apply_sparse_update` needs: the tensors of ``state`` (a
+    `TableState`; a sharded table's own part, for its owner's update)."""
+    return _context(state, iterations)
 
 
 def apply_sparse_update(context, ids, valid, grads):
@@ -347,20 +337,17 @@ def bag_sums_apply(table_var, bags, valids):
 
 
 @torch.compiler.disable
-def bag_sums_with_sparse_update(
-    table_var, slot_vars, anchor_var, optimizer, bags, iterations,
-    constraint=None, row_ranges=None,
-):  # fmt: skip
+def bag_sums_with_sparse_update(state: TableState, bags, iterations, row_ranges=None):
     """``[sum of batch_t, dim]``: the sums of each bag's rows, bag after bag.
 
     ``bags``: ``[batch_t, bag_t]`` ids, all valid, one per table of a stack
     (``row_ranges``, its tables' rows; None: one table, the whole variable)
     with the table's first row added. One fused gather-and-sum,
-    ``embedding_bag``; its backward pass applies ``optimizer`` to the
-    touched rows as `lookup_with_sparse_update` does, table by table, each
-    position taking its bag's gradient.
+    ``embedding_bag``; its backward pass applies ``state.optimizer`` to the
+    touched rows as `lookup` does, table by table, each position taking its
+    bag's gradient.
     """
-    context = _context(table_var, slot_vars, optimizer, iterations, constraint)
+    context = _context(state, iterations)
     context["row_ranges"] = row_ranges
     bags = [bag.long() for bag in bags]
-    return _SparseBagSums.apply(anchor_var.value, context, *bags)
+    return _SparseBagSums.apply(state.anchor_var.value, context, *bags)

@@ -16,8 +16,8 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from keras_sparse.ops import hash_layer_refusal
-from keras_sparse.ops import tf_workers
 from keras_sparse.ops import variable_layer_name
+from keras_sparse.ops.tensorflow import workers as tf_workers
 
 # Strategies whose variables are plain mirrors updated per replica and whose
 # training this module is tested under (MultiWorkerMirroredStrategy: the

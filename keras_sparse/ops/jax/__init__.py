@@ -1,0 +1,1 @@
+"""JAX ops: the lookup primitive (`lookup`) and its compiled row update."""

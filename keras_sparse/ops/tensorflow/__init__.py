@@ -1,0 +1,2 @@
+"""TensorFlow ops: the lookup primitive (`lookup`), its row updates and the
+tf.distribute helpers."""

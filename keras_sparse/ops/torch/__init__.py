@@ -1,0 +1,2 @@
+"""PyTorch ops: the lookup primitive (`lookup`), its row updates and the
+DistributedDataParallel helpers."""
