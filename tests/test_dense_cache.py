@@ -59,14 +59,21 @@ def _plain_state(layer):
     return [np.asarray(layer.embeddings), *map(np.asarray, layer.slots.values())]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
-def test_cache_trains_as_the_whole_table(optimizer):
+@pytest.mark.parametrize(
+    "optimizer, staged",
+    [("sgd", False), ("adagrad", False), ("adam", False), ("adagrad", True)],
+)
+def test_cache_trains_as_the_whole_table(optimizer, staged):
     keras.utils.set_random_seed(3)
     cached, layer = _model(optimizer, cache_rows=CACHE, store="host")
     full, plain = _reference(optimizer, cached, layer)
     ids, target = _batches(0)
-    for model in (full, cached):
-        model.fit(ids, target, batch_size=BATCH, shuffle=False, verbose=0)
+    full.fit(ids, target, batch_size=BATCH, shuffle=False, verbose=0)
+    if staged:  # through the input stage: the cache maps ids in the step
+        data = ks.data.prefetch((ids, target), cached, batch_size=BATCH)
+        cached.fit(data, verbose=0)
+    else:
+        cached.fit(ids, target, batch_size=BATCH, shuffle=False, verbose=0)
     stats = layer.stats()
     assert stats["evictions"] > 50 and stats["write_backs"] == stats["evictions"]
     assert stats["fills"] == stats["misses"] and stats["store_size"] == VOCAB
@@ -134,6 +141,11 @@ def test_out_of_range_ids_raise_before_anything_changes():
     assert layer.stats()["size"] == 2
     for a, b in zip(layer.get_weights(), before):
         np.testing.assert_array_equal(a, b)
+    # The cache's records: each id once, cached ids with their cached rows.
+    records = layer.row_cache.export()
+    order = np.argsort(records["keys"])
+    np.testing.assert_array_equal(records["keys"][order], np.arange(300))
+    np.testing.assert_array_equal(records["values"][order], before[0])
 
 
 def test_out_of_range_ids_abort_a_compiled_step():
