@@ -37,9 +37,12 @@ def _optimizer(name):
 
 def _model(optimizer, **cache):
     inputs = keras.Input((FIELDS,), dtype="int32")
+    extra = {}
+    if optimizer == "sgd":  # row regularizer and constraint reach the cache
+        extra = {"embeddings_regularizer": "l2", "embeddings_constraint": "non_neg"}
     layer = ks.AllToAllDenseEmbedding(
         VOCAB, DIM, combiner="sum", optimizer=_optimizer(optimizer), name="ids",
-        **cache,
+        **extra, **cache,
     )  # fmt: skip
     model = keras.Model(inputs, keras.layers.Dense(1, name="out")(layer(inputs)))
     model.compile(optimizer="sgd", loss="mse")
@@ -185,3 +188,41 @@ def test_refusals_name_the_argument(kwargs, match):
 def test_stats_needs_a_cache():
     with pytest.raises(ValueError, match="cache_rows=None"):
         ks.AllToAllDenseEmbedding(10, 2).stats()
+
+
+def test_initial_table_does_not_depend_on_chunks(monkeypatch):
+    from keras_sparse.store import dense_store
+
+    def table(vocab):
+        init = keras.initializers.RandomNormal(seed=11)
+        layer = ks.AllToAllDenseEmbedding(
+            vocab, 3, cache_rows=64, optimizer="adam", embeddings_initializer=init
+        )
+        return layer.get_weights()
+
+    whole = table(700)
+    monkeypatch.setattr(dense_store, "INIT_CHUNK_BYTES", 100)  # 5 rows a chunk
+    chunked = table(700)
+    # Up to rounding: TensorFlow's vectorized erfinv may differ by an ulp.
+    for a, b in zip(whole, chunked):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+    # Each id's row is its own: a function of (seed, id) only.
+    np.testing.assert_allclose(table(300)[0], whole[0][:300], rtol=1e-6, atol=1e-8)
+    assert 0.5 < np.std(whole[0]) / 0.05 < 1.5  # RandomNormal's spread
+    np.testing.assert_array_equal(whole[1], 0)  # Adam's slots start at 0
+
+
+def test_a_batch_without_cache_rows_for_all_ids_raises(monkeypatch):
+    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+
+    layer = ks.AllToAllDenseEmbedding(300, 3, cache_rows=64, optimizer="sgd")
+    mapped = DistributedHashEmbedding._table_rows
+
+    def overflowing(self, *args, **kwargs):
+        rows, fresh = mapped(self, *args, **kwargs)
+        rows[0] = -1  # as the table leaves an id whose buckets are full
+        return rows, fresh
+
+    monkeypatch.setattr(DistributedHashEmbedding, "_table_rows", overflowing)
+    with pytest.raises(RuntimeError, match="found no cache row"):
+        layer(np.array([[1, 2]]), training=True)
