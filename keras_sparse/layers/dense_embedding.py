@@ -50,6 +50,8 @@ _OWN_ARGUMENTS = (
     "combiner",
     "optimizer",
     "sharding",
+    "cache_rows",
+    "store",
     "input_length",  # deprecated by Keras, which warns and drops it
 )
 
@@ -96,6 +98,19 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             leaves the table alone.
         sharding: placement of the table across devices ("auto", "data",
             "table", "row", "column").
+        cache_rows: None (the table lives in the layer's variables) or a
+            positive int <= ``input_dim``: the variables then hold that many
+            rows (values and slots; the hash table rounds it up to whole
+            buckets of 16, at least 64), a cache of the ids trained lately,
+            and the whole table lives in ``store``. Needs a sparse
+            ``optimizer``; training is exact (see
+            `keras_sparse.layers.dense_cache`). ``layer.stats()`` reports the
+            cache's counters; `get_weights`, `set_weights` and saves see the
+            whole table, gathered in host memory; ``layer.embeddings`` is
+            the cache.
+        store: where the whole table lives with ``cache_rows``: "host"
+            (default), ``keras_sparse.store.Host()`` or
+            ``keras_sparse.store.Disk(path)``.
 
     Call arguments:
         inputs: integer ids of any rank, a JAX BCOO or (TensorFlow) a
@@ -128,12 +143,23 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         combiner=None,
         optimizer=None,
         sharding="auto",
+        cache_rows=None,
+        store=None,
         **kwargs,
     ):
         name = kwargs.get("name") or "embedding"
         check_known(name, "AllToAllDenseEmbedding", kwargs, _OWN_ARGUMENTS)
         _check_positive_int(name, "input_dim", input_dim)
         _check_positive_int(name, "output_dim", output_dim)
+        store_spec = None
+        if cache_rows is not None or store is not None:
+            from keras_sparse.layers import dense_cache
+
+            store_spec = dense_cache.check_arguments(
+                name, input_dim, cache_rows, store, optimizer, sharding,
+                mask_zero=mask_zero, lora_rank=lora_rank,
+                quantization_config=quantization_config,
+            )  # fmt: skip
         if optimizer is not None:
             for arg, value in (
                 ("lora_rank", lora_rank),
@@ -158,6 +184,17 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if self.uses_sparse_update and self.quantization_mode:
             _refuse_with_sparse_optimizer(self.name, "dtype", self.dtype_policy.name)
         self.num_rows = self.input_dim
+        self.cache_rows = None if cache_rows is None else int(cache_rows)
+        self.store = store_spec
+        self.row_cache = None
+        if store_spec is not None:
+            from keras_sparse.layers import dense_cache
+
+            dense_cache.check_initializer(self.name, self.embeddings_initializer)
+            # The cache's variables, id map and store (built with the layer).
+            self.row_cache = dense_cache.CacheRows(self, cache_rows, store_spec)
+            # Host callbacks: no XLA in TensorFlow graphs, eager torch steps.
+            self.supports_jit = keras.backend.backend() == "jax"
         # JAX without x64 wraps int64 ids in fit/evaluate/predict batches;
         # the trainer hook refuses those beyond int32 before the step.
         jax_full_keys.install()
@@ -174,6 +211,11 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 f"Layer '{self.name}': `weights` must have shape "
                 f"{(self.input_dim, self.output_dim)}; received {weights.shape}."
             )
+        if self.row_cache is not None:  # the store's values; slots unchanged
+            table = self.row_cache.full_table()
+            table["values"] = weights
+            self.row_cache.write_table(table)
+            return
         if self.quantization_mode:
             raise ValueError(
                 f"Layer '{self.name}': `weights` cannot initialize a quantized "
@@ -190,6 +232,13 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     def build(self, input_shape=None):
         if self.built:
             return
+        if self.row_cache is not None:
+            from keras_sparse.layers import dense_cache
+
+            dense_cache.check_one_device(self.name)
+            self.row_cache.build(input_shape)
+            self.built = True
+            return
         if self.quantization_mode:  # Keras's int8/int4 variables
             keras.layers.Embedding.build(self, input_shape)
             return
@@ -199,6 +248,28 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             # As keras.layers.Embedding.build: the rank alone (so lora_alpha
             # becomes the rank, exactly as there).
             self.enable_lora(self.lora_rank)
+
+    @property
+    def embeddings(self):
+        """The table variable (with ``cache_rows``: the cache's rows)."""
+        if getattr(self, "row_cache", None) is not None:
+            return self.row_cache.embeddings
+        return keras.layers.Embedding.embeddings.fget(self)
+
+    def stats(self):
+        """With ``cache_rows``: the cache's counters (see
+        `DistributedHashEmbedding.stats`: ``hits``/``misses`` of ids,
+        ``evictions``) and its store's: ``fills`` (rows read into the
+        cache), ``write_backs``, ``store_hits`` (ids read from the store in
+        inference), ``store_size``, ``store_bytes``."""
+        if self.row_cache is None:
+            raise ValueError(
+                f"Layer '{self.name}': stats() reports the counters of a "
+                "cached table; this layer has none (cache_rows=None)."
+            )
+        if not self.built:
+            self.build()
+        return self.row_cache.stats()
 
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
@@ -227,6 +298,11 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         return super().__call__(inputs, *args, **kwargs)
 
     def call(self, inputs, weights=None, training=None):
+        if self.row_cache is not None:
+            inputs = input_forms.cast_float_ids(self.name, inputs)
+            if weights is None:
+                return self.row_cache(inputs, training=training)
+            return self.row_cache(inputs, weights, training=training)
         if is_tf_ragged(inputs) and self.combiner is None:
             # Ragged in, ragged out (as Keras): look up the flat values.
             flat_weights = None
@@ -298,8 +374,53 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             named["sparse_iterations"] = self.sparse_iterations
         return named
 
+    def _cache_entries(self):
+        """``{file entry: full-table field}`` of a layer with ``cache_rows``
+        (the entries of the same layer without a cache)."""
+        entries = {"0": "values"}
+        entries.update({f"slot_{k}": k for k in self.row_cache.slots})
+        return entries
+
+    def get_weights(self):
+        if self.row_cache is None:
+            return super().get_weights()
+        if not self.built:
+            self.build()
+        table = self.row_cache.full_table()
+        iterations = ops.convert_to_numpy(self.row_cache.sparse_iterations)
+        return [table[f] for f in self._cache_entries().values()] + [iterations]
+
+    def set_weights(self, weights):
+        if self.row_cache is None:
+            return super().set_weights(weights)
+        if not self.built:
+            self.build()
+        fields = list(self._cache_entries().values())
+        shapes = [(self.input_dim, int(v.shape[1])) for v in self._cache_vars()]
+        weights = list(weights)
+        got = [tuple(np.shape(w)) for w in weights]
+        if got != shapes + [()]:
+            raise ValueError(
+                f"Layer '{self.name}': set_weights() takes the whole table as "
+                f"get_weights() gives it ({fields} then the step count): "
+                f"shapes {shapes + [()]}; received {got}. Nothing was set."
+            )
+        self.row_cache.write_table(dict(zip(fields, weights)), weights[-1])
+
+    def _cache_vars(self):
+        return [self.row_cache.embeddings, *self.row_cache.slots.values()]
+
     def save_own_variables(self, store):
         if not self.built:
+            return
+        if self.row_cache is not None:
+            # The whole table under the entries of a layer without a cache.
+            table = self.row_cache.full_table()
+            for entry, field in self._cache_entries().items():
+                store[entry] = table[field]
+            store["sparse_iterations"] = ops.convert_to_numpy(
+                self.row_cache.sparse_iterations
+            )
             return
         if self._keras_state():
             keras.layers.Embedding.save_own_variables(self, store)
@@ -311,6 +432,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     def load_own_variables(self, store):
         if self._keras_state():
             keras.layers.Embedding.load_own_variables(self, store)
+            return
+        if self.row_cache is not None:
+            self._load_cached(store)
             return
         named = self._named_variables()
         if not len(store.keys()):
@@ -343,9 +467,37 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         for name, variable in named.items():
             hooks.assign_value(self, variable, values[name])
 
+    def _load_cached(self, store):
+        entries = self._cache_entries()
+        keys = set(store.keys())
+        missing = [e for e in [*entries, "sparse_iterations"] if e not in keys]
+        if missing:
+            raise ValueError(
+                f"Layer '{self.name}': the saved state has no {missing} "
+                f"(it holds {sorted(keys)}); nothing was loaded."
+            )
+        arrays = {}
+        for (entry, field), var in zip(entries.items(), self._cache_vars()):
+            value = store[entry]
+            want = (self.input_dim, int(var.shape[1]))
+            if tuple(value.shape) != want:
+                raise ValueError(
+                    f"Layer '{self.name}': saved '{entry}' has shape "
+                    f"{tuple(value.shape)}, the layer's table {want}; nothing "
+                    "was loaded."
+                )
+            arrays[field] = value
+        self.row_cache.write_table(arrays, store["sparse_iterations"])
+
     def get_config(self):
         config = super().get_config()
         config.update({"input_dim": self.input_dim, "mask_zero": self.mask_zero})
+        if self.row_cache is not None:
+            from keras_sparse.store import serialize
+
+            config.update(
+                {"cache_rows": self.cache_rows, "store": serialize(self.store)}
+            )
         return config
 
 

@@ -75,9 +75,13 @@ class UndoCollector:
 class RowTier:
     """The row store under one hash layer's table, and its pending moves."""
 
-    def __init__(self, layer_name, store, slot_names):
+    def __init__(self, layer_name, store, slot_names, dense=False):
         self.layer_name = layer_name
         self.store = store
+        # A dense store holds every id (a fixed vocabulary): a fill leaves
+        # the id's stored row in place, and exports take the cached row.
+        self.dense = bool(dense)
+        self.scored = any(f.name == SCORE for f in store.fields)
         self.slot_names = tuple(slot_names)
         self.plans = deque()
         # Stores serve one caller at a time; inference threads read too.
@@ -154,7 +158,8 @@ class RowTier:
             pos = at[pos]
             out = {VALUES: before["table"][pos]}
             out.update({name: before[name][pos] for name in self.slot_names})
-            out[SCORE] = plan.victim_scores.reshape(-1, 1)
+            if self.scored:
+                out[SCORE] = plan.victim_scores.reshape(-1, 1)
             self.store.write(plan.victim_keys, out)
             self.counts["write_backs"] += int(plan.victim_keys.size)
         n = rows.shape[0]
@@ -173,7 +178,8 @@ class RowTier:
                 fills["table"][hit] = got[VALUES][found]
                 for name in self.slot_names:
                     fills[name][hit] = got[name][found]
-                self.store.erase(keys[found])
+                if not self.dense:
+                    self.store.erase(keys[found])
                 self.counts["fills"] += int(found.sum())
         return filled, fills
 
@@ -321,9 +327,14 @@ def _dtype(variable):
 
 def stored_records(tier, out, include_rows):
     """``out`` (a layer's exported table records) followed by the records
-    of the keys ``tier``'s store holds (row -1)."""
+    of the keys ``tier``'s store holds (row -1); a dense store's ids that
+    the table holds are left out (their rows there are older)."""
     parts = {name: [value] for name, value in out.items()}
+    cached = np.sort(np.asarray(out["keys"], np.int64)) if tier.dense else None
     for keys, rows in tier.store.chunks():
+        if cached is not None:
+            keep = _positions(cached, keys) < 0
+            keys, rows = keys[keep], {k: v[keep] for k, v in rows.items()}
         parts["keys"].append(np.asarray(keys, np.int64))
         for name in out:
             if name == "keys":
@@ -331,7 +342,8 @@ def stored_records(tier, out, include_rows):
             if name == "rows":
                 parts[name].append(np.full(len(keys), -1, out[name].dtype))
             elif name == "scores":
-                parts[name].append(rows[SCORE].reshape(-1).astype(out[name].dtype))
+                score = rows.get(SCORE, np.zeros(len(keys), np.int64))
+                parts[name].append(score.reshape(-1).astype(out[name].dtype))
             else:
                 field = VALUES if name == "values" else name
                 parts[name].append(rows[field].astype(out[name].dtype, copy=False))
