@@ -98,3 +98,29 @@ def adagrad_case(seed, n, num_rows, invalid_share, prepared):
         number = {k: i for i, k in enumerate(rng.permutation(np.unique(keys)))}
         segments = np.array([number[k] for k in keys], "int64")
     return table, acc, ids, valid, grads, segments
+
+
+def max_gap(a, b):
+    """Largest gap between two dicts of arrays (model states, record sets),
+    key by key; inf when their keys or an array's shape differ."""
+    if a.keys() != b.keys():
+        return float("inf")
+    gaps = [0.0]
+    for k in a:
+        if np.shape(a[k]) != np.shape(b[k]):
+            return float("inf")
+        diff = np.abs(np.asarray(a[k], float) - np.asarray(b[k], float))
+        gaps.append(float(diff.max(initial=0.0)))
+    return max(gaps)
+
+
+def replica_shapes(strategy, layer):
+    """Each stacked table variable of ``layer`` (an `EmbeddingCollection`):
+    the shape of its part on every replica of the tf.distribute
+    ``strategy``."""
+    local = strategy.experimental_local_results
+    return {
+        v.name: [list(c.shape) for c in local(v.value)]
+        for v in layer.weights
+        if v.name.startswith("stack_")
+    }

@@ -16,6 +16,9 @@ import os
 import keras
 import numpy as np
 
+from tests.helpers import max_gap
+from tests.helpers import replica_shapes
+
 DIM, GLOBAL, STEPS, KEYS, CAPACITY, SHARDS = 4, 32, 6, 200, 128, 2
 # Collection tables: name: (rows, combiner, sharding, ids per sample).
 TABLES = {
@@ -103,19 +106,6 @@ def state(model):
     return out
 
 
-def gap(a, b):
-    """Largest gap between two states; inf when names or shapes differ."""
-    if a.keys() != b.keys():
-        return float("inf")
-    gaps = [0.0]
-    for k in a:
-        if np.shape(a[k]) != np.shape(b[k]):
-            return float("inf")
-        diff = np.abs(np.asarray(a[k], float) - np.asarray(b[k], float))
-        gaps.append(float(diff.max(initial=0.0)))
-    return max(gaps)
-
-
 def _stats(model):
     counters = ("hits", "misses", "inserts", "evictions", "rejected_admissions")
     return {
@@ -149,16 +139,11 @@ def run(strategy, train, index, tmp, mark):
     out["placements"] = {s.name: repr(s.placement) for s in coll.stacks}
     out["hash_placement"] = repr(sharded.get_layer("lru").placement)
     out["local_shards"] = list(sharded.get_layer("lru").table.local)
-    local = strategy.experimental_local_results
-    out["shapes"] = {
-        v.name: [list(c.shape) for c in local(v.value)]
-        for v in coll.weights
-        if v.name.startswith("stack_")
-    }
+    out["shapes"] = replica_shapes(strategy, coll)
     train(sharded, x, y)
     mark("sparse trained")
     trained = state(sharded)
-    out["trained"] = gap(trained, want)
+    out["trained"] = max_gap(trained, want)
     out["stats"] = _stats(sharded)  # this worker's shards
 
     # Inference: training data (evicted and rejected keys included) and
@@ -181,7 +166,7 @@ def run(strategy, train, index, tmp, mark):
         loaded = keras.models.load_model(path)
     # The file was saved after the inference above: equal to the trained
     # state, it shows inference changed no record, count or clock.
-    out["reloaded"] = gap(state(loaded), trained)
+    out["reloaded"] = max_gap(state(loaded), trained)
     out["reloaded_placements"] = [
         repr(loaded.get_layer("coll").stacks[0].placement),
         repr(loaded.get_layer("lfu").placement),
@@ -204,7 +189,7 @@ def _one_device(path, reference, probe, expected):
     out = {"placement": repr(one.get_layer("lru").placement)}
     coll = {k: v for k, v in state(one).items() if k.startswith(("coll/", "head/"))}
     want = {k: v for k, v in state(reference).items() if k in coll}
-    out["collection"] = gap(coll, want)
+    out["collection"] = max_gap(coll, want)
     dropped, gaps, lost = {}, [0.0], []
     for name in HASH:
         got = one.get_layer(name).export()
@@ -213,8 +198,8 @@ def _one_device(path, reference, probe, expected):
         dropped[name] = int((~kept).sum())
         lost.extend(ref["keys"][~kept].tolist())
         a, b = np.argsort(got["keys"]), np.argsort(ref["keys"][kept])
-        gaps.append(gap({k: v[a] for k, v in got.items()},
-                        {k: v[kept][b] for k, v in ref.items()}))  # fmt: skip
+        gaps.append(max_gap({k: v[a] for k, v in got.items()},
+                            {k: v[kept][b] for k, v in ref.items()}))  # fmt: skip
     out["dropped"], out["hash"] = dropped, max(gaps)
     keep = ~np.isin(probe["keys"], lost).any(axis=1)
     predicted = np.asarray(one(probe, training=False))

@@ -1,10 +1,12 @@
 """One subprocess per test module: a test file that runs its cases in a
 fresh interpreter (logical TensorFlow devices must be set before TensorFlow
 starts) prints ``RESULTS {json}``; its tests read them through
-`module_results`, which runs the file once per pytest session."""
+`module_results`, which runs the file once per pytest session. Launches
+of several processes take their ports from `free_ports`."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -12,6 +14,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CACHE = {}
+
+
+def free_ports(n):
+    """``n`` distinct ports free on localhost now (all bound at once, so
+    none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def module_results(file, backend="tensorflow", timeout=400):

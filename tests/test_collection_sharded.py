@@ -21,6 +21,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests.helpers import replica_shapes
+
 BACKEND = keras.backend.backend()
 pytestmark = pytest.mark.skipif(
     BACKEND not in ("tensorflow", "torch"),
@@ -163,17 +165,12 @@ def _tf_main():
         out["start"] = _gap(_state(model), start)
         out["placements"] = {s.name: repr(s.placement) for s in layer.stacks}
         out["offsets"] = {s.name: s.offsets for s in layer.stacks}
-        local = strategy.experimental_local_results
-        out["shapes"] = {
-            v.name: [list(c.shape) for c in local(v.value)]
-            for v in layer.weights
-            if v.name.startswith("stack_")
-        }
+        out["shapes"] = replica_shapes(strategy, layer)
         _tf_fit(model, x, y)
         state = _state(model)
         out["fit"] = _gap(state, want)
         stack = layer.stack_variables("stack_4_table")[0]
-        parts = local(stack.value)
+        parts = strategy.experimental_local_results(stack.value)
         out["blocks"] = _blocks([p.numpy() for p in parts], state)
         predicted = model.predict(x, verbose=0)
         want_predicted = reference.predict(x, verbose=0)

@@ -19,7 +19,6 @@ must exit 0 within the timeout.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -27,6 +26,7 @@ import keras
 import pytest
 
 from tests import docs_blocks
+from tests.subprocess_results import free_ports
 
 TIMEOUT = 240  # seconds, for a block's processes together
 
@@ -57,16 +57,6 @@ __os._exit(0)
 """
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _environments(launch):
     """One environment per process of ``launch``."""
     path = os.pathsep.join(
@@ -78,7 +68,7 @@ def _environments(launch):
     n = launch.count
     if launch.kind == "devices":
         return [base]
-    ports = _free_ports(n)
+    ports = free_ports(n)
     if launch.backend == "torch":
         common = dict(
             MASTER_ADDR="127.0.0.1",

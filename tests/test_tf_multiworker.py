@@ -16,7 +16,6 @@ the same pair of processes.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ import time
 import keras
 import numpy as np
 import pytest
+
+from tests.subprocess_results import free_ports
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
@@ -275,21 +276,11 @@ if __name__ == "__main__":
 _CACHE = {}
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _run(tmp):
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=path)
     env.pop("TF_CONFIG", None)
-    ports = ",".join(map(str, _free_ports(WORKERS)))
+    ports = ",".join(map(str, free_ports(WORKERS)))
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(i), ports, str(tmp)],

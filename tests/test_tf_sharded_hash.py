@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import pytest
 
+from tests.helpers import max_gap
 from tests.subprocess_results import module_results
 
 pytestmark = pytest.mark.skipif(
@@ -97,18 +98,6 @@ def _records(model, rows, stats=True, keys=None):
     return out
 
 
-def _gap(a, b):
-    """Largest gap between two record sets; inf when keys or shapes differ."""
-    if a.keys() != b.keys():
-        return float("inf")
-    gaps = [0.0]
-    for k in a:
-        if np.shape(a[k]) != np.shape(b[k]):
-            return float("inf")
-        gaps.append(float(np.abs(a[k].astype(float) - b[k]).max(initial=0.0)))
-    return max(gaps)
-
-
 def _predictions(model):
     x, _ = _data()
     x = x[: 3 * BATCH]
@@ -155,16 +144,16 @@ def _run_cases(replicas, tmp):
         got = _records(model, PRESSURED)
         out["evictions"] = {n: int(got[f"{n}/stats/evictions"]) for n in PRESSURED}
         out["rejected"] = int(got["lru/stats/rejected_admissions"])
-        out["fit"] = _gap(got, _records(reference, PRESSURED))
+        out["fit"] = max_gap(got, _records(reference, PRESSURED))
         predicted = _predictions(model)
         out["predict"] = _predict_gap(reference, predicted)
-        out["predict_keeps_stats"] = _gap(_records(model, PRESSURED), got)
+        out["predict_keeps_stats"] = max_gap(_records(model, PRESSURED), got)
         path = os.path.join(tmp, f"key{replicas}.keras")
         model.save(path)
         loaded = keras.models.load_model(path)
         out["reloaded_placement"] = repr(loaded.get_layer("lfu").placement)
         saved = _records(model, LAYERS, stats=False)
-        out["reloaded"] = _gap(_records(loaded, LAYERS, stats=False), saved)
+        out["reloaded"] = max_gap(_records(loaded, LAYERS, stats=False), saved)
         if replicas == 2:  # another trace of every replica's step
             out["reloaded_predict"] = _predict_gap(loaded, predicted)
         if replicas == 2:  # the refusals do not depend on the count
@@ -189,7 +178,7 @@ def _run_cases(replicas, tmp):
         out["one_device_dropped"] = {
             n: model.get_layer(n).table.size - len(kept[n]) for n in LAYERS
         }
-        out["one_device"] = _gap(
+        out["one_device"] = max_gap(
             _records(one, (), False), _records(model, (), False, keys=kept)
         )
         lost = [

@@ -12,6 +12,7 @@ from .fields import check_rows
 from .fields import distinct
 from .fields import zero_rows
 from .host_rows import HostRows
+from .store_base import StoreBase
 
 #: Bytes of rows the initializer makes per call.
 INIT_CHUNK_BYTES = 64 << 20
@@ -42,7 +43,7 @@ def fill_initial(rows, fields, num_rows: int, initializer, who: str):
         rows.fill(first, values)
 
 
-class DenseStore:
+class DenseStore(StoreBase):
     """Shared by `DenseHostStore` and `DenseDiskStore` (``_rows`` is theirs).
 
     `erase` sets rows to zeros and `clear` sets every row to zeros: ids
@@ -50,16 +51,8 @@ class DenseStore:
     """
 
     def _setup(self, fields, rows, num_rows: int):
-        self._fields = fields
-        self._rows = rows
+        self._setup_common(fields, rows)
         self.num_rows = num_rows
-        self._closed = False
-        self._version = 0
-        self._counts = dict.fromkeys(("reads", "writes", "hits", "misses", "erases"), 0)
-
-    @property
-    def fields(self):
-        return self._fields
 
     @property
     def size(self) -> int:
@@ -68,22 +61,6 @@ class DenseStore:
     @property
     def nbytes(self) -> int:
         return self.num_rows * sum(f.row_bytes for f in self._fields)
-
-    def stats(self) -> dict:
-        return {"size": self.size, "nbytes": self.nbytes, **self._counts}
-
-    def __len__(self):
-        return self.num_rows
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _check_open(self):
-        if self._closed:
-            raise ValueError(f"{type(self).__name__} is closed")
 
     def _ids(self, keys, op: str, unique: bool = False):
         self._check_open()
@@ -122,21 +99,9 @@ class DenseStore:
         self._version += 1
         return int(ids.size)
 
-    def chunks(self, rows_per_chunk: int = 65536):
-        self._check_open()
-        if int(rows_per_chunk) < 1:
-            raise ValueError(
-                f"{type(self).__name__}.chunks: rows_per_chunk must be >= 1, "
-                f"got {rows_per_chunk}"
-            )
-        return self._chunks(int(rows_per_chunk), self._version)
-
     def _chunks(self, step, version):
         for start in range(0, self.num_rows, step):
-            if self._version != version or self._closed:
-                raise RuntimeError(
-                    f"{type(self).__name__} changed while its chunks were read"
-                )
+            self._check_unchanged(version)
             ids = np.arange(start, min(start + step, self.num_rows), dtype=np.int64)
             yield ids, self._rows.gather(ids)
 
@@ -165,11 +130,3 @@ class DenseHostStore(DenseStore):
         if initializer is not None:
             fill_initial(rows, fields, num_rows, initializer, "DenseHostStore")
         self._setup(fields, rows, num_rows)
-
-    def flush(self):
-        self._check_open()
-
-    def close(self):
-        if not self._closed:
-            self._rows.close()
-            self._closed = True

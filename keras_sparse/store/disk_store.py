@@ -4,8 +4,6 @@ what a crash between flushes loses: `disk_format`."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import disk_format
@@ -16,10 +14,11 @@ from .key_index import REMOVED
 from .key_index import KeyIndex
 from .keyed_store import KeyedStore
 from .mapped_rows import MappedRows
+from .on_disk import OnDisk
 from .slot_stack import SlotStack
 
 
-class DiskStore(KeyedStore):
+class DiskStore(OnDisk, KeyedStore):
     """int64 key -> one row per field, rows in ``<path>/<field>.rows``.
 
     Creates a new store in the folder ``path`` (made if missing; a store
@@ -39,15 +38,14 @@ class DiskStore(KeyedStore):
     """
 
     _hold_freed = True
+    _kind = "keyed"
 
     def __init__(
         self, path, fields, initial_capacity: int = 1024, overwrite: bool = False
     ):
         fields = check_fields(fields, "DiskStore")
         capacity = check_capacity(initial_capacity, "DiskStore")
-        folder = os.fspath(path)
-        disk_format.prepare_folder(folder, overwrite, "DiskStore")
-        self._folder = folder
+        folder = self._create_folder(path, overwrite)
         self._initial_capacity = capacity
         self._index_name = None
         self._setup(
@@ -63,16 +61,13 @@ class DiskStore(KeyedStore):
     @classmethod
     def open(cls, path):
         """The store flushed last in ``path``, its files mapped in place."""
-        folder = os.fspath(path)
-        who = "DiskStore.open"
-        manifest, fields, capacity = disk_format.read_manifest(folder, "keyed", who)
-        arrays = disk_format.read_index(folder, manifest, who)
+        self, manifest, fields, capacity = cls._open_folder(path)
+        folder = self._folder
+        arrays = disk_format.read_index(folder, manifest, f"{cls.__name__}.open")
         table = arrays["table"]
         index = KeyIndex.from_arrays(
             table, arrays["keys"], manifest["size"], np.count_nonzero(table == REMOVED)
         )
-        self = cls.__new__(cls)
-        self._folder = folder
         self._initial_capacity = int(manifest.get("initial_capacity", 1024))
         self._index_name = manifest["index"]
         self._setup(
@@ -84,10 +79,6 @@ class DiskStore(KeyedStore):
             manifest["slots"],
         )
         return self
-
-    @property
-    def path(self) -> str:
-        return self._folder
 
     def flush(self):
         """Rows, then the index, then the manifest, each durable on disk."""
@@ -106,7 +97,7 @@ class DiskStore(KeyedStore):
         )
         disk_format.write_manifest(
             self._folder,
-            "keyed",
+            self._kind,
             self._fields,
             rows=self._rows.capacity,
             slots=n,
@@ -120,23 +111,5 @@ class DiskStore(KeyedStore):
         self._free.push(self._held.values())
         self._held = SlotStack()
 
-    def clear(self):
-        super().clear()
-        self.flush()
-
-    def close(self):
-        if not self._closed:
-            self.flush()
-            self._rows.close()
-            self._index = self._live = None
-            self._closed = True
-
-    def stats(self) -> dict:
-        out = super().stats()
-        extra = [disk_format.MANIFEST] + (
-            [self._index_name] if self._index_name else []
-        )
-        out["file_bytes"] = self._rows.file_bytes() + sum(
-            os.path.getsize(os.path.join(self._folder, p)) for p in extra
-        )
-        return out
+    def _index_files(self) -> list:
+        return [self._index_name] if self._index_name else []

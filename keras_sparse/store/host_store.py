@@ -44,12 +44,3 @@ class HostStore(KeyedStore):
             np.zeros(0, np.int64),
             0,
         )
-
-    def flush(self):
-        self._check_open()
-
-    def close(self):
-        if not self._closed:
-            self._rows.close()
-            self._index = self._live = None
-            self._closed = True

@@ -11,9 +11,10 @@ from .fields import distinct
 from .fields import zero_rows
 from .key_index import KeyIndex
 from .slot_stack import SlotStack
+from .store_base import StoreBase
 
 
-class KeyedStore:
+class KeyedStore(StoreBase):
     """Shared by `HostStore` and `DiskStore`: the rows backend (``_rows``)
     is theirs. Freed slots are reused; with ``hold_freed`` (disk) only
     after the next `flush`, so a slot the saved index names never takes
@@ -22,22 +23,14 @@ class KeyedStore:
     _hold_freed = False
 
     def _setup(self, fields, rows, index, live, free, slots):
-        self._fields = fields
-        self._rows = rows
+        self._setup_common(fields, rows)
         self._index = index
         self._live = live  # bool per slot: holds a key
         self._free = SlotStack(free)  # reusable slots
         self._held = SlotStack()  # freed since the last flush (disk)
         self._slots = int(slots)  # slots ever used: [0, _slots)
-        self._closed = False
-        self._version = 0
-        self._counts = dict.fromkeys(("reads", "writes", "hits", "misses", "erases"), 0)
 
     # --- state -------------------------------------------------------------
-    @property
-    def fields(self):
-        return self._fields
-
     @property
     def size(self) -> int:
         return self._index.count
@@ -47,22 +40,6 @@ class KeyedStore:
         row_bytes = sum(f.row_bytes for f in self._fields)
         index = self._index.nbytes + self._live.nbytes
         return self.size * row_bytes + index + self._free.nbytes + self._held.nbytes
-
-    def stats(self) -> dict:
-        return {"size": self.size, "nbytes": self.nbytes, **self._counts}
-
-    def _check_open(self):
-        if self._closed:
-            raise ValueError(f"{type(self).__name__} is closed")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __len__(self):
-        return self.size
 
     # --- operations ----------------------------------------------------------
     def read(self, keys):
@@ -129,22 +106,10 @@ class KeyedStore:
         self._version += 1
         return int(slots.size)
 
-    def chunks(self, rows_per_chunk: int = 65536):
-        self._check_open()
-        if int(rows_per_chunk) < 1:
-            raise ValueError(
-                f"{type(self).__name__}.chunks: rows_per_chunk must be >= 1, "
-                f"got {rows_per_chunk}"
-            )
-        return self._chunks(int(rows_per_chunk), self._version)
-
     def _chunks(self, step, version):
         start = 0
         while start < self._slots:
-            if self._version != version or self._closed:
-                raise RuntimeError(
-                    f"{type(self).__name__} changed while its chunks were read"
-                )
+            self._check_unchanged(version)
             end = min(start + step, self._slots)
             slots = start + np.flatnonzero(self._live[start:end])
             start = end
@@ -160,3 +125,8 @@ class KeyedStore:
         self._slots = 0
         self._rows.shrink(self._initial_capacity)
         self._version += 1
+
+    def close(self):
+        if not self._closed:
+            super().close()
+            self._index = self._live = None

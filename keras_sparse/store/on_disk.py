@@ -1,0 +1,58 @@
+"""`OnDisk`: what `DiskStore` and `DenseDiskStore` share: a folder of
+memory-mapped row files and a manifest (`disk_format`), flushed by
+`clear` and `close`."""
+
+from __future__ import annotations
+
+import os
+
+from . import disk_format
+
+
+class OnDisk:
+    """Mixin placed before the in-memory base (`KeyedStore`, `DenseStore`);
+    ``_kind`` is the manifest's kind, ``_index_files`` what else the folder
+    holds besides the manifest and the row files."""
+
+    _kind = None
+
+    def _create_folder(self, path, overwrite: bool) -> str:
+        folder = os.fspath(path)
+        disk_format.prepare_folder(folder, overwrite, type(self).__name__)
+        self._folder = folder
+        return folder
+
+    @classmethod
+    def _open_folder(cls, path):
+        """A bare store on ``path`` (``_setup`` not yet called), with the
+        folder's manifest, fields and row capacity."""
+        folder = os.fspath(path)
+        who = f"{cls.__name__}.open"
+        manifest, fields, capacity = disk_format.read_manifest(folder, cls._kind, who)
+        self = cls.__new__(cls)
+        self._folder = folder
+        return self, manifest, fields, capacity
+
+    @property
+    def path(self) -> str:
+        return self._folder
+
+    def _index_files(self) -> list:
+        return []
+
+    def clear(self):
+        super().clear()
+        self.flush()
+
+    def close(self):
+        if not self._closed:
+            self.flush()
+            super().close()
+
+    def stats(self) -> dict:
+        out = super().stats()
+        names = [disk_format.MANIFEST, *self._index_files()]
+        out["file_bytes"] = self._rows.file_bytes() + sum(
+            os.path.getsize(os.path.join(self._folder, n)) for n in names
+        )
+        return out
