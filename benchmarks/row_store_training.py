@@ -1,7 +1,9 @@
 """Training with a small device table over a row store vs a table holding
 every key: samples/s, hit rate, rows moved and peak memory, side by side.
 
-Each variant trains a `DistributedHashEmbedding` (``--dim`` wide, Adagrad,
+Each variant trains a `DistributedHashEmbedding` (``--layer dense``: an
+`AllToAllDenseEmbedding` of ``--universe`` ids, ``cache_rows=--cache``;
+``--dim`` wide, Adagrad,
 summed over ``--fields`` keys per sample, a Dense head) with ``model.fit``
 on the same Zipf-distributed keys, in a fresh process of its own (so peak
 RSS is its own), the variants interleaved over ``--repeat`` rounds:
@@ -12,6 +14,8 @@ RSS is its own), the variants interleaved over ``--repeat`` rounds:
 - ``disk``: the same over memory-mapped files (``ks.store.Disk``).
 
     python benchmarks/row_store_training.py --quick
+    python benchmarks/row_store_training.py --layer dense --universe 100000000 \
+        --cache 1000000 --variants whole,host --repeat 1
     KERAS_BACKEND=torch python benchmarks/row_store_training.py
 
 The table prints the median samples/s of each variant and its ratio to
@@ -43,7 +47,10 @@ def child(args):
     rng = np.random.default_rng(0)
     n = args.steps * args.batch
     keys = rng.zipf(args.zipf, size=(n, args.fields)) % args.universe
-    keys = (keys * 2654435761 + 17).astype("int64")
+    if args.layer == "hash":
+        keys = (keys * 2654435761 + 17).astype("int64")
+    else:  # ids of a fixed vocabulary, hot ones spread over the table
+        keys = ((keys * 2654435761) % args.universe).astype("int64")
     target = rng.normal(size=(n, 1)).astype("float32")
     store = None
     capacity = args.universe
@@ -54,26 +61,35 @@ def child(args):
             store = ks.store.Disk(tempfile.mkdtemp(prefix="ks_rows_"))
     keras.utils.set_random_seed(0)
     inputs = keras.Input((args.fields,), dtype="int64")
-    layer = ks.DistributedHashEmbedding(
-        args.dim, capacity=capacity, combiner="sum", optimizer="adagrad", store=store
-    )
+    if args.layer == "hash":
+        layer = ks.DistributedHashEmbedding(
+            args.dim, capacity=capacity, combiner="sum", optimizer="adagrad",
+            store=store,
+        )  # fmt: skip
+    else:
+        cache = None if store is None else capacity
+        layer = ks.AllToAllDenseEmbedding(
+            args.universe, args.dim, combiner="sum", optimizer="adagrad",
+            cache_rows=cache, store=store,
+        )  # fmt: skip
     model = keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
     model.compile("sgd", "mse")
     warm = 20 * args.batch
     model.fit(keys[:warm], target[:warm], batch_size=args.batch, verbose=0)
-    before = layer.stats()
+    stats = layer.stats if args.variant != "whole" or args.layer == "hash" else None
+    before = stats() if stats else {}
     start = time.perf_counter()
     model.fit(keys[warm:], target[warm:], batch_size=args.batch, verbose=0)
     seconds = time.perf_counter() - start
-    after = layer.stats()
+    after = stats() if stats else {}
     steps = (n - warm) // args.batch
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    looked = delta["hits"] + delta["misses"]
+    looked = delta.get("hits", 1) + delta.get("misses", 0)
     moved = delta.get("fills", 0) + delta.get("write_backs", 0)
     row_bytes = args.dim * 4 * 2  # values + Adagrad accumulator
     out = {
         "samples_s": (n - warm) / seconds,
-        "hits": delta["hits"] / max(looked, 1),
+        "hits": delta.get("hits", 1) / max(looked, 1),
         "moved_per_step": moved / steps,
         "moved_bytes_per_step": moved * row_bytes / steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -98,6 +114,7 @@ def run(args, variant):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--layer", choices=("hash", "dense"), default="hash")
     parser.add_argument("--universe", type=int, default=2_000_000)
     parser.add_argument("--cache", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=16)
@@ -116,7 +133,16 @@ def main():
         return child(args)
     args.passthrough = [
         f"--{name}={getattr(args, name)}"
-        for name in ("universe", "cache", "dim", "fields", "batch", "steps", "zipf")
+        for name in (
+            "layer",
+            "universe",
+            "cache",
+            "dim",
+            "fields",
+            "batch",
+            "steps",
+            "zipf",
+        )  # fmt: skip
     ]
     variants = args.variants.split(",")
     results = {v: [] for v in variants}
@@ -125,8 +151,8 @@ def main():
             results[variant].append(run(args, variant))
     backend = os.environ.get("KERAS_BACKEND", "tensorflow")
     print(
-        f"backend={backend} universe={args.universe:,} cache={args.cache:,} "
-        f"dim={args.dim} fields={args.fields} batch={args.batch} "
+        f"backend={backend} layer={args.layer} universe={args.universe:,} "
+        f"cache={args.cache:,} dim={args.dim} fields={args.fields} batch={args.batch} "
         f"zipf={args.zipf} repeat={args.repeat}"
     )
     base = statistics.median(r["samples_s"] for r in results[variants[0]])
