@@ -52,6 +52,7 @@ from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.ops.tensorflow import workers as tf_workers
 from keras_sparse.ops.tensorflow.lookup import reset_rows
+from keras_sparse.sharding.gathered_records import merge_records
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 from keras_sparse.sharding.tf_sharded_lookup import replica_id
 from keras_sparse.table.keys import to_host
@@ -237,17 +238,7 @@ class TfKeyPlacement:
             return records, admission, clock
         mine = (records, admission, int(clock))
         parts = tf_workers.gather_objects(self.rows.distribute, mine)
-        merged = {
-            name: np.concatenate([np.asarray(p[0][name]) for p in parts])
-            for name in records
-        }
-        pending = None
-        if admission is not None:
-            keys = np.concatenate([p[1][0] for p in parts])
-            counts = np.concatenate([p[1][1] for p in parts])
-            order = np.argsort(keys, kind="stable")
-            pending = keys[order], counts[order]
-        return merged, pending, max(p[2] for p in parts)
+        return merge_records(parts)
 
 
 def _read_held(layer, keys, use):

@@ -20,6 +20,7 @@ import numpy as np
 from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.sharding import torch_placement
+from keras_sparse.sharding.gathered_records import merge_records
 from keras_sparse.sharding.torch_placement import TorchShardedPlacement
 
 #: Hash-layer strategies that shard keys across processes.
@@ -178,17 +179,7 @@ class TorchKeyPlacement(TorchShardedPlacement):
         parts = [None] * self.devices
         with self._collective("checkpoint gather"):
             dist.all_gather_object(parts, mine, group=self.group)
-        merged = {
-            name: np.concatenate([np.asarray(p[0][name]) for p in parts])
-            for name in records
-        }
-        pending = None
-        if admission is not None:
-            keys = np.concatenate([p[1][0] for p in parts])
-            counts = np.concatenate([p[1][1] for p in parts])
-            order = np.argsort(keys, kind="stable")
-            pending = keys[order], counts[order]
-        return merged, pending, max(p[2] for p in parts)
+        return merge_records(parts)
 
 
 def _is_collective_error(error):
