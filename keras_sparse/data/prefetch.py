@@ -89,7 +89,12 @@ Caveats:
   abandoned, the stage erases the keys that got a fresh row in the batches
   the layer's ``sparse_iterations`` counter says were not trained (they are
   re-inserted, fresh, when next seen), so no key can ever read a row that
-  was not reset for it.
+  was not reset for it. A layer with a row store (``store=``) cannot erase:
+  the keys those batches evicted are not in its store yet. Its table is put
+  back exactly as its last trained step left it and the batches' row moves
+  are dropped (`keras_sparse.data.untrained`); its moves otherwise run in
+  the steps, in order, and read-only steps read stored keys by the key
+  words the stage hands them.
 - GPU tables (``table_device="gpu"``) take the same call: the worker sends
   the batch's keys to the GPU, the CUDA kernels map them, and the int32 codes
   come back to the worker, all off the step's critical path (the transfer
