@@ -28,6 +28,7 @@ def _batches(seed, universe=250, steps=STEPS):
     p = 1.0 / np.arange(1, universe + 1) ** 0.9
     ranks = rng.choice(universe, size=(steps * BATCH, FIELDS), p=p / p.sum())
     keys = (ranks * 7919 + 3).astype("int64")
+    keys[::5, 1] = -(2**62) - ranks[::5, 1]  # far keys too (the words' high half)
     target = rng.normal(size=(steps * BATCH, 1)).astype("float32")
     return keys, target
 
@@ -196,3 +197,12 @@ def test_inference_stage_reads_the_stored_keys():
         got, full.predict(keys, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-6
     )
     assert staged_hits > 0
+
+
+def test_a_store_layer_sharing_its_table_is_refused():
+    model, layer = _model(64, "host")
+    other = DistributedHashEmbedding(4, capacity=64, name="other")
+    other.table = layer.table
+    keys, target = _batches(4, steps=2)
+    with pytest.raises(ValueError, match="'ids' has a row store.*shares its table"):
+        ks.data.prefetch((keys, target), model, batch_size=BATCH)

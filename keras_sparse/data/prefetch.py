@@ -146,6 +146,7 @@ from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
 from keras_sparse.data.untrained import undo_untrained
+from keras_sparse.layers import table_users
 from keras_sparse.layers.model_feeds import array_at
 from keras_sparse.layers.model_feeds import check_sole_readers
 from keras_sparse.layers.model_feeds import input_groups
@@ -1252,6 +1253,13 @@ def prefetch(
                 "stage maps keys in one host table, so the two do not combine "
                 "yet. Train it without the stage, or plan the layer with "
                 "another strategy."
+            )
+        if _has_store(layer) and len(table_users.users(layer)) > 1:
+            # Its undo records and row moves would mix with the other's.
+            raise ValueError(
+                f"prefetch: layer '{layer.name}' has a row store (`store=`) "
+                "and shares its table with another layer; give it a table of "
+                "its own, or train it without the stage."
             )
     copy_batch = batch_copier(transfer)
     insert = bool(training)
