@@ -163,20 +163,25 @@ def test_mid_fit_saves_equal_the_unstaged_run_at_that_step(tmp_path):
             np.testing.assert_array_equal(g, w, err_msg=f"step {step}: {name}")
 
 
-def test_abandoned_pass_loses_no_key():
-    keys, target = _batches(2)
+@pytest.mark.parametrize(
+    "eviction, optimizer, admit_after, universe",
+    [("lru", "adagrad", 1, 250), ("lfu", "adam", 2, 110)],
+)
+def test_abandoned_pass_loses_no_key(eviction, optimizer, admit_after, universe):
+    keys, target = _batches(2, universe)
     first = 10 * BATCH
-    full, full_layer = _model(4096, None)
+    args = (eviction, optimizer, admit_after)
+    full, full_layer = _model(4096, None, *args)
     for part in (slice(0, first), slice(first, None)):
         _fit(full, keys[part], target[part])
-    model, layer = _model(64, "host")
+    model, layer = _model(64, "host", *args)
     # 10 of 40 steps: the stage mapped batches beyond them, never trained.
     stage = _fit(model, keys, target, {"threads": 2, "capacity": 4}, steps_per_epoch=10)
     assert layer.row_tier.pending() == 0
     # A new stage trains on from step 10.
     _fit(model, keys[first:], target[first:], {"threads": 1, "capacity": 2})
     _assert_same(_records(layer), _records(full_layer))
-    assert layer.stats()["evictions"] >= 5
+    assert layer.stats()["evictions"] >= 5, layer.stats()
     assert stage.stats()["undone_calls"] >= 1, stage.stats()
 
 
