@@ -126,10 +126,3 @@ def test_store_refuses_what_it_cannot_keep_exact():
     )
     with pytest.raises(ValueError, match="per key"):
         layer.build((None, 2))
-
-
-def test_prefetch_stage_is_refused_with_a_store():
-    model, _ = _model(64, "host", "lru", "adagrad", 1)
-    keys, target = _batches(2)
-    with pytest.raises(ValueError, match="row store"):
-        ks.data.prefetch((keys, target), model, batch_size=BATCH)

@@ -103,6 +103,15 @@ class Journal:
         with self._lock:
             self._drop_below(float("inf"))
 
+    def newest(self, count):
+        """Records of the last ``count`` calls, in call order (None when
+        fewer are kept)."""
+        with self._lock:
+            if count > len(self._records):
+                return None
+            records = list(self._records)
+            return [r for _, r in records[len(records) - count :]]
+
     def since(self, first, name):
         """Records of batches ``first`` on, in call order (``name``: the
         layer, for the error)."""

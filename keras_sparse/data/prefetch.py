@@ -89,7 +89,12 @@ Caveats:
   abandoned, the stage erases the keys that got a fresh row in the batches
   the layer's ``sparse_iterations`` counter says were not trained (they are
   re-inserted, fresh, when next seen), so no key can ever read a row that
-  was not reset for it.
+  was not reset for it. A layer with a row store (``store=``) cannot erase:
+  the keys those batches evicted are not in its store yet. Its table is put
+  back exactly as its last trained step left it and the batches' row moves
+  are dropped (`keras_sparse.data.untrained`); its moves otherwise run in
+  the steps, in order, and read-only steps read stored keys by the key
+  words the stage hands them.
 - GPU tables (``table_device="gpu"``) take the same call: the worker sends
   the batch's keys to the GPU, the CUDA kernels map them, and the int32 codes
   come back to the worker, all off the step's critical path (the transfer
@@ -140,6 +145,8 @@ from keras_sparse.data import lookahead
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
+from keras_sparse.data.untrained import undo_untrained
+from keras_sparse.layers import table_users
 from keras_sparse.layers.model_feeds import array_at
 from keras_sparse.layers.model_feeds import check_sole_readers
 from keras_sparse.layers.model_feeds import input_groups
@@ -188,7 +195,7 @@ class _Engine:
         self.stats = {
             "batches": 0, "routed_batches": 0, "bytes_unrouted": 0,
             "bytes_routed": 0, "prepare_s": 0.0, "table_s": 0.0,
-            "route_s": 0.0, "wait_s": 0.0, "erased_keys": 0,
+            "route_s": 0.0, "wait_s": 0.0, "erased_keys": 0, "undone_calls": 0,
         }  # fmt: skip
         self._pass = None
         self._pass_count = 0
@@ -240,8 +247,10 @@ class _Engine:
         self.source.end_pass()
 
     def _rollback(self, p):
-        """Erases keys given fresh rows by looked-up but untrained batches;
-        returns the batches of the pass trained per feed (None: unknown)."""
+        """Erases keys given fresh rows by looked-up but untrained batches
+        (layers with a row store: undoes those batches' table calls, see
+        `keras_sparse.data.untrained`); returns the batches of the pass
+        trained per feed (None: unknown)."""
         done = [None] * len(self.feeds)
         for f_idx, feed in enumerate(self.feeds):
             if feed.kind != "hash" or not self.insert:
@@ -259,6 +268,11 @@ class _Engine:
                     done[f_idx] = min(max(trained, 0), p.next)
                 except Exception:  # noqa: BLE001
                     trained = 0
+            if getattr(feed.layer, "row_tier", None) is not None:
+                # Erasing would lose the keys those calls evicted: undo them.
+                journal = p.journals[p.lane[f_idx]]
+                self.stats["undone_calls"] += undo_untrained(feed.layer, journal)
+                continue
             keys = [
                 fresh[f_idx]
                 for seq, fresh in p.pending.items()
@@ -1110,6 +1124,10 @@ def _shares(feeds, layouts, words=None):
     return groups, shares
 
 
+def _has_store(layer):
+    return getattr(layer, "row_tier", None) is not None
+
+
 def _process_count():
     if keras.backend.backend() != "jax":
         return 1
@@ -1236,12 +1254,12 @@ def prefetch(
                 "yet. Train it without the stage, or plan the layer with "
                 "another strategy."
             )
-        if getattr(layer, "row_tier", None) is not None:
-            # An abandoned look-ahead batch would lose the keys it evicted.
+        if _has_store(layer) and len(table_users.users(layer)) > 1:
+            # Its undo records and row moves would mix with the other's.
             raise ValueError(
-                f"prefetch: layer '{layer.name}' has a row store (`store=`), "
-                "whose moves are planned per step; a prefetch stage does not "
-                "drive them yet. Train the layer without the stage."
+                f"prefetch: layer '{layer.name}' has a row store (`store=`) "
+                "and shares its table with another layer; give it a table of "
+                "its own, or train it without the stage."
             )
     copy_batch = batch_copier(transfer)
     insert = bool(training)
@@ -1255,11 +1273,14 @@ def prefetch(
         for f in feeds
     ]
     # Layers drawing fresh rows per key get each position's key words (two
-    # int32 blocks), in inference stages too: one layout per layer.
+    # int32 blocks), in inference stages too: one layout per layer. So do
+    # layers with a row store: read-only steps read keys without a row
+    # from the store.
     engine.words = [
         (
             (layout[0] if layout else 1) * _process_count()
-            if f.kind == "hash" and f.layer.keys_drawn_per_key()
+            if f.kind == "hash"
+            and (f.layer.keys_drawn_per_key() or _has_store(f.layer))
             else 0
         )
         for f, layout in zip(feeds, engine.layouts)

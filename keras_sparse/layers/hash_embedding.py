@@ -651,6 +651,12 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         prepared = {"segments": segments, "exchange_slot": exchange_slot}
         if words is not None:
             prepared["words"] = words
+        if self.row_tier is not None and not insert and words is not None:
+            # Read-only: keys without a row are read from the store.
+            if weights is not None:  # padding is never looked up
+                use = ops.reshape(ops.not_equal(weights, 0), (-1,))
+                rows = ops.where(use, rows, -2)
+            prepared["stored"] = row_moves.read_stored_words(self, words, rows)
         return self._vectors_out(rows, valid, fresh, weights, shape, insert, prepared)
 
     def _check_exchange_buckets(self, buckets):

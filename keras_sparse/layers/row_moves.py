@@ -109,7 +109,6 @@ def read_stored(layer, keys, rows):
     store is only read: inference never moves rows."""
     tier = layer.row_tier
     flat = ops.reshape(keys, (-1,))
-    dim = layer.output_dim
     dtype = layer.embeddings.dtype
 
     def host(step_keys, step_rows):
@@ -126,8 +125,30 @@ def read_stored(layer, keys, rows):
         full = np.asarray(full, np.int64).reshape(-1)
         return tier.read_missing(full, np.asarray(step_rows), dtype)
 
+    return _read_hop(layer, host, flat, rows)
+
+
+def read_stored_words(layer, words, rows):
+    """`read_stored` for the prepared inputs of `keras_sparse.data.prefetch`:
+    the keys come as int32 ``[n, 2]`` (high, low) words (`split_words`)."""
+    tier = layer.row_tier
+    dtype = layer.embeddings.dtype
+
+    def host(step_words, step_rows):
+        pairs = np.asarray(step_words).astype(np.int64).reshape(-1, 2)
+        keys = (pairs[:, 0] << 32) | (pairs[:, 1] & 0xFFFFFFFF)
+        return tier.read_missing(keys, np.asarray(step_rows), dtype)
+
+    return _read_hop(layer, host, words, rows)
+
+
+def _read_hop(layer, host, keys, rows):
+    """``host(keys, rows) -> (found, values)`` run on the host: directly
+    in eager calls, else by a host callback of the step."""
+    dim = layer.output_dim
+    dtype = layer.embeddings.dtype
     if not is_symbolic(rows):
-        out = host(ops.convert_to_numpy(flat), ops.convert_to_numpy(rows))
+        out = host(ops.convert_to_numpy(keys), ops.convert_to_numpy(rows))
         return tuple(ops.convert_to_tensor(x) for x in out)
     backend = keras.backend.backend()
     if backend == "jax":
@@ -137,10 +158,10 @@ def read_stored(layer, keys, rows):
             jax.ShapeDtypeStruct(rows.shape, "bool"),
             jax.ShapeDtypeStruct(tuple(rows.shape) + (dim,), dtype),
         ]
-        return tuple(jax.experimental.io_callback(host, shapes, flat, rows))
+        return tuple(jax.experimental.io_callback(host, shapes, keys, rows))
     import tensorflow as tf
 
-    found, values = tf.numpy_function(host, [flat, rows], [tf.bool, dtype])
+    found, values = tf.numpy_function(host, [keys, rows], [tf.bool, dtype])
     found.set_shape(rows.shape)
     values.set_shape(tuple(rows.shape) + (dim,))
     return found, values

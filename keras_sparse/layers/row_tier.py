@@ -95,11 +95,14 @@ class RowTier:
         """The table's `set_held_keys` hook: keys in the store, or evicted
         by a call whose step has not run yet (their write-back is pending)."""
         keys = np.asarray(keys, np.int64)
+        # One look at the store and the plans: a step (another thread, with
+        # the input stage) may write a plan's victims down in between.
         with self.lock:
             found, rows = self.store.read(keys)
+            plans = list(self.plans)
         held = np.asarray(found, bool).copy()
         scores = np.asarray(rows[SCORE]).reshape(-1).astype(np.int64)
-        for plan in self.plans:
+        for plan in plans:
             if plan.victim_keys.size:
                 pos = _positions(plan.victim_keys, keys)
                 hit = pos >= 0
@@ -121,13 +124,11 @@ class RowTier:
                 np.asarray(undo_record.evicted_rows, np.int64),
                 np.asarray(undo_record.evicted_scores, np.int64),
             )
-        self.plans.append(
-            MovePlan(
-                np.asarray(rows[at], np.int64),
-                np.asarray(keys[at], np.int64),
-                *victims,
-            )
+        plan = MovePlan(
+            np.asarray(rows[at], np.int64), np.asarray(keys[at], np.int64), *victims
         )
+        with self.lock:
+            self.plans.append(plan)
 
     # ---------------------------------------------------------------- step
     def move(self, rows, fresh, before):
@@ -224,6 +225,18 @@ class RowTier:
     def drop_plans(self):
         """Forgets the pending plans (their batches will not be trained)."""
         self.plans.clear()
+
+    def pending(self):
+        """How many training calls have not had their step yet."""
+        with self.lock:
+            return len(self.plans)
+
+    def drop_newest(self, count):
+        """Forgets the plans of the last ``count`` calls: the input stage
+        undid them in the table, and their batches will not be trained."""
+        with self.lock:
+            for _ in range(min(count, len(self.plans))):
+                self.plans.pop()
 
     def reset(self, records):
         """Empties the store and fills it with ``records`` (a checkpoint's

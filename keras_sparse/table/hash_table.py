@@ -12,6 +12,7 @@ from .numpy_table import InsertResult
 from .numpy_table import NumpyTable
 from .numpy_table import TableFullError
 from .scores import check_scores
+from .undo import restore
 from .undo import state_before
 
 __all__ = [
@@ -290,6 +291,24 @@ class HashTable:
             if callable(records):
                 records = records()
             return state_before(self._impl, records)
+
+    def restore(self, state):
+        """Puts the table back to ``state``, a `TableState` of this table
+        (`state_before`): the same keys at the same rows, scores, clock and
+        pending admission counts. The counters are kept.
+
+        Example:
+          >>> table = HashTable(64, device="cpu")
+          >>> _ = table.lookup_or_insert([1, 2])
+          >>> log = []
+          >>> _ = table.lookup_or_insert_fresh([2, 3], undo=log)
+          >>> table.restore(table.state_before(log))
+          >>> sorted(table.export()[0].tolist())
+          [1, 2]
+        """
+        with self._lock:
+            self._version += 1
+            restore(self._impl, state)
 
     def erase(self, keys) -> int:
         """Remove ``keys`` (absent ones are ignored); returns how many were live."""

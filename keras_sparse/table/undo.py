@@ -87,3 +87,20 @@ def note_evicted(impl, slots):
     log = evicted_log(impl)
     if log is not None:
         log.append((slots.copy(), impl.keys[slots], impl.score[slots]))
+
+
+def restore(impl, state):
+    """Makes ``impl`` hold exactly ``state``, a `TableState` it gave (the
+    caller holds its lock): every key at its row with its score, the clock
+    and the pending admission counts. The hit/miss counters are kept: they
+    count the calls made."""
+    counters = dict(impl.counters)
+    above = impl.__dict__.get("_score_above_clock", False)
+    impl.clear()
+    impl.clock = int(state.clock)
+    if int(state.keys.shape[0]):
+        impl.import_(state.keys, state.rows, state.scores)
+    impl.counters.update(counters)
+    impl._score_above_clock = above
+    if impl.admission is not None and state.admission is not None:
+        impl.admission.load_state(*state.admission)
