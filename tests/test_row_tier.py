@@ -126,3 +126,21 @@ def test_store_refuses_what_it_cannot_keep_exact():
     )
     with pytest.raises(ValueError, match="per key"):
         layer.build((None, 2))
+
+
+def test_padding_is_not_read_from_the_store():
+    keys, target = _batches(3)
+    model, layer = _model(64, "host", "lru", "adagrad", 1)
+    model.fit(keys, target, batch_size=BATCH, shuffle=False, verbose=0)
+    stored = next(layer.row_tier.store.chunks())[0][:4]
+    assert len(stored) == 4
+    batch = np.stack([stored, stored], axis=1)
+    weights = np.array([[1.0, 0.0]] * 4, "float32")  # the second column pads
+    before = layer.stats()["store_hits"]
+    out = layer(batch, weights=weights, training=False)
+    assert layer.stats()["store_hits"] - before == 4
+    # A stored key's vector is read from the store, padding adds nothing.
+    alone = layer(batch[:, :1], training=False)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(out), keras.ops.convert_to_numpy(alone), atol=1e-6
+    )

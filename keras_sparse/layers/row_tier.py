@@ -192,7 +192,8 @@ class RowTier:
     def _read_missing(self, keys, rows, dtype):
         """``(found, values)``: where a key has no row (``rows`` -1) but the
         store holds it, and its stored vector (``[n, dim]`` of ``dtype``)."""
-        missing = np.flatnonzero(np.asarray(rows).reshape(-1) < 0)
+        # -1: no row; padding (-2) is never read.
+        missing = np.flatnonzero(np.asarray(rows).reshape(-1) == -1)
         width = next(f.width for f in self.store.fields if f.name == VALUES)
         found = np.zeros(keys.shape[0], bool)
         values = np.zeros((keys.shape[0], width), dtype)
