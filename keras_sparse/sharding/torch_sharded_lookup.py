@@ -8,21 +8,30 @@ all-reduce), one table part each:
 ``row``    process ``d`` holds rows ``[d * B, (d + 1) * B)``, ``B =
            ceil(rows / D)`` (zero padding rows at the end, never reached).
            Forward: the local ids are sorted by owner (``id // B``, stable:
-           each owner gets them in local order); an ``all_to_all_single`` of
-           the per-owner counts, then of the ids (as offsets in the owner's
-           part); owners gather their rows; a mirror ``all_to_all_single``
-           returns them. Backward: the row gradients go to the owners the same
-           way, and each owner applies the sparse optimizer to its part
+           each owner gets them in local order) and go to their owners (as
+           offsets in the owner's part) in one ``all_to_all_single`` of
+           per-owner blocks, each with a header giving its count; owners
+           gather their rows; a mirror ``all_to_all_single`` returns them.
+           Backward: the row gradients go to the owners the same way, and
+           each owner applies the sparse optimizer to its part
            (`keras_sparse.ops.torch_lookup.apply_sparse_update`).
 ``column`` process ``d`` holds columns ``[d * dim / D, (d + 1) * dim / D)``
-           of every row. Forward: the local id counts, then every process's
-           ids go to every process (an ``all_to_all_single`` of the ids
-           repeated ``D`` times: batches may differ in size, which
-           ``all_gather`` does not allow); each process gathers its columns
-           for all ids and an ``all_to_all_single`` hands each process its
-           ids' column slices. Backward: the mirror exchange of the gradient
-           slices; each process updates its columns of all ids (element-wise
-           optimizers only).
+           of every row. Forward: every process's ids go to every process
+           in one ``all_to_all_single`` of blocks with headers (batches may
+           differ in size, which ``all_gather`` does not allow); each
+           process gathers its columns for all ids and an
+           ``all_to_all_single`` hands each process its ids' column slices.
+           Backward: the mirror exchange of the gradient slices; each
+           process updates its columns of all ids (element-wise optimizers
+           only).
+
+So a training step runs three collectives on the tables' group (ids,
+vectors, gradients) besides DDP's all-reduce of the dense gradients, and
+reads one small tensor on the host (the block counts, for the split sizes).
+The blocks of the id exchange are ``capacity`` ids wide (`ExchangeSizes`, a
+quarter above the largest block of the placement's previous call; every
+process derives it from the same headers): a call with a larger block sends
+the rest in a second ``all_to_all_single`` (the first call always does).
 
 The owners receive the ids and gradients in source-rank order, each
 source's in local order: the global batch order of one process on the
@@ -30,15 +39,28 @@ concatenated batches, so duplicates are summed in the same order. The
 gradients are divided by ``D``, as DDP averages dense gradients.
 
 Bytes one process hands to the collectives per step, for ``n`` local ids
-(8-byte ids, 4-byte floats, ``dim`` the full width; about ``(D - 1) / D``
-of it leaves the process when ids spread over the parts):
+(ids as 4 bytes while ``D * B`` fits int32, else 8; 4-byte floats, ``dim``
+the full width, ``C`` the capacity: about ``1.25 n / D`` for ids spread
+over the row parts, ``n`` for column; about ``(D - 1) / D`` of it leaves
+the process when ids spread over the parts):
 
-* row: ``16 D`` (counts) ``+ 8 n`` (ids) ``+ 4 n dim`` (rows back, on
+* row: ``4 D (3 + C)`` (ids with headers) ``+ 4 n dim`` (rows back, on
   average) ``+ 4 n dim`` (gradients, training only);
-* column: ``16 D`` ``+ 8 D n`` (ids to every process) ``+ 4 n dim``
-  (column slices) ``+ 4 n dim`` (gradients, training only);
+* column: ``4 D (3 + n)`` ``+ 4 n dim`` (column slices) ``+ 4 n dim``
+  (gradients, training only);
 * data (replicated, `keras_sparse.ops.torch_distributed`): ``8 D`` ``+
   (8 + 4 dim) n`` sent, ``D`` times that received (all-gathers).
+
+Where the time goes (`benchmarks/backend_sharding.py`, 2 processes on 2
+CPU cores): the three exchanges are synchronization points inside the step,
+so a process that reaches one first waits for its peer. With more OpenMP
+threads than cores per process (torch's default: every core, in every
+process) the waiting process's idle OpenMP workers spin on the cores its
+peer computes on, which made the row path 7-18x slower than the replicated
+one; launched as ``torchrun`` does (``OMP_NUM_THREADS`` = cores /
+processes), it runs at about the replicated speed, and what remains is the
+exchanges' latency (about 1-3 ms each there): the sorting, gathers and the
+owners' update take well under a millisecond.
 """
 
 import torch
