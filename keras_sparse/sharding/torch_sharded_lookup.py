@@ -56,7 +56,7 @@ CPU cores): the three exchanges are synchronization points inside the step,
 so a process that reaches one first waits for its peer. With more OpenMP
 threads than cores per process (torch's default: every core, in every
 process) the waiting process's idle OpenMP workers spin on the cores its
-peer computes on, which made the row path 7-18x slower than the replicated
+peer computes on, which made the row path 3.5-18x slower than the replicated
 one; launched as ``torchrun`` does (``OMP_NUM_THREADS`` = cores /
 processes), it runs at about the replicated speed, and what remains is the
 exchanges' latency (about 1-3 ms each there): the sorting, gathers and the
