@@ -11,7 +11,9 @@ subprocess (or, on PyTorch, ``D`` gloo processes):
 - TensorFlow: ``D`` logical CPU devices under ``MirroredStrategy``, the
   layer's ``sharding`` "data" or "row";
 - PyTorch: ``D`` processes (gloo), the model in DistributedDataParallel,
-  a torch loop, the layer's ``sharding`` "data" or "row".
+  a torch loop, the layer's ``sharding`` "data" or "row"; as ``torchrun``
+  does, each of several processes gets ``OMP_NUM_THREADS`` (here the cores
+  over ``D``, at least 1) unless it is set (``--torch-threads`` sets it).
 
 Columns: samples/s (global); table + slot bytes held per device, read from
 the variables (the part each device holds: logical CPU devices share one
@@ -26,7 +28,7 @@ overheads, not a cluster; memory and bytes are the portable part.
 
     python benchmarks/backend_sharding.py [--backends jax,tensorflow,torch]
         [--devices 1,2,4] [--rows 200000] [--dim 32] [--batch 1024]
-        [--steps 10] [--budget-mib 1024]
+        [--steps 10] [--budget-mib 1024] [--torch-threads N]
 """
 
 import argparse
@@ -185,7 +187,10 @@ def _exchange_bytes(backend, mode, devices, batch, dim):
         return 4 * total + 4 * total * dim + 4 * total * dim
     if mode == "data":  # torch: ids and gradients all-gathered
         return (8 * devices + 8 * n) * devices + 4 * n * dim * devices
-    return 16 * devices + 8 * n + 4 * n * dim + 4 * n * dim
+    # torch row: int32 id blocks with 3-word headers, a capacity a quarter
+    # above the largest block (about n / D for uniform ids), vectors, grads.
+    capacity = -(-n * 5 // (4 * devices))
+    return 4 * devices * (3 + capacity) + 4 * n * dim + 4 * n * dim
 
 
 def worker(args):
@@ -217,6 +222,12 @@ def _cell(args, backend, devices, mode):
     if backend == "jax":
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     ranks = devices if backend == "torch" else 1
+    if args.torch_threads:
+        env["OMP_NUM_THREADS"] = str(args.torch_threads)
+    elif ranks > 1 and "OMP_NUM_THREADS" not in env:
+        # As torchrun: more OpenMP threads than cores leaves a process that
+        # waits in a collective spinning on the cores its peer computes on.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
     port = str(_free_port())
     argv = [sys.executable, __file__, "--worker", backend, str(devices), mode]
     argv += ["--rows", str(args.rows), "--dim", str(args.dim)]
@@ -251,6 +262,12 @@ def main():
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--budget-mib", type=float, default=1024)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS of every torch process (default: as torchrun)",
+    )
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -147,8 +147,10 @@ def _run_case(case, rank, world, out, group=None):
     model = _model(strategy, optimizer)
     x, y = _data(samples)
     ddp = DistributedDataParallel(model, process_group=group)
-    _train(model, ddp, x, y, rank, world, 1)
+    with _counted_exchanges() as calls:
+        _train(model, ddp, x, y, rank, world, 1)
     result = {f"{key}:{k}": v for k, v in _state(model).items()}
+    result[f"{key}:exchanges"] = np.array(len(calls))
     result[f"{key}:shape"] = np.array(model.get_layer("emb").embeddings.shape)
     result[f"{key}:pred"] = _predict(model, rank, world)
     # Every process saves (the tables are all-gathered); each group of 2
@@ -162,6 +164,27 @@ def _run_case(case, rank, world, out, group=None):
     fresh.load_weights(path.replace(".keras", ".weights.h5"))
     result[f"{key}:weights"] = _predict(fresh, rank, world)
     return result
+
+
+class _counted_exchanges:
+    """Counts the ``all_to_all_single`` calls made inside the block."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.calls, self.real = [], dist.all_to_all_single
+
+        def counted(*args, **kwargs):
+            self.calls.append(1)
+            return self.real(*args, **kwargs)
+
+        dist.all_to_all_single = counted
+        return self.calls
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.all_to_all_single = self.real
 
 
 def _wrapped_case(rank, group, ignore):
@@ -382,6 +405,64 @@ def test_inference_save_and_load_in_the_processes(runs, world, case):
     for what in ("pred", "reloaded", "weights"):
         for got in _gathered(ranks, world, f"{key}:{what}"):
             np.testing.assert_allclose(got, single[f"{key}:pred"], atol=TOL)
+
+
+def _reference_exchanges(world, case):
+    """All-to-alls a training run needs: per step ids (with their counts),
+    rows and gradients, and once more for the ids past a block's capacity;
+    the capacity every process keeps is a quarter above the last step's
+    largest block (at most the most ids a process sent), kept while that
+    block is over half of it."""
+    strategy, _, samples = case
+    x, _ = _data(samples)
+    part, capacity, total = -(-ROWS // world), 0, 0
+    for start in range(0, samples, BATCH):
+        b = _bounds(start, min(start + BATCH, samples), world)
+        ids = [x[b[r] : b[r + 1]].ravel() for r in range(world)]
+        if strategy == "row":
+            blocks = [np.bincount(i // part, minlength=world) for i in ids]
+            need = max(int(c.max()) for c in blocks)
+        else:  # every process's ids go to every process
+            need = max(len(i) for i in ids)
+        total += 3 + (need > capacity)
+        if need > capacity or 2 * need < capacity:
+            capacity = min(max(len(i) for i in ids), -(-need * 5 // 4))
+    return total
+
+
+@pytest.mark.parametrize("world,case", _all_cases())
+def test_a_step_exchanges_ids_with_their_counts_in_one_collective(runs, world, case):
+    """Three all-to-alls per training step (ids and counts, rows, gradients)
+    once a step's ids fit the capacity the previous step agreed."""
+    ranks, _, _ = runs
+    key = f"{case[0]}-{case[1]}-{world}"
+    want = _reference_exchanges(world, case)
+    steps = -(-case[2] // BATCH)
+    assert want < 4 * steps  # what a separate exchange of counts would take
+    for result, _ in ranks:
+        assert int(result[f"{key}:exchanges"]) == want
+
+
+@pytest.mark.parametrize("capacity", [0, 2, 3, 9])
+def test_id_blocks_split_at_the_capacity_rejoin_in_order(capacity):
+    """Per-peer blocks cut at ``capacity`` (first exchange) and the rest
+    (second) give each peer its ids in their order, whatever the cut."""
+    import torch
+
+    from keras_sparse.sharding.torch_sharded_lookup import id_blocks
+
+    want = [[7, 1, 4], [], [2, 9, 9, 5, 0], [6]]
+    src = torch.tensor([i for block in want for i in block], dtype=torch.int32)
+    counts = torch.tensor([len(block) for block in want])
+    starts = torch.cumsum(counts, 0) - counts
+    need = int(counts.max())
+    first = id_blocks(src, counts, starts, 0, capacity)
+    rest = id_blocks(src, counts, starts, capacity, max(need - capacity, 0))
+    assert first.shape == (4, capacity)
+    joined = torch.cat([first, rest], 1)
+    got = [joined[p, : len(block)].tolist() for p, block in enumerate(want)]
+    assert got == want
+    assert not joined[torch.arange(joined.shape[1]) >= counts[:, None]].any()
 
 
 @pytest.mark.parametrize("saved_by,loaded_in", [(2, 1), (2, 4), (4, 1), (4, 2)])

@@ -22,8 +22,8 @@ The rows are then looked up with the row-sharded primitive
 
 Bytes one process hands to the collectives per call for ``m`` distinct keys
 (``n`` positions): ``8 D`` (counts) ``+ 16 m`` (keys, multiplicities) ``+ 8
-m`` (rows and fresh flags back), then the row lookup's (``16 D + 8 n + 4 n
-dim``, and ``4 n dim`` gradients in training).
+m`` (rows and fresh flags back), then the row lookup's (``4 D (3 + C) + 4
+n dim``, and ``4 n dim`` gradients in training; see `torch_sharded_lookup`).
 """
 
 import numpy as np

@@ -94,9 +94,7 @@ class TorchKeyPlacement(TorchShardedPlacement):
         return f"TorchKeyPlacement(devices={self.devices}, rank={self.rank})"
 
     def _route(self):
-        from keras_sparse.sharding.torch_sharded_lookup import Route
-
-        return Route("row", self.group, self.devices, self.part_rows)
+        return super()._route("row")
 
     def variable_rows(self, num_rows):
         return self.part_rows

@@ -163,6 +163,7 @@ class TorchShardedPlacement:
         self.part_rows = -(-num_rows // devices)
         self.dim, self.part_cols = dim, dim // devices
         self._checked = set()
+        self._sizes = None  # the exchanges' ExchangeSizes, made on first use
 
     def __repr__(self):
         return (
@@ -170,10 +171,15 @@ class TorchShardedPlacement:
             f"rank={self.rank})"
         )
 
-    def _route(self):
-        from keras_sparse.sharding.torch_sharded_lookup import Route
+    def _route(self, strategy=None):
+        from keras_sparse.sharding import torch_sharded_lookup as lookup
 
-        return Route(self.strategy, self.group, self.devices, self.part_rows)
+        if self._sizes is None:
+            self._sizes = lookup.ExchangeSizes()
+        strategy = strategy or self.strategy
+        return lookup.Route(
+            strategy, self.group, self.devices, self.part_rows, self._sizes
+        )
 
     # -------------------------------------------------------------- lookups
     def lookup(self, state: TableState, batch: LookupBatch):
