@@ -144,3 +144,15 @@ def test_padding_is_not_read_from_the_store():
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(out), keras.ops.convert_to_numpy(alone), atol=1e-6
     )
+
+
+def test_a_table_with_a_store_is_not_shared():
+    _, a = _model(64, "host", "lru", "adagrad", 1)
+    b = DistributedHashEmbedding(4, capacity=64, optimizer="adagrad", name="b")
+    with pytest.raises(ValueError, match="cannot share"):
+        b.table = a.table  # b would evict a's keys with nowhere to put them
+    c = DistributedHashEmbedding(4, capacity=64, optimizer="adagrad", name="c")
+    d = DistributedHashEmbedding(4, capacity=64, store="host", name="d")
+    with pytest.raises(ValueError, match="cannot share"):
+        d.table = c.table  # c's calls would evict d's keys
+    assert d.table is not c.table  # nothing changed

@@ -792,6 +792,8 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
 
     @table.setter
     def table(self, table):
+        if table is not None and table is not self.table:
+            row_tier.check_not_shared(self, table)
         self.__dict__["_ks_table"] = table
         table_users.register(table, self)
 

@@ -225,7 +225,8 @@ class RowTier:
 
     def drop_plans(self):
         """Forgets the pending plans (their batches will not be trained)."""
-        self.plans.clear()
+        with self.lock:
+            self.plans.clear()
 
     def pending(self):
         """How many training calls have not had their step yet."""
@@ -242,6 +243,10 @@ class RowTier:
     def reset(self, records):
         """Empties the store and fills it with ``records`` (a checkpoint's
         keys that have no row in the table), dropping pending plans."""
+        with self.lock:
+            self._reset(records)
+
+    def _reset(self, records):
         self.plans.clear()
         self.store.clear()
         if not len(records.keys):
@@ -329,6 +334,7 @@ def attach(layer, spec):
     for name, var in layer.slots.items():
         fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
     fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
+    check_not_shared(layer, layer.table)
     opened = spec.open_keyed(tuple(fields), name=layer.name)
     tier = RowTier(layer.name, opened, layer.slots)
     layer.table.set_held_keys(tier.held)
@@ -363,3 +369,24 @@ def stored_records(tier, out, include_rows):
                 parts[name].append(rows[field].astype(out[name].dtype, copy=False))
     del include_rows  # rows are in ``out`` exactly when asked for
     return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+
+
+def check_not_shared(layer, table):
+    """Raises when ``table`` would be shared by layers one of which has a
+    row store: the table's evictions go down to one store (its hook), with
+    values read from one layer's variables, so a sharer would lose keys."""
+    from keras_sparse.layers import table_users
+
+    mine = getattr(layer, "store", None) is not None
+    others = [
+        u for u in table_users.users_of(table) if u is not layer and u.table is table
+    ]
+    below = getattr(table, "has_held_keys", False)
+    if (mine and others) or (below and not mine) or (below and others):
+        names = ", ".join(repr(u.name) for u in others) or "a layer with a store"
+        raise ValueError(
+            f"Layer '{layer.name}': its hash table would be shared with "
+            f"{names}, and a layer with a row store (`store=`) cannot share "
+            "its table: the keys one layer evicts would be written back from "
+            "the other's rows, or lost. Give each layer its own table."
+        )

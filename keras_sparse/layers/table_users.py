@@ -30,3 +30,11 @@ def users(layer):
         known = ()
     sharing = [u for u in known if getattr(u, "table", None) is table]
     return sharing if layer in sharing else [layer, *sharing]
+
+
+def users_of(table):
+    """The live layers registered as users of ``table``."""
+    try:
+        return list(_USERS.get(table, ()))
+    except TypeError:
+        return []

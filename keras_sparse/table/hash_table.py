@@ -229,6 +229,11 @@ class HashTable:
             self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
 
+    @property
+    def has_held_keys(self) -> bool:
+        """Whether a tier below the table holds keys (`set_held_keys`)."""
+        return getattr(self._impl, "held_keys", None) is not None
+
     def set_held_keys(self, hook):
         """Declares a tier below the table (a row store) that holds keys.
 
