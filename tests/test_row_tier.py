@@ -156,3 +156,17 @@ def test_a_table_with_a_store_is_not_shared():
     with pytest.raises(ValueError, match="cannot share"):
         d.table = c.table  # c's calls would evict d's keys
     assert d.table is not c.table  # nothing changed
+
+
+def test_a_failing_store_says_to_restore_from_a_checkpoint():
+    keys, target = _batches(5)
+    model, layer = _model(64, "host", "lru", "adagrad", 1)
+    model.fit(keys[:64], target[:64], batch_size=BATCH, shuffle=False, verbose=0)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    layer.row_tier.store.write = full_disk
+    # The first step that evicts a key fails (compiled steps wrap the error).
+    with pytest.raises(Exception, match="restore the model from a checkpoint"):
+        model.fit(keys[64:], target[64:], batch_size=BATCH, shuffle=False, verbose=0)

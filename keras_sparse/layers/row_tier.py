@@ -134,7 +134,17 @@ class RowTier:
     def move(self, rows, fresh, before):
         """See `_move` (one caller at a time)."""
         with self.lock:
-            return self._move(rows, fresh, before)
+            try:
+                return self._move(rows, fresh, before)
+            except (OSError, MemoryError) as e:
+                # The plan is gone and its evicted keys may be half written:
+                # only a checkpoint holds them for sure.
+                raise RuntimeError(
+                    f"Layer '{self.layer_name}': its row store failed while "
+                    f"moving a step's rows ({type(e).__name__}: {e}). Keys "
+                    "this step evicted may be lost: restore the model from a "
+                    "checkpoint."
+                ) from e
 
     def _move(self, rows, fresh, before):
         """Carries out the oldest plan in the step that trains its batch.
