@@ -14,45 +14,19 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from tests import row_store_models as shared
 
 UNIVERSE = 250
-BATCH, FIELDS, STEPS = 8, 2, 60
+STEPS = 60
+BATCH, FIELDS = shared.BATCH, shared.FIELDS
 
 
 def _batches(seed, universe=UNIVERSE):
-    rng = np.random.default_rng(seed)
-    # Zipf-like: a few hot keys, a long tail that keeps evicting.
-    p = 1.0 / np.arange(1, universe + 1) ** 0.9
-    ranks = rng.choice(universe, size=(STEPS * BATCH, FIELDS), p=p / p.sum())
-    keys = (ranks * 7919 + 3).astype("int64")
-    keys[::5, 1] = -(2**62) - ranks[::5, 1]  # far keys too
-    target = rng.normal(size=(STEPS * BATCH, 1)).astype("float32")
-    return keys, target
+    return shared.batches(seed, universe, STEPS)
 
 
-def _model(capacity, store, eviction, optimizer, admit_after):
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((FIELDS,), dtype="int64")
-    layer = DistributedHashEmbedding(
-        4,
-        capacity=capacity,
-        combiner="sum",
-        optimizer=optimizer,
-        eviction=eviction,
-        admit_after=admit_after,
-        store=store,
-        name="ids",
-    )
-    out = keras.layers.Dense(1)(layer(inputs))
-    model = keras.Model(inputs, out)
-    model.compile(optimizer="sgd", loss="mse")
-    return model, layer
-
-
-def _records(layer):
-    rec = layer.export()
-    order = np.argsort(rec["keys"])
-    return {name: np.asarray(value)[order] for name, value in rec.items()}
+_model = shared.model
+_records = shared.records
 
 
 @pytest.mark.parametrize(

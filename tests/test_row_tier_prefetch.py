@@ -18,43 +18,18 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from tests import row_store_models as shared
 
-BATCH, FIELDS, STEPS = 8, 2, 40
+STEPS = 40
+BATCH, FIELDS = shared.BATCH, shared.FIELDS
 
 
 def _batches(seed, universe=250, steps=STEPS):
-    rng = np.random.default_rng(seed)
-    # Zipf-like: a few hot keys, a long tail that keeps evicting.
-    p = 1.0 / np.arange(1, universe + 1) ** 0.9
-    ranks = rng.choice(universe, size=(steps * BATCH, FIELDS), p=p / p.sum())
-    keys = (ranks * 7919 + 3).astype("int64")
-    keys[::5, 1] = -(2**62) - ranks[::5, 1]  # far keys too (the words' high half)
-    target = rng.normal(size=(steps * BATCH, 1)).astype("float32")
-    return keys, target
+    return shared.batches(seed, universe, steps)
 
 
-def _model(capacity, store, eviction="lru", optimizer="adagrad", admit_after=1):
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((FIELDS,), dtype="int64")
-    layer = DistributedHashEmbedding(
-        4,
-        capacity=capacity,
-        combiner="sum",
-        optimizer=optimizer,
-        eviction=eviction,
-        admit_after=admit_after,
-        store=store,
-        name="ids",
-    )
-    model = keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
-    model.compile(optimizer="sgd", loss="mse")
-    return model, layer
-
-
-def _records(layer):
-    rec = layer.export()
-    order = np.argsort(rec["keys"])
-    return {name: np.asarray(value)[order] for name, value in rec.items()}
+_model = shared.model
+_records = shared.records
 
 
 def _assert_same(got, want, exact=False):
