@@ -1,7 +1,7 @@
 """Fresh-row initial values: sized draws vs one draw per batch position.
 
 A `DistributedHashEmbedding` training step re-initializes the rows its table
-assigned to new keys. `keras_sparse.layers.fresh_rows` sizes the
+assigned to new keys. `keras_sparse.layers.hash.fresh_rows` sizes the
 initializer's draw to the step's fresh count (1/32, 1/8, 1/2 or all of the
 batch); the alternative draws one row per id of the batch. This benchmark
 fits the 26-field models of ``benchmarks/prefetch.py`` (config A: dim 16,
@@ -29,7 +29,7 @@ from prefetch import criteo_data  # noqa: E402
 from prefetch import hash_model  # noqa: E402
 
 from keras_sparse import HashTable  # noqa: E402
-from keras_sparse.layers import fresh_rows  # noqa: E402
+from keras_sparse.layers.hash import fresh_rows  # noqa: E402
 
 CONFIGS = {
     "A": dict(batch=16384, dim=16, hidden=64, scale=0.01),

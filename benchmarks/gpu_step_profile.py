@@ -52,9 +52,9 @@ import keras_sparse.table  # noqa: E402
 from keras_sparse.data import criteo_like  # noqa: E402
 from keras_sparse.layers import AllToAllDenseEmbedding  # noqa: E402
 from keras_sparse.layers import jax_full_keys  # noqa: E402
-from keras_sparse.layers import jax_group_mapping  # noqa: E402
-from keras_sparse.layers import jax_step_mapping  # noqa: E402
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding  # noqa: E402
+from keras_sparse.layers.hash import jax_group_mapping  # noqa: E402
+from keras_sparse.layers.hash import jax_step_mapping  # noqa: E402
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding  # noqa: E402
 
 SAMPLES, BATCH, CAPACITY = 1 << 17, 8192, 1 << 14
 spent = collections.Counter()

@@ -26,7 +26,7 @@ On a CPU (JAX) two more rows feed the raw int64 keys straight into ``fit``
 64-bit keys are restored on the host): once through the in-place buffer
 callback (the default on one device) and once through ``io_callback``
 (``jax_step_mapping.IN_PLACE_CALLBACKS = False``), the two routes of
-`keras_sparse.layers.jax_step_mapping`.
+`keras_sparse.layers.hash.jax_step_mapping`.
 
 Also reported: the collisions the workaround suffers, from the bins its
 ``Hashing`` layer actually produces: the fraction of distinct keys that share
@@ -67,7 +67,7 @@ from keras_sparse.data import criteo_like  # noqa: E402
 from keras_sparse.data import prefetch  # noqa: E402
 from keras_sparse.layers import DistributedHashEmbedding  # noqa: E402
 from keras_sparse.layers import HashEmbeddingCollection  # noqa: E402
-from keras_sparse.layers import jax_step_mapping  # noqa: E402
+from keras_sparse.layers.hash import jax_step_mapping  # noqa: E402
 
 FIELDS = 26
 DIM = 16

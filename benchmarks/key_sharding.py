@@ -33,7 +33,7 @@ Reported per variant:
   and the broadcast of the callback's results (XLA replicates them: an
   all-gather of the keys, an all-reduce of rows + fresh flags). Collectives
   inside ``lax.cond`` branches run only when their branch is taken (the
-  fresh-row draws of `keras_sparse.layers.fresh_rows` have one branch per
+  fresh-row draws of `keras_sparse.layers.hash.fresh_rows` have one branch per
   draw size), so the step's bytes are given as the smallest and the largest
   taken branch (equal when there is no such branch); "static" sums every
   collective of the HLO text;

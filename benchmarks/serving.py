@@ -10,9 +10,9 @@ the rest are unknown (zero vectors). All keys fit in int32, so every variant
 predicts the same keys with the same model. Variants:
 
 * ``jax-callback``: JAX, ``key_dtype="int64"``: each step reaches the host
-  table through a callback (`keras_sparse.layers.jax_step_mapping`).
+  table through a callback (`keras_sparse.layers.hash.jax_step_mapping`).
 * ``jax-serving-map``: JAX, ``key_dtype="int32"``: a bucketed search of the
-  layer's serving map inside the step (`keras_sparse.layers.serving_map`).
+  layer's serving map inside the step (`keras_sparse.layers.hash.serving_map`).
 * ``tf-callback``: TensorFlow with ``serving_map.usable`` monkeypatched to
   return False before the model is built: this reproduces the old
   ``tf.numpy_function`` route, for comparison only.
@@ -91,8 +91,8 @@ def child(args):
     import numpy as np
 
     import keras_sparse as ks
-    from keras_sparse.layers import key_mapping
-    from keras_sparse.layers import serving_map
+    from keras_sparse.layers.hash import key_mapping
+    from keras_sparse.layers.hash import serving_map
 
     assert keras.backend.backend() == backend, keras.backend.backend()
     if args.variant == "tf-callback":

@@ -4,7 +4,7 @@ its records sorted by key."""
 import keras
 import numpy as np
 
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 
 BATCH, FIELDS = 8, 2
 

@@ -213,7 +213,7 @@ def test_initial_table_does_not_depend_on_chunks(monkeypatch):
 
 
 def test_a_batch_without_cache_rows_for_all_ids_raises(monkeypatch):
-    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+    from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 
     layer = ks.AllToAllDenseEmbedding(300, 3, cache_rows=64, optimizer="sgd")
     mapped = DistributedHashEmbedding._table_rows

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_sparse.layers.fresh_rows import draw
-from keras_sparse.layers.fresh_rows import draw_sizes
-from keras_sparse.layers.fresh_rows import fresh_row_values
+from keras_sparse.layers.hash.fresh_rows import draw
+from keras_sparse.layers.hash.fresh_rows import draw_sizes
+from keras_sparse.layers.hash.fresh_rows import fresh_row_values
 
 N, DIM = 1024, 8
 
@@ -82,7 +82,7 @@ def test_same_generator_state_and_mask_give_the_same_values():
 
 
 def test_accelerators_draw_every_row_without_a_branch(monkeypatch):
-    from keras_sparse.layers import fresh_rows
+    from keras_sparse.layers.hash import fresh_rows
 
     monkeypatch.setattr(fresh_rows, "sized_draws", lambda: False)
     init = keras.initializers.RandomUniform(-1.0, 1.0)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from keras_sparse.layers import jax_full_keys
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 from tests.conftest import backend
 
 pytestmark = pytest.mark.skipif(

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 from keras_sparse.table import HashTable
 from keras_sparse.table import TableFullError
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_sparse as ks
-from keras_sparse.layers import jax_group_mapping
+from keras_sparse.layers.hash import jax_group_mapping
 from tests.hash_fields import FIELDS
 from tests.hash_fields import field_layers
 from tests.hash_fields import fields_data
@@ -208,7 +208,7 @@ def test_a_field_also_called_outside_counts_both_calls():
     """A field layer the model also calls directly has two calls per step,
     so its table calls keep their program order (ordered route), and the
     collection maps its fields one by one."""
-    from keras_sparse.layers import jax_step_mapping
+    from keras_sparse.layers.hash import jax_step_mapping
 
     layers = field_layers()
     inputs = {n: keras.Input((3,), dtype="int32", name=n) for n in FIELDS}
@@ -226,7 +226,7 @@ def test_fields_restore_their_full_keys_together_or_one_by_one():
     finds its own batch (an entry queued ahead of it stays); fields with
     nothing queued keep the step's keys. NumPy stands in for CuPy."""
     from keras_sparse.layers import jax_full_keys
-    from keras_sparse.layers import jax_group_mapping
+    from keras_sparse.layers.hash import jax_group_mapping
 
     class Field:
         name = "field"

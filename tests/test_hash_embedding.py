@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 from keras_sparse.table import TableFullError
 from keras_sparse.table import hash_strings
 from tests.conftest import backend

@@ -13,7 +13,7 @@ import pytest
 from scipy.special import erfinv
 
 import keras_sparse as ks
-from keras_sparse.layers import jax_step_mapping
+from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.ops import key_hash
 from keras_sparse.table.sharded_table import key_words
 

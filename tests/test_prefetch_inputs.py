@@ -8,9 +8,9 @@ import pytest
 
 from keras_sparse.data import prefetch
 from keras_sparse.layers import DistributedHashEmbedding
-from keras_sparse.layers.prepared_inputs import pack_blocks
-from keras_sparse.layers.prepared_inputs import take_blocks
-from keras_sparse.layers.prepared_inputs import unpack_prepared
+from keras_sparse.layers.hash.prepared_inputs import pack_blocks
+from keras_sparse.layers.hash.prepared_inputs import take_blocks
+from keras_sparse.layers.hash.prepared_inputs import unpack_prepared
 
 N, BATCH = 72, 24
 

@@ -4,10 +4,10 @@ import keras
 import numpy as np
 import pytest
 
-from keras_sparse.layers.prepared_inputs import host_segments
-from keras_sparse.layers.prepared_inputs import pack_prepared
-from keras_sparse.layers.prepared_inputs import segment_scratch
-from keras_sparse.layers.prepared_inputs import unpack_prepared
+from keras_sparse.layers.hash.prepared_inputs import host_segments
+from keras_sparse.layers.hash.prepared_inputs import pack_prepared
+from keras_sparse.layers.hash.prepared_inputs import segment_scratch
+from keras_sparse.layers.hash.prepared_inputs import unpack_prepared
 
 
 def test_host_segments_number_distinct_rows_densely_in_row_order():
@@ -38,7 +38,7 @@ def test_scratch_segments_partition_positions_like_the_sorted_ones(seed):
 
 
 def test_very_large_tables_get_no_scratch():
-    from keras_sparse.layers import prepared_inputs
+    from keras_sparse.layers.hash import prepared_inputs
 
     assert segment_scratch(100).shape == (102,)
     assert segment_scratch(prepared_inputs.SCRATCH_MAX_ROWS + 1) is None
@@ -75,7 +75,7 @@ def test_pack_refuses_a_batch_that_does_not_split_over_replicas():
 
 def _split_words(keys):
     """Reference: (high, low) int32 words of the int64 keys, via Python ints."""
-    from keras_sparse.layers.host_keys import host_keys
+    from keras_sparse.layers.hash.host_keys import host_keys
 
     flat = [int(v) % 2**64 for v in host_keys(keys).tolist()]
 
@@ -100,8 +100,8 @@ _KEY_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "
 @pytest.mark.parametrize("dtype", _KEY_DTYPES + ["str", "object"])
 @pytest.mark.parametrize("shape", [(8,), (8, 3)])
 def test_key_words_are_packed_as_the_keys_int64_words(dtype, shape):
-    from keras_sparse.layers.prepared_inputs import KeyWords
-    from keras_sparse.layers.prepared_inputs import pack_blocks
+    from keras_sparse.layers.hash.prepared_inputs import KeyWords
+    from keras_sparse.layers.hash.prepared_inputs import pack_blocks
 
     rng = np.random.default_rng(7)
     n = int(np.prod(shape))
@@ -128,7 +128,7 @@ def test_key_words_are_packed_as_the_keys_int64_words(dtype, shape):
 
 
 def test_pack_groups_lay_each_group_out_alone():
-    from keras_sparse.layers.prepared_inputs import pack_groups
+    from keras_sparse.layers.hash.prepared_inputs import pack_groups
 
     rng = np.random.default_rng(2)
     a = [rng.integers(0, 9, (12,)).astype(np.int32) for _ in range(3)]

@@ -15,7 +15,7 @@ import pytest
 
 import keras_sparse as ks
 from keras_sparse import progress
-from keras_sparse.layers import serving_map
+from keras_sparse.layers.hash import serving_map
 from keras_sparse.table import TableFullError
 
 DIM = 4

@@ -12,9 +12,9 @@ from keras_sparse.data.routing import exchanged_bytes
 from keras_sparse.data.routing import locality_assignment
 from keras_sparse.data.routing import remote_id_bytes
 from keras_sparse.layers import DistributedHashEmbedding
-from keras_sparse.layers.prepared_inputs import host_segments
-from keras_sparse.layers.prepared_inputs import split_words
-from keras_sparse.layers.prepared_inputs import unpack_prepared
+from keras_sparse.layers.hash.prepared_inputs import host_segments
+from keras_sparse.layers.hash.prepared_inputs import split_words
+from keras_sparse.layers.hash.prepared_inputs import unpack_prepared
 
 
 @pytest.mark.backend_independent

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_sparse as ks
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 from tests import row_store_models as shared
 
 UNIVERSE = 250

@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import keras_sparse as ks
-from keras_sparse.layers import serving_map
+from keras_sparse.layers.hash import serving_map
 
 BACKEND = keras.backend.backend()
 _INT64 = st.integers(-(2**63), 2**63 - 1)

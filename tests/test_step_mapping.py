@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_sparse.layers import jax_step_mapping
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash import jax_step_mapping
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 from tests.conftest import backend
 
 pytestmark = pytest.mark.skipif(

@@ -22,7 +22,7 @@ FORBIDDEN = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "NumpyFunction"}
 def _graph_fn():
     import tensorflow as tf
 
-    from keras_sparse.layers.tf_string_hash import hash_strings_tf
+    from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
 
     return tf.function(
         hash_strings_tf, input_signature=[tf.TensorSpec([None, None], tf.string)]
@@ -38,7 +38,7 @@ def _expected(flat, shape):
 def _check_2d(flat, rows, cols):
     import tensorflow as tf
 
-    from keras_sparse.layers.tf_string_hash import hash_strings_tf
+    from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
 
     x = tf.reshape(tf.constant(flat, tf.string, shape=[len(flat)]), [rows, cols])
     want = _expected(flat, (rows, cols))
@@ -73,7 +73,7 @@ def test_bytes_match_numpy(grid):
 
 
 def test_documented_values_and_nuls():
-    from keras_sparse.layers.tf_string_hash import hash_strings_tf
+    from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
 
     offset = 0xCBF29CE484222325 - 2**64
     got = hash_strings_tf(["a", "", b"a\x00", b"\x00", b"a\x00b", "é"]).numpy()

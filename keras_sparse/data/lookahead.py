@@ -135,7 +135,7 @@ class Journal:
 class Lookahead:
     """``layer._lookahead``: ``(layer, trained steps) -> undo records`` of
     the calls its table got for batches not trained yet (see
-    `keras_sparse.layers.hash_records`). Holds its engine weakly."""
+    `keras_sparse.layers.hash.records`). Holds its engine weakly."""
 
     def __init__(self, engine):
         self._engine = weakref.ref(engine)

@@ -22,7 +22,7 @@ Prepared-input encoding (int32, the keys' shape):
 With ``dedup=True`` (the default) the workers also number each batch's
 distinct rows per layer (the "segments": unique rows + inverse, computed
 with NumPy) and hand them over stacked with the codes along the batch axis
-(`keras_sparse.layers.prepared_inputs`); the step's sparse update then
+(`keras_sparse.layers.hash.prepared_inputs`); the step's sparse update then
 takes them instead of sorting the ids itself. The numbers are those the
 step's own sort would give, so results do not change. For a layer
 row-sharded under the active distribution with compact exchange buffers
@@ -53,9 +53,9 @@ row evicted by batch ``i + k`` and handed to another key is only
 re-initialized when step ``i + k`` runs, after step ``i`` has read (and
 updated) it for its previous key. Fresh rows start from the same values in
 both paths: per key (the stage hands each position's key words to the step,
-`keras_sparse.layers.keyed_fresh_rows`) or, for initializers without a
+`keras_sparse.layers.hash.keyed_fresh_rows`) or, for initializers without a
 per-key form, one seed from the layer's generator per training step, sized
-by the same rule (`keras_sparse.layers.fresh_rows`); a new row is flagged fresh
+by the same rule (`keras_sparse.layers.hash.fresh_rows`); a new row is flagged fresh
 at its first position in the batch only (so each is reset from one drawn
 vector, whatever order a backend's scatter writes duplicates in: PyTorch's
 varies from run to run), and ``sparse_iterations`` advances once per step in
@@ -110,7 +110,7 @@ Caveats:
   input, and called once.
 - One model input may feed several hash layers: the stage stacks each
   layer's codes (and segments) along the batch axis of that input and each
-  layer takes its own (`keras_sparse.layers.prepared_inputs.take_blocks`).
+  layer takes its own (`keras_sparse.layers.hash.prepared_inputs.take_blocks`).
   An input that feeds a hash layer and any other layer is refused (the
   other layer would read row codes as keys).
 - Shutdown: ``close()`` returns once the workers have finished their
@@ -146,18 +146,18 @@ from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
 from keras_sparse.data.untrained import undo_untrained
-from keras_sparse.layers import table_users
+from keras_sparse.layers.hash import table_users
+from keras_sparse.layers.hash.prepared_inputs import KeyWords
+from keras_sparse.layers.hash.prepared_inputs import host_segments
+from keras_sparse.layers.hash.prepared_inputs import pack_groups
+from keras_sparse.layers.hash.prepared_inputs import rows_of_codes
+from keras_sparse.layers.hash.prepared_inputs import segment_scratch
 from keras_sparse.layers.model_feeds import array_at
 from keras_sparse.layers.model_feeds import check_sole_readers
 from keras_sparse.layers.model_feeds import input_groups
 from keras_sparse.layers.model_feeds import plan
 from keras_sparse.layers.model_feeds import replace_at
 from keras_sparse.layers.model_feeds import split_batch
-from keras_sparse.layers.prepared_inputs import KeyWords
-from keras_sparse.layers.prepared_inputs import host_segments
-from keras_sparse.layers.prepared_inputs import pack_groups
-from keras_sparse.layers.prepared_inputs import rows_of_codes
-from keras_sparse.layers.prepared_inputs import segment_scratch
 
 __all__ = ["PrefetchError", "PrefetchStage", "prefetch"]
 
@@ -331,7 +331,7 @@ class _Engine:
         np.subtract(-2, codes, out=codes, where=fresh)  # fresh rows: -2 - row
         fresh_keys = None
         if insert and fresh.any():
-            from keras_sparse.layers.host_keys import host_keys as _host_keys
+            from keras_sparse.layers.hash.host_keys import host_keys as _host_keys
 
             # Converted elementwise: the fresh positions' keys alone.
             fresh_keys = _host_keys(k.reshape(-1)[fresh])
@@ -1191,7 +1191,7 @@ def prefetch(
             ``"auto"``: only when the default device is an accelerator.
         dedup: also number each batch's distinct rows per layer in the
             workers (unique rows + inverse), so the step's sparse update
-            skips its sort (see `keras_sparse.layers.prepared_inputs`).
+            skips its sort (see `keras_sparse.layers.hash.prepared_inputs`).
             Results are identical either way. Off in multi-process JAX runs.
         bucket: for a row-sharded layer with compact exchange buffers (a
             ``row_exchange_slack``), pack its ids into their owners' buffers

@@ -3,10 +3,10 @@
 from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
 from keras_sparse.layers.embedding_collection import EmbeddingCollection
 from keras_sparse.layers.embedding_collection import TableConfig
-from keras_sparse.layers.hash_collection import HashEmbeddingCollection
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.collection import HashEmbeddingCollection
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.serving_map import refresh_all as refresh_serving_maps
 from keras_sparse.layers.inputs import ragged_to_padded
-from keras_sparse.layers.serving_map import refresh_all as refresh_serving_maps
 
 __all__ = [
     "AllToAllDenseEmbedding",

@@ -44,11 +44,11 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_sparse.layers import key_mapping
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
-from keras_sparse.layers.keyed_fresh_rows import has_seed
-from keras_sparse.layers.keyed_fresh_rows import key_values
-from keras_sparse.layers.keyed_fresh_rows import per_key
+from keras_sparse.layers.hash import key_mapping
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
+from keras_sparse.layers.hash.keyed_fresh_rows import key_values
+from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_tier import VALUES
 from keras_sparse.layers.row_tier import RowTier

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from keras_sparse.layers import string_keys
+from keras_sparse.layers.hash import string_keys
 
 _ACTIVE = contextvars.ContextVar("keras_sparse_full_keys_model", default=None)
 _BUILDING = contextvars.ContextVar("keras_sparse_symbolic_build", default=False)
@@ -678,7 +678,7 @@ def install():
         from keras.src.models.functional import Functional
 
         _wrap_functional_call(Functional)
-        from keras_sparse.layers import jax_step_mapping
+        from keras_sparse.layers.hash import jax_step_mapping
 
         jax_step_mapping.watch_remat()
         _installed = True

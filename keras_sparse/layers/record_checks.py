@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from keras_sparse.layers.host_keys import host_array
-from keras_sparse.layers.host_keys import host_keys
+from keras_sparse.layers.hash.host_keys import host_array
+from keras_sparse.layers.hash.host_keys import host_keys
 
 
 class Records(NamedTuple):

@@ -315,8 +315,8 @@ def attach(layer, spec):
     """A `RowTier` for built ``layer`` over a store opened from ``spec``;
     the layer's table admits the store's keys at sight."""
     from keras_sparse import store as row_stores
-    from keras_sparse.layers.keyed_fresh_rows import has_seed
-    from keras_sparse.layers.keyed_fresh_rows import per_key
+    from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
+    from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 
     where = f"Layer '{layer.name}': `store`"
     if layer.table.device != "cpu":
@@ -385,7 +385,7 @@ def check_not_shared(layer, table):
     """Raises when ``table`` would be shared by layers one of which has a
     row store: the table's evictions go down to one store (its hook), with
     values read from one layer's variables, so a sharer would lose keys."""
-    from keras_sparse.layers import table_users
+    from keras_sparse.layers.hash import table_users
 
     mine = getattr(layer, "store", None) is not None
     others = [

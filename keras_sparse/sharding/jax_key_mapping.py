@@ -29,7 +29,7 @@ or ``ceil(n / D * slack)`` with a ``row_exchange_slack``). A device with more
 distinct keys for one owner raises `ExchangeOverflowError` on every device
 (the worst fill is all-reduced first) before any table changes. Fresh rows are
 drawn on each device for its own positions (per key, see
-`keras_sparse.layers.keyed_fresh_rows`), so no collective gathers them. Any
+`keras_sparse.layers.hash.keyed_fresh_rows`), so no collective gathers them. Any
 error of a callback (a full shard with ``eviction=None``, keys that do not
 match the queued full keys) is raised on every device of the step together
 (see `jax_step_mapping.StepFailures`): shards that had already mapped their
@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
-from keras_sparse.layers.jax_step_mapping import buffer_callback_or_none
+from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.jax_sharded_lookup import _smap
 from keras_sparse.table.keys import to_host

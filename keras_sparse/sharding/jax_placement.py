@@ -110,7 +110,7 @@ class JaxMeshPlacement:
     def map_keys(self, layer, keys, use, insert, draw=None):
         """The `KeyMapper` of a key-sharded hash layer: ``(rows, fresh,
         init)`` of its traced flat ``keys`` (see `jax_key_mapping.map_keys`)."""
-        from keras_sparse.layers.jax_step_mapping import step_failures
+        from keras_sparse.layers.hash.jax_step_mapping import step_failures
         from keras_sparse.sharding import jax_key_mapping
 
         routing = jax_key_mapping.KeyRouting(

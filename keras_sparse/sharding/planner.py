@@ -61,7 +61,7 @@ over the fair share after placing the table.
 
 import math
 
-from keras_sparse.layers import serving_map
+from keras_sparse.layers.hash import serving_map
 
 STRATEGIES = ("data", "table", "row", "column", "key")
 _TIE_ORDER = {s: i for i, s in enumerate(STRATEGIES)}
@@ -363,7 +363,7 @@ def comm_bytes(spec, strategy, num_devices, lookups):
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-#: Two int32 key words and an int32 row (`keras_sparse.layers.serving_map`).
+#: Two int32 key words and an int32 row (`keras_sparse.layers.hash.serving_map`).
 _SERVING_MAP_ROW_INTS = 3
 
 
@@ -394,7 +394,7 @@ def _is_shardable_layer(layer):
     # key->row map stays on the host (one per process) and only its
     # ``[capacity, dim]`` table and slots are split.
     from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
-    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+    from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 
     return isinstance(layer, (AllToAllDenseEmbedding, DistributedHashEmbedding))
 
@@ -408,7 +408,7 @@ def is_collection(layer):
 
 def is_hash_layer(layer):
     """True for tables whose rows are assigned by a host-side key->row map."""
-    from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+    from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 
     return isinstance(layer, DistributedHashEmbedding)
 

@@ -17,7 +17,7 @@ import dataclasses
 
 import keras
 
-from keras_sparse.layers import table_users
+from keras_sparse.layers.hash import table_users
 from keras_sparse.sharding import planner as planner_lib
 from keras_sparse.sharding.jax_placement import JaxMeshPlacement
 

@@ -45,8 +45,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from keras_sparse.layers.keyed_fresh_rows import has_seed
-from keras_sparse.layers.keyed_fresh_rows import per_key
+from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
+from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 from keras_sparse.ops.key_hash import words_of_keys
 from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState

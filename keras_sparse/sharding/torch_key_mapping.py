@@ -115,8 +115,8 @@ def map_keys(placement, layer, keys, use, insert, draw):
     """``(rows int32 [n], fresh bool [n])`` torch tensors of a key-sharded
     layer's flat ``keys`` (any framework) and ``use``; see the module note.
     Every process of ``placement.group`` must call it together."""
-    from keras_sparse.layers.host_keys import host_array
-    from keras_sparse.layers.host_keys import host_keys
+    from keras_sparse.layers.hash.host_keys import host_array
+    from keras_sparse.layers.hash.host_keys import host_keys
 
     group, d, me = placement.group, placement.devices, placement.rank
     full = host_keys(keys)

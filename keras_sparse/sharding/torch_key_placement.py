@@ -59,8 +59,8 @@ def build_placement(layer):
 
 
 def _check_initializer(layer):
-    from keras_sparse.layers.keyed_fresh_rows import has_seed
-    from keras_sparse.layers.keyed_fresh_rows import per_key
+    from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
+    from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 
     init = layer.embeddings_initializer
     if has_seed(init) and not per_key(init):

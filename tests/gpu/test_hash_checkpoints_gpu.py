@@ -9,7 +9,7 @@ from tests.gpu.gpu_layers import require_cuda
 
 cp = require_cuda()
 
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding  # noqa: E402
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding  # noqa: E402
 from keras_sparse.table import HashTable  # noqa: E402
 
 

@@ -17,8 +17,8 @@ cp = require_cuda_and_jax()
 import keras  # noqa: E402
 
 from keras_sparse.layers import jax_full_keys  # noqa: E402
-from keras_sparse.layers import jax_step_mapping  # noqa: E402
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding  # noqa: E402
+from keras_sparse.layers.hash import jax_step_mapping  # noqa: E402
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding  # noqa: E402
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 A layer owns its table, but a table object may be given to several layers
 (``layer_b.table = layer_a.table``). Their calls must then keep one order
-within a step (`keras_sparse.layers.jax_step_mapping.calls_per_step`), as
+within a step (`keras_sparse.layers.hash.jax_step_mapping.calls_per_step`), as
 the prefetch stage keeps one order for them across its workers.
 """
 

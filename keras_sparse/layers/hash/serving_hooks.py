@@ -1,6 +1,6 @@
 """Keeps hash layers' serving maps current for compiled inference and exports.
 
-The serving map (`keras_sparse.layers.serving_map`) is a copy of a hash
+The serving map (`keras_sparse.layers.hash.serving_map`) is a copy of a hash
 table's key->row map in model variables; a compiled ``predict``/``evaluate``
 step or an exported artifact reads only that copy. This module wraps, once,
 the entry points that start such reads so each first calls
@@ -12,7 +12,7 @@ changed):
   through ``evaluate``);
 - ``ExportArchive.track`` (``model.export`` tracks the model first), which
   also adds the artifact's table update functions
-  (`keras_sparse.layers.serving_export`).
+  (`keras_sparse.layers.hash.serving_export`).
 
 On JAX ``model.export`` of a model with hash layers also runs with
 ``jax_enable_x64``, so the artifact takes the int64 keys of its input
@@ -28,8 +28,8 @@ Code that compiles inference itself (a ``jax.jit`` of
 import functools
 import threading
 
-from keras_sparse.layers import serving_export
-from keras_sparse.layers import serving_map
+from keras_sparse.layers.hash import serving_export
+from keras_sparse.layers.hash import serving_map
 
 _lock = threading.Lock()
 _installed = False

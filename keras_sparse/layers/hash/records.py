@@ -15,7 +15,11 @@ import numpy as np
 from keras import ops
 
 from keras_sparse.layers import placement
-from keras_sparse.layers.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.hash.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.hash.record_placement import greedy_rows
+from keras_sparse.layers.hash.record_placement import hottest_first
+from keras_sparse.layers.hash.record_placement import import_drop_reason
+from keras_sparse.layers.hash.record_placement import load_drop_message
 from keras_sparse.layers.record_checks import Records
 from keras_sparse.layers.record_checks import check_distinct
 from keras_sparse.layers.record_checks import checked_int
@@ -25,10 +29,6 @@ from keras_sparse.layers.record_checks import checked_keys
 from keras_sparse.layers.record_checks import checked_numbers
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.record_checks import subset
-from keras_sparse.layers.record_placement import greedy_rows
-from keras_sparse.layers.record_placement import hottest_first
-from keras_sparse.layers.record_placement import import_drop_reason
-from keras_sparse.layers.record_placement import load_drop_message
 from keras_sparse.layers.row_tier import stored_records
 from keras_sparse.progress import silent
 from keras_sparse.progress import tracker

@@ -1,6 +1,6 @@
 """One callback for all hash fields of a compiled JAX step.
 
-`keras_sparse.layers.jax_step_mapping` gives each `DistributedHashEmbedding`
+`keras_sparse.layers.hash.jax_step_mapping` gives each `DistributedHashEmbedding`
 its own callback, so a model with 26 hash fields makes 26 table calls per
 step. A `HashEmbeddingCollection` maps its fields' keys together instead:
 their flat keys and masks are concatenated in the step, one callback
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from keras_sparse.layers import jax_full_keys
-from keras_sparse.layers import jax_step_mapping
+from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.ops.key_hash import step_words
 
 

@@ -1,7 +1,7 @@
 """Hash tables inside exported SavedModels, updatable while they serve.
 
 ``model.export(path)`` writes each `DistributedHashEmbedding` as its serving
-map (`keras_sparse.layers.serving_map`) and its rows: plain variables that
+map (`keras_sparse.layers.hash.serving_map`) and its rows: plain variables that
 the exported graph searches, with no Python callback. This module adds, for
 every hash layer the export archive tracks, an entry of the artifact's
 ``keras_sparse_tables`` dict: a small module holding those variables and an
@@ -23,7 +23,7 @@ requests, e.g. on a replica taken out of rotation.
 
 import types
 
-from keras_sparse.layers import serving_map
+from keras_sparse.layers.hash import serving_map
 
 
 def _tf_variables(archive):

@@ -9,7 +9,7 @@ module of its own:
 ``"gpu"``          eager call, GPU table: keys and rows stay on the device
                    (DLPack), see ``layer._map_on_gpu``.
 ``"jax_step"``     compiled JAX step, one table per process:
-                   `keras_sparse.layers.jax_step_mapping` (in-place buffer
+                   `keras_sparse.layers.hash.jax_step_mapping` (in-place buffer
                    callbacks on one device, an ordered io_callback otherwise).
 ``"key_sharded"``  compiled JAX step, a table shard per device:
                    `keras_sparse.sharding.jax_key_mapping`, reached through
@@ -18,7 +18,7 @@ module of its own:
 ``"serving_map"``  compiled inference (``training`` falsy) on JAX or TF,
                    exports included: a binary search of the layer's serving
                    map inside the program, no host callback
-                   (`keras_sparse.layers.serving_map`).
+                   (`keras_sparse.layers.hash.serving_map`).
 ``"shape_only"``   Keras' shape inference calling the layer eagerly on
                    placeholder values (PyTorch's ``compute_output_spec``,
                    e.g. when ``fit`` builds the model): no key has a row and
@@ -29,7 +29,7 @@ module (the layer's ``_call_prepared``). Every placement returns flat
 ``(rows int32, fresh bool, extra)``: rows -1 where a key has none, fresh at
 the first position of each newly assigned row, and ``extra`` None or, in
 training calls of layers whose fresh rows are drawn per key
-(`keras_sparse.layers.keyed_fresh_rows`), ``{"words": int32 [n, 2]}`` (each
+(`keras_sparse.layers.hash.keyed_fresh_rows`), ``{"words": int32 [n, 2]}`` (each
 key's two 32-bit halves: from the host keys, in the graph, or the high word
 from the step's callback and the low word from the step's keys) or, key
 sharded, ``{"init": [n, dim]}`` (the values, drawn on each device inside the
@@ -41,11 +41,11 @@ import numpy as np
 from keras import ops
 
 from keras_sparse.backend_utils import is_symbolic
-from keras_sparse.layers import jax_step_mapping
 from keras_sparse.layers import placement
-from keras_sparse.layers import serving_map
-from keras_sparse.layers.host_keys import host_keys
-from keras_sparse.layers.host_keys import string_kind
+from keras_sparse.layers.hash import jax_step_mapping
+from keras_sparse.layers.hash import serving_map
+from keras_sparse.layers.hash.host_keys import host_keys
+from keras_sparse.layers.hash.host_keys import string_kind
 from keras_sparse.ops.key_hash import step_words
 from keras_sparse.ops.key_hash import words_of_keys
 from keras_sparse.table.sharded_table import key_words

@@ -4,11 +4,11 @@ import weakref
 
 import keras
 
-from keras_sparse.layers import jax_group_mapping
-from keras_sparse.layers import jax_step_mapping
-from keras_sparse.layers import key_mapping
-from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
-from keras_sparse.layers.host_keys import string_kind
+from keras_sparse.layers.hash import jax_group_mapping
+from keras_sparse.layers.hash import jax_step_mapping
+from keras_sparse.layers.hash import key_mapping
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
+from keras_sparse.layers.hash.host_keys import string_kind
 from keras_sparse.ops import check_replicated_training
 
 

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 from keras import ops
 
-from keras_sparse.layers.host_keys import host_keys
+from keras_sparse.layers.hash.host_keys import host_keys
 from keras_sparse.table.sharded_table import key_words
 
 # Segment key of positions without a row: sorts after every row.

@@ -8,30 +8,30 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.backend_utils import is_tf_ragged_or_sparse
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
-from keras_sparse.layers import key_mapping
 from keras_sparse.layers import placement
 from keras_sparse.layers import row_moves
 from keras_sparse.layers import row_tier
-from keras_sparse.layers import serving_hooks
-from keras_sparse.layers import serving_map
-from keras_sparse.layers import table_users
 from keras_sparse.layers.arguments import check_choice
 from keras_sparse.layers.arguments import check_given
 from keras_sparse.layers.arguments import check_known
-from keras_sparse.layers.fresh_rows import fresh_row_values
-from keras_sparse.layers.hash_records import HashRecords
-from keras_sparse.layers.host_keys import host_keys as _host_keys
-from keras_sparse.layers.host_keys import string_kind as _string_kind
-from keras_sparse.layers.host_keys import to_numpy as _to_numpy
-from keras_sparse.layers.keyed_fresh_rows import folded_fresh_values
-from keras_sparse.layers.keyed_fresh_rows import has_seed
-from keras_sparse.layers.keyed_fresh_rows import keyed_fresh_values
-from keras_sparse.layers.keyed_fresh_rows import per_key
-from keras_sparse.layers.prepared_inputs import split_words
-from keras_sparse.layers.prepared_inputs import take_blocks
-from keras_sparse.layers.prepared_inputs import unpack_prepared
+from keras_sparse.layers.hash import key_mapping
+from keras_sparse.layers.hash import serving_hooks
+from keras_sparse.layers.hash import serving_map
+from keras_sparse.layers.hash import table_users
+from keras_sparse.layers.hash.fresh_rows import fresh_row_values
+from keras_sparse.layers.hash.host_keys import host_keys as _host_keys
+from keras_sparse.layers.hash.host_keys import string_kind as _string_kind
+from keras_sparse.layers.hash.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.hash.keyed_fresh_rows import folded_fresh_values
+from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
+from keras_sparse.layers.hash.keyed_fresh_rows import keyed_fresh_values
+from keras_sparse.layers.hash.keyed_fresh_rows import per_key
+from keras_sparse.layers.hash.prepared_inputs import split_words
+from keras_sparse.layers.hash.prepared_inputs import take_blocks
+from keras_sparse.layers.hash.prepared_inputs import unpack_prepared
+from keras_sparse.layers.hash.records import HashRecords
+from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
-from keras_sparse.layers.tf_string_hash import hash_strings_tf
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.table import BatchTooLargeError
 from keras_sparse.table import HashTable
@@ -99,10 +99,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     ``key_dtype="int32"``) and ``model.export`` read the layer's serving map
     instead of calling the table: a copy of its key->row map in four
     non-trainable variables, searched inside the program and refreshed when
-    the table changed (see `keras_sparse.layers.serving_map`).
+    the table changed (see `keras_sparse.layers.hash.serving_map`).
 
     How compiled steps reach the table (one placement per call, see
-    `keras_sparse.layers.key_mapping`): the table is Python state (NumPy, or
+    `keras_sparse.layers.hash.key_mapping`): the table is Python state (NumPy, or
     CuPy with ``table_device="gpu"``). Eagerly the layer calls it directly.
     Key-sharded (``sharding="key"``), each device maps its keys on their
     owners' shards inside the step. In a compiled JAX step on one device (no
@@ -113,7 +113,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     XLA's stream, so keys and rows stay on the device. Under a distribution,
     and for a CPU table in a GPU step, it is an ordered
     ``jax.experimental.io_callback`` (see
-    `keras_sparse.layers.jax_step_mapping`). In a TensorFlow graph it is a
+    `keras_sparse.layers.hash.jax_step_mapping`). In a TensorFlow graph it is a
     `tf.numpy_function`. XLA cannot run host callbacks inside TensorFlow
     graphs, so on TensorFlow the layer sets ``supports_jit = False``:
     ``compile(jit_compile=True)`` warns and compiles the whole step as a plain
@@ -147,10 +147,10 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             (Glorot, He, Lecun; with the fans of the full ``[capacity,
             output_dim]`` table): the same whichever step, position, route,
             device count or backend admits it (see
-            `keras_sparse.layers.keyed_fresh_rows`). Other seeded
+            `keras_sparse.layers.hash.keyed_fresh_rows`). Other seeded
             initializers are drawn once per training step with the layer's
             seed generator and assigned in batch order
-            (`keras_sparse.layers.fresh_rows`).
+            (`keras_sparse.layers.hash.fresh_rows`).
         embeddings_regularizer: applied to the rows looked up in a batch.
         eviction: "lru", "lfu" or None.
         admit_after: int >= 1; sightings before a key gets a row.
@@ -224,7 +224,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
     Example:
 
     >>> import numpy as np, keras_sparse as ks
-    >>> from keras_sparse.layers.hash_embedding import DistributedHashEmbedding
+    >>> from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
     >>> layer = DistributedHashEmbedding(4, capacity=128, combiner="sum",
     ...                                  optimizer="adagrad")
     >>> out = layer(np.array([[10**12, 7], [7, -3]]), training=True)
@@ -503,7 +503,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
 
     def _map_keys(self, keys, use, insert, inference=False):
         """Flat ``(rows, fresh, words)`` for ``keys``, wherever the mapping
-        runs now (see `keras_sparse.layers.key_mapping`)."""
+        runs now (see `keras_sparse.layers.hash.key_mapping`)."""
         return key_mapping.map_keys(self, keys, use, insert, inference)
 
     # ------------------------------------------------------------------ call

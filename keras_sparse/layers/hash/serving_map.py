@@ -27,12 +27,12 @@ gathers and compares, plain ops that every backend and ``model.export``
 handle, in int32 so JAX without x64 can hold them. Unknown keys get row -1
 and read zeros, exactly as the table's own lookup. `refresh` rewrites the
 variables from the table when its version moved (once per ``predict``/
-``evaluate``/export call, see `keras_sparse.layers.serving_hooks`), so a
+``evaluate``/export call, see `keras_sparse.layers.hash.serving_hooks`), so a
 step never sees a stale map.
 
 Why not the table's own buckets: its hash functions need 64-bit unsigned
 arithmetic, which JAX without x64 lacks; this layout needs none, and a
-server can rebuild it from records (`keras_sparse.layers.serving_export`).
+server can rebuild it from records (`keras_sparse.layers.hash.serving_export`).
 """
 
 import math

@@ -35,7 +35,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_sparse.layers import table_users
+from keras_sparse.layers.hash import table_users
 
 # False forces the io_callback route everywhere: the escape hatch for a step
 # that is partitioned across devices without a Keras distribution (a

@@ -15,7 +15,7 @@ step admits the key and wherever the batch puts it. Element ``j`` of key
 
 Initializers without a seed (zeros, ones, constants) are called as they
 are. Any other seeded initializer (e.g. ``Orthogonal``) has no per-element
-form: its draw stays by rank (`keras_sparse.layers.fresh_rows`), so there a
+form: its draw stays by rank (`keras_sparse.layers.hash.fresh_rows`), so there a
 key's first vector depends on the step and its position.
 
 The draw is sized to the fresh count as in `fresh_rows` (on CPUs): the
@@ -27,7 +27,7 @@ import math
 import keras
 from keras import ops
 
-from keras_sparse.layers import fresh_rows
+from keras_sparse.layers.hash import fresh_rows
 from keras_sparse.ops import count_buckets
 from keras_sparse.ops import take_rows
 from keras_sparse.ops.key_hash import key_uniforms

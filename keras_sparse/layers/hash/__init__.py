@@ -1,0 +1,14 @@
+"""`DistributedHashEmbedding` and `HashEmbeddingCollection`, with their helpers.
+
+The layers (`embedding`, `collection`) map any 64-bit key to a row of a
+fixed-capacity device table through a hash table (`keras_sparse.table`).
+The helpers, one concept each:
+
+* key mapping: `key_mapping` (the `KeyMapper` routes), `jax_step_mapping`,
+  `jax_group_mapping` (JAX in-step mapping), `host_keys`, `string_keys`,
+  `tf_string_hash`, `table_users`;
+* rows a call admits: `fresh_rows`, `keyed_fresh_rows`;
+* what the input stage hands over: `prepared_inputs`;
+* checkpoints and serving: `records`, `record_placement`, `serving_map`,
+  `serving_export`, `serving_hooks`.
+"""
