@@ -164,11 +164,10 @@ def test_stages_with_different_layouts_cannot_share_a_layer():
     with prefetch((x, y), model, batch_size=BATCH):
         with pytest.raises(ValueError, match="laid out differently"):
             prefetch((x, y), model, batch_size=BATCH, dedup=False, training=False)
-        assert model.get_layer("ea")._prepared_inputs == 1  # untouched
+        assert model.get_layer("ea").prepared_form is not None  # untouched
         with prefetch((x, y), model, batch_size=BATCH, training=False) as val:
             assert val.stats()["batches"] == 0
-    assert model.get_layer("ea")._prepared_inputs == 0
-    assert model.get_layer("ea")._prepared_layout is None
+    assert model.get_layer("ea").prepared_form is None
 
 
 def _wide_model(fields=5, capacity=32):
@@ -228,7 +227,7 @@ def test_table_calls_run_per_layer_in_batch_order_and_overlap():
     calls, lock = [], threading.Lock()
 
     def spy(layer):
-        inner = layer._map_on_host
+        inner = layer.map_host_keys
 
         def wrapped(keys, use, insert, **kw):
             t0 = time.perf_counter()
@@ -239,7 +238,7 @@ def test_table_calls_run_per_layer_in_batch_order_and_overlap():
                               time.perf_counter()))  # fmt: skip
             return out
 
-        layer._map_on_host = wrapped
+        layer.map_host_keys = wrapped
 
     for f in range(4):
         spy(model.get_layer(f"e{f}"))
@@ -274,13 +273,13 @@ def test_layers_sharing_a_table_keep_one_call_order():
     ref_model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     model = shared()
     first = model.get_layer("e0")
-    inner = first._map_on_host
+    inner = first.map_host_keys
 
     def slow(*args, **kw):  # would let e1 overtake e0 if their turns were separate
         time.sleep(0.005)
         return inner(*args, **kw)
 
-    first._map_on_host = slow
+    first.map_host_keys = slow
     with prefetch((x, y), model, batch_size=BATCH, threads=4) as stage:
         model.fit(stage, epochs=1, verbose=0)
     _assert_same(_state(ref_model), _state(model))
@@ -353,8 +352,8 @@ def test_raw_path_restored_and_inference_stage_matches():
     model = _model(capacity=128)
     with prefetch((x, y), model, batch_size=BATCH) as stage:
         model.fit(stage, epochs=1, verbose=0)
-        assert model.get_layer("ea")._prepared_inputs == 1
-    assert model.get_layer("ea")._prepared_inputs == 0
+        assert model.get_layer("ea").prepared_form is not None
+    assert model.get_layer("ea").prepared_form is None
     raw_pred = model.predict(x, batch_size=BATCH, verbose=0)
     raw_loss = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     size = model.get_layer("ea").table.size
@@ -550,7 +549,7 @@ def test_early_stopping_and_no_leaks_across_fits():
     # `passes` closes the stage.
     stage = prefetch((x, y), model, batch_size=BATCH, passes=2)
     model.fit(stage, epochs=2, verbose=0)
-    assert stage.closed and model.get_layer("ea")._prepared_inputs == 0
+    assert stage.closed and model.get_layer("ea").prepared_form is None
     assert not _wait_no_workers()
     assert threading.active_count() <= baseline + 1
 
@@ -647,7 +646,7 @@ def test_garbage_collection_closes():
     del stage
     gc.collect()
     assert not _wait_no_workers()
-    assert model.get_layer("ea")._prepared_inputs == 0
+    assert model.get_layer("ea").prepared_form is None
 
 
 def test_subclassed_model_needs_feature_map():

@@ -102,7 +102,7 @@ def test_row_sharded_stage_buckets_and_trains_identically(monkeypatch):
                 (x, y), model, batch_size=BATCH, threads=2, bucket=bucket
             ) as stage:
                 hashed = model.get_layer("hashed")
-                layout = hashed._prepared_layout
+                layout = hashed.prepared_form.layout
                 if bucket:
                     assert layout[0] == D
                     assert layout[1] == keras_integration.exchange_buckets(hashed)
@@ -110,7 +110,7 @@ def test_row_sharded_stage_buckets_and_trains_identically(monkeypatch):
                 else:
                     assert layout is None
                 # The replicated layer keeps its segments.
-                assert model.get_layer("small")._prepared_layout == (D, "segments")
+                assert model.get_layer("small").prepared_form.layout == (D, "segments")
                 model.fit(stage, epochs=1, verbose=0)
             return _weights(model)
 
@@ -141,7 +141,7 @@ def test_inference_stages_with_buckets_match_the_raw_path():
                 loss = model.evaluate(x, y, batch_size=BATCH, verbose=0)
                 return loss, model.predict(x, batch_size=BATCH, verbose=0)
             with prefetch((x, y), model, batch_size=BATCH, training=False) as st:
-                layout = model.get_layer("hashed")._prepared_layout
+                layout = model.get_layer("hashed").prepared_form.layout
                 assert isinstance(layout[1], keras_integration.ExchangeBuckets)
                 loss = model.evaluate(st, verbose=0)
             with prefetch(x, model, batch_size=BATCH, training=False) as st:
@@ -160,7 +160,7 @@ def test_overflowing_bucket_fails_in_the_worker_and_rolls_back():
     probe = ks.DistributedHashEmbedding(DIM, capacity=CAPACITY, optimizer="sgd")
     probe.build()
     candidates = np.arange(200) + 1000
-    rows, _ = probe._map_on_host(candidates, np.ones(200, bool), True)
+    rows, _ = probe.map_host_keys(candidates, np.ones(200, bool), True)
     hot = candidates[np.asarray(rows).reshape(-1) < CAPACITY // D]
     keys = np.resize(hot, BATCH * BAG).reshape(BATCH, BAG).astype("int32")
     x = {"keys": keys, "ctx": np.zeros((BATCH, 1), "int32")}
@@ -193,7 +193,7 @@ def test_layers_without_compact_row_buffers_get_codes_alone(strategy, slack):
 
     def body(model):
         with prefetch((x, y), model, batch_size=BATCH) as stage:
-            assert model.get_layer("hashed")._prepared_layout is None
+            assert model.get_layer("hashed").prepared_form.layout is None
             model.fit(stage, epochs=1, steps_per_epoch=2, verbose=0)
 
     _under(strategy, slack, body)

@@ -133,7 +133,7 @@ class Journal:
 
 
 class Lookahead:
-    """``layer._lookahead``: ``(layer, trained steps) -> undo records`` of
+    """``layer.stage_lookahead``: ``(layer, trained steps) -> undo records`` of
     the calls its table got for batches not trained yet (see
     `keras_sparse.layers.hash.records`). Holds its engine weakly."""
 
@@ -149,15 +149,15 @@ class Lookahead:
 
 
 def install(engine, layers):
-    """Sets ``_lookahead`` on the hash layers a training stage maps for."""
+    """Sets ``stage_lookahead`` on the hash layers a training stage maps for."""
     hook = Lookahead(engine)
     for layer in layers:
-        layer._lookahead = hook
+        layer.stage_lookahead = hook
 
 
 def remove(engine, layers):
     """Clears the hooks `install` set for ``engine`` (not another stage's)."""
     for layer in layers:
-        hook = layer.__dict__.get("_lookahead")
+        hook = layer.stage_lookahead
         if isinstance(hook, Lookahead) and hook._engine() in (engine, None):
-            layer._lookahead = None
+            layer.stage_lookahead = None

@@ -43,7 +43,7 @@ Ordering and exactness. Each layer's table is mutated in batch order: a
 layer's table call for batch ``i`` runs only after its call for batch
 ``i - 1`` (a turn counter per table; layers given one shared table object
 take turns in feed order), with exactly the same call as the slow
-path (``layer._map_on_host``), one call per layer per batch. The tables of
+path (``layer.map_host_keys``), one call per layer per batch. The tables of
 different layers are independent, so their calls run in parallel: one
 thread may do layer ``f`` of batch ``i`` while another does layer ``g`` of
 batch ``i`` or ``i + 1``. Everything else (conversion, encoding, routing)
@@ -148,6 +148,7 @@ from keras_sparse.data.transfer import batch_copier
 from keras_sparse.data.untrained import undo_untrained
 from keras_sparse.layers.hash import table_users
 from keras_sparse.layers.hash.prepared_inputs import KeyWords
+from keras_sparse.layers.hash.prepared_inputs import PreparedForm
 from keras_sparse.layers.hash.prepared_inputs import host_segments
 from keras_sparse.layers.hash.prepared_inputs import pack_groups
 from keras_sparse.layers.hash.prepared_inputs import rows_of_codes
@@ -326,7 +327,7 @@ class _Engine:
         use = None if w is None else (w != 0).reshape(-1)  # None: every position
         insert = self.insert and layer.trainable
         undo = journal if insert else None
-        rows, fresh = layer._map_on_host(k, use, insert, undo=undo)
+        rows, fresh = layer.map_host_keys(k, use, insert, undo=undo)
         codes = rows.astype(np.int32)  # a copy: rows are kept for the segments
         np.subtract(-2, codes, out=codes, where=fresh)  # fresh rows: -2 - row
         fresh_keys = None
@@ -866,25 +867,13 @@ class PrefetchStage(keras.utils.PyDataset):
                 engine.feeds, engine.layouts, engine.shares, engine.words
             )
         }
-        for layer in self._layers:
-            if getattr(layer, "_prepared_inputs", 0) and (
-                _prepared_form(layer) != layouts[id(layer)]
-            ):
-                raise ValueError(
-                    f"prefetch: layer '{layer.name}' is fed by another open "
-                    "stage whose prepared inputs are laid out differently "
-                    f"(dedup / bucket / replicas / shared inputs); close it "
-                    "first, or create both stages with the same `dedup`, "
-                    "`bucket` and `feature_map`."
-                )
+        forms = {id(layer): PreparedForm(*layouts[id(layer)]) for layer in self._layers}
+        for layer in self._layers:  # refuse before holding any layer
+            if layer.prepared_form not in (None, forms[id(layer)]):
+                layer.hold_for_stage(forms[id(layer)])  # raises, naming the layer
         flipped = False
         for layer in self._layers:
-            count = getattr(layer, "_prepared_inputs", 0)
-            layer._prepared_inputs = count + 1
-            (layer._prepared_layout, layer._prepared_share, layer._prepared_words) = (
-                layouts[id(layer)]
-            )
-            flipped |= count == 0
+            flipped |= layer.hold_for_stage(forms[id(layer)])
         if engine.insert:
             lookahead.install(engine, self._layers)
         self._active = True
@@ -999,15 +988,6 @@ class PrefetchStage(keras.utils.PyDataset):
         return s
 
 
-def _prepared_form(layer):
-    """What a layer's prepared inputs look like: ``(layout, share)``."""
-    return (
-        getattr(layer, "_prepared_layout", None),
-        getattr(layer, "_prepared_share", None),
-        getattr(layer, "_prepared_words", 0),
-    )
-
-
 def _called_from_reset():
     """True when Keras' `EpochIterator.reset` ends the epoch (Keras 3 detail)."""
     import sys
@@ -1036,12 +1016,7 @@ def _finalize(engine, layers, model_ref):
     lookahead.remove(engine, layers)
     flipped = False
     for layer in layers:
-        count = getattr(layer, "_prepared_inputs", 0)
-        layer._prepared_inputs = max(0, count - 1)
-        if count <= 1:
-            layer._prepared_layout = layer._prepared_share = None
-            layer._prepared_words = 0
-        flipped |= count == 1
+        flipped |= layer.release_from_stage()
     if flipped:
         _reset_model_functions(model_ref())
 

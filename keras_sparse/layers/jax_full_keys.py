@@ -377,7 +377,7 @@ def note_batch(model, batch, queue=True, queues=None):
         _check_fits_int32(model, x, model_feeds.problem)
         return
     for feed in model_feeds.hash_feeds:
-        if getattr(feed.layer, "_prepared_inputs", 0):
+        if feed.layer.prepared_form is not None:
             continue  # a prefetch stage already mapped these keys
         try:
             keys = array_at(x, feed.keys.find(x))

@@ -55,7 +55,7 @@ def _forbid_host_mapping(monkeypatch):
     def no_host_keys(*args, **kwargs):
         raise AssertionError("keys went through the host mapping")
 
-    monkeypatch.setattr(DistributedHashEmbedding, "_map_on_host", no_host_keys)
+    monkeypatch.setattr(DistributedHashEmbedding, "map_host_keys", no_host_keys)
 
 
 def test_route_is_the_gpu_buffer_callback(gpu_buffers):

@@ -174,7 +174,7 @@ class HashEmbeddingCollection(keras.layers.Layer):
             if (
                 not layer.trainable
                 or jax_step_mapping.calls_per_step(layer) > 1
-                or getattr(layer, "_prepared_inputs", 0)
+                or layer.prepared_form is not None
                 or string_kind(keys)
                 or None in tuple(getattr(keys, "shape", (None,)))
                 or key_mapping.placement_of(layer, keys, True, False) != "jax_step"

@@ -30,6 +30,7 @@ from keras_sparse.layers.hash.prepared_inputs import split_words
 from keras_sparse.layers.hash.prepared_inputs import take_blocks
 from keras_sparse.layers.hash.prepared_inputs import unpack_prepared
 from keras_sparse.layers.hash.records import HashRecords
+from keras_sparse.layers.hash.stage_feed import StageFed
 from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.ops import check_replicated_training
@@ -73,7 +74,7 @@ _OWN_ARGUMENTS = (
 
 
 @keras.saving.register_keras_serializable(package="keras_sparse")
-class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
+class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
     """Embedding for an unbounded key space backed by a `keras_sparse.table.HashTable`.
 
     Keys (int64 ids such as user or item ids, or strings) are mapped to rows
@@ -441,22 +442,24 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
                 self.row_tier.read_keys = flat
         return rows, fresh
 
-    def _map_on_host(self, keys, use, insert, out=None, undo=None):
+    def map_host_keys(self, keys, use, insert, out=None, undo=None):
         """Host keys (any shape), use (bool; None: every position) -> flat
-        NumPy (rows, fresh)."""
+        NumPy (rows, fresh), through the table in call order (an input
+        stage maps its batches with this; ``undo`` receives the call's undo
+        record)."""
         if use is not None:
             use = np.asarray(use, dtype=bool).reshape(-1)
         return self._table_rows(_host_keys(keys), use, insert, np, out, undo)
 
     def _map_step_keys(self, keys, use, insert, out=None):
-        """`_map_on_host` of the keys a compiled step received: the high 32
+        """`map_host_keys` of the keys a compiled step received: the high 32
         bits JAX dropped are restored first. A third array in ``out``
         receives each key's high word (int32)."""
         if out is None or len(out) == 2:
-            return self._map_on_host(self._full_keys(keys), use, insert, out)
+            return self.map_host_keys(self._full_keys(keys), use, insert, out)
         flat = _host_keys(self._full_keys(keys))
         out[2][...] = (flat >> 32).astype(np.int32)
-        return self._map_on_host(flat, use, insert, out[:2])
+        return self.map_host_keys(flat, use, insert, out[:2])
 
     def _gpu_rows(self, keys, use, insert, out=None):
         """GPU table: CuPy-readable keys and use -> flat CuPy (rows, fresh),
@@ -552,7 +555,7 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
             key_sharded = isinstance(self.placement, placement.KeyMapper)
             check_replicated_training(self.name, maps_keys=not key_sharded)
         # --- prepared-input fast path (keras_sparse.data.prefetch) begin
-        if getattr(self, "_prepared_inputs", 0):
+        if self.prepared_form is not None:
             return self._call_prepared(inputs, weights, training)
         # --- prepared-input fast path (keras_sparse.data.prefetch) end
         keys, weights, shape, use = self._call_keys(inputs, weights)
@@ -595,33 +598,35 @@ class DistributedHashEmbedding(HashRecords, SparseEmbeddingBase):
         """`call` for inputs prepared by `keras_sparse.data.prefetch`.
 
         Active only while a prefetch stage holds the layer in "prepared
-        inputs" mode (``self._prepared_inputs > 0``). ``codes`` are int32 of
-        the keys' shape: ``row >= 0`` for a key already in the table, ``-2 -
-        row`` for a row freshly assigned by the stage (re-initialized in this
-        step, exactly like the slow path's ``fresh`` flag) and ``-1`` for a key
-        without a row (not admitted, padding, or absent in inference). The
+        inputs" mode (``self.prepared_form`` not None, see `StageFed`).
+        ``codes`` are int32 of the keys' shape: ``row >= 0`` for a key
+        already in the table, ``-2 - row`` for a row freshly assigned by the
+        stage (re-initialized in this step, exactly like the slow path's
+        ``fresh`` flag) and ``-1`` for a key without a row (not admitted,
+        padding, or absent in inference). The
         stage already did the table lookup in batch order, so no host callback
         runs here; the fresh-row draw and the sparse-update counter advance
         exactly as in the slow path. With a layout set by the stage
-        (``self._prepared_layout = (replicas, channel)``, see
+        (``prepared_form.layout = (replicas, channel)``, see
         `unpack_prepared`), ``codes`` also carry a second int32 per position:
         its segment among the batch's distinct rows (``channel ==
         "segments"``; the sparse update uses them instead of sorting) or its
         slot in its owner's row-exchange buffer (``channel`` an
         `ExchangeBuckets`; the sharded lookup skips its own packing). When
         the model input also feeds other hash layers, ``codes`` holds every
-        such layer's blocks and ``self._prepared_share`` says which are this
+        such layer's blocks and ``prepared_form.share`` says which are this
         layer's (`take_blocks`). Layers drawing fresh rows per key also get
-        two blocks of key words last (``self._prepared_words``: the replicas
+        two blocks of key words last (``prepared_form.words``: the replicas
         they are packed for, `split_words`).
         """
         codes = ops.cast(ops.convert_to_tensor(codes), "int32")
-        share = getattr(self, "_prepared_share", None)
+        form = self.prepared_form
+        share = form.share
         if share is not None:  # the input feeds other hash layers too
             codes = take_blocks(codes, *share)
         segments = exchange_slot = words = None
-        layout = getattr(self, "_prepared_layout", None)
-        words_replicas = getattr(self, "_prepared_words", 0)
+        layout = form.layout
+        words_replicas = form.words
         if words_replicas:  # two blocks of key words follow the others
             blocks = (1 if layout is None else 2) + 2
             codes, words = split_words(codes, words_replicas, blocks)

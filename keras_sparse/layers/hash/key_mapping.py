@@ -110,7 +110,7 @@ def _host(layer, keys, use, insert):
     if _wants_words(layer, insert):
         full = host_keys(full)
         extra = {"words": ops.convert_to_tensor(key_words(full))}
-    rows, fresh = layer._map_on_host(full, ops.convert_to_numpy(use), insert)
+    rows, fresh = layer.map_host_keys(full, ops.convert_to_numpy(use), insert)
     return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), extra
 
 

@@ -13,17 +13,36 @@ its own codes and segments with no exchange. The layer undoes the layout.
 One model input may feed several hash layers; the stage then stacks every
 layer's blocks (codes, or codes and segments) into that input the same way,
 ``[replicas, blocks, B / replicas, ...]``, and each layer takes its own
-(`take_blocks`, ``layer._prepared_share``).
+(`take_blocks`, ``PreparedForm.share``).
 """
 
 import math
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 from keras import ops
 
 from keras_sparse.layers.hash.host_keys import host_keys
 from keras_sparse.table.sharded_table import key_words
+
+
+@dataclass(frozen=True)
+class PreparedForm:
+    """How an input stage lays out the int32 codes it feeds a hash layer.
+
+    ``layout``: None (codes only) or ``(replicas, channel)``: a second
+    block per position, its segment (``channel == "segments"``) or its slot
+    in an `ExchangeBuckets` buffer (`unpack_prepared`). ``share``: None, or
+    which of the input's blocks are this layer's when one model input feeds
+    several hash layers (`take_blocks`). ``words``: 0, or the replicas two
+    trailing blocks of key words are packed for (`split_words`).
+    """
+
+    layout: tuple = None
+    share: tuple = None
+    words: int = 0
+
 
 # Segment key of positions without a row: sorts after every row.
 _NO_ROW = np.iinfo(np.int32).max

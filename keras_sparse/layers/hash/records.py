@@ -99,14 +99,14 @@ class HashRecords:
         A `keras_sparse.data.prefetch` stage maps batches ahead of their
         steps: their inserts, evictions, score and clock updates and
         admission counts are in the table before the rows are trained. The
-        stage sets ``self._lookahead``: given the layer's step counter, it
+        stage sets ``self.stage_lookahead``: given the layer's step counter, it
         returns the undo records of the table calls made for batches not
         trained yet, and the table computes its state before them. The
         variables need no undo: a row given to a key ahead of training is
         only reset in that key's step, so it still holds the vector and
         slots of the key it was taken from.
         """
-        lookahead = getattr(self, "_lookahead", None)
+        lookahead = self.stage_lookahead
         if lookahead is None:
             return None
         done = int(ops.convert_to_numpy(self.sparse_iterations))
