@@ -184,6 +184,11 @@ def test_host_memory_suggests_a_disk_store(tmp_path):
     assert "ks.store.Disk(path)" in p["h"].reason
     assert "> host_memory" in p["h"].reason
     assert "ks.store.Disk" not in str(ks.plan([on_host], devices=1, host_memory=full))
+    # Only the stores that must move: the largest first, until the rest fits.
+    small = dense(input_dim=1000, dim=8, cache_rows=64, name="s")
+    p = ks.plan([on_host, small], devices=1, host_memory=full)
+    assert "ks.store.Disk" in p["h"].reason
+    assert "ks.store.Disk" not in p["s"].reason
     keyed = hashed(capacity=64, store=ks.store.Disk(str(tmp_path)), name="k")
     p = ks.plan([keyed], devices=1, host_memory=10**9, num_keys={"k": 10_000})
     index = 10_000 * plan_store.KEY_INDEX_BYTES

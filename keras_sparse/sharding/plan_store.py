@@ -191,17 +191,20 @@ def store_suggestion(spec, free, devices, cache_bytes):
 
 
 def host_notes(plan):
-    """``{table: note}`` for the host stores when the stores' host bytes
-    exceed ``plan.host_memory``: they say so and suggest ``ks.store.Disk``."""
+    """``{table: note}`` when the stores' host bytes exceed
+    ``plan.host_memory``: the host stores to move to ``ks.store.Disk``,
+    largest first, until the rest fits (all of them if it never does)."""
     room = plan.host_memory
     if room is None or plan.host_bytes <= room:
         return {}
-    out = {}
-    for t in plan:
-        if t.spec.store != "host":
-            continue
+    out, need = {}, plan.host_bytes
+    hosted = [t for t in plan if t.spec.store == "host"]
+    for t in sorted(hosted, key=lambda t: -t.host_bytes):
+        if need <= room:
+            break
         on_disk = _with_store(t.spec, "disk")
         keys = store_bytes_per_process(on_disk, t.strategy, plan.processes)[0]
+        need -= t.host_bytes - keys
         out[t.name] = (
             f"host stores need {_fmt(plan.host_bytes)} per process > host_memory "
             f"{_fmt(room)}: store=ks.store.Disk(path) keeps this table's rows "
