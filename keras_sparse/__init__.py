@@ -24,6 +24,9 @@ Public API:
         table/row/column/replicated placement per table (and key-owned
         shards for hash layers), and the Keras distribution that lays the
         tables out.
+    propose_cache_rows: the largest device cache (``cache_rows``, a hash
+        layer's ``capacity``) of a table with a row store that fits a
+        memory budget, as `plan` counts it.
     share_gpu_memory: split each GPU between the backend and CuPy hash tables.
     data: the async prefetching input stage (`data.prefetch`) and synthetic
         Criteo-like data for examples and benchmarks.
@@ -65,6 +68,7 @@ from keras_sparse.ops.native_rows import compiled_cpu_helpers
 from keras_sparse.progress import set_progress
 from keras_sparse.sharding import distribution
 from keras_sparse.sharding import plan
+from keras_sparse.sharding import propose_cache_rows
 from keras_sparse.table import HashTable
 from keras_sparse.table import InsertResult
 from keras_sparse.table import TableFullError
@@ -86,6 +90,7 @@ __all__ = [
     "hash_strings",
     "optimizers",
     "plan",
+    "propose_cache_rows",
     "ragged_to_padded",
     "refresh_serving_maps",
     "set_progress",

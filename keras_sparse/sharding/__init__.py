@@ -3,6 +3,8 @@
 JAX (one program over a device mesh):
 
 plan(model_or_layers, devices, memory_per_device, pinned, ...) -> Plan
+propose_cache_rows(layer_or_spec, device_bytes_budget, ...) -> the largest
+    device cache of a table with a row store that fits a budget
 distribution(model_or_layers, devices=None, plan=None) -> ModelParallel
 load_model(filepath, devices=None, plan=None) -> (model, distribution)
 exchange_bytes(strategy, rows, dim, num_ids, devices) -> bytes per device
@@ -32,6 +34,7 @@ from keras_sparse.sharding.planner import Plan
 from keras_sparse.sharding.planner import TablePlan
 from keras_sparse.sharding.planner import TableSpec
 from keras_sparse.sharding.planner import plan
+from keras_sparse.sharding.planner import propose_cache_rows
 
 # The layers reach the sharding hooks through this seam (see
 # `keras_sparse.layers.placement`), never by importing this package.
@@ -70,6 +73,7 @@ __all__ = [
     "exchange_bytes",
     "load_model",
     "plan",
+    "propose_cache_rows",
     "runnable_strategies",
     "set_torch_process_group",
     "torch_sharded_parameter_names",

@@ -11,6 +11,7 @@ and only the backend's setup lines differ (docs/guides/multi-device.md).
 import keras
 
 from keras_sparse.sharding.entry_points import RUNNABLE
+from keras_sparse.sharding.planner import TableSpec
 from keras_sparse.sharding.planner import is_hash_layer
 
 # What a layer built with each ``sharding`` runs on TensorFlow and PyTorch,
@@ -79,6 +80,16 @@ def _check(table, backend, devices=None):
             f"(runnable: {runnable}). Plan again with pinned="
             f"{{{spec.name!r}: 'data'}} or strategies={runnable}."
         )
+    if table.cache_rows is not None:
+        held = TableSpec.from_layer(spec.layer).device_rows
+        if held > spec.device_rows:
+            arg = "capacity" if spec.hash_keys else "cache_rows"
+            raise ValueError(
+                f"Table '{spec.name}': layer '{spec.layer.name}' holds a cache "
+                f"of {held} rows, more than the {spec.device_rows} the plan "
+                f"fits on the device. Create the layer with {arg}="
+                f"{table.cache_rows} (the plan's proposal) and plan again."
+            )
     if spec.layer.built and _current(table) != strategy:
         raise ValueError(
             f"Table '{spec.name}': layer '{spec.layer.name}' is already built "
@@ -120,7 +131,8 @@ def apply_plan(plan, backend=None):
             cannot build for that table, a built layer whose sharding
             differs from the plan's, a table planned without its layer, or
             a plan for another device count than the active strategy's
-            replicas (TensorFlow) or processes (PyTorch).
+            replicas (TensorFlow) or processes (PyTorch), or a layer whose
+            cache is larger than the one the plan sized for it.
     """
     backend = backend or keras.backend.backend()
     in_use = _devices_in_use(backend)
