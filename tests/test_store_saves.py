@@ -246,3 +246,61 @@ def _old_file_loaded(model, tmp_path, monkeypatch):
         m.setattr(store_assets, "expected", lambda: False)
         model.save(tmp_path / "old.keras")
     return keras.saving.load_model(tmp_path / "old.keras").get_layer("ids")
+
+
+def _files(folder):
+    return {
+        name: (os.stat(folder / name).st_ino, os.stat(folder / name).st_mtime_ns)
+        for name in sorted(os.listdir(folder))
+    }
+
+
+def test_a_disk_store_reopens_in_place(tmp_path):
+    folder = tmp_path / "rows"
+    model, layer = _trained(ks.store.Disk(folder))
+    before = shared.records(layer)
+    layer.flush_store()
+    assert layer.stats()["size"] == 0
+    assert layer.stats()["store_size"] == len(before["keys"])
+    _assert_same(shared.records(layer), before)
+    # While it is open, a new store never replaces it; nor reopens it.
+    with pytest.warns(UserWarning, match=r"open in this process.*ids\.1"):
+        _, other = shared.model(64, ks.store.Disk(folder))
+    assert other.row_tier.store.path == f"{folder / 'ids'}.1"
+    with pytest.raises(ValueError, match="open in this process already"):
+        shared.model(64, ks.store.Disk(folder, reopen=True))
+    layer.row_tier.store.close()
+    del model, layer
+    files = _files(folder / "ids")
+    _, again = shared.model(64, ks.store.Disk(folder, reopen=True))
+    assert _files(folder / "ids") == files  # opened in place: no copy, no write
+    assert again.stats()["store_size"] == len(before["keys"])
+    _assert_same(shared.records(again), before)
+    again.row_tier.store.close()
+    with pytest.raises(ks.store.StoreFormatError, match="reopen=True"):
+        shared.model(64, ks.store.Disk(folder, reopen=True), optimizer="adam")
+
+
+def test_a_dense_disk_store_reopens_in_place(tmp_path):
+    folder = tmp_path / "rows"
+
+    def layer(spec):
+        out = ks.AllToAllDenseEmbedding(
+            500, 3, optimizer="adagrad", cache_rows=64, store=spec, name="ids"
+        )
+        out.build()
+        return out
+
+    first = layer(ks.store.Disk(folder))
+    ids = np.random.default_rng(1).integers(0, 500, (40, 2))
+    for batch in ids.reshape(10, 4, 2):
+        first(batch, training=True)
+    want = first.get_weights()
+    first.flush_store()
+    assert first.stats()["size"] == 0
+    first.row_cache.row_tier.store.close()
+    files = _files(folder / "ids")
+    again = layer(ks.store.Disk(folder, reopen=True))
+    assert _files(folder / "ids") == files
+    for a, b in zip(again.get_weights()[:-1], want[:-1]):
+        np.testing.assert_array_equal(a, b)

@@ -271,6 +271,20 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             self.build()
         return self.row_cache.stats()
 
+    def flush_store(self):
+        """With ``cache_rows``: writes the cached rows down to the store,
+        empties the cache and flushes the store: it then holds the whole
+        trained table, and ``ks.store.Disk(path, reopen=True)`` reopens it
+        as it is (see the larger-than-memory guide)."""
+        if self.row_cache is None:
+            raise ValueError(
+                f"Layer '{self.name}': flush_store() needs `cache_rows` and a "
+                "`store`; this layer has none."
+            )
+        if not self.built:
+            self.build()
+        self.row_cache.flush_store()
+
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
     ):

@@ -462,6 +462,42 @@ class HashRecords:
                 ),
             )
 
+    def flush_store(self):
+        """Writes every row the table holds down to the layer's row store
+        (vector, optimizer slots, score), empties the table (the LRU clock
+        and admission counts are kept) and flushes the store to disk: it
+        then holds every trained row, so ``ks.store.Disk(path,
+        reopen=True)`` reopens it as it is. Training may go on (keys come
+        back from the store when seen)."""
+        tier = getattr(self, "row_tier", None)
+        if tier is None:
+            raise ValueError(
+                f"Layer '{self.name}': flush_store() needs a row store "
+                "(`store=`); this layer has none."
+            )
+        with tier.lock:
+            if tier.pending():
+                raise ValueError(
+                    f"Layer '{self.name}': flush_store(): {tier.pending()} "
+                    "batch(es) were mapped but not trained yet (an input "
+                    "stage runs ahead); call it when their steps have run."
+                )
+            keys, rows, scores = (_to_numpy(x) for x in self.table.export())
+            if keys.size:
+                state = self._host_state()
+                out = {VALUES: state["table"][rows]}
+                out.update({name: state[name][rows] for name in self.slots})
+                if tier.scored:
+                    out[SCORE] = np.asarray(scores, np.int64).reshape(-1, 1)
+                tier.store.write(keys, out)
+                clock, pending = self._table_clock(), self._pending_state(None)
+                self.table.clear()
+                self._table_clock(clock)
+                if pending is not None:
+                    with self.table._lock:
+                        self._admission_counts().load_state(*pending)
+            tier.store.flush()
+
     def _saved_store_fields(self):
         """The fields a keyed store of this layer holds (see row_tier)."""
         from keras_sparse.store import FieldSpec
