@@ -144,6 +144,12 @@ class Progress:
             self._show(self._span[1])
         self._span = (low, high)
 
+    def part(self, done, total):
+        """Shows ``done`` of ``total`` units of the current span (work whose
+        chunks are not known in advance, e.g. a store's)."""
+        low, high = self._span
+        self._show(low + (high - low) * min(done, total) / max(total, 1))
+
     def close(self, finished=True):
         """Ends the bar: full, or where the work stopped (an error)."""
         if self._bar is not None:

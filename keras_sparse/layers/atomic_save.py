@@ -16,6 +16,10 @@ rename over the target), so a crash at any point leaves the old file
 loadable. Only models that hold a keras_sparse layer are affected; other
 models, file objects, remote paths, unzipped folders and sharded weights
 (``max_shard_size``) go to Keras untouched.
+
+``saving_lib.save_model`` and ``load_model`` also run under
+`keras_sparse.layers.store_assets.assets_follow`: their layers' row-store
+rows go through the file's assets, not the weights.
 """
 
 import functools
@@ -24,6 +28,7 @@ import os
 import threading
 
 from keras_sparse import atomic_files
+from keras_sparse.layers import store_assets
 
 _lock = threading.Lock()
 _installed = False
@@ -81,15 +86,37 @@ def _atomic(original, extension, keras_only, temporary):
     return save
 
 
+def _with_assets(original):
+    """``original`` run under `store_assets.assets_follow` (its saves and
+    loads carry asset files)."""
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        with store_assets.assets_follow():
+            return original(*args, **kwargs)
+
+    return call
+
+
 def _atomic_model_save(original):
     """``.keras`` archives: Keras writes the zip into an open temporary file
     (unzipped folders are left to Keras)."""
-    return _atomic(
-        original,
-        ".keras",
-        lambda arguments: not arguments.get("zipped", True),
-        atomic_files.atomic_write,
+    save = _with_assets(
+        _atomic(
+            original,
+            ".keras",
+            lambda arguments: not arguments.get("zipped", True),
+            atomic_files.atomic_write,
+        )
     )
+    save._ks_atomic = True
+    return save
+
+
+def _model_load(original):
+    load = _with_assets(original)
+    load._ks_atomic = True
+    return load
 
 
 def _atomic_weights_save(original):
@@ -114,6 +141,7 @@ def install():
         for name, wrap in (
             ("save_model", _atomic_model_save),
             ("save_weights_only", _atomic_weights_save),
+            ("load_model", _model_load),
         ):
             original = getattr(saving_lib, name)
             if not getattr(original, "_ks_atomic", False):

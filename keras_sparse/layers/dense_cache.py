@@ -30,11 +30,12 @@ vocabulary differs in:
   hooks that look for hash layers): ids are mapped on the host, and ids not
   cached are read from the store;
 - the full table (store rows overridden by the cached rows) is what
-  `get_weights`, ``model.save`` and `set_weights`/``load_model`` see. This
-  version gathers it in host memory (``input_dim x (dim + slot widths)``
-  values, once): fine for tables that fit in RAM, not for a disk store
-  beyond it. The saved entries are those of a layer without a cache, so
-  files move both ways between the two.
+  `get_weights`, ``model.save`` and `set_weights`/``load_model`` see.
+  ``model.save`` streams it chunk by chunk into the file's asset files
+  (`keras_sparse.layers.store_assets`; memory bounded by a chunk) and
+  ``load_model`` streams it back; `get_weights` and ``save_weights`` gather
+  it in host memory (the entries of a layer without a cache, so weight
+  files move both ways between the two).
 
 Training is exact: the values and slots of every id equal those of the same
 layer without a cache, whatever ``cache_rows``; only speed differs.
@@ -208,6 +209,49 @@ class CacheRows(DistributedHashEmbedding):
     def load_own_variables(self, store):
         pass
 
+    # A model save: the full table into the asset files, chunk by chunk.
+    def save_assets(self, dir_path):
+        from keras_sparse.layers import store_assets
+
+        if not store_assets.expected():
+            return
+        tier = self.row_tier
+        fields = tier.store.fields
+        with tier.lock:
+            keys, rows, _ = (np.asarray(x) for x in self.table.export())
+            order = np.argsort(keys)
+            keys, rows = keys[order], rows[order]
+            state = self._host_state() if keys.size else {}
+            chunks = _overridden(
+                tier.store.chunks(store_assets.rows_per_chunk(fields)),
+                keys,
+                rows,
+                {VALUES: "table", **{n: n for n in self.slots}},
+                state,
+            )
+            store_assets.save(self.owner_name, fields, chunks, self.input_dim, dir_path)
+
+    def load_assets(self, dir_path):
+        from keras_sparse.layers import store_assets
+
+        expected, self.table_in_assets = getattr(self, "table_in_assets", None), None
+        if expected is None:
+            return
+        saved = store_assets.saved_rows(dir_path)
+        if saved != self.input_dim:
+            raise ValueError(
+                f"Layer '{self.owner_name}': the file's asset files hold {saved} "
+                f"rows of its table (None: none), not input_dim="
+                f"{self.input_dim}; the file is incomplete."
+            )
+        tier = self.row_tier
+        with tier.lock:
+            tier.drop_plans()
+            self.table.clear()
+            store_assets.load(
+                self.owner_name, tier.store.fields, dir_path, tier.store.write
+            )
+
     def full_table(self):
         """``{"values" | slot name: [input_dim, width]}``: the store's rows
         overridden by the cached ones (gathered in host memory)."""
@@ -245,6 +289,21 @@ class CacheRows(DistributedHashEmbedding):
                 self.owner_name, np.asarray(iterations), self.sparse_iterations
             )
             self.sparse_iterations.assign(value)
+
+
+def _overridden(chunks, keys, rows, names, state):
+    """``chunks`` of a dense store with the rows of the cached ids ``keys``
+    (ascending; at cache ``rows``) taken from ``state`` ({``names``[field]:
+    host array}): the full table, chunk by chunk."""
+    for ids, got in chunks:
+        if keys.size:
+            at = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
+            hit = keys[at] == ids
+            if hit.any():
+                got = {name: np.array(value) for name, value in got.items()}
+                for field, name in names.items():
+                    got[field][hit] = state[name][rows[at[hit]]]
+        yield ids, got
 
 
 def _dense_tier(mapper):

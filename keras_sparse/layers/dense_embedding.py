@@ -271,6 +271,20 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             self.build()
         return self.row_cache.stats()
 
+    def flush_store(self):
+        """With ``cache_rows``: writes the cached rows down to the store,
+        empties the cache and flushes the store: it then holds the whole
+        trained table, and ``ks.store.Disk(path, reopen=True)`` reopens it
+        as it is (see the larger-than-memory guide)."""
+        if self.row_cache is None:
+            raise ValueError(
+                f"Layer '{self.name}': flush_store() needs `cache_rows` and a "
+                "`store`; this layer has none."
+            )
+        if not self.built:
+            self.build()
+        self.row_cache.flush_store()
+
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
     ):
@@ -414,6 +428,14 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if not self.built:
             return
         if self.row_cache is not None:
+            from keras_sparse.layers import store_assets
+
+            if store_assets.expected():  # the table goes in the row cache's assets
+                store[_TABLE_IN_ASSETS] = np.int64(self.input_dim)
+                store["sparse_iterations"] = ops.convert_to_numpy(
+                    self.row_cache.sparse_iterations
+                )
+                return
             # The whole table under the entries of a layer without a cache.
             table = self.row_cache.full_table()
             for entry, field in self._cache_entries().items():
@@ -470,6 +492,20 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     def _load_cached(self, store):
         entries = self._cache_entries()
         keys = set(store.keys())
+        if _TABLE_IN_ASSETS in keys:
+            from keras_sparse.layers import store_assets
+
+            if not store_assets.expected():
+                raise store_assets.missing_assets_error(self.name, self.input_dim)
+            value = checked_step_count(
+                self.name,
+                np.asarray(store["sparse_iterations"]),
+                self.row_cache.sparse_iterations,
+            )
+            self.row_cache.sparse_iterations.assign(value)
+            # The row cache's `load_assets` (called next) brings the table.
+            self.row_cache.table_in_assets = self.input_dim
+            return
         missing = [e for e in [*entries, "sparse_iterations"] if e not in keys]
         if missing:
             raise ValueError(
@@ -499,6 +535,10 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 {"cache_rows": self.cache_rows, "store": serialize(self.store)}
             )
         return config
+
+
+#: Weights entry of a model save whose table is in the row cache's assets.
+_TABLE_IN_ASSETS = "table_in_assets"
 
 
 def _store_of_version_0_1(store):

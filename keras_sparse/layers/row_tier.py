@@ -360,25 +360,36 @@ def stored_records(tier, out, include_rows):
     of the keys ``tier``'s store holds (row -1); a dense store's ids that
     the table holds are left out (their rows there are older)."""
     parts = {name: [value] for name, value in out.items()}
+    for chunk in stored_chunks(tier, out):
+        for name, value in chunk.items():
+            parts[name].append(value)
+    del include_rows  # rows are in ``out`` exactly when asked for
+    return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+
+
+def stored_chunks(tier, out, rows_per_chunk=65536):
+    """The records of the keys ``tier``'s store holds, at most
+    ``rows_per_chunk`` at a time, as dicts of ``out``'s names and dtypes
+    (the table's records; ``rows`` -1). A dense store's ids that ``out``
+    holds are left out (their rows there are older)."""
     cached = np.sort(np.asarray(out["keys"], np.int64)) if tier.dense else None
-    for keys, rows in tier.store.chunks():
+    for keys, rows in tier.store.chunks(rows_per_chunk):
         if cached is not None:
             keep = _positions(cached, keys) < 0
             keys, rows = keys[keep], {k: v[keep] for k, v in rows.items()}
-        parts["keys"].append(np.asarray(keys, np.int64))
+        chunk = {"keys": np.asarray(keys, np.int64)}
         for name in out:
             if name == "keys":
                 continue
             if name == "rows":
-                parts[name].append(np.full(len(keys), -1, out[name].dtype))
+                chunk[name] = np.full(len(keys), -1, out[name].dtype)
             elif name == "scores":
                 score = rows.get(SCORE, np.zeros(len(keys), np.int64))
-                parts[name].append(score.reshape(-1).astype(out[name].dtype))
+                chunk[name] = score.reshape(-1).astype(out[name].dtype)
             else:
                 field = VALUES if name == "values" else name
-                parts[name].append(rows[field].astype(out[name].dtype, copy=False))
-    del include_rows  # rows are in ``out`` exactly when asked for
-    return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+                chunk[name] = rows[field].astype(out[name].dtype, copy=False)
+        yield chunk
 
 
 def check_not_shared(layer, table):

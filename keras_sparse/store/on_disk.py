@@ -4,9 +4,25 @@ memory-mapped row files and a manifest (`disk_format`), flushed by
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 from . import disk_format
+
+# Folders of the disk stores open in this process (closed or collected
+# stores drop out): a new store never replaces one in use.
+_OPEN = weakref.WeakValueDictionary()
+
+
+def in_use(folder) -> bool:
+    """Whether a store of this process has ``folder`` open."""
+    key = os.path.realpath(os.fspath(folder))
+    if key not in _OPEN:
+        return False
+    gc.collect()  # a layer dropped in a reference cycle frees its store
+    store = _OPEN.get(key)
+    return store is not None and not store._closed
 
 
 class OnDisk:
@@ -20,6 +36,7 @@ class OnDisk:
         folder = os.fspath(path)
         disk_format.prepare_folder(folder, overwrite, type(self).__name__)
         self._folder = folder
+        _OPEN[os.path.realpath(folder)] = self
         return folder
 
     @classmethod
@@ -31,6 +48,7 @@ class OnDisk:
         manifest, fields, capacity = disk_format.read_manifest(folder, cls._kind, who)
         self = cls.__new__(cls)
         self._folder = folder
+        _OPEN[os.path.realpath(folder)] = self
         return self, manifest, fields, capacity
 
     @property
@@ -48,6 +66,8 @@ class OnDisk:
         if not self._closed:
             self.flush()
             super().close()
+            if _OPEN.get(os.path.realpath(self._folder)) is self:
+                del _OPEN[os.path.realpath(self._folder)]
 
     def stats(self) -> dict:
         out = super().stats()

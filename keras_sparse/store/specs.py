@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
+from . import disk_format
 from .dense_disk_store import DenseDiskStore
 from .dense_store import DenseHostStore
 from .disk_store import DiskStore
 from .host_store import HostStore
 from .host_store import check_capacity
+from .on_disk import in_use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,37 +48,96 @@ class Disk:
 
     Each store opened gets a new store in ``path`` (or in ``path/name``
     when a layer keeps several), replacing a store left there: a layer
-    keeps its tables in its checkpoints, the store is its working set.
+    keeps its tables in its checkpoints, the store is its working set. A
+    folder that a store of this process has open is never replaced (e.g.
+    ``load_model`` of a file whose layer's store is still in use): the new
+    store goes to the first free ``<folder>.1``, ``<folder>.2``, ...,
+    with a warning.
+
+    ``reopen=True`` opens the store left in the folder in place instead,
+    without copying its files (its fields, and rows for a fixed
+    vocabulary, must be the layer's); a folder without a store gets a new
+    one. Write a layer's cached rows down first (``layer.flush_store()``).
     """
 
     path: str
     initial_capacity: int = 1024
+    reopen: bool = False
 
     def __post_init__(self):
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             raise ValueError(f"Disk: path must be a folder path, got {self.path!r}")
         object.__setattr__(self, "path", os.fspath(self.path))
         check_capacity(self.initial_capacity, "Disk")
+        if not isinstance(self.reopen, bool):
+            raise ValueError(f"Disk: reopen must be True or False, got {self.reopen!r}")
 
     def _folder(self, name):
-        return self.path if name is None else os.path.join(self.path, name)
+        folder = self.path if name is None else os.path.join(self.path, name)
+        if not in_use(folder):
+            return folder
+        if self.reopen:
+            raise ValueError(
+                f"Disk(reopen=True): the store in {folder} is open in this "
+                "process already (two stores on the same files would corrupt "
+                "them); close the other one first (layers: drop them)"
+            )
+        n = 1
+        while in_use(f"{folder}.{n}"):
+            n += 1
+        warnings.warn(
+            f"Disk: the store in {folder} is open in this process; the new "
+            f"store goes to {folder}.{n} instead (give each layer its own "
+            "folder)",
+            stacklevel=4,
+        )
+        return f"{folder}.{n}"
+
+    def _existing(self, folder):
+        return self.reopen and os.path.exists(
+            os.path.join(folder, disk_format.MANIFEST)
+        )
 
     def open_keyed(self, fields, name=None):
-        return DiskStore(
-            self._folder(name), fields, self.initial_capacity, overwrite=True
-        )
+        folder = self._folder(name)
+        if self._existing(folder):
+            return _matching(DiskStore.open(folder), fields, None)
+        return DiskStore(folder, fields, self.initial_capacity, overwrite=True)
 
     def open_dense(self, fields, num_rows, initializer=None, name=None):
-        return DenseDiskStore(
-            self._folder(name), fields, num_rows, initializer, overwrite=True
-        )
+        folder = self._folder(name)
+        if self._existing(folder):
+            return _matching(DenseDiskStore.open(folder), fields, num_rows)
+        return DenseDiskStore(folder, fields, num_rows, initializer, overwrite=True)
 
     def get_config(self) -> dict:
-        return {"path": self.path, "initial_capacity": self.initial_capacity}
+        config = {"path": self.path, "initial_capacity": self.initial_capacity}
+        if self.reopen:
+            config["reopen"] = True
+        return config
 
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+def _matching(store, fields, num_rows):
+    """``store`` (just reopened) when its fields and rows are those asked
+    for; else closes it and raises `StoreFormatError`."""
+    want = tuple(fields)
+    rows = getattr(store, "num_rows", None)
+    if tuple(store.fields) != want or (num_rows is not None and rows != num_rows):
+        found = (store.fields, rows)
+        store.close()
+        raise disk_format.StoreFormatError(
+            f"Disk(reopen=True): the store in {store.path} holds fields "
+            f"{list(found[0])}"
+            + (f" and {found[1]} rows" if num_rows else "")
+            + f"; the layer needs {list(want)}"
+            + (f" and {num_rows} rows" if num_rows else "")
+            + " (reopen=False replaces it)"
+        )
+    return store
 
 
 _SPECS = {"Host": Host, "Disk": Disk}

@@ -15,6 +15,7 @@ import numpy as np
 from keras import ops
 
 from keras_sparse.layers import placement
+from keras_sparse.layers import store_assets
 from keras_sparse.layers.hash.host_keys import to_numpy as _to_numpy
 from keras_sparse.layers.hash.record_placement import greedy_rows
 from keras_sparse.layers.hash.record_placement import hottest_first
@@ -29,6 +30,9 @@ from keras_sparse.layers.record_checks import checked_keys
 from keras_sparse.layers.record_checks import checked_numbers
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.record_checks import subset
+from keras_sparse.layers.row_tier import SCORE
+from keras_sparse.layers.row_tier import VALUES
+from keras_sparse.layers.row_tier import stored_chunks
 from keras_sparse.layers.row_tier import stored_records
 from keras_sparse.progress import silent
 from keras_sparse.progress import tracker
@@ -112,10 +116,59 @@ class HashRecords:
         done = int(ops.convert_to_numpy(self.sparse_iterations))
         return self.table.state_before(lambda: lookahead(self, done))
 
-    def _records_out(self, include_rows, progress, trained=None):
+    def export_chunks(self, chunk_rows=65536, include_rows=False):
+        """`export`'s records, at most ``chunk_rows`` keys at a time: an
+        iterator of dicts of the same names, whose union is `export()`. The
+        table's keys come first, then those of the layer's row store, read
+        chunk by chunk, so a store beyond memory streams out. Do not train
+        while it runs (the store raises if it changes meanwhile)."""
+        if (
+            isinstance(chunk_rows, bool)
+            or not isinstance(chunk_rows, (int, np.integer))
+            or chunk_rows < 1
+        ):
+            raise ValueError(
+                f"Layer '{self.name}': `chunk_rows` must be an integer >= 1. "
+                f"Received: chunk_rows={chunk_rows!r}."
+            )
+        if not self.built:
+            self.build()
+        return self._export_chunks(int(chunk_rows), include_rows)
+
+    def _export_chunks(self, chunk_rows, include_rows):
+        trained = self._trained_table()
+        entries = self.table.export() if trained is None else trained[:3]
+        keys, rows, scores = (_to_numpy(x) for x in entries)
+        state = self._host_state()
+        empty = True
+        for start in range(0, len(keys), chunk_rows):
+            part = slice(start, start + chunk_rows)
+            out = {"keys": keys[part]}
+            for name, value in state.items():
+                out["values" if name == "table" else name] = value[rows[part]]
+            out["scores"] = scores[part]
+            if include_rows:
+                out["rows"] = rows[part]
+            empty = False
+            yield out
+        tier = getattr(self, "row_tier", None)
+        if tier is None:
+            if empty:  # one empty chunk: the names and dtypes
+                yield self._records_out(include_rows, silent(), trained)
+            return
+        like = {"keys": keys}
+        for name, value in state.items():
+            like["values" if name == "table" else name] = value[:0]
+        like["scores"] = scores
+        if include_rows:
+            like["rows"] = rows
+        for chunk in stored_chunks(tier, like, chunk_rows):
+            yield chunk
+
+    def _records_out(self, include_rows, progress, trained=None, with_store=True):
         """`export`'s records, its stages reported to ``progress``; of the
         table as of its last trained step when ``trained`` (a `TableState`)
-        is given."""
+        is given; without the store's keys unless ``with_store``."""
         progress.stage("table")
         entries = self.table.export() if trained is None else trained[:3]
         keys, rows, scores = (_to_numpy(x) for x in entries)
@@ -131,7 +184,7 @@ class HashRecords:
         if include_rows:
             out["rows"] = rows
         tier = getattr(self, "row_tier", None)
-        if tier is not None:  # the keys the store holds (row -1)
+        if tier is not None and with_store:  # the keys the store holds (row -1)
             out = stored_records(tier, out, include_rows)
         return out
 
@@ -337,8 +390,12 @@ class HashRecords:
         n = self.table.size
         title = f"Layer '{self.name}': saving {n:,} keys"
         trained = self._trained_table()
+        tier = getattr(self, "row_tier", None)
+        # A model save writes the store's rows to its asset files, chunked
+        # (`save_assets`); elsewhere they go with the records, in memory.
+        in_assets = tier is not None and store_assets.expected()
         with tracker(n, title, _SAVE_STAGES) as progress:
-            records = self._records_out(True, progress, trained)
+            records = self._records_out(True, progress, trained, not in_assets)
             clock = self._table_clock() if trained is None else trained.clock
             admission = self._pending_state(trained)
             if gather:
@@ -353,6 +410,105 @@ class HashRecords:
         store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
         if admission is not None:
             store["admission_keys"], store["admission_sightings"] = admission
+        if in_assets:
+            store[_IN_ASSETS] = np.int64(tier.store.size)
+
+    def save_assets(self, dir_path):
+        """Writes the row store's rows (if any) into the asset folder
+        ``dir_path``, chunk by chunk (`keras_sparse.layers.store_assets`)."""
+        tier = getattr(self, "row_tier", None)
+        if tier is None or not store_assets.expected():
+            return
+        store = tier.store
+        with tier.lock:
+            chunks = store.chunks(store_assets.rows_per_chunk(store.fields))
+            store_assets.save(self.name, store.fields, chunks, store.size, dir_path)
+
+    def load_assets(self, dir_path):
+        """Streams the store rows a model file holds into the layer's row
+        store; a layer without a store imports them into its table, as
+        `import_` does (hottest first; a warning says what was dropped)."""
+        expected, self._assets_rows = getattr(self, "_assets_rows", None), None
+        if expected is None:
+            return
+        if store_assets.saved_rows(dir_path) != expected:
+            raise ValueError(
+                f"Layer '{self.name}': the file's weights say its row store "
+                f"held {expected:,} keys, but its asset files hold "
+                f"{store_assets.saved_rows(dir_path)} (None: no saved rows); "
+                "the file is incomplete. The layer's table is loaded, its "
+                "store is empty."
+            )
+        tier = getattr(self, "row_tier", None)
+        fields = self._saved_store_fields()
+        if tier is not None:
+            with tier.lock:
+                store_assets.load(self.name, fields, dir_path, tier.store.write)
+            return
+        parts = []
+        store_assets.load(
+            self.name, fields, dir_path, lambda k, r: parts.append((k, r))
+        )
+        if parts:
+            self.import_(
+                np.concatenate([np.asarray(k) for k, _ in parts]),
+                np.concatenate([np.asarray(r[VALUES]) for _, r in parts]),
+                slots={
+                    name: np.concatenate([np.asarray(r[name]) for _, r in parts])
+                    for name in self.slots
+                },
+                scores=np.concatenate(
+                    [np.asarray(r[SCORE]).reshape(-1) for _, r in parts]
+                ),
+            )
+
+    def flush_store(self):
+        """Writes every row the table holds down to the layer's row store
+        (vector, optimizer slots, score), empties the table (the LRU clock
+        and admission counts are kept) and flushes the store to disk: it
+        then holds every trained row, so ``ks.store.Disk(path,
+        reopen=True)`` reopens it as it is. Training may go on (keys come
+        back from the store when seen)."""
+        tier = getattr(self, "row_tier", None)
+        if tier is None:
+            raise ValueError(
+                f"Layer '{self.name}': flush_store() needs a row store "
+                "(`store=`); this layer has none."
+            )
+        with tier.lock:
+            if tier.pending():
+                raise ValueError(
+                    f"Layer '{self.name}': flush_store(): {tier.pending()} "
+                    "batch(es) were mapped but not trained yet (an input "
+                    "stage runs ahead); call it when their steps have run."
+                )
+            keys, rows, scores = (_to_numpy(x) for x in self.table.export())
+            if keys.size:
+                state = self._host_state()
+                out = {VALUES: state["table"][rows]}
+                out.update({name: state[name][rows] for name in self.slots})
+                if tier.scored:
+                    out[SCORE] = np.asarray(scores, np.int64).reshape(-1, 1)
+                tier.store.write(keys, out)
+                clock, pending = self._table_clock(), self._pending_state(None)
+                self.table.clear()
+                self._table_clock(clock)
+                if pending is not None:
+                    with self.table._lock:
+                        self._admission_counts().load_state(*pending)
+            tier.store.flush()
+
+    def _saved_store_fields(self):
+        """The fields a keyed store of this layer holds (see row_tier)."""
+        from keras_sparse.store import FieldSpec
+
+        tier = getattr(self, "row_tier", None)
+        if tier is not None:
+            return tier.store.fields
+        fields = [FieldSpec(VALUES, self.output_dim, _dtype(self.embeddings))]
+        for name, var in self.slots.items():
+            fields.append(FieldSpec(name, int(var.shape[1]), _dtype(var)))
+        return (*fields, FieldSpec(SCORE, 1, "int64"))
 
     def _pending_state(self, trained):
         """``(keys, counts)`` of the keys awaiting admission, or None."""
@@ -375,6 +531,13 @@ class HashRecords:
         """
         if not self.built:
             self.build()
+        in_assets = None
+        if _IN_ASSETS in set(store.keys()):
+            in_assets = checked_int(
+                self.name, _IN_ASSETS, store[_IN_ASSETS][...], 0, 2**62, "(keys)"
+            )
+            if not store_assets.expected():
+                raise store_assets.missing_assets_error(self.name, in_assets)
         n = _saved_count(store)
         title = f"Layer '{self.name}': loading {n:,} keys"
         with tracker(n, title, _LOAD_STAGES) as progress:
@@ -399,6 +562,8 @@ class HashRecords:
         self.sparse_iterations.assign(saved.iterations)
         self.seed_generator.state.assign(saved.seed_state)
         self._load_admission(saved.admission)
+        # `load_assets` (called next by Keras) brings the store's rows.
+        self._assets_rows = in_assets
         if not kept.all():
             warnings.warn(
                 load_drop_message(self, saved.geometry, len(rows), int(kept.sum())),
@@ -568,6 +733,14 @@ class HashRecords:
     def _admission_counts(self):
         """The table's pending admission counts, or None (``admit_after=1``)."""
         return getattr(self.table._impl, "admission", None)
+
+
+#: Weights entry of a model save whose store rows are in its asset files.
+_IN_ASSETS = "store_rows_in_assets"
+
+
+def _dtype(variable):
+    return np.dtype(str(variable.dtype).split(".")[-1]).name
 
 
 def _writable(array):
