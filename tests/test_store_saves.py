@@ -23,7 +23,7 @@ from keras_sparse.layers import store_assets
 from keras_sparse.store import chunk_files
 from tests import row_store_models as shared
 
-STEPS = 40
+STEPS = 12
 
 
 def _trained(spec, steps=STEPS):
