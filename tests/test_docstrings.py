@@ -16,6 +16,7 @@ MODULES = [
     "keras_sparse.optimizers.adam",
     "keras_sparse.progress",
     "keras_sparse.sharding.exchange_buckets",
+    "keras_sparse.sharding.plan_cost",
     "keras_sparse.table.hash_table",
     "keras_sparse.table.sharded_table",
 ]

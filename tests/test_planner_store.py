@@ -11,7 +11,7 @@ import pytest
 import keras_sparse as ks
 from keras_sparse.sharding import plan_store
 from keras_sparse.sharding.plan_apply import apply_plan
-from keras_sparse.sharding.planner import TableSpec
+from keras_sparse.sharding.plan_spec import TableSpec
 from keras_sparse.store import FieldSpec
 from keras_sparse.store import HostStore
 

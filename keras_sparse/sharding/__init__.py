@@ -29,12 +29,12 @@ from keras_sparse.sharding.keras_integration import distribution
 from keras_sparse.sharding.keras_integration import load_model
 from keras_sparse.sharding.plan_apply import apply_plan
 from keras_sparse.sharding.plan_apply import runnable_strategies
-from keras_sparse.sharding.planner import STRATEGIES
-from keras_sparse.sharding.planner import Plan
-from keras_sparse.sharding.planner import TablePlan
-from keras_sparse.sharding.planner import TableSpec
+from keras_sparse.sharding.plan_cost import STRATEGIES
+from keras_sparse.sharding.plan_cost import propose_cache_rows
+from keras_sparse.sharding.plan_result import Plan
+from keras_sparse.sharding.plan_result import TablePlan
+from keras_sparse.sharding.plan_spec import TableSpec
 from keras_sparse.sharding.planner import plan
-from keras_sparse.sharding.planner import propose_cache_rows
 
 # The layers reach the sharding hooks through this seam (see
 # `keras_sparse.layers.placement`), never by importing this package.

@@ -11,6 +11,7 @@ import re
 
 import keras
 
+from keras_sparse.sharding import plan_spec
 from keras_sparse.sharding import planner as planner_lib
 from keras_sparse.sharding.layouts import _axes
 from keras_sparse.sharding.layouts import _relayout
@@ -85,7 +86,7 @@ def distribution(
                 f"Table '{table.name}': strategy {table.strategy!r} is not "
                 f"runnable (runnable: {RUNNABLE})."
             )
-        if planner_lib.is_collection(layer):
+        if plan_spec.is_collection(layer):
             device = table.devices[0] if table.strategy == "table" else None
             placement = collections.setdefault(layer.name, (layer, {}))[1]
             placement[table.spec.collection_table] = (table.strategy, device)
@@ -132,7 +133,7 @@ def distribution(
     dist.keras_sparse_strategies = {
         table.spec.layer.name: table.strategy
         for table in plan
-        if not planner_lib.is_collection(table.spec.layer)
+        if not plan_spec.is_collection(table.spec.layer)
     }
     # Read by `collection_placement` when an EmbeddingCollection is built.
     dist.keras_sparse_collections = {

@@ -11,8 +11,8 @@ and only the backend's setup lines differ (docs/guides/multi-device.md).
 import keras
 
 from keras_sparse.sharding.entry_points import RUNNABLE
-from keras_sparse.sharding.planner import TableSpec
-from keras_sparse.sharding.planner import is_hash_layer
+from keras_sparse.sharding.plan_spec import TableSpec
+from keras_sparse.sharding.plan_spec import is_hash_layer
 
 # What a layer built with each ``sharding`` runs on TensorFlow and PyTorch,
 # by backend and kind of table (JAX runs every strategy of `RUNNABLE`).

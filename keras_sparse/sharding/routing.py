@@ -18,7 +18,7 @@ import dataclasses
 import keras
 
 from keras_sparse.layers.hash import table_users
-from keras_sparse.sharding import planner as planner_lib
+from keras_sparse.sharding import plan_spec
 from keras_sparse.sharding.jax_placement import JaxMeshPlacement
 
 _ROUTED = ("row", "column", "key")
@@ -28,7 +28,7 @@ def check_hash_layer_processes(layer, strategy, process_count=None):
     """Raises for a `DistributedHashEmbedding` planned with one host key map
     (any strategy but "key") in a multi-process run: each process would fill
     its own map from its own keys, giving one row to different keys."""
-    if strategy == "key" or not planner_lib.is_hash_layer(layer):
+    if strategy == "key" or not plan_spec.is_hash_layer(layer):
         return
     if process_count is None:
         import jax
@@ -66,7 +66,7 @@ def route(layer):
     else:
         strategy = getattr(layer, "_ks_strategy", None) or layer.sharding
         axis = getattr(layer, "_ks_axis", None) or "model"
-    if strategy not in _ROUTED or not planner_lib._is_shardable_layer(layer):
+    if strategy not in _ROUTED or not plan_spec.is_shardable_layer(layer):
         return None
     check_hash_layer_processes(layer, strategy)
     mesh = dist.device_mesh
@@ -93,7 +93,7 @@ def build_placement(layer):
         from keras_sparse.sharding import torch_key_placement
         from keras_sparse.sharding import torch_placement
 
-        if planner_lib.is_hash_layer(layer):  # key-sharded across processes
+        if plan_spec.is_hash_layer(layer):  # key-sharded across processes
             return torch_key_placement.build_placement(layer)
         return torch_placement.build_placement(layer)
     return None

@@ -26,7 +26,7 @@ import keras
 
 from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
-from keras_sparse.sharding import planner as planner_lib
+from keras_sparse.sharding import plan_spec
 
 #: Strategies that shard a table over the processes.
 SHARDED = ("row", "column")
@@ -91,9 +91,9 @@ def build_placement(layer):
     """The `TablePlacement` ``layer`` is built with, or None (a local table,
     or a full copy per process)."""
     strategy = layer.sharding
-    if strategy not in SHARDED + ("table",) or planner_lib.is_hash_layer(layer):
+    if strategy not in SHARDED + ("table",) or plan_spec.is_hash_layer(layer):
         return None
-    if not planner_lib._is_shardable_layer(layer):
+    if not plan_spec.is_shardable_layer(layer):
         return None
     where = process_group()
     if where is None:
