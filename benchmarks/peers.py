@@ -371,9 +371,8 @@ def parent(args):
             )
     table = []
     for rows in args.rows:
-        for variant, real_variant, optimizer in [
-            *runs, *((label(args, v, o), v, o) for v in skipped for o in args.optimizers)
-        ]:
+        not_run = [(label(args, v, o), v, o) for v in skipped for o in args.optimizers]
+        for variant, real_variant, optimizer in [*runs, *not_run]:
             base = summary.get((label(args, "torchrec", optimizer), rows))
             s = summary.get((variant, rows))
             if s is None:
