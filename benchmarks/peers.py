@@ -76,6 +76,14 @@ default since their placement differs anyway):
   (embedding_backward_split_cpu_template.cpp); only ``EXACT_ROWWISE_ADAGRAD``
   (``torchrec.optim.RowWiseAdagrad``, one accumulator per row) takes
   FBGEMM's vectorized, multi-threaded CPU kernel.
+* ``--optimizers rowwise_adagrad``: ``ks.optimizers.RowWiseAdagrad``
+  (keras_sparse/optimizers/rowwise_adagrad.py: ``acc += mean(g**2)`` over
+  the row's 16 columns, one accumulator per row, ``w -= lr * g / sqrt(acc
+  + eps)``) against ``torchrec.optim.RowWiseAdagrad``, which the fused
+  module maps to FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (the same accumulator,
+  eps outside the root). ``keras-dense`` keeps Keras' Adagrad whatever the
+  option. With several ``--optimizers`` each variant runs with each, in
+  the same interleaved rounds, and a table gives their ratio.
 * ``torch.optim.Adagrad`` (TorchRec's head): ``initial_accumulator_value=0,
   eps=1e-10`` outside the root, ``lr=0.01``.
 * Initial values: Keras ``Embedding`` and ks tables draw ``uniform``
@@ -111,6 +119,8 @@ and ~390 ms (ks-torch-layers) with torch's default 2 threads, 8-13 ms and
     python benchmarks/peers.py --torchrec-python /work/torchrec-venv/bin/python
     python benchmarks/peers.py --variants torchrec,ks-jax-layers --rows 1e5
     python benchmarks/peers.py --quick      # CI smoke run: ks variants, tiny
+    python benchmarks/peers.py --rows 1e5 --optimizers adagrad,rowwise_adagrad \
+        --variants ks-jax-layers,ks-tf-layers,ks-torch-layers
     python benchmarks/peers.py --together --variants torchrec,ks-tf-layers \\
         --torchrec-python /work/torchrec-venv/bin/python   # growth 1e5 -> 1e6
 
@@ -159,6 +169,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from peers_runners import BAG  # noqa: E402
 from peers_runners import DEFAULT_ALLOCATOR  # noqa: E402
 from peers_runners import DIM  # noqa: E402
+from peers_runners import OPTIMIZERS  # noqa: E402
 from peers_runners import VARIANTS  # noqa: E402
 from peers_runners import ZIPF_A  # noqa: E402
 from peers_runners import child  # noqa: E402
@@ -212,9 +223,16 @@ def torchrec_python(args):
     return args.torchrec_python, None
 
 
-def run_child(args, variant, rows, data):
-    """Runs one child for ``variant`` at the table sizes ``rows`` (data files
-    ``data``, one per size): its JSON result, or None and why."""
+def label(args, variant, optimizer):
+    """A row's name: the variant, and its tables' optimizer where
+    ``--optimizers`` names several."""
+    return variant if len(args.optimizers) == 1 else f"{variant}/{optimizer}"
+
+
+def run_child(args, variant, optimizer, rows, data):
+    """Runs one child for ``variant`` with ``optimizer`` on its tables at
+    the table sizes ``rows`` (data files ``data``, one per size): its JSON
+    result, or None and why."""
     backend = VARIANTS[variant][0]
     python = args.torchrec_python if backend is None else sys.executable
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
@@ -228,7 +246,7 @@ def run_child(args, variant, rows, data):
            "--rows", ",".join(str(r) for r in rows),
            "--data", ",".join(str(d) for d in data), "--batch", str(args.batch),
            "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--epochs", str(args.epochs)]  # fmt: skip
+           "--epochs", str(args.epochs), "--optimizers", optimizer]  # fmt: skip
     if args.torch_threads and backend in (None, "torch"):
         env["OMP_NUM_THREADS"] = str(args.torch_threads)
         cmd += ["--torch-threads", str(args.torch_threads)]
@@ -290,6 +308,7 @@ def parent(args):
         f"tables={args.tables} dim={DIM} bag={BAG} zipf={ZIPF_A} "
         f"batch={args.batch} warm-up={args.warmup} steps={args.steps} "
         f"rounds={args.rounds} rows={','.join(f'{r:.0e}' for r in args.rows)} "
+        f"optimizers={','.join(args.optimizers)} "
         f"torch-threads={args.torch_threads or 'default'} "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         flush=True,
@@ -298,8 +317,10 @@ def parent(args):
         print("nothing to run")
         return 1
     t0 = time.perf_counter()
-    results = {(v, r): [] for v in variants for r in args.rows}
-    growths = {v: [] for v in variants}  # --together: one ratio per child
+    runs = [(label(args, v, o), v, o) for v in variants for o in args.optimizers]
+    labels = [name for name, _, _ in runs]
+    results = {(n, r): [] for n in labels for r in args.rows}
+    growths = {n: [] for n in labels}  # --together: one ratio per child
     errors, versions = {}, {}
     epochs = args.epochs if args.together else 1
     n = (args.warmup + args.steps + epochs) * args.batch  # per epoch: steps+1 ends
@@ -311,12 +332,12 @@ def parent(args):
             make_data(rows, args.tables, n, i, data[rows])
         for k in range(args.rounds):
             for group in groups:
-                for variant in variants:
+                for variant, real_variant, optimizer in runs:
                     if (variant, group[0]) in errors:
                         continue
                     sizes = "+".join(f"{r:.0e}" for r in group)
                     out, error = run_child(
-                        args, variant, group, [data[r] for r in group]
+                        args, real_variant, optimizer, group, [data[r] for r in group]
                     )
                     if error:
                         errors.update({(variant, r): error for r in group})
@@ -350,11 +371,12 @@ def parent(args):
             )
     table = []
     for rows in args.rows:
-        base = summary.get(("torchrec", rows))
-        for variant in [*variants, *skipped]:
+        not_run = [(label(args, v, o), v, o) for v in skipped for o in args.optimizers]
+        for variant, real_variant, optimizer in [*runs, *not_run]:
+            base = summary.get((label(args, "torchrec", optimizer), rows))
             s = summary.get((variant, rows))
             if s is None:
-                why = "skipped" if variant in skipped else "failed"
+                why = "skipped" if real_variant in skipped else "failed"
                 table.append((variant, f"{rows:.0e}", why, "-", "-"))
                 continue
             ratio = f"{s['median'] / base['median']:.2f}x" if base else "-"
@@ -366,9 +388,12 @@ def parent(args):
     print("\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower)")
     if args.together:
         print("(peak RSS: of the process that held both sizes)")
+    if len(args.optimizers) > 1:
+        print()
+        print(optimizer_table(args, variants, summary))
     if len(args.rows) > 1:
         print()
-        print(growth_table(args, variants, summary, growths))
+        print(growth_table(args, labels, summary, growths))
     print("\nmedian ms/step per round: " + "; ".join(
         f"{v} {r:.0e}: " + ", ".join(f"{m:.1f}" for m in s["rounds"])
         for (v, r), s in summary.items()
@@ -381,15 +406,33 @@ def parent(args):
         path = args.out / "peers.png"
         title = (
             f"training step: {args.tables} tables x {DIM}, bag {BAG}, "
-            f"sum, Adagrad, batch {args.batch}"
+            f"sum, {'/'.join(args.optimizers)}, batch {args.batch}"
         )
-        plot(summary, variants, args.rows, title, path)
+        plot(summary, labels, args.rows, title, path)
         print(f"\nplot: {path}")
     print(f"wall {time.perf_counter() - t0:.0f} s")
     if errors:
         print("\nFAILED: " + ", ".join(f"{v} rows={r:.0e}" for v, r in errors))
         return 1
     return 0
+
+
+def optimizer_table(args, variants, summary):
+    """Markdown: each variant's ms/step with each further ``--optimizers``
+    entry over its ms/step with the first, at each size."""
+    first, others = args.optimizers[0], args.optimizers[1:]
+    headers = ["variant", "rows", *(f"{o} / {first}" for o in others)]
+    table = []
+    for rows in args.rows:
+        for variant in variants:
+            base = summary.get((label(args, variant, first), rows))
+            ratios = []
+            for o in others:
+                s = summary.get((label(args, variant, o), rows))
+                ok = base is not None and s is not None
+                ratios.append(f"{s['median'] / base['median']:.2f}x" if ok else "-")
+            table.append([variant, f"{rows:.0e}", *ratios])
+    return markdown(headers, table) + "\n(ms/step ratio within this run; < 1 is faster)"
 
 
 def growth_table(args, variants, summary, growths):
@@ -439,6 +482,12 @@ def main(argv=None):
         "--epochs", type=int, default=4,
         help="with --together: alternating epochs per size (default 4)",
     )  # fmt: skip
+    parser.add_argument(
+        "--optimizers", default="adagrad",
+        help="comma-separated tables' optimizers, from: " + ", ".join(OPTIMIZERS)
+        + " (default adagrad); with several, each variant runs with each, "
+        "interleaved, and a table gives their ratios",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, help="s per child (default 1800)")
     parser.add_argument("--torchrec-python", help="Python of a venv with torchrec")
     parser.add_argument(
@@ -462,7 +511,16 @@ def main(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.rows = [int(float(r)) for r in str(args.rows).split(",")]
+    args.optimizers = args.optimizers.split(",")
+    if set(args.optimizers) - set(OPTIMIZERS) or len(set(args.optimizers)) < len(
+        args.optimizers
+    ):
+        parser.error(
+            f"--optimizers: {args.optimizers}; choose distinct ones from "
+            f"{', '.join(OPTIMIZERS)}"
+        )
     if args.variant:
+        args.optimizer = args.optimizers[0]
         args.data = args.data.split(",")
         child(args)
         return 0

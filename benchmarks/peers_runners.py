@@ -24,6 +24,10 @@ ZIPF_A = 1.1
 HIDDEN = 64
 LR = 0.01
 FBGEMM_EPS = 1e-8
+#: ``--optimizers`` choices: the tables' optimizer, ours and TorchRec's
+#: (its fused module maps torch.optim.Adagrad to EXACT_ADAGRAD and
+#: torchrec.optim.RowWiseAdagrad to EXACT_ROWWISE_ADAGRAD).
+OPTIMIZERS = ("adagrad", "rowwise_adagrad")
 VARIANTS = {  # name: (KERAS_BACKEND, model form); torchrec: no Keras
     "torchrec": (None, "torchrec"),
     "torchrec-thp": (None, "torchrec"),
@@ -59,9 +63,10 @@ def load_data(path):
         return data["ids"], data["labels"]
 
 
-def keras_model(form, names, rows):
+def keras_model(form, names, rows, optimizer="adagrad"):
     """The compiled Keras model of the workload: ``form`` is "dense",
-    "layers" or "collection", one table of ``rows`` per name in ``names``
+    "layers" or "collection", one table of ``rows`` per name in ``names``,
+    the tables updated by ``optimizer`` (one of `OPTIMIZERS`; not "dense")
     (benchmarks/switch_ab.py builds it too)."""
     import keras
 
@@ -70,7 +75,9 @@ def keras_model(form, names, rows):
     keras.utils.set_random_seed(0)
 
     def sparse_optimizer():
-        return ks.optimizers.Adagrad(LR, initial_accumulator_value=0.0)
+        kind = {"adagrad": ks.optimizers.Adagrad,
+                "rowwise_adagrad": ks.optimizers.RowWiseAdagrad}[optimizer]  # fmt: skip
+        return kind(LR, initial_accumulator_value=0.0)
 
     inputs = {n: keras.Input((BAG,), dtype="int32", name=n) for n in names}
     if form == "dense":
@@ -141,7 +148,7 @@ def keras_runner(args, rows, data):
 
     ids, labels = load_data(data)
     names = [f"f{t}" for t in range(ids.shape[1])]
-    model = keras_model(VARIANTS[args.variant][1], names, rows)
+    model = keras_model(VARIANTS[args.variant][1], names, rows, args.optimizer)
     fit = dict(batch_size=args.batch, shuffle=False, verbose=0)
 
     def run(lo, hi):
@@ -186,9 +193,13 @@ def torchrec_runner(args, rows, data):
         )
         for n in names
     ]  # fmt: skip
+    if args.optimizer == "rowwise_adagrad":
+        from torchrec.optim import RowWiseAdagrad as table_optimizer
+    else:
+        table_optimizer = torch.optim.Adagrad  # -> fused EXACT_ADAGRAD
     ebc = FusedEmbeddingBagCollection(
         tables=configs,
-        optimizer_type=torch.optim.Adagrad,  # -> fused EXACT_ADAGRAD
+        optimizer_type=table_optimizer,
         optimizer_kwargs={"lr": LR, "eps": FBGEMM_EPS},
         device=torch.device("cpu"),
     )

@@ -8,7 +8,9 @@ import keras
 import numpy as np
 
 F = np.float32
-NAMES = ("sgd", "sgd_schedule", "adagrad", "adam")
+NAMES = ("sgd", "sgd_schedule", "adagrad", "adam", "rowwise_adagrad")
+#: Trained end to end on both routes by each backend's test.
+TRAINED = ("sgd", "adagrad", "adam", "rowwise_adagrad")
 
 
 def optimizer(name):
@@ -20,6 +22,9 @@ def optimizer(name):
         "sgd_schedule": optimizers.SGD(schedule),
         "adagrad": optimizers.Adagrad(0.1, epsilon=1e-3),
         "adam": optimizers.Adam(0.05, beta_1=0.8, beta_2=0.9, epsilon=1e-4),
+        "rowwise_adagrad": optimizers.RowWiseAdagrad(
+            0.1, initial_accumulator_value=0.2, epsilon=1e-3
+        ),
     }[name]
 
 
@@ -39,7 +44,9 @@ def random_state(opt, rng, num_rows, dim):
     """``(table, slots)``: float32 arrays, slots above their initial value."""
     table = rng.normal(size=(num_rows, dim)).astype(F)
     slots = {
-        spec.name: (spec.initial_value + rng.uniform(0, 1, (num_rows, dim))).astype(F)
+        spec.name: (
+            spec.initial_value + rng.uniform(0, 1, spec.shape(num_rows, dim))
+        ).astype(F)
         for spec in opt.slot_specs()
     }
     return table, slots
@@ -70,6 +77,13 @@ def numpy_update(name, opt, table, slots, ids, valid, grads, iterations, first=0
             acc = slots["accumulator"][row] + g * g
             slots["accumulator"][row] = acc
             table[row] = table[row] - lr * g / np.sqrt(acc + F(opt.epsilon))
+        elif name == "rowwise_adagrad":
+            squares = F(0)
+            for x in g * g:  # in column order, as the compiled loop sums
+                squares = squares + x
+            acc = slots["accumulator"][row] + squares / F(len(g))
+            slots["accumulator"][row] = acc
+            table[row] = table[row] - lr * g / np.sqrt(acc + F(opt.epsilon))
         else:
             alpha = F(float(opt.step_size(lr, iterations, "float32")))
             m, v = slots["momentum"][row], slots["velocity"][row]
@@ -78,6 +92,56 @@ def numpy_update(name, opt, table, slots, ids, valid, grads, iterations, first=0
             slots["momentum"][row], slots["velocity"][row] = m, v
             table[row] = table[row] - (m * alpha) / (np.sqrt(v) + F(opt.epsilon))
     return {"table": table, **slots}
+
+
+def optimizer_update(opt, table, slots, ids, valid, grads, iterations):
+    """The new state by the optimizer's own ``update`` in Keras operations
+    (the arithmetic of each backend's reference route) on the distinct
+    valid ids, their gradients summed by NumPy."""
+    keys = list(dict.fromkeys(ids[valid].tolist()))
+    out = {"table": table.copy(), **{k: v.copy() for k, v in slots.items()}}
+    if not keys:
+        return out
+    summed = np.stack([grads[valid & (ids == k)].sum(0) for k in keys]).astype(F)
+    tensor = keras.ops.convert_to_tensor
+    new_rows, new_slots = opt.update(
+        tensor(table[keys]), {k: tensor(v[keys]) for k, v in slots.items()},
+        tensor(summed), iterations,
+    )  # fmt: skip
+    for name, values in {"table": new_rows, **new_slots}.items():
+        out[name][keys] = keras.ops.convert_to_numpy(values)
+    return out
+
+
+def check_several_steps(apply, name, steps=4, rows=6, n=40, dim=16):
+    """Chains ``steps`` updates of ``name``, each ``n`` ids over ``rows``
+    rows (duplicates in every batch), through ``apply(optimizer, table,
+    slots, ids, valid, grads, iterations) -> state`` (the compiled route):
+    its state equals the NumPy model to the bit and the optimizer's own
+    update to 1e-6 after each step."""
+    opt = optimizer(name)
+    rng = np.random.default_rng(7)
+    table, slots = random_state(opt, rng, rows, dim)
+    states = [{"table": table, **slots}] * 3  # compiled, NumPy, reference
+
+    def split(state):
+        return state["table"], {k: v for k, v in state.items() if k != "table"}
+
+    for it in range(steps):
+        ids, valid, grads = random_batch(rng, rows, n, dim)
+        assert len(set(ids[valid].tolist())) < valid.sum()  # duplicates
+        compiled, model, reference = states
+        states = [
+            apply(opt, *split(compiled), ids, valid, grads, it),
+            numpy_update(name, opt, *split(model), ids, valid, grads, it),
+            optimizer_update(opt, *split(reference), ids, valid, grads, it),
+        ]
+        for key in states[1]:
+            np.testing.assert_array_equal(states[0][key], states[1][key], key)
+            np.testing.assert_allclose(
+                states[0][key], states[2][key], rtol=1e-6, atol=1e-6, err_msg=key
+            )
+    assert not np.array_equal(states[0]["table"], table)  # the steps did update
 
 
 def train(form, name, eager=False, jit_compile="auto"):
@@ -129,7 +193,8 @@ def route_cases():
         (optimizers.Adagrad(0.1), None, True),
         (ClippedAdagrad(0.1), None, False),
         (optimizers.Adagrad(0.1), keras.constraints.MaxNorm(1.0), False),
-        (optimizers.RowWiseAdagrad(0.1), None, False),
+        (optimizers.RowWiseAdagrad(0.1), None, True),
+        (optimizers.RowWiseAdagrad(0.1), keras.constraints.MaxNorm(1.0), False),
         (optimizers.Ftrl(0.1), None, False),
     ]
     return cases, batch

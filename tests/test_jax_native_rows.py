@@ -1,7 +1,8 @@
 """The compiled JAX row update and gather (keras_sparse.ops.jax.native_rows):
-equal to a NumPy float32 model of SGD, Adagrad and Adam to the bit, in place
-on donated state, safe on bad ids, used only where it applies, close to the
-XLA route, and a clean fallback when it cannot be built."""
+equal to a NumPy float32 model of SGD, Adagrad, Adam and RowWiseAdagrad to
+the bit, in place on donated state, safe on bad ids, used only where it
+applies, close to the XLA route, and a clean fallback when it cannot be
+built."""
 
 import os
 import subprocess
@@ -62,6 +63,15 @@ def test_the_call_equals_numpy_to_the_bit(name, seed, n, rows, dim, it):
     want = models.numpy_update(name, optimizer, table, slots, ids, valid, grads, it)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_several_rowwise_adagrad_steps_with_duplicates():
+    def apply(*args):
+        state, fused = _apply(*args)
+        assert fused
+        return state
+
+    models.check_several_steps(apply, "rowwise_adagrad")
 
 
 def test_the_gather_equals_numpy_with_zeros_where_not_valid(monkeypatch):
@@ -154,7 +164,7 @@ def test_models_train_alike_on_both_routes(form, monkeypatch):
     monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
     used = models.record_use(monkeypatch, native, "fused_update")
     monkeypatch.setattr(native, "PREFETCH_GATHER", True)  # gathers by the call
-    for name in ("sgd", "adagrad", "adam"):
+    for name in models.TRAINED:
         used.clear()
         fused = models.train(form, name)
         assert used and all(used), name  # every table's update is the call

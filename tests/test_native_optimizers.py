@@ -1,7 +1,8 @@
-"""The compiled SGD, Adagrad and Adam row updates of the PyTorch CPU route
-(keras_sparse.ops.native_optimizers): equal to a NumPy float32 model of each
-optimizer to the bit, within an ulp of the torch route (whose vectorized
-sqrt may round differently), and only where they apply."""
+"""The compiled SGD, Adagrad, Adam and RowWiseAdagrad row updates of the
+PyTorch CPU route (keras_sparse.ops.native_optimizers): equal to a NumPy
+float32 model of each optimizer to the bit, within an ulp of the torch route
+(whose vectorized sqrt may round differently; RowWiseAdagrad's mean may sum
+in another order), and only where they apply."""
 
 import os
 
@@ -88,6 +89,12 @@ def test_fused_update_equals_numpy_and_the_torch_route(
         )
 
 
+def test_several_rowwise_adagrad_steps_with_duplicates(monkeypatch):
+    calls = _spy_on_fused(monkeypatch)
+    models.check_several_steps(_apply, "rowwise_adagrad")
+    assert calls == [True] * 4  # each step took the compiled pass
+
+
 def _spy_on_fused(monkeypatch):
     """Records, per update, whether it took the compiled optimizer pass."""
     _, native_optimizers, _ = _modules()
@@ -118,7 +125,7 @@ def test_subclasses_constraints_and_other_optimizers_take_the_torch_route(
 
 @pytest.mark.parametrize("form", ["layers", "collection"])
 def test_models_train_alike_on_both_routes(form, monkeypatch):
-    for name in ("sgd", "adagrad", "adam"):
+    for name in models.TRAINED:
         calls = _spy_on_fused(monkeypatch)
         fused = models.train(form, name)
         assert calls and all(calls), name  # every update took the compiled pass

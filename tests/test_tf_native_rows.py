@@ -1,7 +1,8 @@
 """The compiled TensorFlow row-update op (keras_sparse.ops.tensorflow.native_rows):
-equal to a NumPy float32 model of SGD, Adagrad and Adam to the bit, within
-an ulp of the graph route, safe on bad ids, used only where it applies, and
-a clean fallback when it cannot be built."""
+equal to a NumPy float32 model of SGD, Adagrad, Adam and RowWiseAdagrad to
+the bit, within an ulp of the graph route (to float32 rounding of
+RowWiseAdagrad's mean), safe on bad ids, used only where it applies, and a
+clean fallback when it cannot be built."""
 
 import os
 import subprocess
@@ -74,6 +75,17 @@ def test_op_equals_numpy_and_the_graph_route(name, seed, n, rows, first, dim, it
         np.testing.assert_allclose(got[key], graph[key], rtol=2e-6, atol=1e-7)
 
 
+def test_several_rowwise_adagrad_steps_with_duplicates():
+    def apply(optimizer, table, slots, ids, valid, grads, it):
+        state, fused = _apply(
+            optimizer, table, slots, ids, valid, grads, 0, table.shape[0], it
+        )
+        assert fused
+        return state
+
+    models.check_several_steps(apply, "rowwise_adagrad")
+
+
 def test_an_id_outside_the_rows_raises_and_changes_nothing():
     tf, tf_native_rows = _modules()
     from keras_sparse import optimizers
@@ -108,7 +120,7 @@ def test_subclasses_constraints_and_other_optimizers_take_the_graph_route():
 def test_models_train_alike_on_both_routes(form, eager, monkeypatch):
     _, tf_native_rows = _modules()
     built = models.record_use(monkeypatch, tf_native_rows, "fused_update")
-    for name in ("sgd", "adagrad", "adam"):
+    for name in models.TRAINED:
         built.clear()
         fused = models.train(form, name, eager)
         assert built and all(built), name  # every table's update is the op

@@ -217,3 +217,26 @@ void ks_adam_rows_f32(float *table, float *momentum, float *velocity,
     }
   }
 }
+
+/* Row-wise Adagrad: one accumulator per row (acc[num_rows][1]).
+ * acc + mean(g * g), the mean a sum in column order divided by dim, then
+ * row - lr * g / sqrt(acc + eps) with the one root of the row. The Python
+ * route's mean may sum in another order (a vectorized reduction), so the
+ * two may differ by float32 rounding of the sum. */
+KS_VECTOR_CLONES
+void ks_rowwise_adagrad_rows_f32(float *table, float *acc, const int64_t *rows,
+                                 const float *grads, int64_t count,
+                                 int64_t dim, float lr, float eps) {
+  for (int64_t i = 0; i < count; ++i) {
+    KS_PREFETCH_ROW(table, i);
+    if (i + KS_AHEAD < count) __builtin_prefetch(acc + rows[i + KS_AHEAD], 1);
+    float *row = table + rows[i] * dim;
+    const float *g = grads + i * dim;
+    float squares = 0.0f;
+    for (int64_t j = 0; j < dim; ++j) squares += g[j] * g[j];
+    const float sum = acc[rows[i]] + squares / (float)dim;
+    acc[rows[i]] = sum;
+    const float root = __builtin_sqrtf(sum + eps);
+    for (int64_t j = 0; j < dim; ++j) row[j] = row[j] - lr * g[j] / root;
+  }
+}

@@ -55,8 +55,11 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
                      ffi::RemainingArgs arrays,
                      ffi::RemainingRets outs, int32_t rule) {
   const int64_t n = ids.element_count();
-  const int wanted = rule == 0 ? 1 : rule == 1 ? 2 : rule == 2 ? 3 : -1;
-  const int64_t n_scalars = rule == 0 ? 1 : rule == 1 ? 2 : 4;
+  // Rules: 0 SGD, 1 Adagrad, 2 Adam, 3 row-wise Adagrad (its accumulator
+  // [rows, 1]).
+  const int wanted =
+      rule == 0 ? 1 : rule == 1 || rule == 3 ? 2 : rule == 2 ? 3 : -1;
+  const int64_t n_scalars = rule == 0 ? 1 : rule == 2 ? 4 : 2;
   if (wanted < 0 || int64_t(arrays.size()) != wanted ||
       int64_t(outs.size()) != wanted ||
       int64_t(scalars.element_count()) != n_scalars) {
@@ -82,11 +85,14 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
           "keras_sparse row update: arrays must be float32 [rows, dim]");
     }
     const auto shape = in->dimensions();
-    if (shape[1] != dim || (rows >= 0 && shape[0] != rows) ||
-        (*out)->dimensions()[0] != shape[0] || (*out)->dimensions()[1] != dim) {
+    const int64_t width = rule == 3 && i > 0 ? 1 : dim;
+    if (shape[1] != width || (rows >= 0 && shape[0] != rows) ||
+        (*out)->dimensions()[0] != shape[0] ||
+        (*out)->dimensions()[1] != width) {
       return ffi::Error::InvalidArgument(
-          "keras_sparse row update: the table and its slots must all be "
-          "[rows, " + std::to_string(dim) + "]");
+          "keras_sparse row update: the table must be [rows, " +
+          std::to_string(dim) + "] and its slots [rows, " +
+          std::to_string(rule == 3 ? 1 : dim) + "]");
     }
     rows = shape[0];
     float* target = (*out)->typed_data();
@@ -124,6 +130,9 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
     ks_sgd_rows_f32(data[0], touched, g, count, dim, k[0]);
   } else if (rule == 1) {
     ks_adagrad_rows_f32(data[0], data[1], touched, g, count, dim, k[0], k[1]);
+  } else if (rule == 3) {
+    ks_rowwise_adagrad_rows_f32(data[0], data[1], touched, g, count, dim, k[0],
+                                k[1]);
   } else {
     ks_adam_rows_f32(data[0], data[1], data[2], touched, g, count, dim, k[0],
                      k[1], k[2], k[3]);

@@ -44,7 +44,7 @@ REGISTER_OP("KerasSparseRowUpdate")
     .Input("grads: float")
     .Input("scalars: float")
     .Attr("N: int >= 1")
-    .Attr("rule: {'sgd', 'adagrad', 'adam'}")
+    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad'}")
     .Attr("first: int >= 0")
     .Attr("rows: int >= 1")
     .Output("updated: int64")
@@ -58,7 +58,7 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
-    const int wanted = rule_ == "sgd" ? 1 : rule_ == "adagrad" ? 2 : 3;
+    const int wanted = rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
     OP_REQUIRES(ctx, n_vars_ == wanted,
                 absl::InvalidArgumentError("KerasSparseRowUpdate: rule " +
                                            rule_ + " takes " +
@@ -81,7 +81,7 @@ class KerasSparseRowUpdateOp : public OpKernel {
             "[n, dim] do not fit: " + ids.shape().DebugString() + ", " +
             valid.shape().DebugString() + ", " + grads.shape().DebugString()));
     const int64_t dim = grads.dim_size(1);
-    const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adagrad" ? 2 : 4;
+    const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
     OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
                 absl::InvalidArgumentError("KerasSparseRowUpdate: scalars"));
 
@@ -102,16 +102,18 @@ class KerasSparseRowUpdateOp : public OpKernel {
       Tensor var;
       OP_REQUIRES_OK(ctx, tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
                               ctx, i, /*lock_held=*/true, /*sparse=*/true, &var));
+      // A row-wise rule's slots hold one value per row.
+      const int64_t width = rule_ == "rowwise_adagrad" && i > 0 ? 1 : dim;
       OP_REQUIRES(
           ctx,
           var.dtype() == tensorflow::DT_FLOAT && var.dims() == 2 &&
-              var.dim_size(1) == dim && var.dim_size(0) >= first_ + rows_,
+              var.dim_size(1) == width && var.dim_size(0) >= first_ + rows_,
           absl::InvalidArgumentError(
               "KerasSparseRowUpdate: variable " + std::to_string(i) + " " +
               var.shape().DebugString() + " does not hold rows [" +
               std::to_string(first_) + ", " + std::to_string(first_ + rows_) +
-              ") of width " + std::to_string(dim)));
-      arrays.push_back(var.flat<float>().data() + first_ * dim);
+              ") of width " + std::to_string(width)));
+      arrays.push_back(var.flat<float>().data() + first_ * width);
     }
     if (n == 0) return;
 
@@ -148,6 +150,9 @@ class KerasSparseRowUpdateOp : public OpKernel {
       ks_sgd_rows_f32(arrays[0], rows, g, count, dim, s[0]);
     } else if (rule_ == "adagrad") {
       ks_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0], s[1]);
+    } else if (rule_ == "rowwise_adagrad") {
+      ks_rowwise_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0],
+                                  s[1]);
     } else {
       ks_adam_rows_f32(arrays[0], arrays[1], arrays[2], rows, g, count, dim,
                        s[0], s[1], s[2], s[3]);

@@ -1,4 +1,5 @@
-"""The PyTorch CPU update of SGD, Adagrad and Adam rows in one compiled pass.
+"""The PyTorch CPU update of SGD, Adagrad, Adam and RowWiseAdagrad rows in one
+compiled pass.
 
 After the compiled dedup (`keras_sparse.ops.native_rows`), the torch route
 gathers the touched rows of the table and of each slot, runs the optimizer
@@ -9,7 +10,10 @@ one C loop reads each row, updates it and writes it back instead
 (`keras_sparse/kernels/cpu_rows.c`), with the torch route's operations in its order and
 a correctly rounded square root: it equals a NumPy float32 model of the
 optimizer to the bit, and the torch route, whose vectorized square root may
-round an ulp away, to within an ulp (tests/test_native_optimizers.py). The
+round an ulp away, to within an ulp (tests/test_native_optimizers.py);
+RowWiseAdagrad's mean of squares is summed in column order, which torch's
+vectorized mean need not follow, so there the two agree to float32
+rounding of that sum. The
 input stage's segments replace the dedup only, so a batch takes this pass
 with or without the stage. Under DistributedDataParallel every process
 must take the same route (the same compiler available, or
@@ -25,6 +29,7 @@ import numpy as np
 
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
+from keras_sparse.ops.optimizer_rules import slot_width
 
 #: Read at every update: False sends every optimizer down the torch route.
 FUSED_OPTIMIZERS = True
@@ -48,14 +53,16 @@ def fused_update(native, optimizer, state, unique, summed, iterations, constrain
     if set(state) != {"table", *slot_names}:
         return False
     tensors = [table, *(state[name] for name in slot_names)]
+    if table.dim() != 2:
+        return False
+    slot_shape = (table.shape[0], slot_width(rule, table.shape[1]))
     if (
         any(
             t.device.type != "cpu"
             or t.dtype != table.dtype
-            or t.shape != table.shape
-            or t.dim() != 2
+            or tuple(t.shape) != (tuple(table.shape) if i == 0 else slot_shape)
             or not t.is_contiguous()
-            for t in tensors
+            for i, t in enumerate(tensors)
         )
         or str(table.dtype) != "torch.float32"
     ):

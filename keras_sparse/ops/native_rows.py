@@ -20,6 +20,7 @@ import ctypes
 import numpy as np
 
 from keras_sparse.ops import native_build
+from keras_sparse.ops.optimizer_rules import slot_width
 
 SOURCE = "cpu_rows.c"
 # No -march=native: a cache shared by machines of different CPUs stays safe
@@ -50,6 +51,7 @@ class NativeRows:
             "sgd": (lib.ks_sgd_rows_f32, 1, [f32]),
             "adagrad": (lib.ks_adagrad_rows_f32, 2, [f32, f32]),
             "adam": (lib.ks_adam_rows_f32, 3, [f32] * 4),
+            "rowwise_adagrad": (lib.ks_rowwise_adagrad_rows_f32, 2, [f32, f32]),
         }
         for function, arrays, scalars in self._optimizer_rows.values():
             function.restype = None
@@ -129,21 +131,25 @@ class NativeRows:
         )  # fmt: skip
 
     def optimizer_rows(self, rule, arrays, rows, grads, scalars):
-        """Applies the optimizer ``rule`` ("sgd", "adagrad" or "adam", see
-        `keras_sparse/kernels/cpu_rows.c`) in place to ``rows`` (distinct int64, in
-        range) of ``arrays`` (the table, then the rule's slots: C-contiguous
-        float32 ``[num_rows, dim]``) from ``grads`` (``[len(rows), dim]``
-        float32), with the rule's float ``scalars``."""
+        """Applies the optimizer ``rule`` ("sgd", "adagrad", "adam" or
+        "rowwise_adagrad", see `keras_sparse/kernels/cpu_rows.c`) in place to
+        ``rows`` (distinct int64, in range) of ``arrays`` (the table, then the
+        rule's slots: C-contiguous float32 ``[num_rows, dim]``, or
+        ``[num_rows, 1]`` for a row-wise rule's slots) from ``grads``
+        (``[len(rows), dim]`` float32), with the rule's float ``scalars``."""
         function, count, names = self._optimizer_rows[rule]
         grads = np.ascontiguousarray(grads)
         rows = np.ascontiguousarray(rows)
         shape = arrays[0].shape
+        slot_shape = (shape[0], slot_width(rule, shape[-1])) if shape else ()
         if (
             len(arrays) != count
             or len(scalars) != len(names)
             or any(
-                a.dtype != np.float32 or a.shape != shape or not a.flags.c_contiguous
-                for a in arrays
+                a.dtype != np.float32
+                or a.shape != (shape if i == 0 else slot_shape)
+                or not a.flags.c_contiguous
+                for i, a in enumerate(arrays)
             )
             or len(shape) != 2
             or rows.dtype != np.int64
@@ -177,9 +183,9 @@ def compiled_cpu_helpers():
     On a CPU every backend runs the sparse update of a table as compiled
     code, built on first use with the system compiler and cached per
     user: PyTorch calls a small C library (the dedup, the gradient sums,
-    and SGD, Adagrad and Adam on the rows), TensorFlow one op of its own
-    and JAX one XLA custom call (the same C code, built against the
-    installed TensorFlow or jaxlib). Without a compiler each runs the same
+    and SGD, Adagrad, Adam and RowWiseAdagrad on the rows), TensorFlow one
+    op of its own and JAX one XLA custom call (the same C code, built
+    against the installed TensorFlow or jaxlib). Without a compiler each runs the same
     arithmetic as its own operations, about half as fast. Returns
     ``"on: <library path>"`` or ``"off: <reason>"`` for the current
     backend, building first if needed.
