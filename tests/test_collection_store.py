@@ -146,19 +146,26 @@ def test_config_round_trips_the_store(tmp_path):
     assert list(again.table_caches) == ["t"]
 
 
+_ONE_DEVICE = "`sharding`='row' is not available with `cache_rows` yet: use 'data'"
+
+
 @pytest.mark.parametrize(
     "table, collection, match",
     [
         ({"store": "host"}, {}, "`store`='host' needs `cache_rows`"),
-        ({"cache_rows": 101}, {}, r"`cache_rows` must be an integer in \[1, input_dim=100\]"),
+        ({"cache_rows": 101}, {}, r"`cache_rows` must be .* \[1, input_dim=100\]"),
         ({"cache_rows": 0}, {}, "`cache_rows` must be"),
         ({"cache_rows": 64, "store": "nowhere"}, {}, "`store`"),
-        ({"cache_rows": 64, "sharding": "row"}, {}, "`sharding`='row' is not available with `cache_rows` yet: use 'data' or 'auto'"),
-        ({"cache_rows": 64}, {"sharding": "table"}, "collection's `sharding`='table'.*sharding='data'"),
+        ({"cache_rows": 64, "sharding": "row"}, {}, _ONE_DEVICE),
+        ({"cache_rows": 64}, {"sharding": "table"}, "collection's `sharding`="),
         ({"cache_rows": 64}, {"optimizer": None}, "needs a sparse `optimizer`"),
-        ({"cache_rows": 64, "embeddings_initializer": "orthogonal"}, {}, "`embeddings_initializer`"),
+        (
+            {"cache_rows": 64, "embeddings_initializer": "orthogonal"},
+            {},
+            "`embeddings_initializer`",
+        ),
     ],
-)  # fmt: skip
+)
 def test_refusals_name_the_collection_table_and_argument(table, collection, match):
     collection = {"optimizer": "sgd", **collection}
     spec = {"input_dim": 100, "output_dim": 4, **table}
