@@ -3,7 +3,10 @@
 `AllToAllDenseEmbedding(input_dim, dim, cache_rows=C, store=...)` keeps the
 whole ``[input_dim, dim]`` table (values and optimizer slots) in a dense row
 store (`keras_sparse.store`: host memory or a file on disk) and only ``C``
-rows in its Keras variables: a cache of the ids trained lately.
+rows in its Keras variables: a cache of the ids trained lately. An
+`EmbeddingCollection` table of ``TableConfig(cache_rows=C, store=...)``
+does the same; both get their `CacheRows` from
+`keras_sparse.layers.row_storage.cache`.
 
 Design: composition. The dense layer holds a `CacheRows`, a
 `DistributedHashEmbedding` whose keys are the ids, over a dense store (LRU,

@@ -292,6 +292,13 @@ class EmbeddingCollection(keras.layers.Layer):
     ``sparse_iterations``, so a ``.keras`` file loads under any device count,
     grouping or strategy (`keras_sparse.sharding.load_model`).
 
+    A table with ``cache_rows`` (see `TableConfig`) is in no stack: it is a
+    cache of that many rows over a row store (``table_caches[name]``, built
+    by `keras_sparse.layers.row_storage.cache` as for
+    `AllToAllDenseEmbedding`), trained exactly as the same table without
+    a cache; ``stats(name)`` gives its counters, and `get_table`,
+    `set_table` and saves see its whole table (gathered in host memory).
+
     Example:
 
     >>> import numpy as np, keras_sparse as ks
