@@ -178,3 +178,52 @@ def test_stats_needs_a_cached_table():
     layer = ks.EmbeddingCollection({"t": ks.TableConfig(10, 2)}, optimizer="sgd")
     with pytest.raises(ValueError, match="table 't' has none"):
         layer.stats("t")
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="a Keras distribution (JAX)"
+)
+def test_a_distribution_over_several_devices_is_refused_at_build():
+    devices = keras.distribution.list_devices()[:2]
+    dist = keras.distribution.DataParallel(devices=devices)
+    with dist.scope():
+        layer = ks.EmbeddingCollection(
+            {"t": ks.TableConfig(100, 4, cache_rows=64), "u": ks.TableConfig(9, 4)},
+            optimizer="sgd",
+            name="f",
+        )
+        with pytest.raises(ValueError, match="over 2 devices") as info:
+            layer.build()
+    assert "Layer 'f' table 't'" in str(info.value)
+    assert not layer.weights  # refused before any variable
+
+
+def test_set_table_writes_the_store_and_empties_the_cache():
+    layer = ks.EmbeddingCollection(
+        {"t": ks.TableConfig(300, 3, cache_rows=64)}, optimizer="adagrad", name="f"
+    )
+    new = np.random.default_rng(0).normal(size=(300, 3)).astype("float32")
+    layer.set_table("t", new)  # builds the layer: its store opens at build
+    np.testing.assert_array_equal(layer.get_table("t"), new)
+    layer({"t": np.array([5, 299])}, training=True)
+    assert layer.stats("t")["size"] == 2
+    before = layer.get_table("t")
+    with pytest.raises(ValueError, match=r"table 't': `embeddings` must have shape"):
+        layer.set_table("t", new[:10])
+    np.testing.assert_array_equal(layer.get_table("t"), before)  # unchanged
+    state = {}
+    layer.save_own_variables(state)
+    state["t:slot_accumulator"] = np.full((300, 3), 0.7, "float32")
+    state["sparse_iterations"] = np.int32(9)
+    layer.load_own_variables(state)
+    assert layer.stats("t")["size"] == 0
+    assert int(np.asarray(layer.table_caches["t"].sparse_iterations)) == 9
+    layer({"t": np.array([5, 299])}, training=True)
+    layer.set_table("t", new)  # the values only: the slots stay
+    assert layer.stats("t")["size"] == 0
+    out = layer({"t": np.array([5, 299])}, training=False)["t"]
+    np.testing.assert_allclose(np.asarray(out), new[[5, 299]], rtol=1e-6)
+    state = {}
+    layer.save_own_variables(state)
+    np.testing.assert_array_equal(state["t:slot_accumulator"], np.float32(0.7))
+    np.testing.assert_array_equal(state["t:embeddings"], new)

@@ -677,6 +677,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 f"{list(self.tables)}."
             )
         if name in self.table_caches:  # the store's rows, the cached ones over them
+            if not self.built:
+                self.build()
             return self.table_caches[name].full_table()["values"]
         stack = self._stack_of(name)
         start = stack.offsets[name]
@@ -711,6 +713,8 @@ class EmbeddingCollection(keras.layers.Layer):
 
     def set_table(self, name, value):
         """Assigns table ``name``'s rows (``[input_dim, output_dim]``)."""
+        if name in self.table_caches and not self.built:
+            self.build()  # its store is opened at build
         self._assign_tables({name: {"embeddings": value}})
 
     def save_own_variables(self, store):
