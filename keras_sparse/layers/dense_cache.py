@@ -3,7 +3,10 @@
 `AllToAllDenseEmbedding(input_dim, dim, cache_rows=C, store=...)` keeps the
 whole ``[input_dim, dim]`` table (values and optimizer slots) in a dense row
 store (`keras_sparse.store`: host memory or a file on disk) and only ``C``
-rows in its Keras variables: a cache of the ids trained lately.
+rows in its Keras variables: a cache of the ids trained lately. An
+`EmbeddingCollection` table of ``TableConfig(cache_rows=C, store=...)``
+does the same; both get their `CacheRows` from
+`keras_sparse.layers.row_storage.cache`.
 
 Design: composition. The dense layer holds a `CacheRows`, a
 `DistributedHashEmbedding` whose keys are the ids, over a dense store (LRU,
@@ -64,12 +67,58 @@ _CONSTANT_INITS = (
 )
 
 
-def check_arguments(name, input_dim, cache_rows, store, optimizer, sharding, **refused):
-    """The store spec of a layer given ``cache_rows``; raises ValueError
-    naming the argument when the cache cannot keep the layer exact."""
+def check_arguments(
+    where, input_dim, cache_rows, store, optimizer, sharding, **refused
+):
+    """The store spec of a table given ``cache_rows``; raises ValueError
+    naming the argument when the cache cannot keep the table exact.
+    ``where``: how errors name the table ("Layer 'ids'")."""
+    check_cache_rows(where, input_dim, cache_rows, store)
+    check_optimizer(where, optimizer)
+    check_sharding(where, sharding)
+    for arg, value in refused.items():
+        if value:
+            raise ValueError(
+                f"{where}: `{arg}`={value!r} is not available with "
+                f"`cache_rows` (a table cached on the device trains with the "
+                f"layer's sparse optimizer only). Drop `{arg}` or `cache_rows`."
+            )
+    return store_spec(where, store)
+
+
+def check_optimizer(where, optimizer):
+    """Refuses ``optimizer=None`` (dense gradients) with ``cache_rows``."""
+    if optimizer is None:
+        raise ValueError(
+            f"{where}: `cache_rows` needs a sparse `optimizer` (e.g. "
+            "'adagrad'): the cached rows change ids as they are evicted, so "
+            "the layer updates them itself, not the model's optimizer. "
+            "Received: optimizer=None."
+        )
+
+
+def check_sharding(where, sharding):
+    """Refuses the strategies a cached table does not support yet."""
+    if sharding not in ("auto", "data"):
+        raise ValueError(
+            f"{where}: `sharding`={sharding!r} is not available with "
+            "`cache_rows` yet: use 'data' or 'auto' (one device)."
+        )
+
+
+def store_spec(where, store):
+    """The `keras_sparse.store` spec ``store`` names ("host" when None)."""
     from keras_sparse import store as row_stores
 
-    where = f"Layer '{name}'"
+    try:
+        return row_stores.get("host" if store is None else store)
+    except ValueError as e:
+        raise ValueError(f"{where}: `store`: {e}") from None
+
+
+def check_cache_rows(where, input_dim, cache_rows, store):
+    """Raises ValueError unless ``cache_rows`` is an int in [1, input_dim]
+    (a ``store`` needs one)."""
     if cache_rows is None:
         raise ValueError(
             f"{where}: `store`={store!r} needs `cache_rows` (the rows the "
@@ -84,32 +133,9 @@ def check_arguments(name, input_dim, cache_rows, store, optimizer, sharding, **r
             f"{where}: `cache_rows` must be an integer in [1, input_dim="
             f"{input_dim}]. Received: cache_rows={cache_rows!r}."
         )
-    if optimizer is None:
-        raise ValueError(
-            f"{where}: `cache_rows` needs a sparse `optimizer` (e.g. "
-            "'adagrad'): the cached rows change ids as they are evicted, so "
-            "the layer updates them itself, not the model's optimizer. "
-            "Received: optimizer=None."
-        )
-    if sharding not in ("auto", "data"):
-        raise ValueError(
-            f"{where}: `sharding`={sharding!r} is not available with "
-            "`cache_rows` yet: use 'data' or 'auto' (one device)."
-        )
-    for arg, value in refused.items():
-        if value:
-            raise ValueError(
-                f"{where}: `{arg}`={value!r} is not available with "
-                f"`cache_rows` (a table cached on the device trains with the "
-                f"layer's sparse optimizer only). Drop `{arg}` or `cache_rows`."
-            )
-    try:
-        return row_stores.get("host" if store is None else store)
-    except ValueError as e:
-        raise ValueError(f"{where}: `store`: {e}") from None
 
 
-def check_initializer(name, initializer):
+def check_initializer(where, initializer):
     """Refuses initializers with no per-id form (their values for one chunk
     would depend on the chunk)."""
     if per_key(initializer) or (
@@ -117,7 +143,7 @@ def check_initializer(name, initializer):
     ):
         return
     raise ValueError(
-        f"Layer '{name}': with `cache_rows` the table is initialized chunk by "
+        f"{where}: with `cache_rows` the table is initialized chunk by "
         "chunk, each id's row a function of (seed, id): "
         "`embeddings_initializer` must be RandomUniform, RandomNormal, "
         "TruncatedNormal, a VarianceScaling initializer (Glorot, He, Lecun) "
@@ -145,25 +171,44 @@ class CacheRows(DistributedHashEmbedding):
     # look for hash layers fed by model inputs; this one is fed by its owner.
     keras_sparse_kind = "dense_cache"
 
-    def __init__(self, owner, cache_rows, spec):
+    def __init__(
+        self,
+        label,
+        input_dim,
+        output_dim,
+        cache_rows,
+        spec,
+        *,
+        combiner,
+        optimizer,
+        initializer,
+        regularizer,
+        constraint,
+        dtype,
+        name,
+        store_name,
+    ):
         super().__init__(
-            owner.output_dim,
+            output_dim,
             capacity=int(cache_rows),
-            combiner=owner.combiner,
-            optimizer=owner.sparse_optimizer,
+            combiner=combiner,
+            optimizer=optimizer,
             # Never drawn: a dense store fills every fresh row.
             embeddings_initializer="zeros",
-            embeddings_regularizer=owner.embeddings_regularizer,
+            embeddings_regularizer=regularizer,
             eviction="lru",
             sharding="data",
-            name=f"{owner.name}_cache",
-            dtype=owner.dtype_policy,
+            name=name,
+            dtype=dtype,
         )
-        self.embeddings_constraint = owner.embeddings_constraint
-        self.owner_name = owner.name
-        self.input_dim = owner.input_dim
+        self.embeddings_constraint = constraint
+        # Errors read "Layer '{owner_name}': ...".
+        self.owner_name = label
+        self.input_dim = input_dim
         self.spec = spec
-        self.store_initializer = owner.embeddings_initializer
+        # The store's folder name (under a `Disk` spec's path).
+        self.store_name = store_name
+        self.store_initializer = initializer
 
     def build(self, input_shape=None):
         built = self.built
@@ -316,7 +361,7 @@ def _dense_tier(mapper):
         fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
     init = initial_rows(mapper, fields)
     store = mapper.spec.open_dense(
-        tuple(fields), mapper.input_dim, init, name=mapper.owner_name
+        tuple(fields), mapper.input_dim, init, name=mapper.store_name
     )
     # No `set_held_keys`: every id is admitted at first sight anyway (LRU,
     # admit_after=1), and a dense store holds every id.
@@ -330,7 +375,7 @@ def initial_rows(mapper, fields):
     ``[input_dim, dim]`` table), a constant's value otherwise; slots: their
     initial values."""
     init = mapper.store_initializer
-    check_initializer(mapper.owner_name, init)
+    check_initializer(f"Layer '{mapper.owner_name}'", init)
     dim, num_rows = mapper.output_dim, mapper.input_dim
     values_dtype = next(f.dtype for f in fields if f.name == VALUES)
     seed = getattr(init, "seed", None)

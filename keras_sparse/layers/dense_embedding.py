@@ -5,12 +5,14 @@ import numpy as np
 from keras import ops
 
 from keras_sparse.backend_utils import is_tf_ragged
+from keras_sparse.layers import dense_cache
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
+from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 
 
@@ -153,10 +155,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         _check_positive_int(name, "output_dim", output_dim)
         store_spec = None
         if cache_rows is not None or store is not None:
-            from keras_sparse.layers import dense_cache
-
             store_spec = dense_cache.check_arguments(
-                name, input_dim, cache_rows, store, optimizer, sharding,
+                f"Layer '{name}'", input_dim, cache_rows, store, optimizer, sharding,
                 mask_zero=mask_zero, lora_rank=lora_rank,
                 quantization_config=quantization_config,
             )  # fmt: skip
@@ -188,11 +188,25 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         self.store = store_spec
         self.row_cache = None
         if store_spec is not None:
-            from keras_sparse.layers import dense_cache
-
-            dense_cache.check_initializer(self.name, self.embeddings_initializer)
+            dense_cache.check_initializer(
+                f"Layer '{self.name}'", self.embeddings_initializer
+            )
             # The cache's variables, id map and store (built with the layer).
-            self.row_cache = dense_cache.CacheRows(self, cache_rows, store_spec)
+            self.row_cache = cached_rows.cached_table(
+                self.name,
+                self.input_dim,
+                self.output_dim,
+                cache_rows,
+                store_spec,
+                combiner=self.combiner,
+                optimizer=self.sparse_optimizer,
+                initializer=self.embeddings_initializer,
+                regularizer=self.embeddings_regularizer,
+                constraint=self.embeddings_constraint,
+                dtype=self.dtype_policy,
+                name=f"{self.name}_cache",
+                store_name=self.name,
+            )
             # Host callbacks: no XLA in TensorFlow graphs, eager torch steps.
             self.supports_jit = keras.backend.backend() == "jax"
         # JAX without x64 wraps int64 ids in fit/evaluate/predict batches;
@@ -233,10 +247,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if self.built:
             return
         if self.row_cache is not None:
-            from keras_sparse.layers import dense_cache
-
-            dense_cache.check_one_device(self.name)
-            self.row_cache.build(input_shape)
+            cached_rows.build(self.row_cache, input_shape)
             self.built = True
             return
         if self.quantization_mode:  # Keras's int8/int4 variables

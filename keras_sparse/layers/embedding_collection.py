@@ -16,8 +16,8 @@ import numpy as np
 from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
+from keras_sparse import store as row_stores
 from keras_sparse.backend_utils import is_symbolic
-from keras_sparse.cpu_allocator import back_with_huge_pages
 from keras_sparse.layers import atomic_save
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
@@ -25,8 +25,9 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_fields
 from keras_sparse.layers.arguments import check_known
-from keras_sparse.layers.dedup_scratch import add_dedup_scratch
 from keras_sparse.layers.record_checks import checked_step_count
+from keras_sparse.layers.row_storage import cache as cached_rows
+from keras_sparse.layers.row_storage import variables as row_variables
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
@@ -60,6 +61,18 @@ class TableConfig:
             "column"; used by `keras_sparse.plan` / `keras_sparse.distribution`
             (JAX) and at build under a MirroredStrategy or torch.distributed
             processes.
+        cache_rows: None (the table lives in the collection's variables) or
+            an int in ``[1, input_dim]``: the device then holds that many
+            rows (values and slots), a cache of the ids trained lately, and
+            the whole table lives in ``store``, as with
+            `AllToAllDenseEmbedding`'s ``cache_rows``. Needs the
+            collection's sparse ``optimizer``, one device ("auto" or "data"
+            sharding) and a per-id ``embeddings_initializer`` (random or
+            constant). Training is exact.
+        store: where the whole table lives with ``cache_rows``: "host"
+            (default), ``keras_sparse.store.Host()`` or
+            ``keras_sparse.store.Disk(path)`` (the table's files go to
+            ``path/<collection name>/<table name>``).
 
     Example:
 
@@ -75,6 +88,8 @@ class TableConfig:
         combiner=None,
         embeddings_initializer="uniform",
         sharding="auto",
+        cache_rows=None,
+        store=None,
     ):
         where = "TableConfig"
         _check_positive_int(where, "input_dim", input_dim)
@@ -86,9 +101,21 @@ class TableConfig:
         self.combiner = combiner
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.sharding = sharding
+        self.cache_rows = None
+        self.store = None
+        if cache_rows is not None or store is not None:
+            self.store = cached_rows.check_table(
+                where,
+                self.input_dim,
+                cache_rows,
+                store,
+                sharding,
+                self.embeddings_initializer,
+            )
+            self.cache_rows = int(cache_rows)
 
     def get_config(self):
-        return {
+        config = {
             "input_dim": self.input_dim,
             "output_dim": self.output_dim,
             "combiner": self.combiner,
@@ -97,6 +124,10 @@ class TableConfig:
             ),
             "sharding": self.sharding,
         }
+        if self.cache_rows is not None:
+            config["cache_rows"] = self.cache_rows
+            config["store"] = row_stores.serialize(self.store)
+        return config
 
     @classmethod
     def from_config(cls, config):
@@ -106,7 +137,13 @@ class TableConfig:
         return (
             f"TableConfig(input_dim={self.input_dim}, output_dim="
             f"{self.output_dim}, combiner={self.combiner!r}, "
-            f"sharding={self.sharding!r})"
+            f"sharding={self.sharding!r}"
+            + (
+                ""
+                if self.cache_rows is None
+                else f", cache_rows={self.cache_rows}, store={self.store!r}"
+            )
+            + ")"
         )
 
 
@@ -189,6 +226,8 @@ _TABLE_FIELDS = (
     "combiner",
     "embeddings_initializer",
     "sharding",
+    "cache_rows",
+    "store",
 )
 
 
@@ -253,6 +292,13 @@ class EmbeddingCollection(keras.layers.Layer):
     ``sparse_iterations``, so a ``.keras`` file loads under any device count,
     grouping or strategy (`keras_sparse.sharding.load_model`).
 
+    A table with ``cache_rows`` (see `TableConfig`) is in no stack: it is a
+    cache of that many rows over a row store (``table_caches[name]``, built
+    by `keras_sparse.layers.row_storage.cache` as for
+    `AllToAllDenseEmbedding`), trained exactly as the same table without
+    a cache; ``stats(name)`` gives its counters, and `get_table`,
+    `set_table` and saves see its whole table (gathered in host memory).
+
     Example:
 
     >>> import numpy as np, keras_sparse as ks
@@ -310,15 +356,55 @@ class EmbeddingCollection(keras.layers.Layer):
         self.stacks = []
         self._stack_tables = {}
         self._stack_slots = {}
+        # Tables with ``cache_rows``: a cache over a row store each (not in
+        # a stack), built by `keras_sparse.layers.row_storage.cache`.
+        self.table_caches = self._table_caches()
+        if self.table_caches and keras.backend.backend() != "jax":
+            # Host callbacks: no XLA in TensorFlow graphs, eager torch steps.
+            self.supports_jit = False
         # JAX without x64: int64 ids beyond int32 are refused before a step.
         jax_full_keys.install()
         # Saves of models holding this layer replace their file atomically.
         atomic_save.install()
 
+    def _table_caches(self):
+        """``{name: CacheRows}`` of the tables with ``cache_rows``."""
+        caches = {}
+        for name, config in self.tables.items():
+            if config.cache_rows is None:
+                continue
+            where = f"Layer '{self.name}', table '{name}'"
+            cached_rows.check_layer(where, self.sparse_optimizer)
+            if config.sharding == "auto" and self.sharding not in ("auto", "data"):
+                raise ValueError(
+                    f"{where}: the collection's `sharding`={self.sharding!r} "
+                    "applies to this table, which has `cache_rows`: not "
+                    "available yet. Give the table sharding='data' (one "
+                    "device) or drop its `cache_rows`."
+                )
+            caches[name] = cached_rows.cached_table(
+                f"{self.name}' table '{name}",
+                config.input_dim,
+                config.output_dim,
+                config.cache_rows,
+                config.store,
+                combiner=config.combiner,
+                optimizer=self.sparse_optimizer,
+                initializer=config.embeddings_initializer,
+                dtype=self.dtype_policy,
+                name=f"{self.name}_{name}_cache",
+                store_name=f"{self.name}/{name}",
+            )
+        return caches
+
     # ------------------------------------------------------------- helpers
     @property
     def uses_sparse_update(self):
         return self.sparse_optimizer is not None
+
+    def _stacked_tables(self):
+        """The configs of the tables held in stacks (no ``cache_rows``)."""
+        return {n: c for n, c in self.tables.items() if n not in self.table_caches}
 
     def table_sharding(self, name):
         """Table ``name``'s own strategy, else the collection's."""
@@ -341,17 +427,15 @@ class EmbeddingCollection(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
+        # First: a cached table refuses a distribution before any variable.
+        for cache in self.table_caches.values():
+            cached_rows.build(cache)
         hooks = placement.provider()
         where, devices = hooks.collection_placement(self)
-        self.stacks = hooks.collection_stacks(self.tables, where, devices)
+        self.stacks = hooks.collection_stacks(self._stacked_tables(), where, devices)
         # TensorFlow replicas / PyTorch processes: each holds its part of a
         # sharded stack (`keras_sparse.sharding.process_stacks`).
         hooks.place_stacks(self, self.stacks)
-        sparse = self.uses_sparse_update
-        # As in SparseEmbeddingBase.build: on JAX the updated stack travels
-        # back as its "gradient" (overwrite_with_gradient); elsewhere the
-        # backward pass writes the variables itself.
-        on_jax = keras.backend.backend() == "jax"
         for stack in self.stacks:
             parts = [
                 (
@@ -363,55 +447,29 @@ class EmbeddingCollection(keras.layers.Layer):
             ]
             initializer = StackInitializer(parts, stack.dim)
             assign = _assigns_stacks_in_place()
-            table = hooks.add_stack_weight(
+
+            def add(is_table, stack=stack, init=initializer, assign=assign, **kwargs):
+                variable = hooks.add_stack_weight(self, stack, is_table, **kwargs)
+                if is_table and assign:
+                    init.assign_to(variable)
+                return variable
+
+            table, slots = row_variables.add_table(
                 self,
-                stack,
-                True,
-                shape=(stack.rows, stack.dim),
-                initializer="zeros" if assign else initializer,
-                trainable=(not sparse) or on_jax,
-                autocast=False,
+                add,
+                stack.rows,
+                stack.dim,
+                "zeros" if assign else initializer,
                 name=stack.name,
+                slot_prefix=f"{stack.name}_",
+                scratch_name=f"{stack.name}_scratch",
             )
-            if assign:
-                initializer.assign_to(table)
-            slots = {}
-            if sparse:
-                table.overwrite_with_gradient = on_jax
-                for spec in self.sparse_optimizer.slot_specs():
-                    slot = hooks.add_stack_weight(
-                        self,
-                        stack,
-                        False,
-                        shape=spec.shape(stack.rows, stack.dim),
-                        initializer=spec.initializer(),
-                        trainable=on_jax,
-                        autocast=False,
-                        name=f"{stack.name}_{spec.name}",
-                    )
-                    slot.overwrite_with_gradient = on_jax
-                    slots[spec.name] = slot
-                add_dedup_scratch(self, table, stack.rows, f"{stack.name}_scratch")
-                back_with_huge_pages([table, *slots.values()])
             self._stack_tables[stack.name] = table
             self._stack_slots[stack.name] = slots
-        if sparse:
-            self.sparse_iterations = self.add_weight(
-                shape=(),
-                initializer="zeros",
-                dtype="int32",
-                trainable=False,
-                name="sparse_iterations",
-            )
-            if not on_jax:
-                # One anchor for every stack: each lookup's backward still
-                # runs (TF/torch call every custom gradient of an input).
-                self.sparse_anchor = self.add_weight(
-                    shape=(),
-                    initializer="zeros",
-                    trainable=True,
-                    name="sparse_update_anchor",
-                )
+        if self.uses_sparse_update:
+            # One counter (and off JAX one anchor) for every stack: each
+            # lookup's backward still runs.
+            row_variables.add_step_counter(self)
         self.built = True
 
     # ---------------------------------------------------------------- call
@@ -449,8 +507,18 @@ class EmbeddingCollection(keras.layers.Layer):
         self._check_names("inputs", inputs, required=True)
         weights = {} if weights is None else weights
         self._check_names("weights", weights, required=False)
-        prepared = {}
-        for name, config in self.tables.items():
+        prepared, outputs = {}, {}
+        for name, cache in self.table_caches.items():
+            # The cache maps ids to its rows, looks them up and trains them
+            # (as `AllToAllDenseEmbedding` with ``cache_rows`` does).
+            ids = input_forms.cast_float_ids(
+                f"{self.name}' table '{name}", inputs[name]
+            )
+            out = cache(
+                ids, *([weights[name]] if name in weights else []), training=training
+            )
+            outputs[name] = ops.cast(out, self.compute_dtype)
+        for name, config in self._stacked_tables().items():
             # Errors read "Layer 'features' table 'user': ...".
             label = f"{self.name}' table '{name}"
             prepared[name] = input_forms.fixed_vocabulary_ids(
@@ -461,7 +529,6 @@ class EmbeddingCollection(keras.layers.Layer):
                 config.combiner,
             )
         iterations = sparse_step(self, training)
-        outputs = {}
         for stack in self.stacks:
             sums = self._bag_sums(stack, prepared, training, iterations)
             if sums is not None:
@@ -609,13 +676,45 @@ class EmbeddingCollection(keras.layers.Layer):
                 f"Layer '{self.name}': no table {name!r}; the tables are "
                 f"{list(self.tables)}."
             )
+        if name in self.table_caches:  # the store's rows, the cached ones over them
+            if not self.built:
+                self.build()
+            return self.table_caches[name].full_table()["values"]
         stack = self._stack_of(name)
         start = stack.offsets[name]
         value = self._whole(stack, self._stack_tables[stack.name])
         return value[start : start + self.tables[name].input_dim]
 
+    def stats(self, name):
+        """The counters of table ``name``'s cache (a table with
+        ``cache_rows``), as `AllToAllDenseEmbedding.stats` gives them."""
+        if name not in self.table_caches:
+            raise ValueError(
+                f"Layer '{self.name}': stats() reports the counters of a "
+                f"cached table; table {name!r} has none (the tables with "
+                f"`cache_rows` are {list(self.table_caches)})."
+            )
+        if not self.built:
+            self.build()
+        return self.table_caches[name].stats()
+
+    def _cached_entries(self, name):
+        """``{saved entry: field of the full table}`` of cached table
+        ``name``: the entries of the same table without a cache."""
+        entries = {"embeddings": "values"}
+        entries.update({f"slot_{k}": k for k in self.table_caches[name].slots})
+        return entries
+
+    def _entries(self, name):
+        """The saved entries of table ``name`` (without the table prefix)."""
+        if name in self.table_caches:
+            return list(self._cached_entries(name))
+        return list(self._named_stack_variables(self._stack_of(name)))
+
     def set_table(self, name, value):
         """Assigns table ``name``'s rows (``[input_dim, output_dim]``)."""
+        if name in self.table_caches and not self.built:
+            self.build()  # its store is opened at build
         self._assign_tables({name: {"embeddings": value}})
 
     def save_own_variables(self, store):
@@ -627,6 +726,11 @@ class EmbeddingCollection(keras.layers.Layer):
                     start = stack.offsets[name]
                     rows = self.tables[name].input_dim
                     store[f"{name}:{var_name}"] = value[start : start + rows]
+        for name, cache in self.table_caches.items():
+            # The whole table (gathered in host memory), as a stack's table.
+            table = cache.full_table()
+            for entry, field in self._cached_entries(name).items():
+                store[f"{name}:{entry}"] = table[field]
         if self.uses_sparse_update:
             store["sparse_iterations"] = self.sparse_iterations.numpy()
 
@@ -634,9 +738,7 @@ class EmbeddingCollection(keras.layers.Layer):
         # Every entry the layer needs, or nothing is loaded (as Keras refuses
         # a file with missing variables).
         needed = [
-            f"{name}:{var_name}"
-            for name in self.tables
-            for var_name in self._named_stack_variables(self._stack_of(name))
+            f"{name}:{entry}" for name in self.tables for entry in self._entries(name)
         ]
         if self.uses_sparse_update:
             needed.append("sparse_iterations")
@@ -653,21 +755,35 @@ class EmbeddingCollection(keras.layers.Layer):
             iterations = checked_step_count(
                 self.name, store["sparse_iterations"], self.sparse_iterations
             )
-        values = {}
-        for name in self.tables:
-            stack = self._stack_of(name)
-            values[name] = {
-                var_name: store[f"{name}:{var_name}"]
-                for var_name in self._named_stack_variables(stack)
-            }
+        values = {
+            name: {entry: store[f"{name}:{entry}"] for entry in self._entries(name)}
+            for name in self.tables
+        }
         self._assign_tables(values)
         if iterations is not None:
             self.sparse_iterations.assign(iterations)
+            for cache in self.table_caches.values():
+                cache.sparse_iterations.assign(iterations)
 
     def _assign_tables(self, values):
         """``values``: ``{table: {"embeddings"|"slot_<name>": array}}``.
 
         Every shape is checked before any variable changes."""
+        cached = {}
+        for name, cache in self.table_caches.items():
+            if name not in values:
+                continue
+            fields = self._cached_entries(name)
+            widths = {"values": self.tables[name].output_dim}
+            widths.update({k: int(v.shape[1]) for k, v in cache.slots.items()})
+            for var_name, value in values[name].items():
+                want = (self.tables[name].input_dim, widths[fields[var_name]])
+                if np.shape(value) != want:
+                    raise ValueError(
+                        f"Layer '{self.name}', table '{name}': `{var_name}` "
+                        f"must have shape {want}; received {np.shape(value)}."
+                    )
+            cached[name] = {fields[k]: v for k, v in values[name].items()}
         updates = []
         for stack in self.stacks:
             todo = [n for n in stack.tables if n in values]
@@ -692,6 +808,12 @@ class EmbeddingCollection(keras.layers.Layer):
                 updates.append((stack, variable, full))
         for stack, variable, full in updates:
             placement.provider().assign_stack_value(stack, variable, full)
+        for name, fields in cached.items():
+            # Into the store; the cache is emptied (ids refill when trained).
+            cache = self.table_caches[name]
+            table = cache.full_table() if len(fields) < len(cache.slots) + 1 else {}
+            table.update(fields)
+            cache.write_table(table)
 
     def quantize(self, mode=None, **kwargs):
         raise NotImplementedError(

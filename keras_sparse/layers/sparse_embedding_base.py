@@ -10,12 +10,11 @@ from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse.backend_utils import is_symbolic
-from keras_sparse.cpu_allocator import back_with_huge_pages
 from keras_sparse.layers import atomic_save
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
-from keras_sparse.layers.dedup_scratch import add_dedup_scratch
 from keras_sparse.layers.dedup_scratch import scratch_segments
+from keras_sparse.layers.row_storage import variables as row_variables
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.ops import dense_row_updates
@@ -93,12 +92,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.built = True
 
     def _build_table(self):
-        """The table variable (plus, with a sparse optimizer, its slots)."""
-        sparse = self.uses_sparse_update
-        # On JAX the updated table travels back as the table's "gradient" and
-        # the Keras optimizer assigns it (overwrite_with_gradient); elsewhere
-        # the backward pass writes the variables itself.
-        on_jax = keras.backend.backend() == "jax"
+        """The table variable (plus, with a sparse optimizer, its slots and
+        step counter: `keras_sparse.layers.row_storage.variables`)."""
         hooks = placement.provider()
         # --- keras_sparse.sharding hooks: on TensorFlow and PyTorch a sharded
         # table is built holding this device's part; row-sharded tables whose
@@ -109,54 +104,22 @@ class SparseEmbeddingBase(keras.layers.Layer):
         rows = hooks.variable_rows(self)
         # Columns of this device's part (column-sharded across processes).
         self._variable_dim = hooks.variable_dim(self)
-        table = hooks.add_state_weight(
+        sparse = self.uses_sparse_update
+        table, slots = row_variables.add_table(
             self,
-            True,
-            shape=(rows, self._variable_dim),
-            initializer=hooks.table_initializer(self, rows),
+            lambda is_table, **kwargs: hooks.add_state_weight(self, is_table, **kwargs),
+            rows,
+            self._variable_dim,
+            hooks.table_initializer(self, rows),
+            name="embeddings",
             regularizer=None if sparse else self.embeddings_regularizer,
             constraint=None if sparse else self.embeddings_constraint,
-            trainable=(not sparse) or on_jax,
-            autocast=False,
-            name="embeddings",
         )
+        for name, slot in slots.items():
+            self.slots[name] = slot
         if sparse:
-            self._build_sparse_state(on_jax, rows, table)
+            row_variables.add_step_counter(self)
         return table
-
-    def _build_sparse_state(self, on_jax, rows, table):
-        """Slots, step counter (and off JAX an anchor) beside ``table``."""
-        table.overwrite_with_gradient = on_jax
-        hooks = placement.provider()
-        for spec in self.sparse_optimizer.slot_specs():
-            slot = hooks.add_state_weight(
-                self,
-                False,
-                shape=spec.shape(rows, self._variable_dim),
-                initializer=spec.initializer(),
-                trainable=on_jax,
-                autocast=False,
-                name=spec.name,
-            )
-            slot.overwrite_with_gradient = on_jax
-            self.slots[spec.name] = slot
-        add_dedup_scratch(self, table, rows, "dedup_scratch")
-        back_with_huge_pages([table, *self.slots.values()])
-        self.sparse_iterations = self.add_weight(
-            shape=(),
-            initializer="zeros",
-            dtype="int32",
-            trainable=False,
-            name="sparse_iterations",
-        )
-        self.sparse_anchor = None
-        if not on_jax:
-            self.sparse_anchor = self.add_weight(
-                shape=(),
-                initializer="zeros",
-                trainable=True,
-                name="sparse_update_anchor",
-            )
 
     # ---------------------------------------------------------------- lookup
     def lookup_rows(

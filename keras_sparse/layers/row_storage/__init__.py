@@ -1,0 +1,23 @@
+"""Row storage: where a table's rows live, built in one place.
+
+Every keras_sparse table keeps its rows in one of two ways, and both are
+built by this package, for every layer kind:
+
+- on the device, in Keras variables: the values, the sparse optimizer's
+  slots, a dedup scratch, and the layer's step counter
+  (`keras_sparse.layers.row_storage.variables`): the tables of
+  `AllToAllDenseEmbedding`, `DistributedHashEmbedding` (through
+  `SparseEmbeddingBase`), the stacks of `EmbeddingCollection`;
+- with ``cache_rows``, a cache of that many rows in such variables over a
+  row store holding the whole table (`keras_sparse.layers.row_storage.cache`,
+  the cache itself being `keras_sparse.layers.dense_cache.CacheRows`): a
+  fixed-vocabulary table of `AllToAllDenseEmbedding` or of
+  `EmbeddingCollection`, with the same arguments, checks and exactness.
+
+The hash layer's own store of evicted keys (``store=`` of
+`DistributedHashEmbedding`) is attached by that layer
+(`keras_sparse.layers.row_tier`).
+
+This package imports nothing on purpose: ``variables`` sits below the layer
+classes, ``cache`` above the hash layer it builds on.
+"""

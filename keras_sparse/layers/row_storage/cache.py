@@ -1,0 +1,69 @@
+"""A fixed-vocabulary table of ``cache_rows`` rows over a row store.
+
+The one builder of cached tables (see `keras_sparse.layers.row_storage`):
+`AllToAllDenseEmbedding(cache_rows=, store=)` and an `EmbeddingCollection`
+table of ``TableConfig(cache_rows=, store=)`` each get a
+`keras_sparse.layers.dense_cache.CacheRows` from `cached_table`, checked by
+the same rules (`check_table`, `check_layer`) and built by `build`.
+"""
+
+from keras_sparse.layers import dense_cache
+
+
+def check_table(where, input_dim, cache_rows, store, sharding, initializer):
+    """The store spec of a table's ``cache_rows``/``store`` (what the table
+    alone decides); raises ValueError naming ``where`` and the argument."""
+    dense_cache.check_cache_rows(where, input_dim, cache_rows, store)
+    dense_cache.check_sharding(where, sharding)
+    dense_cache.check_initializer(where, initializer)
+    return dense_cache.store_spec(where, store)
+
+
+def check_layer(where, optimizer):
+    """What a cached table needs of the layer owning it: a sparse
+    optimizer (its cached rows change ids, so the layer updates them)."""
+    dense_cache.check_optimizer(where, optimizer)
+
+
+def cached_table(
+    label,
+    input_dim,
+    output_dim,
+    cache_rows,
+    spec,
+    *,
+    combiner,
+    optimizer,
+    initializer,
+    dtype,
+    name,
+    store_name,
+    regularizer=None,
+    constraint=None,
+):
+    """The `CacheRows` of a ``[input_dim, output_dim]`` table: ``cache_rows``
+    rows in its variables, the whole table in a dense store opened from
+    ``spec`` (named ``store_name`` under a `Disk` path) when built.
+    ``label`` names the table in errors ("Layer '{label}': ...")."""
+    return dense_cache.CacheRows(
+        label,
+        int(input_dim),
+        int(output_dim),
+        int(cache_rows),
+        spec,
+        combiner=combiner,
+        optimizer=optimizer,
+        initializer=initializer,
+        regularizer=regularizer,
+        constraint=constraint,
+        dtype=dtype,
+        name=name,
+        store_name=store_name,
+    )
+
+
+def build(cache, input_shape=None):
+    """Builds ``cache`` (its variables, then its store, filled from the
+    table's initializer); refuses a distribution over several devices."""
+    dense_cache.check_one_device(cache.owner_name)
+    cache.build(input_shape)
