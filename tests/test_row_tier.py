@@ -106,7 +106,10 @@ def test_padding_is_not_read_from_the_store():
     keys, target = _batches(3)
     model, layer = _model(64, "host", "lru", "adagrad", 1)
     model.fit(keys, target, batch_size=BATCH, shuffle=False, verbose=0)
-    stored = next(layer.row_tier.store.chunks())[0][:4]
+    # Keys without a row (the raw store also keeps stale copies of keys
+    # the table holds).
+    records = layer.export(include_rows=True)
+    stored = records["keys"][records["rows"] == -1][:4]
     assert len(stored) == 4
     batch = np.stack([stored, stored], axis=1)
     weights = np.array([[1.0, 0.0]] * 4, "float32")  # the second column pads
@@ -144,3 +147,42 @@ def test_a_failing_store_says_to_restore_from_a_checkpoint():
     # The first step that evicts a key fails (compiled steps wrap the error).
     with pytest.raises(Exception, match="restore the model from a checkpoint"):
         model.fit(keys[64:], target[64:], batch_size=BATCH, shuffle=False, verbose=0)
+
+
+def test_a_key_filled_from_the_store_keeps_a_stale_copy_no_reader_sees():
+    # A fill leaves the key's stored row in place (no erase on the step's
+    # path); the table's row wins until the key's write-back overwrites it.
+    keys, target = _batches(0)
+    full, full_layer = _model(4096, None, "lru", "adagrad", 1)
+    cached, layer = _model(64, "host", "lru", "adagrad", 1)
+    for model in (full, cached):
+        model.fit(keys, target, batch_size=BATCH, shuffle=False, verbose=0)
+    store = layer.row_tier.store
+    raw = np.concatenate([k for k, _ in store.chunks()])
+    table_keys = keras.ops.convert_to_numpy(layer.table.export()[0])
+    both = np.intersect1d(raw, table_keys)
+    assert both.size >= 1  # keys in the table and in the store
+    want = _records(full_layer)
+    at = np.searchsorted(want["keys"], both)
+    _, stale = store.read(both)
+    # Their stored copies are older than the trained rows...
+    assert not np.allclose(stale["values"], want["values"][at], atol=1e-6)
+    # ...and no reader takes them: exports list each key once, with the
+    # trained row; the store size leaves them out; read-only calls agree.
+    records = layer.export(include_rows=True)
+    assert np.unique(records["keys"]).size == records["keys"].size
+    got = _records(layer)
+    np.testing.assert_array_equal(got["keys"], want["keys"])
+    np.testing.assert_allclose(got["values"], want["values"], rtol=1e-5, atol=1e-6)
+    assert layer.stats()["store_size"] == raw.size - both.size
+    probe = np.repeat(both[:, None], FIELDS, axis=1)
+    np.testing.assert_allclose(
+        cached.predict(probe, verbose=0), full.predict(probe, verbose=0),
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
+    # A key without a row: its stored copy is its trained row.
+    gone = np.setdiff1d(raw, table_keys)
+    found, rows = store.read(gone)
+    assert found.all()
+    at = np.searchsorted(want["keys"], gone)
+    np.testing.assert_allclose(rows["values"], want["values"][at], rtol=1e-5, atol=1e-6)

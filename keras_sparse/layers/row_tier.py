@@ -12,10 +12,14 @@ the rows' current values (an earlier step of the input stage's look-ahead
 may still update them). Each training table call records a `MovePlan`; the
 step that trains its batch pops it (`RowTier.move`): first every evicted
 key is written back from the rows it left (their values before this step),
-then every fresh row whose key the store holds is filled from it (and the
-key leaves the store: a key lives in the table or in the store, never
-both). Plans are consumed in the order the calls made them, which is the
-order of the steps, with or without `keras_sparse.data.prefetch`; a step
+then every fresh row whose key the store holds is filled from it. The
+key's stored copy stays (no erase on the step's path): while the key has
+a row the table's copy wins, and its eviction's write-back overwrites the
+stored one. Readers of the store therefore leave out the keys the table
+holds (`stored_chunks`, `RowTier.stored_size`); the table asks `held` and
+read-only calls read the store only for keys without a row. Plans are
+consumed in the order the calls made them, which is the order of the
+steps, with or without `keras_sparse.data.prefetch`; a step
 whose fresh rows are not those of the oldest plan raises instead of moving
 the wrong rows.
 
@@ -88,6 +92,9 @@ class RowTier:
         self.lock = threading.RLock()
         # The whole keys of the last read-only table call (see row_moves).
         self.read_keys = None
+        # ``() -> int64 keys`` the table holds (as of its last trained
+        # step): their stored copies, if any, are stale (see `stored_size`).
+        self.table_keys = None
         self.counts = {"fills": 0, "write_backs": 0, "store_hits": 0}
 
     # ------------------------------------------------------------- mapping
@@ -98,7 +105,7 @@ class RowTier:
         # One look at the store and the plans: a step (another thread, with
         # the input stage) may write a plan's victims down in between.
         with self.lock:
-            found, rows = self.store.read(keys)
+            found, rows = _read(self.store, keys, (SCORE,))
             plans = list(self.plans)
         held = np.asarray(found, bool).copy()
         scores = np.asarray(rows[SCORE]).reshape(-1).astype(np.int64)
@@ -181,7 +188,8 @@ class RowTier:
         }
         if plan.keys.size:
             keys = plan.keys[_positions(plan.rows, rows[at])]
-            found, got = self.store.read(keys)
+            names = (VALUES,) + self.slot_names
+            found, got = _read(self.store, keys, names)
             found = np.asarray(found, bool)
             if found.any():
                 hit = at[found]
@@ -189,8 +197,8 @@ class RowTier:
                 fills["table"][hit] = got[VALUES][found]
                 for name in self.slot_names:
                     fills[name][hit] = got[name][found]
-                if not self.dense:
-                    self.store.erase(keys[found])
+                # The stored copy stays: the table's wins while the key has a
+                # row, and the key's write-back overwrites it.
                 self.counts["fills"] += int(found.sum())
         return filled, fills
 
@@ -208,7 +216,7 @@ class RowTier:
         found = np.zeros(keys.shape[0], bool)
         values = np.zeros((keys.shape[0], width), dtype)
         if missing.size:
-            hit, got = self.store.read(keys[missing])
+            hit, got = _read(self.store, keys[missing], (VALUES,))
             hit = np.asarray(hit, bool)
             found[missing[hit]] = True
             values[missing[hit]] = got[VALUES][hit]
@@ -269,11 +277,32 @@ class RowTier:
             out[SCORE] = np.asarray(records.scores, np.int64).reshape(-1, 1)
         self.store.write(records.keys, out)
 
+    def stored_size(self, table_keys=None):
+        """How many keys the store holds that the table does not
+        (``table_keys``: the table's keys, default `table_keys`): the
+        stored copies of keys with a row are stale and not counted."""
+        with self.lock:
+            if table_keys is None and self.table_keys is not None:
+                table_keys = self.table_keys()
+            size = int(self.store.size)
+            if self.dense or table_keys is None or not size:
+                return size
+            keys = np.asarray(table_keys, np.int64).reshape(-1)
+            return size - int(np.count_nonzero(self.store.contains(keys)))
+
     def stats(self):
         out = dict(self.counts)
-        out["store_size"] = int(self.store.size)
+        out["store_size"] = self.stored_size()
         out["store_bytes"] = int(self.store.nbytes)
         return out
+
+
+def _read(store, keys, names):
+    """``store.read(keys)``, only the fields ``names`` where the store can
+    (its other fields are not gathered)."""
+    if hasattr(store, "read_fields"):
+        return store.read_fields(keys, names)
+    return store.read(keys)
 
 
 def _positions(haystack, needles):
@@ -347,6 +376,7 @@ def attach(layer, spec):
     check_not_shared(layer, layer.table)
     opened = spec.open_keyed(tuple(fields), name=layer.name)
     tier = RowTier(layer.name, opened, layer.slots)
+    tier.table_keys = layer._cached_keys
     layer.table.set_held_keys(tier.held)
     return tier
 
@@ -357,8 +387,8 @@ def _dtype(variable):
 
 def stored_records(tier, out, include_rows):
     """``out`` (a layer's exported table records) followed by the records
-    of the keys ``tier``'s store holds (row -1); a dense store's ids that
-    the table holds are left out (their rows there are older)."""
+    of the keys ``tier``'s store holds (row -1); keys the table holds are
+    left out (their stored rows are older)."""
     parts = {name: [value] for name, value in out.items()}
     for chunk in stored_chunks(tier, out):
         for name, value in chunk.items():
@@ -370,13 +400,9 @@ def stored_records(tier, out, include_rows):
 def stored_chunks(tier, out, rows_per_chunk=65536):
     """The records of the keys ``tier``'s store holds, at most
     ``rows_per_chunk`` at a time, as dicts of ``out``'s names and dtypes
-    (the table's records; ``rows`` -1). A dense store's ids that ``out``
-    holds are left out (their rows there are older)."""
-    cached = np.sort(np.asarray(out["keys"], np.int64)) if tier.dense else None
-    for keys, rows in tier.store.chunks(rows_per_chunk):
-        if cached is not None:
-            keep = _positions(cached, keys) < 0
-            keys, rows = keys[keep], {k: v[keep] for k, v in rows.items()}
+    (the table's records; ``rows`` -1). Keys ``out`` holds are left out
+    (their stored rows are older)."""
+    for keys, rows in not_cached(tier.store.chunks(rows_per_chunk), out["keys"]):
         chunk = {"keys": np.asarray(keys, np.int64)}
         for name in out:
             if name == "keys":
@@ -390,6 +416,20 @@ def stored_chunks(tier, out, rows_per_chunk=65536):
                 field = VALUES if name == "values" else name
                 chunk[name] = rows[field].astype(out[name].dtype, copy=False)
         yield chunk
+
+
+def not_cached(chunks, table_keys):
+    """Store ``chunks`` (``(keys, rows)``) without the keys in
+    ``table_keys`` (the table's copies win over the stored ones)."""
+    cached = np.sort(np.asarray(table_keys, np.int64).reshape(-1))
+    for keys, rows in chunks:
+        if cached.size:
+            at = np.minimum(np.searchsorted(cached, keys), cached.size - 1)
+            keep = cached[at] != keys
+            if not keep.all():
+                keys, rows = keys[keep], {k: v[keep] for k, v in rows.items()}
+        if keys.size:
+            yield keys, rows
 
 
 def check_not_shared(layer, table):

@@ -75,10 +75,14 @@ class DenseStore(StoreBase):
         return ids, who
 
     def read(self, keys):
+        return self.read_fields(keys)
+
+    def read_fields(self, keys, names=None):
+        """`read`, of the fields ``names`` only (default all)."""
         ids, _ = self._ids(keys, "read")
         self._counts["reads"] += ids.size
         self._counts["hits"] += ids.size
-        return np.ones(ids.size, bool), self._rows.gather(ids)
+        return np.ones(ids.size, bool), self._rows.gather(ids, names)
 
     def contains(self, keys):
         ids, _ = self._ids(keys, "contains")

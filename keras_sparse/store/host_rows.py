@@ -79,10 +79,13 @@ class HostRows:
             start = end
         return out
 
-    def gather(self, slots):
+    def gather(self, slots, names=None):
+        """``{field: rows of slots}``, of the fields ``names`` (default all)."""
         groups = self._groups(slots)
         out = {}
         for f in self.fields:
+            if names is not None and f.name not in names:
+                continue
             blocks = self.blocks[f.name]
             if groups and isinstance(groups[0][1], slice):
                 out[f.name] = take_rows(blocks[0], slots)

@@ -8,7 +8,6 @@ import numpy as np
 from .fields import check_keys
 from .fields import check_rows
 from .fields import distinct
-from .fields import zero_rows
 from .key_index import KeyIndex
 from .slot_stack import SlotStack
 from .store_base import StoreBase
@@ -43,6 +42,11 @@ class KeyedStore(StoreBase):
 
     # --- operations ----------------------------------------------------------
     def read(self, keys):
+        return self.read_fields(keys)
+
+    def read_fields(self, keys, names=None):
+        """`read`, of the fields ``names`` only (default all): the others
+        are not gathered."""
         self._check_open()
         keys = check_keys(keys, f"{type(self).__name__}.read")
         slots, _ = self._index.find(keys)
@@ -52,12 +56,13 @@ class KeyedStore(StoreBase):
         self._counts["hits"] += hits
         self._counts["misses"] += keys.size - hits
         if hits == keys.size:
-            return found, self._rows.gather(slots)
-        rows = zero_rows(self._fields, keys.size)
-        got = self._rows.gather(slots[found])
-        for name, r in rows.items():
-            r[found] = got[name]
-        return found, rows
+            return found, self._rows.gather(slots, names)
+        # Missing keys read slot 0 (always allocated), then zeros: one
+        # gather per field, no partial copies.
+        got = self._rows.gather(np.where(found, slots, 0), names)
+        for r in got.values():
+            r[~found] = 0
+        return found, got
 
     def contains(self, keys):
         self._check_open()

@@ -66,8 +66,12 @@ class MappedRows:
         self.capacity = capacity
         self.maps = {f.name: self._map(f) for f in self.fields}
 
-    def gather(self, slots):
-        return {f.name: take_rows(self.maps[f.name], slots) for f in self.fields}
+    def gather(self, slots, names=None):
+        """``{field: rows of slots}``, of the fields ``names`` (default all)."""
+        fields = self.fields
+        if names is not None:
+            fields = [f for f in fields if f.name in names]
+        return {f.name: take_rows(self.maps[f.name], slots) for f in fields}
 
     def scatter(self, slots, rows):
         for f in self.fields:

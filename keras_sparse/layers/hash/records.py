@@ -32,6 +32,7 @@ from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.record_checks import subset
 from keras_sparse.layers.row_tier import SCORE
 from keras_sparse.layers.row_tier import VALUES
+from keras_sparse.layers.row_tier import not_cached
 from keras_sparse.layers.row_tier import stored_chunks
 from keras_sparse.layers.row_tier import stored_records
 from keras_sparse.progress import silent
@@ -115,6 +116,13 @@ class HashRecords:
             return None
         done = int(ops.convert_to_numpy(self.sparse_iterations))
         return self.table.state_before(lambda: lookahead(self, done))
+
+    def _cached_keys(self):
+        """The keys the table holds as of the layer's last trained step
+        (the keys whose row store copies, if any, are stale)."""
+        trained = self._trained_table()
+        entries = self.table.export() if trained is None else trained[:3]
+        return _to_numpy(entries[0])
 
     def export_chunks(self, chunk_rows=65536, include_rows=False):
         """`export`'s records, at most ``chunk_rows`` keys at a time: an
@@ -396,6 +404,7 @@ class HashRecords:
         in_assets = tier is not None and store_assets.expected()
         with tracker(n, title, _SAVE_STAGES) as progress:
             records = self._records_out(True, progress, trained, not in_assets)
+            table_keys = records["keys"]
             clock = self._table_clock() if trained is None else trained.clock
             admission = self._pending_state(trained)
             if gather:
@@ -411,7 +420,7 @@ class HashRecords:
         if admission is not None:
             store["admission_keys"], store["admission_sightings"] = admission
         if in_assets:
-            store[_IN_ASSETS] = np.int64(tier.store.size)
+            store[_IN_ASSETS] = np.int64(tier.stored_size(table_keys))
 
     def save_assets(self, dir_path):
         """Writes the row store's rows (if any) into the asset folder
@@ -421,8 +430,13 @@ class HashRecords:
             return
         store = tier.store
         with tier.lock:
-            chunks = store.chunks(store_assets.rows_per_chunk(store.fields))
-            store_assets.save(self.name, store.fields, chunks, store.size, dir_path)
+            # Keys with a row are in the weights; their stored copies are stale.
+            table_keys = self._cached_keys()
+            chunks = not_cached(
+                store.chunks(store_assets.rows_per_chunk(store.fields)), table_keys
+            )
+            total = tier.stored_size(table_keys)
+            store_assets.save(self.name, store.fields, chunks, total, dir_path)
 
     def load_assets(self, dir_path):
         """Streams the store rows a model file holds into the layer's row
