@@ -1,6 +1,10 @@
 """Shared by the row-store tests: Zipf batches, a one-hash-layer model and
-its records sorted by key."""
+its records sorted by key, a model file's weights."""
 
+import io
+import zipfile
+
+import h5py
 import keras
 import numpy as np
 
@@ -42,3 +46,19 @@ def records(layer):
     rec = layer.export()
     order = np.argsort(rec["keys"])
     return {name: np.asarray(value)[order] for name, value in rec.items()}
+
+
+def weights_entries(path):
+    """``{entry path: array}`` of a .keras file's weights."""
+    with zipfile.ZipFile(path) as zf:
+        data = io.BytesIO(zf.read("model.weights.h5"))
+    out = {}
+    with h5py.File(data, "r") as f:
+        f.visititems(
+            lambda name, obj: (
+                out.__setitem__(name, obj[...])
+                if isinstance(obj, h5py.Dataset)
+                else None
+            )
+        )
+    return out

@@ -10,11 +10,20 @@ TensorFlow, eager on PyTorch; the cached one also through
 optimizer slot of every table must match.
 """
 
+import json
+import types
+import zipfile
+
+import h5py
 import keras
 import numpy as np
 import pytest
 
 import keras_sparse as ks
+from keras_sparse.layers import embedding_collection
+from keras_sparse.layers import store_assets
+from keras_sparse.store import chunk_files
+from tests import row_store_models as shared
 
 TABLES = {"a": (3000, 2, "sum"), "b": (2000, 2, "mean"), "c": (500, 1, None)}
 CACHES = {"a": 128, "b": 96}
@@ -110,7 +119,25 @@ def test_cached_tables_train_as_the_whole_tables(optimizer, staged, tmp_path):
     assert layer.stats("a")["store_hits"] > 0
 
 
-def test_save_and_load_continue_identically(tmp_path):
+def _asset_tables(path):
+    """``{asset folder: rows}`` of the store rows a .keras file holds."""
+    with zipfile.ZipFile(path) as zf:
+        return {
+            name.split("/")[-3]: json.loads(zf.read(name))["rows"]
+            for name in zf.namelist()
+            if name.endswith(f"{store_assets.FOLDER}/{chunk_files.MANIFEST}")
+        }
+
+
+def _collection_weights(path):
+    """``{entry: array}`` of the collection's weights in a .keras file."""
+    at = "layers/embedding_collection/vars/"
+    entries = shared.weights_entries(path)
+    return {k[len(at) :]: v for k, v in entries.items() if k.startswith(at)}
+
+
+def test_save_and_load_continue_identically(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_assets, "CHUNK_BYTES", 8192)  # several chunks
     keras.utils.set_random_seed(4)
     stores = _stores(tmp_path)
     model, layer = _model("adam", stores)
@@ -119,9 +146,19 @@ def test_save_and_load_continue_identically(tmp_path):
     first = {k: v[:half] for k, v in x.items()}
     second = {k: v[half:] for k, v in x.items()}
     model.fit(first, y[:half], batch_size=BATCH, shuffle=False, verbose=0)
+    assert all(layer.stats(n)["size"] > 0 for n in CACHES)  # newer than stored
     path = tmp_path / "m.keras"
     model.save(path)
     before = _state(layer)
+    # The cached tables (rows and slots) are in the assets, a folder each;
+    # the weights hold no table-sized entry for them.
+    assert _asset_tables(path) == {"cache_rows": 3000, "cache_rows_1": 2000}
+    weights = _collection_weights(path)
+    assert sorted(k for k in weights if k[0] in CACHES) == [
+        "a:table_in_assets",
+        "b:table_in_assets",
+    ]
+    assert max(np.size(v) for v in weights.values()) == 500 * DIM  # table "c"
     loaded = keras.models.load_model(path)
     again = loaded.get_layer("features")
     for name in CACHES:
@@ -136,6 +173,54 @@ def test_save_and_load_continue_identically(tmp_path):
     want = _state(layer)
     for key, value in _state(again).items():
         np.testing.assert_allclose(value, want[key], rtol=1e-6, atol=1e-7)
+
+
+def _trained(tmp_path, stores=None):
+    keras.utils.set_random_seed(6)
+    model, layer = _model("adagrad", stores or _stores(tmp_path))
+    x, y = _batches(5, steps=4)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return model, layer
+
+
+def test_files_with_the_tables_in_the_weights_still_load(tmp_path, monkeypatch):
+    """Files of earlier versions: the whole tables in the collection's
+    weights (the caches' asset files beside them, unread)."""
+    model, layer = _trained(tmp_path)
+    path = tmp_path / "old.keras"
+    with monkeypatch.context() as m:  # the caches stream, the collection not
+        old = types.SimpleNamespace(expected=lambda: False)
+        m.setattr(embedding_collection, "store_assets", old)
+        model.save(path)
+    assert _collection_weights(path)["a:embeddings"].shape == (3000, DIM)
+    assert _asset_tables(path) == {"cache_rows": 3000, "cache_rows_1": 2000}
+    before = _state(layer)
+    again = keras.saving.load_model(path).get_layer("features")
+    for key, value in _state(again).items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
+def test_weights_files_keep_the_tables_and_keras_files_need_load_model(tmp_path):
+    model, layer = _trained(tmp_path)
+    want = _state(layer)
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    with h5py.File(tmp_path / "m.weights.h5", "r") as f:  # in the weights
+        assert f["layers/embedding_collection/vars/a:embeddings"].shape == (3000, DIM)
+    hosts = {"a": ks.store.Host(), "b": ks.store.Host()}
+    other, again = _model("adagrad", hosts)
+    empty = _state(again)
+    with pytest.raises(ValueError, match="asset files.*load_model") as info:
+        other.load_weights(tmp_path / "m.keras")
+    assert "Layer 'features'" in str(info.value)
+    _, plain = _model("adagrad")  # no caches: cannot read a cached table's rows
+    with pytest.raises(ValueError, match="table 'a': .* asset files.*`cache_rows`"):
+        plain.load_own_variables({**want, "a:table_in_assets": np.int64(3000)})
+    for key, value in _state(again).items():  # nothing changed
+        np.testing.assert_array_equal(value, empty[key], err_msg=key)
+    other.load_weights(tmp_path / "m.weights.h5")
+    for key, value in _state(again).items():
+        np.testing.assert_array_equal(value, want[key], err_msg=key)
 
 
 def test_config_round_trips_the_store(tmp_path):

@@ -8,12 +8,10 @@ the records out. References: the layer's own `export()` before saving, and
 NumPy copies of the store.
 """
 
-import io
 import os
 import tracemalloc
 import zipfile
 
-import h5py
 import keras
 import numpy as np
 import pytest
@@ -34,22 +32,6 @@ def _trained(spec, steps=STEPS):
     return model, layer
 
 
-def _weights_entries(path):
-    """``{entry path: array}`` of a .keras file's weights."""
-    with zipfile.ZipFile(path) as zf:
-        data = io.BytesIO(zf.read("model.weights.h5"))
-    out = {}
-    with h5py.File(data, "r") as f:
-        f.visititems(
-            lambda name, obj: (
-                out.__setitem__(name, obj[...])
-                if isinstance(obj, h5py.Dataset)
-                else None
-            )
-        )
-    return out
-
-
 def _assert_same(a, b):
     assert a.keys() == b.keys()
     for name in a:
@@ -66,7 +48,7 @@ def test_save_streams_store_rows_through_assets(tmp_path, kind):
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
     assert any(n.endswith("store_rows/rows.json") for n in names), names
-    weights = _weights_entries(path)
+    weights = shared.weights_entries(path)
     rows = next(v for k, v in weights.items() if k.endswith("record_rows"))
     stored = next(v for k, v in weights.items() if k.endswith("store_rows_in_assets"))
     # The weights hold the table's keys only; the store's are in the assets.
@@ -82,7 +64,9 @@ def test_files_with_store_rows_in_the_weights_still_load(tmp_path, monkeypatch):
     with monkeypatch.context() as m:  # the older format: rows in the weights
         m.setattr(store_assets, "expected", lambda: False)
         model.save(path)
-    rows = next(v for k, v in _weights_entries(path).items() if "record_rows" in k)
+    rows = next(
+        v for k, v in shared.weights_entries(path).items() if "record_rows" in k
+    )
     assert (rows == -1).sum() == layer.stats()["store_size"]
     loaded = keras.saving.load_model(path)
     _assert_same(shared.records(loaded.get_layer("ids")), before)
@@ -112,7 +96,7 @@ def test_a_layer_without_a_store_takes_the_saved_rows_into_its_table(tmp_path):
     plain.build()
     with zipfile.ZipFile(tmp_path / "m.keras") as zf:
         zf.extractall(tmp_path / "x")
-    weights = _weights_entries(tmp_path / "m.keras")
+    weights = shared.weights_entries(tmp_path / "m.keras")
     at = "layers/distributed_hash_embedding"
     entries = {k.split("/")[-1]: v for k, v in weights.items() if k.startswith(at)}
     with store_assets.assets_follow():
@@ -228,7 +212,7 @@ def test_dense_cache_saves_its_table_through_assets(tmp_path, monkeypatch):
     cached.save(tmp_path / "m.keras")
     with zipfile.ZipFile(tmp_path / "m.keras") as zf:
         assert sum(n.endswith(".values.npy") for n in zf.namelist()) > 10
-    weights = _weights_entries(tmp_path / "m.keras")
+    weights = shared.weights_entries(tmp_path / "m.keras")
     assert not any(np.size(v) >= 3000 for v in weights.values())
     for got in (
         keras.saving.load_model(tmp_path / "m.keras").get_layer("ids"),

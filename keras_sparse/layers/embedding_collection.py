@@ -23,6 +23,7 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
+from keras_sparse.layers import store_assets
 from keras_sparse.layers.arguments import check_fields
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
@@ -727,6 +728,11 @@ class EmbeddingCollection(keras.layers.Layer):
                     rows = self.tables[name].input_dim
                     store[f"{name}:{var_name}"] = value[start : start + rows]
         for name, cache in self.table_caches.items():
+            if store_assets.expected():
+                # A model save: the cache's `save_assets` streams the table
+                # into the file's asset files; the weights only say so.
+                store[f"{name}:{_TABLE_IN_ASSETS}"] = np.int64(cache.input_dim)
+                continue
             # The whole table (gathered in host memory), as a stack's table.
             table = cache.full_table()
             for entry, field in self._cached_entries(name).items():
@@ -735,10 +741,14 @@ class EmbeddingCollection(keras.layers.Layer):
             store["sparse_iterations"] = self.sparse_iterations.numpy()
 
     def load_own_variables(self, store):
+        in_assets = self._tables_in_assets(store)
         # Every entry the layer needs, or nothing is loaded (as Keras refuses
         # a file with missing variables).
         needed = [
-            f"{name}:{entry}" for name in self.tables for entry in self._entries(name)
+            f"{name}:{entry}"
+            for name in self.tables
+            if name not in in_assets
+            for entry in self._entries(name)
         ]
         if self.uses_sparse_update:
             needed.append("sparse_iterations")
@@ -758,12 +768,35 @@ class EmbeddingCollection(keras.layers.Layer):
         values = {
             name: {entry: store[f"{name}:{entry}"] for entry in self._entries(name)}
             for name in self.tables
+            if name not in in_assets
         }
         self._assign_tables(values)
+        for name in in_assets:
+            # The cache's `load_assets` (called next) streams the table in.
+            self.table_caches[name].table_in_assets = self.tables[name].input_dim
         if iterations is not None:
             self.sparse_iterations.assign(iterations)
             for cache in self.table_caches.values():
                 cache.sparse_iterations.assign(iterations)
+
+    def _tables_in_assets(self, store):
+        """The cached tables whose rows ``store`` (a model save's weights)
+        leaves to the file's asset files; raises ValueError before anything
+        changes where this load cannot read them."""
+        names = [n for n in self.tables if f"{n}:{_TABLE_IN_ASSETS}" in store]
+        for name in names:
+            if name not in self.table_caches:
+                raise ValueError(
+                    f"Layer '{self.name}', table '{name}': the file holds this "
+                    "table's rows in its asset files, saved with `cache_rows`; "
+                    "nothing was loaded. Give the table `cache_rows` (and a "
+                    "`store`) to load it, then change it."
+                )
+        if names and not store_assets.expected():
+            raise store_assets.missing_assets_error(
+                self.name, sum(self.tables[n].input_dim for n in names)
+            )
+        return names
 
     def _assign_tables(self, values):
         """``values``: ``{table: {"embeddings"|"slot_<name>": array}}``.
@@ -833,6 +866,11 @@ class EmbeddingCollection(keras.layers.Layer):
             }
         )
         return config
+
+
+#: Weights entry (``"{table}:table_in_assets"``) of a model save whose
+#: cached table is in its cache's asset files.
+_TABLE_IN_ASSETS = "table_in_assets"
 
 
 def _batch_major_widths(shapes):
