@@ -38,7 +38,8 @@ vocabulary differs in:
   (`keras_sparse.layers.store_assets`; memory bounded by a chunk) and
   ``load_model`` streams it back; `get_weights` and ``save_weights`` gather
   it in host memory (the entries of a layer without a cache, so weight
-  files move both ways between the two).
+  files move both ways between the two). An `EmbeddingCollection` saves
+  its cached tables the same way, each through its cache's assets.
 
 Training is exact: the values and slots of every id equal those of the same
 layer without a cache, whatever ``cache_rows``; only speed differs.

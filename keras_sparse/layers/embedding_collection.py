@@ -298,7 +298,10 @@ class EmbeddingCollection(keras.layers.Layer):
     by `keras_sparse.layers.row_storage.cache` as for
     `AllToAllDenseEmbedding`), trained exactly as the same table without
     a cache; ``stats(name)`` gives its counters, and `get_table`,
-    `set_table` and saves see its whole table (gathered in host memory).
+    `set_table` and saves see its whole table: ``model.save`` streams it
+    through the file's asset files (the cache's ``save_assets``; the
+    weights hold ``"{name}:table_in_assets"``), other saves gather it in
+    host memory under the entries of a table without a cache.
 
     Example:
 
