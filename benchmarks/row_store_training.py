@@ -19,8 +19,10 @@ RSS is its own), the variants interleaved over ``--repeat`` rounds:
 time a new layer opening it in place (``ks.store.Disk(path, reopen=True)``)
 and reading the last batch's ids, checked equal to the trained layer's.
 Peak RSS is split into anonymous memory and mapped file pages (which the
-OS may drop under pressure); "init s" is the time to build the layer
-(the store's initialization for ``host``/``disk``).
+OS may drop under pressure); "disk rd/step" is the bytes the process read
+from storage per timed step (page faults on the store's files that the
+page cache did not serve); "init s" is the time to build the layer (the
+store's initialization for ``host``/``disk``).
 
     python benchmarks/row_store_training.py --quick
     python benchmarks/row_store_training.py --layer dense --universe 100000000 \
@@ -76,6 +78,21 @@ class MemoryPeaks:
         while True:
             time.sleep(0.05)
             self.sample()
+
+
+def io_bytes():
+    """This process's bytes read from and written to storage so far (Linux
+    ``/proc/self/io``; zeros elsewhere)."""
+    out = {"read_bytes": 0, "write_bytes": 0}
+    try:
+        with open("/proc/self/io") as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                if name in out:
+                    out[name] = int(value)
+    except OSError:
+        pass
+    return out
 
 
 def child(args):
@@ -134,9 +151,11 @@ def _child(args, memory):
     model.fit(keys[:warm], target[:warm], batch_size=args.batch, verbose=0)
     stats = layer.stats if args.variant != "whole" or args.layer == "hash" else None
     before = stats() if stats else {}
+    io_before = io_bytes()
     start = time.perf_counter()
     model.fit(keys[warm:], target[warm:], batch_size=args.batch, verbose=0)
     seconds = time.perf_counter() - start
+    io_after = io_bytes()
     after = stats() if stats else {}
     steps = (n - warm) // args.batch
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -152,6 +171,8 @@ def _child(args, memory):
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_anon_mb": memory.peaks["RssAnon"] / 1024,
         "peak_file_mb": memory.peaks["RssFile"] / 1024,
+        "disk_read_per_step": (io_after["read_bytes"] - io_before["read_bytes"])
+        / steps,
         "store_size": after.get("store_size", 0),
         "init_s": init_s,
         "train_s": seconds,
@@ -260,7 +281,7 @@ def main():
     )
     base = statistics.median(r["samples_s"] for r in results[variants[0]])
     header = "variant  samples/s  ratio   hits   rows moved/step  bytes/step"
-    header += "  peak RSS MB  anon MB  file MB  init s  reopen s"
+    header += "  disk rd/step  peak RSS MB  anon MB  file MB  init s  reopen s"
     print(header)
     for variant in variants:
         rows = results[variant]
@@ -270,6 +291,7 @@ def main():
         print(
             f"{variant:7s}  {rate:9.0f}  {rate / base:5.2f}x  {last['hits']:5.1%}"
             f"  {last['moved_per_step']:15.0f}  {last['moved_bytes_per_step']:10.0f}"
+            f"  {last['disk_read_per_step']:12.0f}"
             f"  {max(r['peak_rss_mb'] for r in rows):11.0f}"
             f"  {max(r['peak_anon_mb'] for r in rows):7.0f}"
             f"  {max(r['peak_file_mb'] for r in rows):7.0f}"
