@@ -138,6 +138,7 @@ def _child(args, memory):
         return ks.AllToAllDenseEmbedding(
             args.universe, args.dim, combiner="sum", optimizer="adagrad",
             cache_rows=cache, store=store, name="ids",
+            embeddings_initializer=args.initializer,
         )  # fmt: skip
 
     start = time.perf_counter()
@@ -232,6 +233,12 @@ def main():
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warm-steps", type=int, default=20)
+    parser.add_argument(
+        "--initializer",
+        default="uniform",
+        help="dense layer's embeddings_initializer (zeros: a store of 1e8+ "
+        "rows is written at disk speed, without computing each id's row)",
+    )
     parser.add_argument("--variants", default="whole,host,disk")
     parser.add_argument(
         "--store-dir", default=None, help="where disk stores go (a new folder each)"
@@ -261,6 +268,7 @@ def main():
             "steps",
             "zipf",
             "warm_steps",
+            "initializer",
         )  # fmt: skip
     ]
     if args.store_dir is not None:
