@@ -11,11 +11,25 @@ RSS is its own), the variants interleaved over ``--repeat`` rounds:
 - ``whole``: ``capacity`` = every key of the universe (no eviction);
 - ``host``: ``capacity=--cache``, evicted keys in host memory
   (``store="host"``);
-- ``disk``: the same over memory-mapped files (``ks.store.Disk``).
+- ``disk``: the same over memory-mapped files (``ks.store.Disk``) in a
+  new folder under ``--store-dir`` (the system's temporary folder by
+  default), deleted when the variant ends.
+
+``--reopen`` (disk): after training, ``flush_store()``, close the store and
+time a new layer opening it in place (``ks.store.Disk(path, reopen=True)``)
+and reading the last batch's ids, checked equal to the trained layer's.
+Peak RSS is split into anonymous memory and mapped file pages (which the
+OS may drop under pressure); "disk rd/step" is the bytes the process read
+from storage per timed step (page faults on the store's files that the
+page cache did not serve); "init s" is the time to build the layer (the
+store's initialization for ``host``/``disk``).
 
     python benchmarks/row_store_training.py --quick
     python benchmarks/row_store_training.py --layer dense --universe 100000000 \
         --cache 1000000 --variants whole,host --repeat 1
+    python benchmarks/row_store_training.py --layer dense --universe 280000000 \
+        --cache 1000000 --variants disk --repeat 1 --steps 50 --reopen \
+        --store-dir /var/tmp
     KERAS_BACKEND=torch python benchmarks/row_store_training.py
 
 The table prints the median samples/s of each variant and its ratio to
@@ -29,16 +43,68 @@ import json
 import os
 import pathlib
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+class MemoryPeaks:
+    """Peaks of anonymous and file-backed resident memory (Linux
+    ``/proc/self/status``), sampled every 50 ms by a daemon thread."""
+
+    def __init__(self):
+        self.peaks = {"RssAnon": 0, "RssFile": 0}
+        self.sample()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def sample(self):
+        try:
+            with open("/proc/self/status") as fh:
+                for line in fh:
+                    name, _, value = line.partition(":")
+                    if name in self.peaks:
+                        kb = int(value.split()[0])
+                        self.peaks[name] = max(self.peaks[name], kb)
+        except OSError:  # not Linux: only ru_maxrss is reported
+            pass
+
+    def _run(self):
+        while True:
+            time.sleep(0.05)
+            self.sample()
+
+
+def io_bytes():
+    """This process's bytes read from and written to storage so far (Linux
+    ``/proc/self/io``; zeros elsewhere)."""
+    out = {"read_bytes": 0, "write_bytes": 0}
+    try:
+        with open("/proc/self/io") as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                if name in out:
+                    out[name] = int(value)
+    except OSError:
+        pass
+    return out
+
+
 def child(args):
+    memory = MemoryPeaks()
+    try:
+        return _child(args, memory)
+    finally:
+        if args.folder is not None:
+            shutil.rmtree(args.folder, ignore_errors=True)
+
+
+def _child(args, memory):
     import keras
     import numpy as np
 
@@ -58,44 +124,87 @@ def child(args):
         capacity = args.cache
         store = "host"
         if args.variant == "disk":
-            store = ks.store.Disk(tempfile.mkdtemp(prefix="ks_rows_"))
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((args.fields,), dtype="int64")
-    if args.layer == "hash":
-        layer = ks.DistributedHashEmbedding(
-            args.dim, capacity=capacity, combiner="sum", optimizer="adagrad",
-            store=store,
-        )  # fmt: skip
-    else:
+            args.folder = tempfile.mkdtemp(prefix="ks_rows_", dir=args.store_dir)
+            store = ks.store.Disk(args.folder)
+
+    def new_layer(store):
+        keras.utils.set_random_seed(0)
+        if args.layer == "hash":
+            return ks.DistributedHashEmbedding(
+                args.dim, capacity=capacity, combiner="sum", optimizer="adagrad",
+                store=store, name="ids",
+            )  # fmt: skip
         cache = None if store is None else capacity
-        layer = ks.AllToAllDenseEmbedding(
+        return ks.AllToAllDenseEmbedding(
             args.universe, args.dim, combiner="sum", optimizer="adagrad",
-            cache_rows=cache, store=store,
+            cache_rows=cache, store=store, name="ids",
+            embeddings_initializer=args.initializer,
         )  # fmt: skip
+
+    start = time.perf_counter()
+    layer = new_layer(store)
+    layer.build((None, args.fields))
+    init_s = time.perf_counter() - start
+    inputs = keras.Input((args.fields,), dtype="int64")
     model = keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
     model.compile("sgd", "mse")
-    warm = 20 * args.batch
+    warm = args.warm_steps * args.batch
     model.fit(keys[:warm], target[:warm], batch_size=args.batch, verbose=0)
     stats = layer.stats if args.variant != "whole" or args.layer == "hash" else None
     before = stats() if stats else {}
+    io_before = io_bytes()
     start = time.perf_counter()
     model.fit(keys[warm:], target[warm:], batch_size=args.batch, verbose=0)
     seconds = time.perf_counter() - start
+    io_after = io_bytes()
     after = stats() if stats else {}
     steps = (n - warm) // args.batch
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     looked = delta.get("hits", 1) + delta.get("misses", 0)
     moved = delta.get("fills", 0) + delta.get("write_backs", 0)
     row_bytes = args.dim * 4 * 2  # values + Adagrad accumulator
+    memory.sample()
     out = {
         "samples_s": (n - warm) / seconds,
         "hits": delta.get("hits", 1) / max(looked, 1),
         "moved_per_step": moved / steps,
         "moved_bytes_per_step": moved * row_bytes / steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_anon_mb": memory.peaks["RssAnon"] / 1024,
+        "peak_file_mb": memory.peaks["RssFile"] / 1024,
+        "disk_read_per_step": (io_after["read_bytes"] - io_before["read_bytes"])
+        / steps,
         "store_size": after.get("store_size", 0),
+        "init_s": init_s,
+        "train_s": seconds,
+        "reopen_s": None,
     }
+    if args.reopen and args.variant == "disk":
+        out["reopen_s"] = reopen(args, layer, new_layer, keys[-args.batch :])
     print("RESULT " + json.dumps(out))
+
+
+def reopen(args, layer, new_layer, ids):
+    """Seconds to open the trained store in place in a new layer and read
+    ``ids`` (checked equal to the trained layer's output)."""
+    import gc
+
+    import numpy as np
+
+    import keras_sparse as ks
+
+    want = np.asarray(layer(ids, training=False))
+    layer.flush_store()
+    tier = layer.row_cache.row_tier if args.layer == "dense" else layer.row_tier
+    tier.store.close()
+    del layer, tier
+    gc.collect()
+    start = time.perf_counter()
+    again = new_layer(ks.store.Disk(args.folder, reopen=True))
+    got = np.asarray(again(ids, training=False))
+    seconds = time.perf_counter() - start
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    return seconds
 
 
 def run(args, variant):
@@ -123,16 +232,32 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--warm-steps", type=int, default=20)
+    parser.add_argument(
+        "--initializer",
+        default="uniform",
+        help="dense layer's embeddings_initializer (zeros: a store of 1e8+ "
+        "rows is written at disk speed, without computing each id's row)",
+    )
     parser.add_argument("--variants", default="whole,host,disk")
+    parser.add_argument(
+        "--store-dir", default=None, help="where disk stores go (a new folder each)"
+    )
+    parser.add_argument(
+        "--reopen", action="store_true", help="time reopening the disk store"
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.universe, args.cache, args.steps, args.repeat = 100_000, 10_000, 80, 1
+    args.folder = None
+    if args.steps <= args.warm_steps:
+        parser.error("--steps must be above --warm-steps")
     if args.child:
         args.variant = args.child
         return child(args)
     args.passthrough = [
-        f"--{name}={getattr(args, name)}"
+        f"--{name.replace('_', '-')}={getattr(args, name)}"
         for name in (
             "layer",
             "universe",
@@ -142,8 +267,14 @@ def main():
             "batch",
             "steps",
             "zipf",
+            "warm_steps",
+            "initializer",
         )  # fmt: skip
     ]
+    if args.store_dir is not None:
+        args.passthrough.append(f"--store-dir={args.store_dir}")
+    if args.reopen:
+        args.passthrough.append("--reopen")
     variants = args.variants.split(",")
     results = {v: [] for v in variants}
     for _ in range(args.repeat):
@@ -153,20 +284,27 @@ def main():
     print(
         f"backend={backend} layer={args.layer} universe={args.universe:,} "
         f"cache={args.cache:,} dim={args.dim} fields={args.fields} batch={args.batch} "
-        f"zipf={args.zipf} repeat={args.repeat}"
+        f"zipf={args.zipf} steps={args.steps - args.warm_steps}+"
+        f"{args.warm_steps} warm repeat={args.repeat}"
     )
     base = statistics.median(r["samples_s"] for r in results[variants[0]])
     header = "variant  samples/s  ratio   hits   rows moved/step  bytes/step"
-    header += "  peak RSS MB"
+    header += "  disk rd/step  peak RSS MB  anon MB  file MB  init s  reopen s"
     print(header)
     for variant in variants:
         rows = results[variant]
         rate = statistics.median(r["samples_s"] for r in rows)
         last = rows[-1]
+        reopened = last["reopen_s"]
         print(
             f"{variant:7s}  {rate:9.0f}  {rate / base:5.2f}x  {last['hits']:5.1%}"
             f"  {last['moved_per_step']:15.0f}  {last['moved_bytes_per_step']:10.0f}"
+            f"  {last['disk_read_per_step']:12.0f}"
             f"  {max(r['peak_rss_mb'] for r in rows):11.0f}"
+            f"  {max(r['peak_anon_mb'] for r in rows):7.0f}"
+            f"  {max(r['peak_file_mb'] for r in rows):7.0f}"
+            f"  {statistics.median(r['init_s'] for r in rows):6.1f}"
+            + ("         -" if reopened is None else f"  {reopened:8.2f}")
         )
 
 

@@ -158,3 +158,31 @@ def test_concurrent_inference_quick_prints_equal_outputs():
     for threads, (_, rate, ratio, equal, _) in rows.items():
         assert float(rate.replace(",", "")) > 0 and ratio.endswith("x"), threads
         assert equal == "True", threads
+
+
+def test_row_store_training_quick_reopens_the_disk_store(tmp_path):
+    """benchmarks/row_store_training.py --quick --reopen (JAX): the disk
+    variant's row has positive samples/s, a hit rate, memory peaks, init
+    and reopen times (the reopened rows are checked equal in the child),
+    and its store folder is gone afterwards."""
+    import pytest
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the benchmark's code is the same on every backend")
+    args = ["benchmarks/row_store_training.py", "--quick", "--layer", "dense",
+            "--variants", "disk", "--reopen", "--store-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    row = [line.split() for line in done.stdout.splitlines() if line[:5] == "disk "]
+    assert len(row) == 1, out[-4000:]
+    _, rate, ratio, hits, moved, _, read, rss, anon, _, init, reopen = row[0]
+    assert float(rate) > 0 and ratio == "1.00x", row
+    assert 0 < float(hits[:-1]) < 100 and float(moved) > 0, row  # a cache of 10%
+    assert float(read) >= 0 and float(rss) >= float(anon) > 0, row
+    assert float(init) > 0, row
+    assert float(reopen) > 0, row
+    assert list(tmp_path.iterdir()) == []  # the store was deleted
