@@ -510,3 +510,35 @@ def test_benchmark_runs_and_checks_what_it_reads(tmp_path):
         assert set(seconds) == want and all(s > 0 for s in seconds.values())
     assert bench.table(best, 2000).count("\n| ") == 1 + len(bench.OPS)  # + header
     assert os.listdir(tmp_path) == []
+
+
+def _row_file_flags(folder):
+    """``{row file: VmFlags}`` of this process's maps of ``folder``'s row
+    files (Linux ``/proc/self/smaps``)."""
+    flags, current = {}, None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if len(head) >= 6 and "-" in head[0] and head[-1].endswith(".rows"):
+                current = head[-1] if head[-1].startswith(str(folder)) else None
+            elif line.startswith("VmFlags:") and current is not None:
+                flags[current] = line.split()[1:]
+                current = None
+    return flags
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps"
+)
+def test_disk_row_maps_are_advised_random_access_after_growth(tmp_path):
+    """Training reads scattered rows: the maps must not read ahead around
+    each one (the kernel marks such maps ``rr``), and chunks still read all."""
+    store = DiskStore(tmp_path / "s", FIELDS, initial_capacity=1)
+    keys = np.arange(5000, dtype=np.int64) * 7
+    store.write(keys, _rows(keys, 1))  # grows, so the files are mapped anew
+    flags = _row_file_flags(tmp_path / "s")
+    assert len(flags) == len(FIELDS)
+    assert all("rr" in f for f in flags.values()), flags
+    seen = np.concatenate([k for k, _ in store.chunks(999)])
+    np.testing.assert_array_equal(np.sort(seen), keys)
+    store.close()

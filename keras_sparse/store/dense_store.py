@@ -106,7 +106,9 @@ class DenseStore(StoreBase):
     def _chunks(self, step, version):
         for start in range(0, self.num_rows, step):
             self._check_unchanged(version)
-            ids = np.arange(start, min(start + step, self.num_rows), dtype=np.int64)
+            end = min(start + step, self.num_rows)
+            ids = np.arange(start, end, dtype=np.int64)
+            self._rows.will_read(start, end)
             yield ids, self._rows.gather(ids)
 
     def clear(self):

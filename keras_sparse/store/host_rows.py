@@ -79,6 +79,9 @@ class HostRows:
             start = end
         return out
 
+    def will_read(self, first: int, end: int):
+        """Nothing to prepare: the rows are in memory."""
+
     def gather(self, slots, names=None):
         """``{field: rows of slots}``, of the fields ``names`` (default all)."""
         groups = self._groups(slots)

@@ -119,6 +119,7 @@ class KeyedStore(StoreBase):
             slots = start + np.flatnonzero(self._live[start:end])
             start = end
             if slots.size:
+                self._rows.will_read(int(slots[0]), int(slots[-1]) + 1)
                 yield self._index.keys[slots].copy(), self._rows.gather(slots)
 
     def clear(self):

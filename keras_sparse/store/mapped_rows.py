@@ -5,10 +5,17 @@ Reads and writes are NumPy gathers and scatters on the maps: the OS page
 cache keeps the hot pages in memory and writes dirty ones back. A file
 grows by doubling (at least `GROW_BYTES` at a time) and is extended
 sparsely, so unwritten rows cost no disk space and read as zeros.
+
+The maps are advised random access: a training step reads scattered rows,
+and the kernel's default readahead would pull up to its readahead window
+(MiBs) around each one (on a 36 GB store, about 1 GB/s of disk reads for
+about 350 KB of rows a step). Reads of a whole range (chunks for saves and
+exports) ask for the range first (`will_read`), so they still stream.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -40,9 +47,22 @@ class MappedRows:
             self.maps[f.name] = self._map(f)
 
     def _map(self, f):
-        return np.memmap(
+        rows = np.memmap(
             row_file(self.folder, f), f.dtype, "r+", shape=(self.capacity, f.width)
         )
+        _advise(rows, getattr(mmap, "MADV_RANDOM", None))
+        return rows
+
+    def will_read(self, first: int, end: int):
+        """Rows ``[first, end)`` are about to be read in order: start
+        reading them from disk now (the maps are advised random)."""
+        for f in self.fields:
+            _advise(
+                self.maps[f.name],
+                getattr(mmap, "MADV_WILLNEED", None),
+                first * f.row_bytes,
+                (end - first) * f.row_bytes,
+            )
 
     @property
     def nbytes(self) -> int:
@@ -111,3 +131,17 @@ class MappedRows:
         for m in self.maps.values():
             m.flush()
         self.maps = {}
+
+
+def _advise(rows, advice, start=0, length=None):
+    """``madvise`` on a row map's pages (from byte ``start``, rounded down to
+    a page); nothing where the platform lacks the advice."""
+    mapping = getattr(rows, "_mmap", None)
+    if advice is None or mapping is None or not hasattr(mapping, "madvise"):
+        return
+    size = len(mapping)
+    first = start - start % mmap.PAGESIZE
+    length = size - first if length is None else start + length - first
+    length = min(length, size - first)
+    if length > 0:
+        mapping.madvise(advice, first, length)
