@@ -113,7 +113,7 @@ class HashRecords:
         lookahead = self.stage_lookahead
         if lookahead is None:
             return None
-        done = int(ops.convert_to_numpy(self.sparse_iterations))
+        done = self.trained_steps()  # re-attaches what a JAX fit detached
         return self.table.state_before(lambda: lookahead(self, done))
 
     def export_chunks(self, chunk_rows=65536, include_rows=False):
