@@ -121,3 +121,24 @@ def test_keys_where_codes_are_expected_raise_naming_the_layer():
         assert not out.any()
     # Closed: keys are keys again.
     assert keras.ops.convert_to_numpy(layer(np.array([[5, 7]]), training=True)).any()
+
+
+def test_rows_before_untrained_calls_match_the_table_state_before_them():
+    """Rows as of before a few evicting calls (keys re-inserted elsewhere,
+    evicted twice) equal a dict of `state_before`'s entries."""
+    from keras_sparse.layers.hash.trained_rows import rows_before
+    from keras_sparse.table import HashTable
+
+    rng = np.random.default_rng(1)
+    table = HashTable(64, eviction="lru", device="cpu")
+    table.lookup_or_insert(rng.integers(0, 400, 50))
+    log = []
+    for _ in range(5):  # each call evicts some keys, some come back
+        table.lookup_or_insert_fresh(rng.integers(0, 400, 40), undo=log)
+    state = table.state_before(log)
+    want = dict(zip(state.keys.tolist(), state.rows.tolist()))
+    keys = np.arange(400, dtype=np.int64)
+    got = rows_before(table.lookup(keys, count=False), keys, log)
+    assert got.tolist() == [want.get(k, -1) for k in keys.tolist()]
+    now = table.lookup(keys, count=False)
+    assert (now != got).sum() > 20  # the calls moved many keys

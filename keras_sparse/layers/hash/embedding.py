@@ -565,7 +565,13 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             # as of the last trained step (`trained_rows`).
             self.refuse_keys(inputs, training)
             self.trained_steps()  # re-attaches variables a JAX fit detached
+            with trained_rows.as_trained(self):
+                return self._call_with_keys(inputs, weights, training)
         # --- prepared-input fast path (keras_sparse.data.prefetch) end
+        return self._call_with_keys(inputs, weights, training)
+
+    def _call_with_keys(self, inputs, weights, training):
+        """`call` given keys (not a stage's codes)."""
         keys, weights, shape, use = self._call_keys(inputs, weights)
         insert = bool(training) and self.trainable
         # A frozen layer in a training step still maps through the table:

@@ -9,7 +9,16 @@ row (which no untrained step has reset). The stage's undo records of those
 batches' table calls (`keras_sparse.data.lookahead`) give both: the rows
 they touched, and which key each held before them. Without a stage the
 mapping is one table lookup.
+
+Only the layer's own read-only calls (`as_trained`, entered by its ``call``)
+resolve keys this way. An inference stage's workers map as before: they may
+map while training steps run (a validation stage reading ahead), when the
+step counter cannot be read and the trained step is not the one they are
+for.
 """
+
+import contextlib
+import threading
 
 import numpy as np
 
@@ -17,6 +26,23 @@ from keras_sparse.layers.hash.host_keys import to_numpy
 
 # Tries to read the records and the rows with no table call in between.
 _TRIES = 16
+_calls = threading.local()  # .layers: ids of layers in `as_trained` here
+
+
+@contextlib.contextmanager
+def as_trained(layer):
+    """Within it, this thread's read-only table reads of ``layer`` are as
+    of its last trained step."""
+    held = getattr(_calls, "layers", None)
+    if held is None:
+        held = _calls.layers = set()
+    fresh = id(layer) not in held
+    held.add(id(layer))
+    try:
+        yield
+    finally:
+        if fresh:
+            held.discard(id(layer))
 
 
 def read_rows(layer, keys):
@@ -24,7 +50,7 @@ def read_rows(layer, keys):
     layer's last trained step, -1 where absent; counts nothing."""
     table = layer.table
     hook = layer.stage_lookahead
-    if hook is None:
+    if hook is None or id(layer) not in getattr(_calls, "layers", ()):
         return table.lookup(keys, count=False)
     done = layer.trained_steps()
     for _ in range(_TRIES):
