@@ -135,10 +135,21 @@ class Journal:
 class Lookahead:
     """``layer.stage_lookahead``: ``(layer, trained steps) -> undo records`` of
     the calls its table got for batches not trained yet (see
-    `keras_sparse.layers.hash.records`). Holds its engine weakly."""
+    `keras_sparse.layers.hash.records`). Holds its engine and the model the
+    stage feeds weakly."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, model=None):
         self._engine = weakref.ref(engine)
+        self._model = (lambda: None) if model is None else weakref.ref(model)
+
+    def sync(self):
+        """Re-attaches the model's variables, which a JAX ``fit`` keeps in
+        its loop mid-epoch (Keras does the same for a callback's
+        ``self.model``): a save or read-only call of the layer from a
+        callback then reads the trained values."""
+        sync = getattr(self._model(), "jax_state_sync", None)
+        if sync is not None:
+            sync()
 
     def __call__(self, layer, done):
         engine = self._engine()
@@ -148,9 +159,10 @@ class Lookahead:
         return p.untrained_calls(layer, done)
 
 
-def install(engine, layers):
-    """Sets ``stage_lookahead`` on the hash layers a training stage maps for."""
-    hook = Lookahead(engine)
+def install(engine, layers, model=None):
+    """Sets ``stage_lookahead`` on the hash layers a training stage maps for
+    ``model``."""
+    hook = Lookahead(engine, model)
     for layer in layers:
         layer.stage_lookahead = hook
 

@@ -875,7 +875,7 @@ class PrefetchStage(keras.utils.PyDataset):
         for layer in self._layers:
             flipped |= layer.hold_for_stage(forms[id(layer)])
         if engine.insert:
-            lookahead.install(engine, self._layers)
+            lookahead.install(engine, self._layers, self._model)
         self._active = True
         if flipped:
             _reset_model_functions(self._model)

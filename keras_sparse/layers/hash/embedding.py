@@ -17,7 +17,9 @@ from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.hash import key_mapping
 from keras_sparse.layers.hash import serving_hooks
 from keras_sparse.layers.hash import serving_map
+from keras_sparse.layers.hash import stage_feed
 from keras_sparse.layers.hash import table_users
+from keras_sparse.layers.hash import trained_rows
 from keras_sparse.layers.hash.fresh_rows import fresh_row_values
 from keras_sparse.layers.hash.host_keys import host_keys as _host_keys
 from keras_sparse.layers.hash.host_keys import string_kind as _string_kind
@@ -437,7 +439,8 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         else:
             # Read-only calls (inference, a frozen layer) leave `stats` alone:
             # compiled inference reads the serving map, which cannot count.
-            rows[use] = as_xp(self.table.lookup(selected, count=False))
+            # As of the last trained step while a stage maps ahead.
+            rows[use] = as_xp(trained_rows.read_rows(self, selected))
             if self.row_tier is not None:  # its store read follows (whole keys)
                 self.row_tier.read_keys = flat
         return rows, fresh
@@ -556,8 +559,19 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             check_replicated_training(self.name, maps_keys=not key_sharded)
         # --- prepared-input fast path (keras_sparse.data.prefetch) begin
         if self.prepared_form is not None:
-            return self._call_prepared(inputs, weights, training)
+            if not stage_feed.fed_keys(inputs):
+                return self._call_prepared(inputs, weights, training)
+            # Keys while a stage holds the layer: read-only calls map them
+            # as of the last trained step (`trained_rows`).
+            self.refuse_keys(inputs, training)
+            self.trained_steps()  # re-attaches variables a JAX fit detached
+            with trained_rows.as_trained(self):
+                return self._call_with_keys(inputs, weights, training)
         # --- prepared-input fast path (keras_sparse.data.prefetch) end
+        return self._call_with_keys(inputs, weights, training)
+
+    def _call_with_keys(self, inputs, weights, training):
+        """`call` given keys (not a stage's codes)."""
         keys, weights, shape, use = self._call_keys(inputs, weights)
         insert = bool(training) and self.trainable
         # A frozen layer in a training step still maps through the table:
@@ -620,23 +634,21 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         they are packed for, `split_words`).
         """
         codes = ops.cast(ops.convert_to_tensor(codes), "int32")
-        form = self.prepared_form
-        share = form.share
-        if share is not None:  # the input feeds other hash layers too
-            codes = take_blocks(codes, *share)
-        segments = exchange_slot = words = None
-        layout = form.layout
-        words_replicas = form.words
-        if words_replicas:  # two blocks of key words follow the others
-            blocks = (1 if layout is None else 2) + 2
-            codes, words = split_words(codes, words_replicas, blocks)
+        if is_symbolic(codes):
+            codes, extra, words = self._unpacked(codes)
+        else:  # keys of another shape would fail obscurely in the unpacking
+            try:
+                codes, extra, words = self._unpacked(codes)
+            except Exception as e:  # noqa: BLE001 - each backend's shape error
+                raise self.unclear_codes(e) from None
+            self.check_codes(codes, training)
+        segments = exchange_slot = None
+        layout = self.prepared_form.layout
         if layout is not None:
-            replicas, channel = layout
-            codes, extra = unpack_prepared(codes, replicas)
-            if channel == "segments":
+            if layout[1] == "segments":
                 segments = extra
             else:
-                self._check_exchange_buckets(channel)
+                self._check_exchange_buckets(layout[1])
                 exchange_slot = extra
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
@@ -663,6 +675,25 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
                 rows = ops.where(use, rows, -2)
             prepared["stored"] = row_moves.read_stored_words(self, words, rows)
         return self._vectors_out(rows, valid, fresh, weights, shape, insert, prepared)
+
+    def _unpacked(self, codes):
+        """``(codes, extra, words)`` of a prepared input: this layer's
+        blocks (`take_blocks`), its key words (`split_words`) and the
+        segments or exchange slots of its layout (`unpack_prepared`), None
+        where absent."""
+        form = self.prepared_form
+        share = form.share
+        if share is not None:  # the input feeds other hash layers too
+            codes = take_blocks(codes, *share)
+        extra = words = None
+        layout = form.layout
+        words_replicas = form.words
+        if words_replicas:  # two blocks of key words follow the others
+            blocks = (1 if layout is None else 2) + 2
+            codes, words = split_words(codes, words_replicas, blocks)
+        if layout is not None:
+            codes, extra = unpack_prepared(codes, layout[0])
+        return codes, extra, words
 
     def _check_exchange_buckets(self, buckets):
         now = placement.provider().exchange_buckets(self)

@@ -114,7 +114,7 @@ class HashRecords:
         lookahead = self.stage_lookahead
         if lookahead is None:
             return None
-        done = int(ops.convert_to_numpy(self.sparse_iterations))
+        done = self.trained_steps()  # re-attaches what a JAX fit detached
         return self.table.state_before(lambda: lookahead(self, done))
 
     def _cached_keys(self):

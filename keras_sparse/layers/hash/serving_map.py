@@ -235,7 +235,9 @@ def usable(layer, keys):
     is exact for them only when the layer declares ``key_dtype="int32"``
     (whose keys are checked to fit as batches are fed).
     """
-    if not is_complete(layer):
+    if not is_complete(layer) or layer.prepared_form is not None:
+        # A stage-held layer's keys map as of its last trained step
+        # (`trained_rows`), which the map, a copy of the table, is not.
         return False
     dtype = getattr(keys, "dtype", None)
     dtype = "" if dtype is None else keras.backend.standardize_dtype(dtype)

@@ -6,7 +6,37 @@ takes the prepared path (``_call_prepared``); the layer switches back to raw
 keys when the last stage releases it. Stages reach the layer only through
 this mixin and `DistributedHashEmbedding.map_host_keys`, never through its
 private state.
+
+A stage-held layer tells the keys a user passes from the codes the stage
+feeds where that is cheap (`fed_keys`, `check_codes`): a read-only call with
+NumPy keys maps them as of the last trained step
+(`keras_sparse.layers.hash.trained_rows`); a training call with keys, or
+values no code can take, raises naming the layer.
 """
+
+import numpy as np
+from keras import ops
+
+from keras_sparse.backend_utils import is_symbolic
+from keras_sparse.backend_utils import is_tf_ragged_or_sparse
+from keras_sparse.layers.hash.host_keys import string_kind
+
+_WHAT_TO_DO = (
+    "Feed it the stage's own batches (model.fit / evaluate / predict of a "
+    "keras_sparse.data.prefetch stage), call the layer with keys as a NumPy "
+    "array for a read-only call (training=False), or close the stage first "
+    "(stage.close(), or leave its `with` block)."
+)
+
+
+def fed_keys(inputs):
+    """Whether a stage-held layer's ``inputs`` are surely keys, not codes:
+    the stage hands Keras tensors, never NumPy arrays, lists or strings."""
+    return (
+        isinstance(inputs, (np.ndarray, list, tuple))
+        or string_kind(inputs)
+        or is_tf_ragged_or_sparse(inputs)
+    )
 
 
 class StageFed:
@@ -25,6 +55,64 @@ class StageFed:
         """The `PreparedForm` of the codes open stages feed this layer, or
         None when it is called with keys."""
         return self._stage_form if self._stage_holds else None
+
+    def trained_steps(self):
+        """The layer's step counter: the batches it trained. Mid-epoch, a
+        JAX ``fit`` keeps the variables in its loop; those of the model a
+        training stage feeds are re-attached first (as Keras does for a
+        callback's ``self.model``)."""
+        sync = getattr(self.stage_lookahead, "sync", None)
+        if sync is not None:
+            sync()
+        try:
+            return int(ops.convert_to_numpy(self.sparse_iterations))
+        except TypeError:  # a JAX fit detached the value
+            raise RuntimeError(
+                f"Layer '{self.name}': its variables are detached while a JAX "
+                "model.fit runs an epoch, so its trained state cannot be read. "
+                "Reach the layer through the callback's `self.model` (which "
+                "re-attaches them, e.g. self.model.get_layer(name)), or read "
+                "it after fit."
+            ) from None
+
+    def refuse_keys(self, inputs, training):
+        """Raises for keys passed to a training call of a stage-held layer:
+        its table is mapped by the stage, batch by batch, in order."""
+        if training and self.trainable:
+            raise ValueError(
+                f"Layer '{self.name}': a training call received keys "
+                f"(`inputs` of dtype {getattr(inputs, 'dtype', type(inputs))}) "
+                "while a prefetch stage holds the layer: the stage maps its "
+                "table and feeds it prepared int32 codes. " + _WHAT_TO_DO
+            )
+
+    def check_codes(self, codes, training):
+        """Raises when an eager call of a stage-held layer got values no
+        code of this layer can take (keys, most likely); ``codes``: its own
+        block, unpacked. Skipped where the check would cost a device sync
+        in a training step (PyTorch on a GPU)."""
+        if is_symbolic(codes):
+            return
+        if training and getattr(getattr(codes, "device", None), "type", "") == "cuda":
+            return
+        values = ops.convert_to_numpy(codes)
+        rows = self.num_rows
+        if values.size == 0 or (values.min() >= -1 - rows and values.max() < rows):
+            return
+        raise ValueError(
+            f"Layer '{self.name}': a prefetch stage holds this layer, so it "
+            f"takes the int32 codes the stage prepares (in [{-1 - rows}, "
+            f"{rows - 1}] for its {rows} rows), not keys; received values in "
+            f"[{values.min()}, {values.max()}]. " + _WHAT_TO_DO
+        )
+
+    def unclear_codes(self, error):
+        """A clear error for prepared inputs whose layout does not fit."""
+        return ValueError(
+            f"Layer '{self.name}': a prefetch stage holds this layer, so it "
+            "takes the prepared int32 codes the stage lays out for it, not "
+            f"keys; the input does not fit that layout ({error}). " + _WHAT_TO_DO
+        )
 
     def hold_for_stage(self, form):
         """Counts one more open stage feeding codes laid out as ``form``.
