@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+import keras
 import numpy as np
 
 #: Store field of a key's table score (LRU step or LFU count).
@@ -324,12 +325,12 @@ def attach(layer, spec):
             f"{where} needs the key->row map on the host (table_device='cpu'); "
             f"received table_device={layer.table_device!r}."
         )
-    if getattr(layer.table, "num_shards", None) is not None or (
-        layer.placement is not None
-    ):
+    if layer.placement is not None:
         raise ValueError(
-            f"{where} is not available with sharding='key' yet: use "
-            "sharding='data' (one host table) or no store."
+            f"{where} with sharding={layer.sharding!r} is available on JAX "
+            "only (a store per table shard); on "
+            f"{keras.backend.backend()} use sharding='data' (one host table) "
+            "or no store."
         )
     init = layer.embeddings_initializer
     if has_seed(init) and not per_key(init):
@@ -345,9 +346,24 @@ def attach(layer, spec):
         fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
     fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
     check_not_shared(layer, layer.table)
+    table = layer.table
+    if getattr(table, "num_shards", None) is not None:  # sharding="key"
+        from keras_sparse.layers import row_tier_shards
+
+        # A store per shard: a key never leaves its owner shard.
+        stores = {
+            d: spec.open_keyed(tuple(fields), name=f"{layer.name}.shard{d}")
+            for d in table.local
+        }
+        tier = row_tier_shards.ShardedRowTier(
+            layer.name, stores, layer.slots, table.num_shards, table.shard_rows
+        )
+        for d, shard_tier in tier.shards.items():
+            table.shard(d).set_held_keys(shard_tier.held)
+        return tier
     opened = spec.open_keyed(tuple(fields), name=layer.name)
     tier = RowTier(layer.name, opened, layer.slots)
-    layer.table.set_held_keys(tier.held)
+    table.set_held_keys(tier.held)
     return tier
 
 
