@@ -33,8 +33,9 @@ def _data():
     return keys, target
 
 
-def _train(capacity, store, eviction, optimizer, key_sharded):
-    """(records, predictions, stats) of a model trained on 8 devices."""
+def _train(capacity, store, eviction, optimizer, key_sharded, save_to=None):
+    """(records, predictions, stats) of a model trained on 8 devices (saved
+    to ``save_to`` when given)."""
     devices = keras.distribution.list_devices()
     assert len(devices) == 8, "run with --xla_force_host_platform_device_count=8"
     # Data parallel: the layer (its seed generator too) is made under the
@@ -63,6 +64,8 @@ def _train(capacity, store, eviction, optimizer, key_sharded):
         model.compile(optimizer="sgd", loss="mse")
         model.fit(keys, target, batch_size=BATCH, shuffle=False, verbose=0)
         predicted = model.predict(keys[:BATCH], batch_size=BATCH, verbose=0)
+        if save_to is not None:
+            model.save(save_to)
     finally:
         keras.distribution.set_distribution(None)
     return shared.records(layer), predicted, layer.stats()
@@ -91,11 +94,35 @@ def test_data_parallel_store_matches_a_table_holding_every_key():
 
 
 @pytest.mark.parametrize("eviction, optimizer", [("lru", "adagrad"), ("lfu", "sgd")])
-def test_key_sharded_stores_match_shards_holding_every_key(eviction, optimizer):
+def test_key_sharded_stores_match_shards_holding_every_key(
+    eviction, optimizer, tmp_path
+):
     full = _train(8192, None, eviction, optimizer, key_sharded=True)
     # 64 rows per shard (the least a shard has), a store per shard.
-    cached = _train(512, "host", eviction, optimizer, key_sharded=True)
+    path = tmp_path / "m.keras"
+    cached = _train(512, "host", eviction, optimizer, True, save_to=path)
     _check_exact(cached, full)
+    if eviction != "lru":
+        return
+    # Saved with the stores' keys; loaded on 4 devices, each key (in a
+    # shard's table or store) goes to its new owner.
+    model, _ = sharding.load_model(str(path), devices=4)
+    try:
+        layer = model.get_layer("ids")
+        assert layer.table.num_shards == 4 and sorted(layer.row_tier.shards) == [
+            0,
+            1,
+            2,
+            3,
+        ]
+        stats = layer.stats()
+        assert stats["store_size"] > 0 and stats["size"] > 0, stats
+        got = shared.records(layer)
+    finally:
+        keras.distribution.set_distribution(None)
+    want = cached[0]
+    for name in ("keys", "values", "accumulator", "scores"):
+        np.testing.assert_array_equal(got[name], want[name])
 
 
 def test_key_sharded_store_keeps_each_key_in_its_owner_shard():

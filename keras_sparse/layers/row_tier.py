@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 
+from keras_sparse.layers import row_tier_shards
+
 #: Store field of a key's table score (LRU step or LFU count).
 SCORE = "score"
 #: Store field of a key's vector.
@@ -348,15 +350,18 @@ def attach(layer, spec):
     check_not_shared(layer, layer.table)
     table = layer.table
     if getattr(table, "num_shards", None) is not None:  # sharding="key"
-        from keras_sparse.layers import row_tier_shards
-
-        # A store per shard: a key never leaves its owner shard.
-        stores = {
-            d: spec.open_keyed(tuple(fields), name=f"{layer.name}.shard{d}")
+        # A store per shard: a key never leaves its owner shard. Errors
+        # name the layer and the shard.
+        shards = {
+            d: RowTier(
+                f"{layer.name} (table shard {d})",
+                spec.open_keyed(tuple(fields), name=f"{layer.name}.shard{d}"),
+                layer.slots,
+            )
             for d in table.local
         }
         tier = row_tier_shards.ShardedRowTier(
-            layer.name, stores, layer.slots, table.num_shards, table.shard_rows
+            layer.name, shards, table.num_shards, table.shard_rows
         )
         for d, shard_tier in tier.shards.items():
             table.shard(d).set_held_keys(shard_tier.held)

@@ -19,9 +19,7 @@ import threading
 
 import numpy as np
 
-from keras_sparse.layers.row_tier import SCORE
-from keras_sparse.layers.row_tier import VALUES
-from keras_sparse.layers.row_tier import RowTier
+from keras_sparse.layers.record_checks import subset
 from keras_sparse.table.sharded_table import owner_of
 
 
@@ -116,18 +114,16 @@ class ShardedRowTier:
 
     dense = False
 
-    def __init__(self, layer_name, stores, slot_names, num_shards, shard_rows):
+    def __init__(self, layer_name, shards, num_shards, shard_rows):
+        # shard -> its `RowTier` (this process's shards), in local rows.
         self.layer_name = layer_name
-        # Each shard's errors name the layer and the shard.
-        self.shards = {
-            d: RowTier(f"{layer_name} (table shard {d})", store, slot_names)
-            for d, store in stores.items()
-        }
-        self.store = ShardStores(stores, num_shards)
+        self.shards = dict(shards)
+        self.store = ShardStores(
+            {d: tier.store for d, tier in self.shards.items()}, num_shards
+        )
         self.num_shards = int(num_shards)
         self.shard_rows = int(shard_rows)
         self.scored = next(iter(self.shards.values())).scored
-        self.slot_names = tuple(slot_names)
         # Held while the whole layer's stores are read or replaced (save,
         # load); each shard's moves take its own tier's lock.
         self.lock = threading.RLock()
@@ -190,19 +186,11 @@ class ShardedRowTier:
             tier.drop_newest(count)
 
     def reset(self, records):
-        """`RowTier.reset`: each key to its owner's store."""
+        """`RowTier.reset`: each shard's store gets the keys it owns."""
         with self.lock:
-            self.drop_plans()
-            self.store.clear()
-            if not len(records.keys):
-                return
-            out = {VALUES: records.values}
-            out.update({name: records.slots[name] for name in self.slot_names})
-            if records.scores is None:
-                out[SCORE] = np.ones((len(records.keys), 1), np.int64)
-            else:
-                out[SCORE] = np.asarray(records.scores, np.int64).reshape(-1, 1)
-            self.store.write(records.keys, out)  # split by owner
+            owner = owner_of(records.keys, self.num_shards)
+            for d, tier in self.shards.items():
+                tier.reset(subset(records, owner == d))
 
     def stats(self):
         out = {"fills": 0, "write_backs": 0, "store_hits": 0}
