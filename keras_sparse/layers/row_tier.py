@@ -327,12 +327,16 @@ def attach(layer, spec):
             f"{where} needs the key->row map on the host (table_device='cpu'); "
             f"received table_device={layer.table_device!r}."
         )
-    if layer.placement is not None:
+    key_sharded = getattr(layer.table, "num_shards", None) is not None
+    if layer.placement is not None or (
+        key_sharded and keras.backend.backend() != "jax"
+    ):
         raise ValueError(
-            f"{where} with sharding={layer.sharding!r} is available on JAX "
-            "only (a store per table shard); on "
-            f"{keras.backend.backend()} use sharding='data' (one host table) "
-            "or no store."
+            f"{where} is not available for a layer the "
+            f"{keras.backend.backend()} distribution shards (sharding="
+            f"{layer.sharding!r}): there use no store or one replica. On JAX "
+            "a store works with sharding='data' (one host table) and "
+            "sharding='key' (a store per table shard)."
         )
     init = layer.embeddings_initializer
     if has_seed(init) and not per_key(init):
@@ -349,7 +353,7 @@ def attach(layer, spec):
     fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
     check_not_shared(layer, layer.table)
     table = layer.table
-    if getattr(table, "num_shards", None) is not None:  # sharding="key"
+    if key_sharded:
         # A store per shard: a key never leaves its owner shard. Errors
         # name the layer and the shard.
         shards = {
