@@ -125,9 +125,14 @@ def test_key_sharded_stores_match_shards_holding_every_key(
         np.testing.assert_array_equal(got[name], want[name])
 
 
-def test_key_sharded_store_keeps_each_key_in_its_owner_shard():
+def test_key_sharded_store_keeps_each_key_in_its_owner_shard(tmp_path):
     layer = ks.DistributedHashEmbedding(
-        4, capacity=512, optimizer="sgd", sharding="key", store="host", name="own"
+        4,
+        capacity=512,
+        optimizer="sgd",
+        sharding="key",
+        store=ks.store.Disk(str(tmp_path)),
+        name="own",
     )
     keras.distribution.set_distribution(sharding.distribution([layer], devices=8))
     try:
@@ -136,6 +141,10 @@ def test_key_sharded_store_keeps_each_key_in_its_owner_shard():
         keras.distribution.set_distribution(None)
     tier = layer.row_tier
     assert sorted(tier.shards) == list(range(8))
+    # A folder per shard under the disk spec's path.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"own.shard{d}" for d in range(8)
+    ]
     keys = np.arange(40, dtype=np.int64) * 7_919 + 5
     values = np.arange(160, dtype="float32").reshape(40, 4)
     rows = {"values": values, "score": np.ones((40, 1), np.int64)}
@@ -158,6 +167,7 @@ def test_key_sharded_store_refuses_eager_training_calls():
         layer.build((None, 2))
         with pytest.raises(ValueError, match="'eager'.*`store`.*compiled steps"):
             layer(np.array([[1, 2]] * 8), training=True)
+        assert layer.table.size == 0  # refused before the table changed
     finally:
         keras.distribution.set_distribution(None)
 
