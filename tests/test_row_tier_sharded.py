@@ -172,6 +172,19 @@ def test_key_sharded_store_refuses_eager_training_calls():
         keras.distribution.set_distribution(None)
 
 
+def test_key_sharded_store_refuses_a_process_holding_some_shards():
+    from keras_sparse.layers import row_tier
+    from keras_sparse.table import ShardedHashTable
+
+    layer = ks.DistributedHashEmbedding(4, capacity=512, optimizer="sgd", name="part")
+    layer.build()
+    layer.table = ShardedHashTable(512, 8, local=(0, 1, 2, 3), device="cpu")
+    with pytest.raises(
+        ValueError, match="'part'.*`store`.*shards \\[0, 1, 2, 3\\] of 8"
+    ):
+        row_tier.attach(layer, ks.store.Host())
+
+
 def test_planner_key_shards_hash_tables_with_a_store():
     spec = TableSpec("t", 10**6, 16, hash_keys=True, store="host", device_rows=4096)
     assert plan_cost.structural_problem(spec, "key", 8) is None

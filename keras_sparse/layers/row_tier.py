@@ -353,6 +353,14 @@ def attach(layer, spec):
     fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
     check_not_shared(layer, layer.table)
     table = layer.table
+    if key_sharded and len(table.local) < table.num_shards:
+        # A step's moves run in one host callback over the whole batch.
+        raise ValueError(
+            f"{where} with sharding='key' needs every table shard in this "
+            f"process; it holds shards {list(table.local)} of "
+            f"{table.num_shards} (a run of several processes). Use no store "
+            "there, or one process."
+        )
     if key_sharded:
         # A store per shard: a key never leaves its owner shard. Errors
         # name the layer and the shard.
