@@ -32,7 +32,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+import keras
 import numpy as np
+
+from keras_sparse.layers import row_tier_shards
 
 #: Store field of a key's table score (LRU step or LFU count).
 SCORE = "score"
@@ -353,12 +356,16 @@ def attach(layer, spec):
             f"{where} needs the key->row map on the host (table_device='cpu'); "
             f"received table_device={layer.table_device!r}."
         )
-    if getattr(layer.table, "num_shards", None) is not None or (
-        layer.placement is not None
+    key_sharded = getattr(layer.table, "num_shards", None) is not None
+    if layer.placement is not None or (
+        key_sharded and keras.backend.backend() != "jax"
     ):
         raise ValueError(
-            f"{where} is not available with sharding='key' yet: use "
-            "sharding='data' (one host table) or no store."
+            f"{where} is not available for a layer the "
+            f"{keras.backend.backend()} distribution shards (sharding="
+            f"{layer.sharding!r}): there use no store or one replica. On JAX "
+            "a store works with sharding='data' (one host table) and "
+            "sharding='key' (a store per table shard)."
         )
     init = layer.embeddings_initializer
     if has_seed(init) and not per_key(init):
@@ -374,10 +381,38 @@ def attach(layer, spec):
         fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
     fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
     check_not_shared(layer, layer.table)
+    table = layer.table
+    if key_sharded and len(table.local) < table.num_shards:
+        # A step's moves run in one host callback over the whole batch.
+        raise ValueError(
+            f"{where} with sharding='key' needs every table shard in this "
+            f"process; it holds shards {list(table.local)} of "
+            f"{table.num_shards} (a run of several processes). Use no store "
+            "there, or one process."
+        )
+    if key_sharded:
+        # A store per shard: a key never leaves its owner shard. Errors
+        # name the layer and the shard.
+        shards = {
+            d: RowTier(
+                f"{layer.name} (table shard {d})",
+                spec.open_keyed(tuple(fields), name=f"{layer.name}.shard{d}"),
+                layer.slots,
+            )
+            for d in table.local
+        }
+        tier = row_tier_shards.ShardedRowTier(
+            layer.name, shards, table.num_shards, table.shard_rows
+        )
+        for d, shard_tier in tier.shards.items():
+            # Keys never change shards: the table's keys filter each store.
+            shard_tier.table_keys = layer._cached_keys
+            table.shard(d).set_held_keys(shard_tier.held)
+        return tier
     opened = spec.open_keyed(tuple(fields), name=layer.name)
     tier = RowTier(layer.name, opened, layer.slots)
     tier.table_keys = layer._cached_keys
-    layer.table.set_held_keys(tier.held)
+    table.set_held_keys(tier.held)
     return tier
 
 

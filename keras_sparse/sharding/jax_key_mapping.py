@@ -47,6 +47,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
+from keras_sparse.layers.row_tier import UndoCollector
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.jax_sharded_lookup import _smap
 from keras_sparse.table.keys import to_host
@@ -100,12 +101,14 @@ def route_keys(full, use, num_shards, capacity):
     return send_words, send_counts, slot, first, np.int32(fill.max())
 
 
-def map_received(table, words, counts, insert):
+def map_received(table, words, counts, insert, row_tier=None):
     """Owner half: one table call for the received ``[D, C]`` keys.
 
     Returns ``(rows [D, C] int32 local, fresh [D, C] bool)``: -1 / False for
     empty entries; fresh at the first entry (source device major) of each
-    key that got a new row.
+    key that got a new row. ``row_tier``: the shard's
+    `keras_sparse.layers.row_tier.RowTier`, which records a training
+    call's row moves (its evicted keys go down to the shard's store).
     """
     shape = counts.shape
     counts = counts.reshape(-1)
@@ -117,13 +120,19 @@ def map_received(table, words, counts, insert):
     repeated = np.repeat(keys, reps)
     starts = np.cumsum(reps) - reps
     if insert:
-        res, new = table.lookup_or_insert_fresh(repeated)
+        if row_tier is None:
+            res, new = table.lookup_or_insert_fresh(repeated)
+        else:
+            undo = UndoCollector()
+            res, new = table.lookup_or_insert_fresh(repeated, undo=undo)
         got, new = to_host(res.rows)[starts], to_host(new)[starts]
         # A key sent by several devices is fresh once: at its first entry.
         _, first = np.unique(keys, return_index=True)
         once = np.zeros(len(keys), bool)
         once[first] = True
         fresh[live] = new & once
+        if row_tier is not None:
+            row_tier.record(keys, got, fresh[live], undo.record)
     else:
         # A read (inference, a frozen layer): not counted in stats().
         got = to_host(table.lookup(repeated, count=False))[starts]
@@ -141,6 +150,7 @@ class KeyRouting(NamedTuple):
     slack: object  # exchange slack, or None (`key_capacity`)
     name: str  # how errors name the layer
     failures: object  # the layer's `jax_step_mapping.StepFailures`
+    row_tier: object = None  # the layer's `ShardedRowTier`, if it has a store
 
     def part_of(self, position):
         """``(part, parts)``: which slice of this process's batch the device
@@ -276,10 +286,12 @@ def map_keys(routing, keys, use, insert, draw=None):
                 "to collide exceed)."
             )
         table = routing.table.shard(int(me))
+        tier = routing.row_tier
+        tier = None if tier is None else tier.shard(int(me))
         try:
             with routing.table.on_device(int(me)):
                 return map_received(
-                    table, np.asarray(words), np.asarray(counts), insert
+                    table, np.asarray(words), np.asarray(counts), insert, tier
                 )
         except (ValueError, RuntimeError) as e:  # TableFullError is one
             raise type(e)(

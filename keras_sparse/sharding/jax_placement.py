@@ -121,6 +121,7 @@ class JaxMeshPlacement:
             self.slack,
             layer.name,
             step_failures(layer),
+            getattr(layer, "row_tier", None),
         )
         return jax_key_mapping.map_keys(routing, keys, use, insert, draw)
 

@@ -153,8 +153,9 @@ def structural_problem(spec, strategy, d, processes=1):
         return f"{type(spec.layer).__name__} tables can only be replicated"
     if spec.one_device and d > 1:
         return "a cache (`cache_rows`) runs on one device only"
-    if spec.store is not None and strategy not in ("data", "row"):
-        return "a table with a row store runs replicated or row-sharded only"
+    # Key sharding keeps a store per table shard (JAX: see row_tier_shards).
+    if spec.store is not None and strategy not in ("data", "row", "key"):
+        return "a table with a row store runs replicated, row- or key-sharded only"
     in_collection = spec.collection_table is not None
     if strategy == "table" and spec.layer is not None and not in_collection:
         return "a whole table per device needs the table in an EmbeddingCollection"

@@ -425,6 +425,14 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         selected = flat[use]
         if insert:
             tier = self.row_tier
+            if tier is not None and getattr(self.table, "num_shards", None):
+                raise ValueError(
+                    f"Layer '{self.name}': a key-sharded layer with a `store` "
+                    "trains in compiled steps only (model.fit, or a jitted "
+                    "step under its keras_sparse.sharding.distribution), where "
+                    "each owner device moves its shard's rows; this eager "
+                    "training call is not supported."
+                )
             if tier is not None:  # the call's evictions go down to the store
                 undo = row_tier.UndoCollector(undo)
             if undo is None:
