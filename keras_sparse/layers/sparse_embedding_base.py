@@ -16,6 +16,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.dedup_scratch import add_dedup_scratch
 from keras_sparse.layers.dedup_scratch import scratch_segments
+from keras_sparse.layers.table_storage import TableStorage
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.ops import dense_row_updates
@@ -53,6 +54,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
         combiner=None,
         optimizer=None,
         sharding="auto",
+        table_storage=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -61,10 +63,11 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
         self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
-        self._init_sparse(combiner, optimizer, sharding)
+        self._init_sparse(combiner, optimizer, sharding, table_storage)
 
-    def _init_sparse(self, combiner, optimizer, sharding):
-        """Validates and stores the keras_sparse extras (after Layer init)."""
+    def _init_sparse(self, combiner, optimizer, sharding, table_storage=None):
+        """Validates and stores the keras_sparse extras (after Layer init);
+        ``table_storage``: a `TableStorage` (None: the variable dtype)."""
         pooling.check_combiner(self.name, combiner)
         key_shardable = getattr(self, "_key_shardable", False)
         check_sharding(
@@ -75,6 +78,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.combiner = combiner
         self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
         self.sharding = sharding
+        self.table_storage = table_storage or TableStorage(self.name)
+        self.table_storage.check_sparse(self.name, self.sparse_optimizer is not None)
         self.slots = {}
         # A `TablePlacement` when built sharded on TensorFlow or PyTorch.
         self.placement = None
@@ -119,6 +124,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             trainable=(not sparse) or on_jax,
             autocast=False,
             name="embeddings",
+            **_dtype_argument(self.table_storage.table_dtype),
         )
         if sparse:
             self._build_sparse_state(on_jax, rows, table)
@@ -137,6 +143,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
                 trainable=on_jax,
                 autocast=False,
                 name=spec.name,
+                **_dtype_argument(self.table_storage.slot_dtype),
             )
             slot.overwrite_with_gradient = on_jax
             self.slots[spec.name] = slot
@@ -259,9 +266,16 @@ class SparseEmbeddingBase(keras.layers.Layer):
                 if self.sparse_optimizer is None
                 else sparse_optimizers.serialize(self.sparse_optimizer),
                 "sharding": self.sharding,
+                **self.table_storage.config(),
             }
         )
         return config
+
+
+def _dtype_argument(dtype):
+    """``add_weight``'s ``dtype`` where a storage dtype is set (else the
+    layer's variable dtype, as before)."""
+    return {} if dtype is None else {"dtype": dtype}
 
 
 def combine_rows(rows, weights, valid, combiner):
@@ -312,6 +326,8 @@ def table_state(layer, table, slots):
         layer.sparse_anchor,
         layer.sparse_optimizer,
         layer.embeddings_constraint,
+        # A collection (no storage settings yet) keeps its variables' dtype.
+        getattr(layer, "table_storage", TableStorage(layer.name)).stochastic_rounding,
     )
 
 
