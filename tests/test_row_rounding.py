@@ -59,23 +59,27 @@ def test_representable_and_special_values_stay(dtype):
     np.testing.assert_array_equal(got, x)
 
 
-def _fit_sgd(table_dtype, stochastic=True, steps=100):
-    """100 SGD steps of 1e-4 on rows 0 and 3 (gradient 1 each)."""
+def _sum_loss(y, p):
+    return ops.sum(p)
+
+
+def _fit_sgd(table_dtype, stochastic=True, steps=100, rows=(0, 3), **compile_args):
+    """100 SGD steps of 1e-4 on ``rows`` (gradient 1 each)."""
     layer = ks.AllToAllDenseEmbedding(
         8, 4, embeddings_initializer="ones", optimizer=ks.optimizers.SGD(1e-4),
         table_dtype=table_dtype, stochastic_rounding=stochastic,
     )  # fmt: skip
-    model = keras.Sequential([keras.Input((2,), dtype="int32"), layer])
-    model.compile(loss=lambda y, p: ops.sum(p), optimizer="sgd")
-    x = np.tile(np.array([[0, 3]], np.int32), (steps, 1))
+    model = keras.Sequential([keras.Input((len(rows),), dtype="int32"), layer])
+    model.compile(loss=_sum_loss, optimizer="sgd", **compile_args)
+    x = np.tile(np.array([rows], np.int32), (steps, 1))
     model.fit(x, np.zeros((steps, 1)), batch_size=1, epochs=1, verbose=0)
     values = ops.convert_to_numpy(ops.cast(layer.embeddings.value, "float32"))
     return layer, model, values
 
 
-def _numpy_sgd(dtype, steps=100):
+def _numpy_sgd(dtype, steps=100, rows=(0, 3)):
     table = np.ones((8, 4), np.float32)
-    rows = np.array([0, 3])
+    rows = np.array(rows)
     for step in range(steps):
         new = table[rows] - np.float32(1e-4) * np.float32(1.0)
         table[rows] = rounding_models.stochastic_round(new, rows, step, "table", dtype)
@@ -104,6 +108,44 @@ def test_dense_route_rounds_as_the_sparse_route(monkeypatch):
     monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", True)
     _, _, values = _fit_sgd("bfloat16", steps=30)
     np.testing.assert_array_equal(values, _numpy_sgd("bfloat16", steps=30))
+
+
+def test_tensorflow_xla_route_rounds_alike():
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("TensorFlow's XLA route")
+    _, _, values = _fit_sgd("bfloat16", steps=20, jit_compile=True)
+    np.testing.assert_array_equal(values, _numpy_sgd("bfloat16", steps=20))
+
+
+def test_row_sharded_table_rounds_as_one_device():
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras_sparse.sharding distributions are JAX's")
+    from keras_sparse import sharding
+
+    rows = (0, 1, 2, 3, 4, 5, 6, 7)  # every shard of 8 devices owns one
+    layer = ks.AllToAllDenseEmbedding(
+        8, 4, embeddings_initializer="ones", optimizer=ks.optimizers.SGD(1e-4),
+        table_dtype="bfloat16", sharding="row",
+    )  # fmt: skip
+    keras.distribution.set_distribution(sharding.distribution([layer], devices=8))
+    try:
+        model = keras.Sequential([keras.Input((8,), dtype="int32"), layer])
+        model.compile(loss=_sum_loss, optimizer="sgd")
+        x = np.tile(np.array([rows], np.int32), (64, 1))
+        model.fit(x, np.zeros((64, 1)), batch_size=8, verbose=0)
+        assert sharding.keras_integration.route(layer).strategy == "row"
+        values = ops.convert_to_numpy(ops.cast(layer.embeddings.value, "float32"))
+    finally:
+        keras.distribution.set_distribution(None)
+    assert row_rounding.dtype_name(layer.embeddings.dtype) == "bfloat16"
+    # 8 steps, each row 8 times in the batch: a gradient of 8 per step.
+    want = np.ones((8, 4), np.float32)
+    for step in range(8):
+        new = want - np.float32(1e-4) * np.float32(8.0)
+        want = rounding_models.stochastic_round(
+            new, np.arange(8), step, "table", "bfloat16"
+        )
+    np.testing.assert_array_equal(values, want)
 
 
 def test_slots_in_16_bits_and_float32_by_default():
@@ -143,13 +185,13 @@ def test_save_and_load_keep_the_dtype(tmp_path):
     np.testing.assert_array_equal(got, values)
 
 
-def test_hash_layer_trains_a_bfloat16_table():
+def test_hash_layer_trains_and_saves_a_bfloat16_table(tmp_path):
     layer = ks.DistributedHashEmbedding(
         4, capacity=64, optimizer=ks.optimizers.SGD(1e-4),
         embeddings_initializer="ones", table_dtype="bfloat16",
     )  # fmt: skip
     model = keras.Sequential([keras.Input((1,), dtype="int64"), layer])
-    model.compile(loss=lambda y, p: ops.sum(p), optimizer="sgd")
+    model.compile(loss=_sum_loss, optimizer="sgd")
     x = np.full((50, 1), 12345, np.int64)
     model.fit(x, np.zeros((50, 1)), batch_size=1, verbose=0)
     assert row_rounding.dtype_name(layer.embeddings.dtype) == "bfloat16"
@@ -158,6 +200,13 @@ def test_hash_layer_trains_a_bfloat16_table():
     assert list(keys) == [12345]
     # 50 steps of 1e-4: ~0.995 in expectation, never left at 1.0 on all 4.
     assert 0.985 < float(np.mean(vectors)) < 1.0
+    path = str(tmp_path / "h.keras")
+    model.save(path)
+    again = keras.models.load_model(path, compile=False).layers[0]
+    assert row_rounding.dtype_name(again.embeddings.dtype) == "bfloat16"
+    loaded = again.export()
+    assert list(loaded["keys"]) == [12345]
+    np.testing.assert_array_equal(np.asarray(loaded["values"], np.float32), vectors)
 
 
 @pytest.mark.parametrize(

@@ -128,8 +128,9 @@ def _check_divisible(what, size, d):
         )
 
 
-def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows):
-    """Dedup + optimizer on the local shard; returns the updated arrays."""
+def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows, first_row=0):
+    """Dedup + optimizer on the local shard; returns the updated arrays.
+    ``first_row``: the shard's first global row (its rounding bits)."""
     slot_names = tuple(k for k in state if k != "table")
     unique_ids, is_real, new_values = compute_row_updates(
         cfg.optimizer,
@@ -146,7 +147,7 @@ def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows):
     return {
         name: write_rows(
             state[name], target, new_values[name],
-            write_seed(iterations, name, cfg.stochastic),
+            write_seed(iterations, name, cfg.stochastic), first_row,
         )
         for name in state
     }  # fmt: skip
@@ -322,6 +323,7 @@ def _row_bwd(cfg, residuals, cotangents):
             got.reshape(-1, got.shape[-1]),
             iterations,
             shard_rows,
+            me * shard_rows,
         )
         return new["table"], tuple(new[k] for k in slot_names)
 
