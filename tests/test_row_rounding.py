@@ -223,9 +223,17 @@ def test_bad_settings_are_refused(kwargs, match):
     assert "Layer 'emb'" in str(info.value)
 
 
-def test_16_bit_tables_need_a_sparse_optimizer():
+def test_16_bit_tables_need_a_sparse_optimizer_and_no_row_store():
     with pytest.raises(ArgumentError, match="needs a sparse `optimizer`"):
         ks.AllToAllDenseEmbedding(8, 4, table_dtype="bfloat16")
+    with pytest.raises(ArgumentError, match="combined with `cache_rows`"):
+        ks.AllToAllDenseEmbedding(
+            8, 4, optimizer="sgd", cache_rows=4, table_dtype="bfloat16"
+        )
+    with pytest.raises(ArgumentError, match="Layer 'h'.*combined with `store`"):
+        ks.DistributedHashEmbedding(
+            4, capacity=64, store="host", slot_dtype="float16", name="h"
+        )
     layer = ks.AllToAllDenseEmbedding(8, 4, table_dtype="float32")  # fine
     assert layer.get_config()["table_dtype"] == "float32"
 

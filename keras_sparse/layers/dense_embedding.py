@@ -9,7 +9,6 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
-from keras_sparse.layers.arguments import ArgumentError
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
@@ -196,13 +195,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             **kwargs,
         )
         storage = TableStorage(name, table_dtype, stochastic_rounding, slot_dtype)
-        if storage.is_sixteen_bit() and store_spec is not None:
-            raise ArgumentError(
-                f"Layer '{name}': `table_dtype`/`slot_dtype` 16-bit storage "
-                "cannot be combined with `cache_rows` (the row store keeps "
-                "float32 rows). Received: "
-                f"table_dtype={table_dtype!r}, slot_dtype={slot_dtype!r}."
-            )
+        storage.check_no_store(name, store_spec, "cache_rows")
         self._init_sparse(combiner, optimizer, sharding, storage)
         if self.uses_sparse_update and self.quantization_mode:
             _refuse_with_sparse_optimizer(self.name, "dtype", self.dtype_policy.name)

@@ -67,6 +67,17 @@ class TableStorage:
                 "Keras bfloat16 layer."
             )
 
+    def check_no_store(self, layer_name, store, arg="store"):
+        """Row stores keep float32 rows: 16-bit storage is refused beside
+        one."""
+        if self.is_sixteen_bit() and store is not None:
+            raise ArgumentError(
+                f"Layer '{layer_name}': `table_dtype`/`slot_dtype` 16-bit "
+                f"storage cannot be combined with `{arg}` (its row store "
+                f"keeps float32 rows). Received: table_dtype="
+                f"{self.table_dtype!r}, slot_dtype={self.slot_dtype!r}."
+            )
+
     def config(self):
         return {
             "table_dtype": self.table_dtype,

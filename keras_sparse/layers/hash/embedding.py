@@ -318,6 +318,8 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
                 f"Layer '{name}': `table_seed` must be an integer (the salt of "
                 f"the table's hash functions). Received: table_seed={table_seed!r}."
             )
+        storage = TableStorage(name, table_dtype, stochastic_rounding, slot_dtype)
+        storage.check_no_store(name, store)
         table = HashTable(
             int(capacity),
             eviction=eviction,
@@ -334,9 +336,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             combiner=combiner,
             optimizer=optimizer,
             sharding=sharding,
-            table_storage=TableStorage(
-                name, table_dtype, stochastic_rounding, slot_dtype
-            ),
+            table_storage=storage,
             **kwargs,
         )
         self.table = table
