@@ -14,6 +14,8 @@ from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
+from keras_sparse.layers.table_storage import TableStorage
 
 
 def _check_positive_int(layer_name, name, value):
@@ -54,6 +56,7 @@ _OWN_ARGUMENTS = (
     "sharding",
     "cache_rows",
     "store",
+    *STORAGE_ARGUMENTS,
     "input_length",  # deprecated by Keras, which warns and drops it
 )
 
@@ -113,6 +116,14 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         store: where the whole table lives with ``cache_rows``: "host"
             (default), ``keras_sparse.store.Host()`` or
             ``keras_sparse.store.Disk(path)``.
+        table_dtype: the table's storage dtype, "float32", "bfloat16" or
+            "float16" (None: the layer's variable dtype). 16 bits need a
+            sparse ``optimizer``, whose math and the lookups stay in float32
+            (see `keras_sparse.layers.table_storage`).
+        stochastic_rounding: whether rows written into 16-bit tables and
+            slots round stochastically (default) or to nearest.
+        slot_dtype: the optimizer slots' storage dtype, as ``table_dtype``
+            (None: float32 under the default policy).
 
     Call arguments:
         inputs: integer ids of any rank, a JAX BCOO or (TensorFlow) a
@@ -147,6 +158,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         sharding="auto",
         cache_rows=None,
         store=None,
+        table_dtype=None,
+        stochastic_rounding=True,
+        slot_dtype=None,
         **kwargs,
     ):
         name = kwargs.get("name") or "embedding"
@@ -180,7 +194,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             quantization_config=quantization_config,
             **kwargs,
         )
-        self._init_sparse(combiner, optimizer, sharding)
+        storage = TableStorage(name, table_dtype, stochastic_rounding, slot_dtype)
+        storage.check_no_store(name, store_spec, "cache_rows")
+        self._init_sparse(combiner, optimizer, sharding, storage)
         if self.uses_sparse_update and self.quantization_mode:
             _refuse_with_sparse_optimizer(self.name, "dtype", self.dtype_policy.name)
         self.num_rows = self.input_dim

@@ -60,6 +60,8 @@ def checked_numbers(layer, arg, value, shape, meaning, finite):
     """``value`` as a real NumPy array of exactly ``shape``; with ``finite``
     NaN and inf are refused (they would poison the rows they reach)."""
     a = host_array(value)
+    if a.dtype.name == "bfloat16":  # NumPy's kind "V": widened exactly
+        a = a.astype(np.float32)
     if a.dtype.kind not in "fiu" or a.shape != tuple(shape):
         raise ValueError(
             f"Layer '{layer}': `{arg}` must be a real array of shape "

@@ -15,6 +15,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers.dedup_scratch import scratch_segments
 from keras_sparse.layers.row_storage import variables as row_variables
+from keras_sparse.layers.table_storage import TableStorage
 from keras_sparse.ops import backend_module
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.ops import dense_row_updates
@@ -52,6 +53,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
         combiner=None,
         optimizer=None,
         sharding="auto",
+        table_storage=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -60,10 +62,11 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
         self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
-        self._init_sparse(combiner, optimizer, sharding)
+        self._init_sparse(combiner, optimizer, sharding, table_storage)
 
-    def _init_sparse(self, combiner, optimizer, sharding):
-        """Validates and stores the keras_sparse extras (after Layer init)."""
+    def _init_sparse(self, combiner, optimizer, sharding, table_storage=None):
+        """Validates and stores the keras_sparse extras (after Layer init);
+        ``table_storage``: a `TableStorage` (None: the variable dtype)."""
         pooling.check_combiner(self.name, combiner)
         key_shardable = getattr(self, "_key_shardable", False)
         check_sharding(
@@ -74,6 +77,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.combiner = combiner
         self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
         self.sharding = sharding
+        self.table_storage = table_storage or TableStorage(self.name)
+        self.table_storage.check_sparse(self.name, self.sparse_optimizer is not None)
         self.slots = {}
         # A `TablePlacement` when built sharded on TensorFlow or PyTorch.
         self.placement = None
@@ -114,6 +119,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
             name="embeddings",
             regularizer=None if sparse else self.embeddings_regularizer,
             constraint=None if sparse else self.embeddings_constraint,
+            slot_options=_dtype_argument(self.table_storage.slot_dtype),
+            **_dtype_argument(self.table_storage.table_dtype),
         )
         for name, slot in slots.items():
             self.slots[name] = slot
@@ -222,9 +229,16 @@ class SparseEmbeddingBase(keras.layers.Layer):
                 if self.sparse_optimizer is None
                 else sparse_optimizers.serialize(self.sparse_optimizer),
                 "sharding": self.sharding,
+                **self.table_storage.config(),
             }
         )
         return config
+
+
+def _dtype_argument(dtype):
+    """``add_weight``'s ``dtype`` where a storage dtype is set (else the
+    layer's variable dtype, as before)."""
+    return {} if dtype is None else {"dtype": dtype}
 
 
 def combine_rows(rows, weights, valid, combiner):
@@ -275,6 +289,8 @@ def table_state(layer, table, slots):
         layer.sparse_anchor,
         layer.sparse_optimizer,
         layer.embeddings_constraint,
+        # A collection (no storage settings yet) keeps its variables' dtype.
+        getattr(layer, "table_storage", TableStorage(layer.name)).stochastic_rounding,
     )
 
 

@@ -23,6 +23,11 @@ contracts some multiply-adds differently).
 import keras
 from keras import ops
 
+from keras_sparse.ops.row_rounding import is_sixteen_bit
+from keras_sparse.ops.row_rounding import to_compute
+from keras_sparse.ops.row_rounding import to_storage
+from keras_sparse.ops.row_rounding import write_seed
+
 # None: decide by shapes (`uses_dense_route`); True/False force a route
 # (tests compare both on any machine).
 FORCE_DENSE_ROUTE = None
@@ -73,7 +78,7 @@ def uses_dense_route(num_ids, num_rows, constraint=None):
     return num_ids * rows_per_id() >= num_rows
 
 
-def dense_row_updates(optimizer, state, ids, valid, grads, iterations):
+def dense_row_updates(optimizer, state, ids, valid, grads, iterations, stochastic=True):
     """``state`` (``"table"`` and slots, full arrays) after one lazy update.
 
     Args:
@@ -83,21 +88,32 @@ def dense_row_updates(optimizer, state, ids, valid, grads, iterations):
         valid: ``[N]`` bool, False for padding and out-of-range ids.
         grads: ``[N, dim]`` gradient of each looked-up vector.
         iterations: updates applied before this one.
+        stochastic: whether 16-bit arrays round stochastically
+            (`keras_sparse.ops.row_rounding`).
 
     Returns:
         A dict like ``state``: touched rows (and their slots) updated, the
         others exactly as they were.
     """
-    table = state["table"]
+    stored = state
+    table = to_compute(state["table"])
     num_rows = table.shape[0]
     summed, touched = _sum_by_row(ids, valid, grads, num_rows)
-    slots = {name: value for name, value in state.items() if name != "table"}
+    slots = {name: to_compute(v) for name, v in state.items() if name != "table"}
     keep = ops.expand_dims(touched, -1)
+    every_row = ops.arange(num_rows, dtype="int32")
 
-    def kept(new, old):
-        return ops.where(keep, ops.cast(new, old.dtype), old)
+    def kept(new, old, name):
+        # Rounded by row as the sparse route rounds them: same bits.
+        seed = write_seed(iterations, name, stochastic)
+        old = stored[name]
+        return ops.where(keep, to_storage(new, old.dtype, every_row, seed), old)
 
-    if optimizer.splits_update():
+    # The rows from 16-bit stored slots would differ from the sparse
+    # route's (from the float32 ones): those take the plain update.
+    if optimizer.splits_update() and all(
+        not is_sixteen_bit(v.dtype) for v in state.values()
+    ):
         # Rows from the stored slots: each slot is then written in place
         # before the rows read it. From the old slots, XLA:CPU recomputed
         # the new ones inside the rows' loop and so copied every slot first
@@ -107,8 +123,8 @@ def dense_row_updates(optimizer, state, ids, valid, grads, iterations):
         )
     else:
         new_rows, new_slots = optimizer.update(table, slots, summed, iterations)
-        new_slots = {name: kept(v, slots[name]) for name, v in new_slots.items()}
-    return {"table": kept(new_rows, table), **new_slots}
+        new_slots = {name: kept(v, slots[name], name) for name, v in new_slots.items()}
+    return {"table": kept(new_rows, table, "table"), **new_slots}
 
 
 def _sum_by_row(ids, valid, grads, num_rows):

@@ -19,7 +19,9 @@ class TableState:
     optimizer's slot variables by name; ``anchor_var``: the scalar trainable
     variable whose gradient runs the update (TensorFlow, PyTorch);
     ``optimizer``: the `keras_sparse.optimizers.SparseOptimizer`;
-    ``constraint``: applied to updated rows, or None.
+    ``constraint``: applied to updated rows, or None;
+    ``stochastic_rounding``: whether rows written into 16-bit tables and
+    slots round stochastically (`keras_sparse.ops.row_rounding`).
     """
 
     table_var: Any
@@ -27,6 +29,7 @@ class TableState:
     anchor_var: Any
     optimizer: Any
     constraint: Any = None
+    stochastic_rounding: bool = True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

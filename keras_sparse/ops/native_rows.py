@@ -187,8 +187,12 @@ def compiled_cpu_helpers():
     op of its own and JAX one XLA custom call (the same C code, built
     against the installed TensorFlow or jaxlib). Without a compiler each runs the same
     arithmetic as its own operations, about half as fast. Returns
-    ``"on: <library path>"`` or ``"off: <reason>"`` for the current
-    backend, building first if needed.
+    ``"on: <library path>; <what it does not serve>"`` or ``"off:
+    <reason>"`` for the current backend, building first if needed. The
+    compiled update serves float32 tables and slots: bfloat16 and float16
+    ones (``table_dtype``, ``slot_dtype``) take the backend's own
+    operations, which round stochastically
+    (`keras_sparse.ops.row_rounding`), as the text says.
 
     Example:
 
@@ -196,6 +200,20 @@ def compiled_cpu_helpers():
     >>> ks.compiled_cpu_helpers().split(":")[0] in ("on", "off")
     True
     """
+    text = _backend_status()
+    if text.startswith("on"):
+        text += f"; {SIXTEEN_BIT_ROUTE}"
+    return text
+
+
+#: What `compiled_cpu_helpers` says of the tables it does not serve.
+SIXTEEN_BIT_ROUTE = (
+    "float32 tables only: bfloat16 and float16 tables and slots take the "
+    "ops route, with stochastic rounding"
+)
+
+
+def _backend_status():
     import keras
 
     backend = keras.backend.backend()

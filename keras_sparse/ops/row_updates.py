@@ -10,6 +10,7 @@ from keras import ops
 
 from keras_sparse.ops import count_buckets
 from keras_sparse.ops import take_rows
+from keras_sparse.ops.row_rounding import to_compute
 
 SEGMENT_ALGORITHMS = ("search", "argsort", "packed")
 # None: pick per backend, device and size (see `segment_algorithm`); one of
@@ -272,7 +273,7 @@ def compute_row_updates(
             )
             safe_ids = ops.where(is_real, unique_ids, 0)
             if looked_up is None:
-                rows = gather("table", safe_ids)
+                rows = to_compute(gather("table", safe_ids))
             elif constraint is None:
                 rows = take_rows(looked_up, holder[:size])
             else:
@@ -281,9 +282,10 @@ def compute_row_updates(
                 rows = ops.where(
                     ops.expand_dims(is_real, -1),
                     take_rows(looked_up, holder[:size]),
-                    gather("table", ops.zeros((1,), "int32")),
+                    to_compute(gather("table", ops.zeros((1,), "int32"))),
                 )
-            slots = {name: gather(name, safe_ids) for name in slot_names}
+            # The optimizer's math runs in float32 for 16-bit arrays too.
+            slots = {name: to_compute(gather(name, safe_ids)) for name in slot_names}
             new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
             if constraint is not None:
                 new_rows = constraint(new_rows)
@@ -317,7 +319,7 @@ def fill_unused_entries(unique_ids, is_real, new_values, old_first):
     indices = ops.where(is_real, unique_ids, target)
     filled = {}
     for name, values in new_values.items():
-        first = ops.where(any_real, values[0], old_first[name][0])
+        first = ops.where(any_real, values[0], to_compute(old_first[name][0]))
         filled[name] = ops.where(ops.expand_dims(is_real, -1), values, first[None])
     return indices, filled
 

@@ -143,7 +143,7 @@ class SparseOptimizer:
 
     def update_slots_then_rows(self, rows, slots, grads, iterations, keep):
         """`update` in two stages (requires `splits_update`): the new slots,
-        passed through ``keep(new, old)`` (what the caller stores), then the
+        passed through ``keep(new, old, name)`` (what the caller stores), then the
         rows from the kept slots. Returns ``(new_rows, kept)``.
 
         For a caller that keeps only some rows' updates (a whole-table
@@ -152,7 +152,7 @@ class SparseOptimizer:
         """
         grads, lr = self._grads_and_rate(rows, grads, iterations)
         new = self.new_slots(rows, slots, grads, lr, iterations)
-        kept = {name: keep(value, slots[name]) for name, value in new.items()}
+        kept = {name: keep(value, slots[name], name) for name, value in new.items()}
         return self.rows_from_slots(rows, kept, grads, lr, iterations), kept
 
     def get_config(self):

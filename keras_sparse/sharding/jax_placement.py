@@ -71,6 +71,7 @@ class JaxMeshPlacement:
             slack=lookup_slack(self.strategy, self.slack),
             exchange_slot=batch.exchange_slot,
             with_state=True,
+            stochastic=state.stochastic_rounding,
         )
         jax_lookup.pass_on(table_var, table, slot_vars, slots)
         return rows

@@ -52,6 +52,9 @@ from jax.sharding import PartitionSpec as P
 from keras_sparse.ops.jax.lookup import chained_state
 from keras_sparse.ops.jax.lookup import instantiate
 from keras_sparse.ops.jax.lookup import primal_values
+from keras_sparse.ops.jax.row_writes import write_rows
+from keras_sparse.ops.row_rounding import to_compute
+from keras_sparse.ops.row_rounding import write_seed
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.exchange_buckets import overflow_message
@@ -77,7 +80,9 @@ class ShardConfig:
         constraint=None,
         apply_update=True,
         slack=None,
+        stochastic=True,
     ):
+        self.stochastic = bool(stochastic)
         self.apply_update = bool(apply_update)
         self.slack = None if slack is None else float(slack)
         self.mesh = mesh
@@ -97,6 +102,7 @@ class ShardConfig:
             id(self.constraint),
             self.apply_update,
             self.slack,
+            self.stochastic,
         )
 
     def __hash__(self):
@@ -110,6 +116,7 @@ class ShardConfig:
             and self.constraint is other.constraint
             and self.apply_update == other.apply_update
             and self.slack == other.slack
+            and self.stochastic == other.stochastic
         )
 
 
@@ -121,8 +128,9 @@ def _check_divisible(what, size, d):
         )
 
 
-def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows):
-    """Dedup + optimizer on the local shard; returns the updated arrays."""
+def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows, first_row=0):
+    """Dedup + optimizer on the local shard; returns the updated arrays.
+    ``first_row``: the shard's first global row (its rounding bits)."""
     slot_names = tuple(k for k in state if k != "table")
     unique_ids, is_real, new_values = compute_row_updates(
         cfg.optimizer,
@@ -137,11 +145,12 @@ def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows):
     )
     target = jnp.where(is_real, unique_ids, num_rows)  # out of range: dropped
     return {
-        name: state[name]
-        .at[target]
-        .set(new_values[name].astype(state[name].dtype), mode="drop")
+        name: write_rows(
+            state[name], target, new_values[name],
+            write_seed(iterations, name, cfg.stochastic), first_row,
+        )
         for name in state
-    }
+    }  # fmt: skip
 
 
 # ------------------------------------------------------------------- row-wise
@@ -237,7 +246,7 @@ def _row_forward_local(axis, d, table, ids, valid, capacity, given_slot=None):
     rows = jnp.where((owner >= 0)[:, None], rows, jnp.zeros((), table.dtype))
     if guard is not None:
         rows = rows + guard.astype(rows.dtype)
-    return rows, owner, slot, recv
+    return to_compute(rows), owner, slot, recv
 
 
 def _row_forward(mesh, axis, table, ids, valid, slack, given_slot, outputs):
@@ -314,6 +323,7 @@ def _row_bwd(cfg, residuals, cotangents):
             got.reshape(-1, got.shape[-1]),
             iterations,
             shard_rows,
+            me * shard_rows,
         )
         return new["table"], tuple(new[k] for k in slot_names)
 
@@ -355,7 +365,7 @@ def _column_forward_local(axis, d, table, ids, valid):
     n, dc = ids.shape[0], table.shape[1]
     back = jax.lax.all_to_all(vec.reshape(d, n, dc), axis, 0, 0)  # [D(col), n, dc]
     rows = jnp.transpose(back, (1, 0, 2)).reshape(n, d * dc)
-    return rows, all_ids, all_valid
+    return to_compute(rows), all_ids, all_valid
 
 
 def column_gather(mesh, axis, table, ids, valid):
@@ -458,6 +468,7 @@ def sharded_lookup_with_sparse_update(
     slack=None,
     exchange_slot=None,
     with_state=False,
+    stochastic=True,
 ):
     """Lookup whose backward applies the sparse optimizer on the owning shards.
 
@@ -469,7 +480,9 @@ def sharded_lookup_with_sparse_update(
     ``exchange_slot`` (row only, with a slack): each id's slot in its
     owner's buffer, from `exchange_buckets.exchange_slots`.
     """
-    cfg = ShardConfig(mesh, axis, optimizer, constraint, apply_update, slack)
+    cfg = ShardConfig(
+        mesh, axis, optimizer, constraint, apply_update, slack, stochastic
+    )
     args = (
         table,
         dict(slots),

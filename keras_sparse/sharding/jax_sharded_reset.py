@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from keras_sparse.ops.jax.row_writes import write_rows
 from keras_sparse.sharding.jax_sharded_lookup import _check_divisible
 from keras_sparse.sharding.jax_sharded_lookup import _smap
 
@@ -47,11 +48,10 @@ def _scatter_reset(state, slot_inits, target, values):
     out = {}
     for name, array in state.items():
         if name == "table":
-            new = values.astype(array.dtype)
+            new = values
         else:
             new = jnp.full((target.shape[0], array.shape[1]), slot_inits[name])
-            new = new.astype(array.dtype)
-        out[name] = array.at[target].set(new, mode="drop")
+        out[name] = write_rows(array, target, new)  # initial values
     return out
 
 

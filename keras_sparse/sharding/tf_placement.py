@@ -262,6 +262,7 @@ class TfShardedPlacement:
         return tf_sharded_lookup.sharded_lookup(
             self.strategy, context, parts, anchor, state.optimizer, batch.ids,
             batch.valid, batch.iterations, state.constraint,
+            state.stochastic_rounding,
         )  # fmt: skip
 
     def gather(self, table_var, batch: LookupBatch):

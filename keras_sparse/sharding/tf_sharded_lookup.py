@@ -32,6 +32,7 @@ each sharded exchange down to about ``4 n dim``; it is not used here.
 
 import tensorflow as tf
 
+from keras_sparse.ops.row_rounding import to_compute
 from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
 
 
@@ -92,7 +93,7 @@ def forward(kind, exchange, table, shard_rows):
         else column_forward(exchange, table)
     )
     valid = exchange.mine(exchange.all_ids) >= 0
-    return tf.where(valid[:, None], rows, tf.zeros((), rows.dtype))
+    return to_compute(tf.where(valid[:, None], rows, tf.zeros((), rows.dtype)))
 
 
 def owned_update(kind, exchange, grads, shard_rows, columns):
@@ -109,7 +110,7 @@ def owned_update(kind, exchange, grads, shard_rows, columns):
 
 
 def sharded_lookup(kind, context, state, anchor, optimizer, ids, valid, iterations,
-                   constraint):  # fmt: skip
+                   constraint, stochastic=True):  # fmt: skip
     """Rows of ``ids`` (this replica's flat positions, global row ids).
 
     ``state``: ``{"table": this replica's part, slot name: its part}``
@@ -132,7 +133,7 @@ def sharded_lookup(kind, context, state, anchor, optimizer, ids, valid, iteratio
             )
             writes = tf_row_updates.apply_row_updates(
                 state, optimizer, step_ids, step_valid, grads, iterations,
-                local_rows, constraint, None,
+                local_rows, constraint, None, stochastic,
             )  # fmt: skip
             # As `ops.tensorflow.lookup`: the zero gradient depends on the
             # written data, which Grappler keeps.

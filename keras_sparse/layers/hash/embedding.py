@@ -35,6 +35,8 @@ from keras_sparse.layers.hash.records import HashRecords
 from keras_sparse.layers.hash.stage_feed import StageFed
 from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
+from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
+from keras_sparse.layers.table_storage import TableStorage
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.table import BatchTooLargeError
 from keras_sparse.table import HashTable
@@ -72,6 +74,7 @@ _OWN_ARGUMENTS = (
     "table_device",
     "table_seed",
     "store",
+    *STORAGE_ARGUMENTS,
 )
 
 
@@ -191,6 +194,14 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             JAX steps; "cpu" fed through `keras_sparse.data.prefetch` was
             the faster setup for many small fields (BENCHMARKS.md).
         table_seed: salt of the table's hash functions.
+        table_dtype: the table's storage dtype, "float32", "bfloat16" or
+            "float16" (None: the layer's variable dtype); lookups and the
+            optimizer's math stay in float32 (see
+            `keras_sparse.layers.table_storage`).
+        stochastic_rounding: whether rows written into 16-bit tables and
+            slots round stochastically (default) or to nearest.
+        slot_dtype: the optimizer slots' storage dtype, as ``table_dtype``
+            (None: float32 under the default policy).
 
     Call arguments:
         inputs: int32/int64 keys of any shape, NumPy string arrays, TF string
@@ -253,6 +264,9 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         table_device="cpu",
         table_seed=0,
         store=None,
+        table_dtype=None,
+        stochastic_rounding=True,
+        slot_dtype=None,
         **kwargs,
     ):
         name = kwargs.get("name") or "distributed_hash_embedding"
@@ -306,6 +320,8 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
                 f"Layer '{name}': `table_seed` must be an integer (the salt of "
                 f"the table's hash functions). Received: table_seed={table_seed!r}."
             )
+        storage = TableStorage(name, table_dtype, stochastic_rounding, slot_dtype)
+        storage.check_no_store(name, store)
         table = HashTable(
             int(capacity),
             eviction=eviction,
@@ -322,6 +338,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             combiner=combiner,
             optimizer=optimizer,
             sharding=sharding,
+            table_storage=storage,
             **kwargs,
         )
         self.table = table

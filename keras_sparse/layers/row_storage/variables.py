@@ -22,6 +22,7 @@ def add_table(
     name,
     slot_prefix="",
     scratch_name="dedup_scratch",
+    slot_options=None,
     **table_options,
 ):
     """``(table, slots)``: a ``[rows, dim]`` table variable of ``layer``
@@ -32,7 +33,8 @@ def add_table(
     a sharding hook making this device's part). Slots are named
     ``slot_prefix + slot name``. ``table_options`` go to the table's
     ``add`` only (a dense layer's regularizer and constraint, which the
-    model's optimizer applies when there is no sparse optimizer).
+    model's optimizer applies when there is no sparse optimizer; a storage
+    dtype), ``slot_options`` to each slot's (a slot storage dtype).
     """
     sparse = layer.uses_sparse_update
     # On JAX the updated table travels back as the table's "gradient" and
@@ -60,6 +62,7 @@ def add_table(
             trainable=on_jax,
             autocast=False,
             name=slot_prefix + spec.name,
+            **(slot_options or {}),
         )
         slot.overwrite_with_gradient = on_jax
         slots[spec.name] = slot

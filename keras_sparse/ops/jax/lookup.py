@@ -18,8 +18,11 @@ from keras_sparse.ops import dense_row_updates
 from keras_sparse.ops import row_updates
 from keras_sparse.ops import take_rows
 from keras_sparse.ops.jax import native_rows as jax_native_rows
+from keras_sparse.ops.jax.row_writes import write_rows
 from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
+from keras_sparse.ops.row_rounding import to_compute
+from keras_sparse.ops.row_rounding import write_seed
 from keras_sparse.ops.row_updates import compute_row_updates
 
 # Whether the backward takes the touched rows from the forward's gather
@@ -32,16 +35,16 @@ FORWARD_ROWS_MIN_BYTES = 16 << 20
 
 
 def gather_valid(table, ids, valid, compiled=False):
-    """``table[ids]`` where ``valid``, else zero rows. ``compiled``: by the
-    prefetching custom call where it applies (`native_rows`); only
-    training steps ask for it, so that inference programs (exported ones
-    included) hold no custom call."""
+    """``table[ids]`` where ``valid``, else zero rows (float32 from a
+    16-bit table). ``compiled``: by the prefetching custom call where it
+    applies (`native_rows`); only training steps ask for it, so that
+    inference programs (exported ones included) hold no custom call."""
     if compiled:
         gathered = jax_native_rows.gather_rows(table, ids, valid)
         if gathered is not None:
             return gathered
     rows = take_rows(table, jnp.where(valid, ids, 0))
-    return jnp.where(valid[:, None], rows, jnp.zeros((), table.dtype))
+    return to_compute(jnp.where(valid[:, None], rows, jnp.zeros((), table.dtype)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -86,7 +89,7 @@ def _reuses_forward_rows(table, config):
     # take a collective, from the (replicated) table none.
     if keras.distribution.distribution() is not None:
         return False
-    optimizer, constraint, _ = config
+    optimizer, constraint = config.items[:2]
     if fused_update_applies(optimizer, constraint, table):
         return False  # the compiled update reads the table's rows itself
     if REUSE_FORWARD_ROWS is not None:
@@ -122,7 +125,7 @@ def chained_state(table, slots, table_after, slots_after):
 def _backward(config, residuals, cotangents):
     table, slots, ids, valid, iterations, segments, looked_up = residuals
     grads, table_after, slots_after = cotangents
-    optimizer, constraint, apply_update = config
+    optimizer, constraint, apply_update, stochastic = config
     table, slots, chained = chained_state(table, slots, table_after, slots_after)
     if chained:
         looked_up = None  # the later call may have changed these rows
@@ -135,7 +138,7 @@ def _backward(config, residuals, cotangents):
     num_rows = table.shape[0]
     if dense_row_updates.uses_dense_route(ids.shape[0], num_rows, constraint):
         updated = dense_row_updates.dense_row_updates(
-            optimizer, state, ids, valid, grads, iterations
+            optimizer, state, ids, valid, grads, iterations, stochastic
         )
         table_out = updated.pop("table")
         return table_out, updated, None, None, None, None
@@ -165,11 +168,12 @@ def _backward(config, residuals, cotangents):
     )
     target = jnp.where(is_real, unique_ids, num_rows)  # out of range: dropped
     updated = {
-        name: state[name]
-        .at[target]
-        .set(new_values[name].astype(state[name].dtype), mode="drop")
+        name: write_rows(
+            state[name], target, new_values[name],
+            write_seed(iterations, name, stochastic),
+        )
         for name in state
-    }
+    }  # fmt: skip
     table_out = updated.pop("table")
     return table_out, updated, None, None, None, None
 
@@ -180,8 +184,8 @@ _lookup.defvjp(_forward, _backward, symbolic_zeros=True)
 class _Config:
     """Hashable carrier of the static (non-array) part of the update."""
 
-    def __init__(self, optimizer, constraint, apply_update=True):
-        self.items = (optimizer, constraint, bool(apply_update))
+    def __init__(self, optimizer, constraint, apply_update=True, stochastic=True):
+        self.items = (optimizer, constraint, bool(apply_update), bool(stochastic))
 
     def __iter__(self):
         return iter(self.items)
@@ -191,13 +195,13 @@ class _Config:
         return self.items[2]
 
     def __hash__(self):
-        return hash((id(self.items[0]), id(self.items[1]), self.items[2]))
+        return hash((id(self.items[0]), id(self.items[1]), *self.items[2:]))
 
     def __eq__(self, other):
         return isinstance(other, _Config) and (
             self.items[0] is other.items[0]
             and self.items[1] is other.items[1]
-            and self.items[2] == other.items[2]
+            and self.items[2:] == other.items[2:]
         )
 
 
@@ -217,7 +221,7 @@ def _reset_rows(state, ids, mask, values):
     out = {}
     for name, table in state.items():
         target = jnp.where(mask, ids, table.shape[0])  # out of range: dropped
-        out[name] = table.at[target].set(values[name].astype(table.dtype), mode="drop")
+        out[name] = write_rows(table, target, values[name])  # initial values
     return out
 
 
@@ -288,7 +292,12 @@ def lookup(state: TableState, batch: LookupBatch):
                 var.assign(slots[name])
     segments = batch.segments
     rows, table, slots = _lookup(
-        _Config(optimizer, state.constraint, batch.apply_update),
+        _Config(
+            optimizer,
+            state.constraint,
+            batch.apply_update,
+            state.stochastic_rounding,
+        ),  # fmt: skip
         table,
         slots,
         ids,

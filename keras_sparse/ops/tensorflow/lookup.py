@@ -12,6 +12,8 @@ import tensorflow as tf
 
 from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
+from keras_sparse.ops.row_rounding import to_compute
+from keras_sparse.ops.row_rounding import write_seed
 from keras_sparse.ops.row_updates import TableBlocks
 from keras_sparse.ops.row_updates import compute_row_updates
 from keras_sparse.ops.row_updates import fill_unused_entries
@@ -20,6 +22,7 @@ from keras_sparse.ops.row_updates import scratch_keys
 from keras_sparse.ops.tensorflow import native_rows as tf_native_rows
 from keras_sparse.ops.tensorflow import replicas as tf_replicas
 from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
+from keras_sparse.ops.tensorflow.row_writes import write_rows
 
 # Scales a layer's row-regularizer penalty (see `tf_replicas.replica_count`).
 replica_count = tf_replicas.replica_count
@@ -33,8 +36,10 @@ def _tf_variable(var):
 
 
 def gather_valid(table, ids, valid):
+    """``table[ids]`` where ``valid``, else zero rows (float32 from a
+    16-bit table)."""
     rows = tf.gather(table, tf.where(valid, ids, tf.zeros_like(ids)))
-    return tf.where(valid[:, None], rows, tf.zeros((), rows.dtype))
+    return to_compute(tf.where(valid[:, None], rows, tf.zeros((), rows.dtype)))
 
 
 def reset_rows(state, optimizer, ids, mask, values):
@@ -45,15 +50,11 @@ def reset_rows(state, optimizer, ids, mask, values):
     tf.function's automatic control dependencies.
     """
     rows = tf.boolean_mask(ids, mask)
-    state["table"].scatter_update(
-        tf.IndexedSlices(
-            tf.cast(tf.boolean_mask(values, mask), state["table"].dtype), rows
-        )
-    )
+    write_rows(state["table"], rows, tf.boolean_mask(values, mask))
     for spec in optimizer.slot_specs():
         var = state[spec.name]
         fill = tf.fill(tf.stack([tf.shape(rows)[0], var.shape[1]]), spec.initial_value)
-        var.scatter_update(tf.IndexedSlices(tf.cast(fill, var.dtype), rows))
+        write_rows(var, rows, fill)
 
 
 def scratch_segments(scratch_var, ids, valid, num_rows):
@@ -74,8 +75,9 @@ def scratch_segments(scratch_var, ids, valid, num_rows):
 
 
 def _static_shape_update(
-    state, optimizer, ids, valid, grads, iterations, num_rows, constraint, segments
-):
+    state, optimizer, ids, valid, grads, iterations, num_rows, constraint, segments,
+    stochastic,
+):  # fmt: skip
     """The XLA-compilable update: ``(writes, written indices)``."""
 
     def gather(name, rows):
@@ -91,11 +93,12 @@ def _static_shape_update(
     }
     indices, filled = fill_unused_entries(unique_ids, is_real, new_values, old_first)
     writes = [
-        state[name].scatter_update(
-            tf.IndexedSlices(tf.cast(filled[name], state[name].dtype), indices)
+        write_rows(
+            state[name], indices, filled[name],
+            write_seed(iterations, name, stochastic),
         )
         for name in state
-    ]
+    ]  # fmt: skip
     return writes, indices
 
 
@@ -165,7 +168,7 @@ def lookup(state: TableState, batch: LookupBatch):
                 # writes into one variable.
                 writes, indices = _static_shape_update(
                     variables, optimizer, step_ids, step_valid, grads, iterations,
-                    num_rows, constraint, segments,
+                    num_rows, constraint, segments, state.stochastic_rounding,
                 )  # fmt: skip
             else:
                 if blocks is None or segments is not None:
@@ -184,6 +187,7 @@ def lookup(state: TableState, batch: LookupBatch):
                         tf_row_updates.apply_row_updates(
                             variables, optimizer, part_ids + first, part_valid,
                             part_grads, iterations, num_rows, constraint, segments,
+                            state.stochastic_rounding,
                         )
                     )  # fmt: skip
                 indices = tf.zeros((1,), tf.int32)

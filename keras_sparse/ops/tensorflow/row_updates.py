@@ -10,6 +10,10 @@ O(n)), with no size buckets, no padding and no sort. The backend-neutral
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from keras_sparse.ops.row_rounding import to_compute
+from keras_sparse.ops.row_rounding import write_seed
+from keras_sparse.ops.tensorflow.row_writes import write_rows
+
 
 def in_xla():
     """Whether the graph being built is compiled by XLA (jit_compile=True)."""
@@ -20,8 +24,9 @@ def in_xla():
 
 
 def apply_row_updates(
-    state, optimizer, ids, valid, grads, iterations, num_rows, constraint, segments
-):
+    state, optimizer, ids, valid, grads, iterations, num_rows, constraint, segments,
+    stochastic=True,
+):  # fmt: skip
     """Sums duplicate ids' gradients and scatters their new rows and slots.
 
     Args:
@@ -33,19 +38,22 @@ def apply_row_updates(
         constraint: optional callable applied to the new rows.
         segments: optional ``[n]`` dense numbering of the distinct keys from
             the input stage; replaces ``tf.unique``.
+        stochastic: whether 16-bit arrays round stochastically
+            (`keras_sparse.ops.row_rounding`).
 
     Returns:
         The list of write operations.
     """
     unique, summed = distinct_sums(ids, valid, grads, num_rows, segments)
-    slots = {name: tf.gather(var, unique) for name, var in state.items()}
+    # The optimizer's math runs in float32 for 16-bit arrays too.
+    slots = {name: to_compute(tf.gather(var, unique)) for name, var in state.items()}
     rows = slots.pop("table")
     new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
     if constraint is not None:
         new_rows = constraint(new_rows)
     return [
-        state[name].scatter_update(
-            tf.IndexedSlices(tf.cast(values, state[name].dtype), unique)
+        write_rows(
+            state[name], unique, values, write_seed(iterations, name, stochastic)
         )
         for name, values in {"table": new_rows, **new_slots}.items()
     ]

@@ -23,6 +23,7 @@ from keras_sparse.ops.torch import distributed as torch_distributed
 from keras_sparse.ops.torch.row_updates import apply_row_updates
 from keras_sparse.ops.torch.row_updates import compiled_route
 from keras_sparse.ops.torch.row_updates import scratch_for
+from keras_sparse.ops.torch.row_writes import write_rows
 
 #: Whether a stack's tables update side by side on a CPU (`_update_tables`).
 PARALLEL_TABLES = True
@@ -35,12 +36,19 @@ check_replicated_training = torch_distributed.check_replicated_training
 
 
 def gather_valid(table, ids, valid):
+    """``table[ids]`` where ``valid``, else zero rows (float32 from a
+    16-bit table)."""
     if ids.device.type == "cpu" and bool(valid.all()):
         # The common case; a host check costs nothing on the CPU, and a
         # broadcast select over the rows is one of the dearer eager ops.
-        return table.index_select(0, ids)
+        return _compute(table.index_select(0, ids))
     rows = table.index_select(0, torch.where(valid, ids, torch.zeros_like(ids)))
-    return torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype))
+    rows = torch.where(valid[:, None], rows, torch.zeros((), dtype=rows.dtype))
+    return _compute(rows)
+
+
+def _compute(rows):
+    return rows.float() if rows.dtype in (torch.bfloat16, torch.float16) else rows
 
 
 def _scratch(context):
@@ -71,6 +79,7 @@ def _update_rows(context, first, end, ids, valid, grads, segments=None, bag=1):
         context["constraint"],
         segments,
         bag=bag,
+        stochastic=context["stochastic"],
     )
 
 
@@ -262,8 +271,7 @@ def reset_rows(state, optimizer, ids, mask, values):
     """Writes ``values[mask]`` to rows ``ids[mask]`` and slots to initial values."""
     with torch.no_grad():
         rows = ids[mask]
-        table = state["table"]
-        table[rows] = values[mask].to(table.dtype)
+        write_rows(state["table"], rows, values[mask])
         for spec in optimizer.slot_specs():
             state[spec.name][rows] = spec.initial_value
 
@@ -306,6 +314,7 @@ def _context(state, iterations, segments=None, blocks=None, group=None):
         "optimizer": state.optimizer,
         "iterations": iterations,
         "constraint": state.constraint,
+        "stochastic": state.stochastic_rounding,
         "segments": segments,
         "blocks": blocks,
         "group": group,
@@ -330,6 +339,8 @@ def bag_sums_apply(table_var, bags, valids):
     process (no DDP)."""
     return (
         table_var.value.device.type == "cpu"
+        # embedding_bag would sum 16-bit rows in 16 bits
+        and table_var.value.dtype == torch.float32
         and all(len(bag.shape) == 2 and bag.shape[1] > 0 for bag in bags)
         and all(bool(valid.all()) for valid in valids)  # free host checks on CPUs
         and torch_distributed.replica_group(table_var, None) is None

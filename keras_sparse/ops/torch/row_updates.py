@@ -23,6 +23,8 @@ import torch
 
 from keras_sparse.ops import native_optimizers
 from keras_sparse.ops import native_rows
+from keras_sparse.ops.row_rounding import write_seed
+from keras_sparse.ops.torch.row_writes import write_rows
 
 
 def scratch_for(table_var, num_entries, device):
@@ -67,6 +69,7 @@ def apply_row_updates(
     constraint,
     segments,
     bag=1,
+    stochastic=True,
 ):
     """Sums the gradients of duplicate ids and updates their rows in place.
 
@@ -84,6 +87,8 @@ def apply_row_updates(
         segments: optional ``[n]`` dense numbering of the distinct keys
             (``ids`` where valid, else the shared key ``num_rows``) from the
             input stage; replaces the dedup.
+        stochastic: whether 16-bit arrays round stochastically
+            (`keras_sparse.ops.row_rounding`).
     """
     table = state["table"]
     num_rows = table.shape[0]
@@ -113,23 +118,21 @@ def apply_row_updates(
         constraint,
     ):  # fmt: skip
         return
-    slots = {name: tensor.index_select(0, unique) for name, tensor in state.items()}
+    # The optimizer's math runs in float32 for 16-bit arrays too.
+    slots = {name: _compute(t.index_select(0, unique)) for name, t in state.items()}
     rows = slots.pop("table")
     new_rows, new_slots = optimizer.update(rows, slots, summed, iterations)
     if constraint is not None:
         new_rows = constraint(new_rows)
     for name, values in {"table": new_rows, **new_slots}.items():
-        tensor = state[name]
-        values = values.to(tensor.dtype)
-        if native is not None and _scatter_fits(tensor, unique, values):
-            native.scatter_rows(
-                tensor.detach().numpy(), unique.numpy(), values.detach().numpy()
-            )
-            # Writes through NumPy bypass autograd's version counter; a
-            # graph that saved the table must still see it changed.
-            tensor[:0].zero_()
-        else:
-            tensor.index_copy_(0, unique, values)
+        seed = write_seed(iterations, name, stochastic)
+        write_rows(state[name], unique, values, seed, native)
+
+
+def _compute(values):
+    if values.dtype in (torch.bfloat16, torch.float16):
+        return values.float()
+    return values
 
 
 def compiled_route(table, grads, segments=None):
@@ -144,18 +147,6 @@ def _usable(*tensors):
     """True where every tensor is float32 on the CPU (what the compiled
     helpers take)."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
-def _scatter_fits(tensor, unique, values):
-    """Whether ``tensor[unique] = values`` suits the compiled scatter; where
-    not (say a custom optimizer's slot of another shape), ``index_copy_``
-    runs and raises as torch does."""
-    return (
-        _usable(tensor, values)
-        and tensor.dim() == 2
-        and tensor.is_contiguous()
-        and tuple(values.shape) == (unique.shape[0], tensor.shape[1])
-    )
 
 
 def _distinct_sum(ids, valid, grads, scratch, segments, num_rows):
