@@ -15,6 +15,8 @@ from keras_sparse.table import HashTable
 from keras_sparse.table import ShardedHashTable
 from keras_sparse.table import TableFullError
 
+pytestmark = pytest.mark.backend_independent  # tables only: the JAX run
+
 
 @pytest.fixture(params=["cpu"])
 def device(request):
@@ -197,7 +199,6 @@ def test_undo_records_give_back_expired_keys(device):
         np.testing.assert_array_equal(host(x), host(y))
 
 
-@pytest.mark.backend_independent
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_sharded_expiry_matches_one_shard(eviction):
     """Key-sharded over 8 shards, keys expire at the same steps as on one

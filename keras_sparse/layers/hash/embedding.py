@@ -32,6 +32,7 @@ from keras_sparse.layers.hash.prepared_inputs import unpack_prepared
 from keras_sparse.layers.hash.records import HashRecords
 from keras_sparse.layers.hash.stage_feed import StageFed
 from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
+from keras_sparse.layers.hash.ttl_state import checked_ttl_steps
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.ops import check_replicated_training
 from keras_sparse.table import BatchTooLargeError
@@ -70,6 +71,7 @@ _OWN_ARGUMENTS = (
     "table_device",
     "table_seed",
     "store",
+    "ttl_steps",
 )
 
 
@@ -93,6 +95,10 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
       evicted (``eviction="lru"`` or ``"lfu"``); with ``eviction=None`` a full
       table raises a `keras_sparse.table.TableFullError` naming capacity and
       size before any state changes.
+    - With ``ttl_steps=N`` a key no training step has seen for ``N`` steps
+      expires at the start of the next step: its row is free for that
+      step's new keys and starts fresh like any new key (see
+      `keras_sparse.table.ttl`; ``stats()["expired"]``).
 
     In inference (``training=False``, or a frozen layer) the table is only
     read: unknown keys read zeros and nothing is inserted. Compiled
@@ -189,6 +195,9 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             JAX steps; "cpu" fed through `keras_sparse.data.prefetch` was
             the faster setup for many small fields (BENCHMARKS.md).
         table_seed: salt of the table's hash functions.
+        ttl_steps: None (keys never expire) or an int >= 1: the training
+            steps a key may go unseen before it expires (inference does
+            not refresh it). Not with ``store=``.
 
     Call arguments:
         inputs: int32/int64 keys of any shape, NumPy string arrays, TF string
@@ -251,6 +260,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         table_device="cpu",
         table_seed=0,
         store=None,
+        ttl_steps=None,
         **kwargs,
     ):
         name = kwargs.get("name") or "distributed_hash_embedding"
@@ -304,12 +314,14 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
                 f"Layer '{name}': `table_seed` must be an integer (the salt of "
                 f"the table's hash functions). Received: table_seed={table_seed!r}."
             )
+        ttl_steps = checked_ttl_steps(name, ttl_steps, store)
         table = HashTable(
             int(capacity),
             eviction=eviction,
             admit_after=int(admit_after),
             device=table_device,
             seed=int(table_seed),
+            ttl_steps=ttl_steps,
         )
         super().__init__(
             table.capacity,
@@ -329,6 +341,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         self.key_dtype = key_dtype
         self.table_device = table_device
         self.table_seed = int(table_seed)
+        self.ttl_steps = ttl_steps
         # Evicted keys go down to this store (None: they are dropped).
         self.store = row_tier.store_spec(name, store)
         self.row_tier = None
@@ -815,6 +828,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
                 "table_device": self.table_device,
                 "table_seed": self.table_seed,
                 "store": row_tier.store_config(self.store),
+                "ttl_steps": self.ttl_steps,
             }
         )
         return config
