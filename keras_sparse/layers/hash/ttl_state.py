@@ -12,8 +12,8 @@ import numpy as np
 
 from keras_sparse.layers.record_checks import checked_int_array
 from keras_sparse.table.scores import SCORE_LIMIT
-from keras_sparse.table.ttl import keys_last_seen
-from keras_sparse.table.ttl import set_keys_last_seen
+from keras_sparse.table.ttl_keys import keys_last_seen
+from keras_sparse.table.ttl_keys import set_keys_last_seen
 
 #: Weights entry of the saved keys' last-seen steps.
 ENTRY = "ttl_last_seen"
