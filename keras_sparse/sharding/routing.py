@@ -143,6 +143,7 @@ def place_hash_table(layer):
             admit_after=layer.admit_after,
             device=table.device,
             seed=layer.table_seed,
+            ttl_steps=table.ttl_steps,
         )
     else:
         d, local, _ = shards
@@ -156,6 +157,7 @@ def place_hash_table(layer):
             admit_after=layer.admit_after,
             device=table.device,
             seed=layer.table_seed,
+            ttl_steps=table.ttl_steps,
             gpus=_shard_gpus(local, shards[2]) if table.device == "gpu" else None,
         )
     sharing = [u.name for u in table_users.users(layer) if u is not layer]

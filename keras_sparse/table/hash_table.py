@@ -12,6 +12,9 @@ from .numpy_table import InsertResult
 from .numpy_table import NumpyTable
 from .numpy_table import TableFullError
 from .scores import check_scores
+from .ttl import Expiry
+from .ttl import check_ttl_steps
+from .ttl import mapped
 from .undo import restore
 from .undo import state_before
 
@@ -58,6 +61,10 @@ class HashTable:
         `keras_sparse.table.admission`).
       device: ``"auto"`` (GPU when CuPy sees one), ``"gpu"`` or ``"cpu"``.
       seed: salts the hash functions.
+      ttl_steps: None, or an int >= 1: a key not seen by a
+        ``lookup_or_insert`` call for ``ttl_steps`` steps is erased at the
+        start of the next call (its row free for that call's new keys;
+        ``stats()["expired"]``); see `keras_sparse.table.ttl`.
 
     Batch semantics of ``lookup_or_insert``: duplicates share a row; keys
     found or inserted by a call are never evicted by that same call; a batch
@@ -96,6 +103,7 @@ class HashTable:
         admit_after=1,
         device="auto",
         seed=0,
+        ttl_steps=None,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
@@ -118,6 +126,7 @@ class HashTable:
             or admit_after < 1
         ):
             raise ValueError(f"admit_after must be an int >= 1, got {admit_after!r}")
+        check_ttl_steps(ttl_steps)
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f'device must be "auto", "gpu" or "cpu", got {device!r}')
         num_buckets = max(-(-capacity // bucket_size), MIN_BUCKETS)
@@ -142,6 +151,7 @@ class HashTable:
                 num_buckets, bucket_size, eviction, admit_after, seed
             )
             self._convert = to_numpy_keys
+        self._impl.ttl = None if ttl_steps is None else Expiry(ttl_steps, self._impl)
         self._lock = threading.RLock()
         self._version = 0
 
@@ -153,6 +163,12 @@ class HashTable:
     admit_after = property(lambda self: self._impl.admit_after)
     device = property(lambda self: self._impl.device, doc='"cpu" or "gpu".')
     seed = property(lambda self: self._impl.seed)
+
+    @property
+    def ttl_steps(self):
+        """Steps a key may go unseen before it expires (None: never)."""
+        ttl = self._impl.ttl
+        return None if ttl is None else ttl.steps
 
     @property
     def size(self) -> int:
@@ -177,7 +193,7 @@ class HashTable:
         return (
             f"HashTable(capacity={self.capacity}, bucket_size={self.bucket_size}, "
             f"eviction={self.eviction!r}, admit_after={self.admit_after}, "
-            f"device={self.device!r}, "
+            f"device={self.device!r}, ttl_steps={self.ttl_steps}, "
             f"size={self.size})"
         )
 
@@ -200,7 +216,11 @@ class HashTable:
         """
         k, shape = self._convert(keys, "keys")
         with self._lock:
-            res = self._impl.lookup_or_insert(k, step)
+            if self._impl.ttl is not None:
+                res, _, gone = mapped(self._impl, k, step, None)
+                self._version += bool(gone)
+            else:
+                res = self._impl.lookup_or_insert(k, step)
             self._version += bool(res.new_rows.size)
         return res._replace(rows=res.rows.reshape(shape))
 
@@ -222,7 +242,10 @@ class HashTable:
         """
         k, shape = self._convert(keys, "keys")
         with self._lock:
-            if undo is None:
+            if self._impl.ttl is not None:
+                res, fresh, gone = mapped(self._impl, k, step, undo)
+                self._version += bool(gone)
+            elif undo is None:
                 res, fresh = self._impl.lookup_or_insert_fresh(k, step)
             else:
                 res, fresh = self._impl.lookup_or_insert_fresh(k, step, undo)
@@ -262,8 +285,8 @@ class HashTable:
         this never wait for the GPU.
         """
         step_rows = getattr(self._impl, "step_rows", None)
-        if step_rows is None:
-            return None
+        if step_rows is None or self._impl.ttl is not None:
+            return None  # (expiry runs in `lookup_or_insert_fresh`)
         k, _ = self._convert(keys, "keys")
         if out is None:
             import cupy as cp
@@ -319,6 +342,8 @@ class HashTable:
         """Remove ``keys`` (absent ones are ignored); returns how many were live."""
         k, _ = self._convert(keys, "keys")
         with self._lock:
+            if self._impl.ttl is not None:
+                self._impl.ttl.freed(self._impl.find(k))
             erased = self._impl.erase(k)
             self._version += bool(erased)
             return erased
@@ -347,17 +372,23 @@ class HashTable:
             check_scores(s)
         with self._lock:
             self._version += 1  # also when it raises half-way: be safe
-            return self._impl.import_(k, r, s)
+            res = self._impl.import_(k, r, s)
+            if self._impl.ttl is not None:  # imported keys count as seen now
+                self._impl.ttl.load(res.rows, int(self._impl.clock))
+            return res
 
     def clear(self):
         """Remove every entry and every admission count (counters are kept)."""
         with self._lock:
             self._impl.clear()
+            if self._impl.ttl is not None:
+                self._impl.ttl.clear()
             self._version += 1
 
     def stats(self) -> dict:
         """Counters (hits, misses, inserts, evictions, rejected_admissions,
-        overflows) plus size, capacity and load_factor.
+        overflows, expired: keys a time to live erased) plus size, capacity
+        and load_factor.
 
         ``hits`` and ``misses`` count key occurrences (duplicates included),
         as if each call's keys arrived one at a time in order: an occurrence
@@ -368,6 +399,8 @@ class HashTable:
         """
         with self._lock:
             out = dict(self._impl.counters)
+            ttl = self._impl.ttl
+            out["expired"] = 0 if ttl is None else ttl.expired
             out.update(
                 size=self.size, capacity=self.capacity, load_factor=self.load_factor
             )
@@ -389,7 +422,8 @@ def step_rows_together(tables, keys, use, bounds, out):
     call would. Returns the indices of the tables it left out, in order, for
     the caller to call one by one afterwards: CPU tables, tables
     `step_rows` refuses (``eviction=None``, a batch over 64K keys or over
-    the table's rows) and a table's repeated appearances.
+    the table's rows), tables with a time to live and a table's repeated
+    appearances.
 
     Example (on a GPU):
 
@@ -400,7 +434,11 @@ def step_rows_together(tables, keys, use, bounds, out):
     ... # doctest: +SKIP
     []
     """
-    on_gpu = [i for i, t in enumerate(tables) if getattr(t._impl, "step_rows", None)]
+    on_gpu = [
+        i
+        for i, t in enumerate(tables)
+        if getattr(t._impl, "step_rows", None) and t._impl.ttl is None
+    ]
     if not on_gpu:
         return list(range(len(tables)))
     from .insert_call import FusedInsert

@@ -156,6 +156,8 @@ class ShardedHashTable:
         admit_after: as for `HashTable`.
         device: as for `HashTable`.
         seed: as for `HashTable`.
+        ttl_steps: as for `HashTable`; the shards' clocks advance together,
+            so a key expires at the same step on any shard count.
         gpus: with ``device="gpu"``, a dict ``{shard: CUDA device}``
             (shards it leaves out live on device 0).
     """
@@ -172,6 +174,7 @@ class ShardedHashTable:
         device="cpu",
         seed=0,
         gpus=None,
+        ttl_steps=None,
     ):
         if isinstance(num_shards, bool) or int(num_shards) < 1:
             raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
@@ -190,6 +193,7 @@ class ShardedHashTable:
                     admit_after=admit_after,
                     device=device,
                     seed=seed,
+                    ttl_steps=ttl_steps,
                 )
         first = self._shards[self.local[0]]
         self.shard_rows = first.capacity
@@ -207,6 +211,7 @@ class ShardedHashTable:
     admit_after = property(lambda self: self._first().admit_after)
     device = property(lambda self: self._first().device)
     seed = property(lambda self: self._first().seed)
+    ttl_steps = property(lambda self: self._first().ttl_steps)
 
     @property
     def size(self):

@@ -42,6 +42,7 @@ class UndoRecord(NamedTuple):
     # lent it (``log.buffer``), else None: given back once the record is
     # dropped, for a later call to fill.
     buffer: object = None
+    ttl: object = None  # `keras_sparse.table.ttl.TtlRecord` (time to live)
 
 
 class TableState(NamedTuple):
@@ -53,6 +54,7 @@ class TableState(NamedTuple):
     scores: object
     clock: int
     admission: object
+    last_seen: object = None  # per key, with a time to live (`ttl`)
 
 
 def state_before(impl, records):
@@ -61,19 +63,30 @@ def state_before(impl, records):
     lock)."""
     xp = impl.xp
     keys, score, clock = impl.keys.copy(), impl.score.copy(), impl.clock
+    ttl = getattr(impl, "ttl", None)
+    seen = None if ttl is None else ttl.last_seen.copy()
     for r in reversed(records):
         keys[r.new_rows] = impl._empty_keys(r.new_rows)
         score[r.new_rows] = 0
         keys[r.evicted_rows] = r.evicted_keys
         score[r.evicted_rows] = r.evicted_scores
         score[r.hit_rows] = r.hit_scores
+        if r.ttl is not None:  # after the placements: expired rows reused
+            r.ttl.undo(keys, score, seen)
         clock = r.clock
     live = keys != xp.repeat(impl.bucket_sentinel, impl.bucket_size)
     rows = xp.flatnonzero(live).astype(xp.int64)
     pending = None
     if impl.admission is not None:
         pending = counts_before(impl.admission.state(), [r.admission for r in records])
-    return TableState(keys[rows], rows, score[rows], int(clock), pending)
+    return TableState(
+        keys[rows],
+        rows,
+        score[rows],
+        int(clock),
+        pending,
+        None if seen is None else seen[rows],
+    )
 
 
 def evicted_log(impl):
@@ -100,6 +113,11 @@ def restore(impl, state):
     impl.clock = int(state.clock)
     if int(state.keys.shape[0]):
         impl.import_(state.keys, state.rows, state.scores)
+    ttl = getattr(impl, "ttl", None)
+    if ttl is not None:
+        ttl.clear()
+        seen = state.last_seen
+        ttl.load(state.rows, impl.clock if seen is None else seen)
     impl.counters.update(counters)
     impl._score_above_clock = above
     if impl.admission is not None and state.admission is not None:

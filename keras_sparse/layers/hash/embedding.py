@@ -34,6 +34,7 @@ from keras_sparse.layers.hash.prepared_inputs import unpack_prepared
 from keras_sparse.layers.hash.records import HashRecords
 from keras_sparse.layers.hash.stage_feed import StageFed
 from keras_sparse.layers.hash.tf_string_hash import hash_strings_tf
+from keras_sparse.layers.hash.ttl_state import checked_ttl_steps
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
 from keras_sparse.layers.table_storage import TableStorage
@@ -75,6 +76,7 @@ _OWN_ARGUMENTS = (
     "table_seed",
     "store",
     *STORAGE_ARGUMENTS,
+    "ttl_steps",
 )
 
 
@@ -98,6 +100,10 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
       evicted (``eviction="lru"`` or ``"lfu"``); with ``eviction=None`` a full
       table raises a `keras_sparse.table.TableFullError` naming capacity and
       size before any state changes.
+    - With ``ttl_steps=N`` a key no training step has seen for ``N`` steps
+      expires at the start of the next step: its row is free for that
+      step's new keys and starts fresh like any new key (see
+      `keras_sparse.table.ttl`; ``stats()["expired"]``).
 
     In inference (``training=False``, or a frozen layer) the table is only
     read: unknown keys read zeros and nothing is inserted. Compiled
@@ -202,6 +208,9 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             slots round stochastically (default) or to nearest.
         slot_dtype: the optimizer slots' storage dtype, as ``table_dtype``
             (None: float32 under the default policy).
+        ttl_steps: None (keys never expire) or an int >= 1: the training
+            steps a key may go unseen before it expires (inference does
+            not refresh it). Not with ``store=``.
 
     Call arguments:
         inputs: int32/int64 keys of any shape, NumPy string arrays, TF string
@@ -267,6 +276,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         table_dtype=None,
         stochastic_rounding=True,
         slot_dtype=None,
+        ttl_steps=None,
         **kwargs,
     ):
         name = kwargs.get("name") or "distributed_hash_embedding"
@@ -322,12 +332,14 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
             )
         storage = TableStorage(name, table_dtype, stochastic_rounding, slot_dtype)
         storage.check_no_store(name, store)
+        ttl_steps = checked_ttl_steps(name, ttl_steps, store)
         table = HashTable(
             int(capacity),
             eviction=eviction,
             admit_after=int(admit_after),
             device=table_device,
             seed=int(table_seed),
+            ttl_steps=ttl_steps,
         )
         super().__init__(
             table.capacity,
@@ -348,6 +360,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
         self.key_dtype = key_dtype
         self.table_device = table_device
         self.table_seed = int(table_seed)
+        self.ttl_steps = ttl_steps
         # Evicted keys go down to this store (None: they are dropped).
         self.store = row_tier.store_spec(name, store)
         self.row_tier = None
@@ -871,6 +884,7 @@ class DistributedHashEmbedding(StageFed, HashRecords, SparseEmbeddingBase):
                 "table_device": self.table_device,
                 "table_seed": self.table_seed,
                 "store": row_tier.store_config(self.store),
+                "ttl_steps": self.ttl_steps,
             }
         )
         return config

@@ -16,6 +16,7 @@ from keras import ops
 
 from keras_sparse.layers import placement
 from keras_sparse.layers import store_assets
+from keras_sparse.layers.hash import ttl_state
 from keras_sparse.layers.hash.host_keys import to_numpy as _to_numpy
 from keras_sparse.layers.hash.record_placement import greedy_rows
 from keras_sparse.layers.hash.record_placement import hottest_first
@@ -415,6 +416,7 @@ class HashRecords:
         for name, value in zip(_GEOMETRY_ENTRIES, self._geometry()):
             store[name] = np.int64(value)
         store["table_clock"] = np.int64(clock)
+        ttl_state.save(self, store, records["keys"], trained)
         store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
         store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
         if admission is not None:
@@ -557,6 +559,7 @@ class HashRecords:
         with tracker(n, title, _LOAD_STAGES) as progress:
             progress.stage("checkpoint")
             saved = self._read_checkpoint(store)
+            last_seen = ttl_state.checked(self, store)
             # Key-sharded across processes: the keys this process's shards own.
             records = self._held_here(saved.records)
             progress.stage("rows")
@@ -573,6 +576,7 @@ class HashRecords:
             else:
                 records = subset(records, kept)._replace(rows=rows[kept])
             self._store_records(records, progress)
+            ttl_state.load(self, last_seen)
         self.sparse_iterations.assign(saved.iterations)
         self.seed_generator.state.assign(saved.seed_state)
         self._load_admission(saved.admission)
