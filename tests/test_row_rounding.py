@@ -164,6 +164,32 @@ def test_slots_in_16_bits_and_float32_by_default():
     }
 
 
+def test_16_bit_slots_under_a_float32_table_train_by_fit():
+    """Only the slots in 16 bits: the compiled CPU routes serve float32
+    arrays only, so the update takes the rounding route, not the call."""
+    ids = np.random.default_rng(0).integers(0, 4096, size=(64, 3))
+
+    def fit(slot_dtype):
+        keras.utils.set_random_seed(1)
+        layer = ks.AllToAllDenseEmbedding(
+            4096, 4, optimizer="adagrad", combiner="sum", slot_dtype=slot_dtype
+        )
+        inputs = keras.Input((3,), dtype="int32")
+        model = keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
+        model.compile("sgd", "mse")
+        model.fit(ids, np.ones((64, 1)), batch_size=16, epochs=2, verbose=0)
+        return layer
+
+    narrow, wide = fit("bfloat16"), fit(None)
+    accumulator = next(iter(narrow.slots.values()))
+    assert row_rounding.dtype_name(accumulator.dtype) == "bfloat16"
+    assert row_rounding.dtype_name(narrow.embeddings.dtype) == "float32"
+    got = ops.convert_to_numpy(narrow.embeddings.value)
+    want = ops.convert_to_numpy(wide.embeddings.value)
+    assert not np.array_equal(got, want)  # the slots' rounding shows
+    np.testing.assert_allclose(got, want, atol=2e-2)
+
+
 def test_save_and_load_keep_the_dtype(tmp_path):
     layer, model, values = _fit_sgd("bfloat16", steps=5)
     path = str(tmp_path / "m.keras")

@@ -69,7 +69,7 @@ def uses_scratch():
     return False
 
 
-def add_dedup_scratch(layer, table, rows, name):
+def add_dedup_scratch(layer, table, rows, name, slots=()):
     """Gives ``table`` (a variable of ``layer``, ``rows`` rows) a scratch,
     unless its update is a compiled call that finds duplicates itself (JAX
     on a CPU, `keras_sparse.ops.jax.native_rows`). Were that route off when
@@ -78,7 +78,7 @@ def add_dedup_scratch(layer, table, rows, name):
         return
     fused = getattr(backend_module(), "fused_update_applies", None)
     if fused is not None and fused(
-        layer.sparse_optimizer, layer.embeddings_constraint, table
+        layer.sparse_optimizer, layer.embeddings_constraint, table, tuple(slots)
     ):
         return
     scratch = DedupScratch(rows, name)

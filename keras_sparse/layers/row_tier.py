@@ -283,10 +283,14 @@ class RowTier:
     def stored_size(self, table_keys=None):
         """How many keys the store holds that the table does not
         (``table_keys``: the table's keys, default `table_keys`): the
-        stored copies of keys with a row are stale and not counted."""
+        stored copies of keys with a row are stale and not counted.
+
+        Reads the table before taking the store's lock: a table call holds
+        the table's lock while it asks the store (`held`), so the two locks
+        are always taken in that order."""
+        if table_keys is None and self.table_keys is not None:
+            table_keys = self.table_keys()
         with self.lock:
-            if table_keys is None and self.table_keys is not None:
-                table_keys = self.table_keys()
             size = int(self.store.size)
             if self.dense or table_keys is None or not size:
                 return size

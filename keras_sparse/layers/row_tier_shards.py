@@ -193,7 +193,12 @@ class ShardedRowTier:
                 tier.reset(subset(records, owner == d))
 
     def stored_size(self, table_keys=None):
-        """Keys the shards' stores hold that no table shard holds too."""
+        """Keys the shards' stores hold that no table shard holds too (the
+        table's keys read once, not once per shard)."""
+        if table_keys is None:
+            first = next(iter(self.shards.values()))
+            if first.table_keys is not None:
+                table_keys = first.table_keys()
         return sum(t.stored_size(table_keys) for t in self.shards.values())
 
     def stats(self):

@@ -431,9 +431,11 @@ class HashRecords:
         if tier is None or not store_assets.expected():
             return
         store = tier.store
+        # Keys with a row are in the weights; their stored copies are stale.
+        # (The table is read before the store's lock is taken: a table call
+        # holds the table's lock while it asks the store.)
+        table_keys = self._cached_keys()
         with tier.lock:
-            # Keys with a row are in the weights; their stored copies are stale.
-            table_keys = self._cached_keys()
             chunks = not_cached(
                 store.chunks(store_assets.rows_per_chunk(store.fields)), table_keys
             )
@@ -491,7 +493,9 @@ class HashRecords:
                 f"Layer '{self.name}': flush_store() needs a row store "
                 "(`store=`); this layer has none."
             )
-        with tier.lock:
+        # The table's lock first, as a table call takes it before asking
+        # the store (`held`).
+        with self.table._lock, tier.lock:
             if tier.pending():
                 raise ValueError(
                     f"Layer '{self.name}': flush_store(): {tier.pending()} "

@@ -85,6 +85,11 @@ class TableMapping:
         layer, and the calls Keras makes to infer shapes while it builds
         or traces a model. Key-sharded, the counters are those of this
         process's shards. They are not saved.
+
+        With a row store (``store=``) it adds ``fills``, ``write_backs``,
+        ``store_hits``, ``store_size`` (keys only the store holds) and
+        ``store_bytes``; counting ``store_size`` reads the table's keys, so
+        such a call costs time in proportion to the table.
         """
         out = self.table.stats()
         if self.row_tier is not None:

@@ -66,7 +66,7 @@ def add_table(
         )
         slot.overwrite_with_gradient = on_jax
         slots[spec.name] = slot
-    add_dedup_scratch(layer, table, rows, scratch_name)
+    add_dedup_scratch(layer, table, rows, scratch_name, slots.values())
     back_with_huge_pages([table, *slots.values()])
     return table, slots
 

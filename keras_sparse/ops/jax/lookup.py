@@ -146,7 +146,7 @@ def _backward(config, residuals, cotangents):
     # routes (benchmarks/dense_route.py: 2x the dense route at a quarter
     # as many ids as rows); from it on, the dense route's vector pass over
     # the table beats the call's per-id hashing.
-    fused = jax_native_rows.fused_rule(optimizer, constraint, table)
+    fused = jax_native_rows.fused_rule(optimizer, constraint, table, slots.values())
     if fused is not None and set(state) == {"table", *fused[1]}:
         updated = jax_native_rows.fused_update(
             state, optimizer, ids, valid, grads, iterations, *fused
@@ -238,11 +238,12 @@ def _reset_backward(residuals, grads):
 reset_rows.defvjp(_reset_forward, _reset_backward)
 
 
-def fused_update_applies(optimizer, constraint, table):
-    """Whether the sparse update of ``table`` (a variable) runs as one
-    compiled custom call (`keras_sparse.ops.jax.native_rows`), which finds
-    duplicates itself: such a table needs no dedup scratch."""
-    return jax_native_rows.fused_rule(optimizer, constraint, table) is not None
+def fused_update_applies(optimizer, constraint, table, slots=()):
+    """Whether the sparse update of ``table`` (a variable) and its ``slots``
+    runs as one compiled custom call (`keras_sparse.ops.jax.native_rows`),
+    which finds duplicates itself: such a table needs no dedup scratch."""
+    found = jax_native_rows.fused_rule(optimizer, constraint, table, slots)
+    return found is not None
 
 
 def scratch_segments(scratch_var, ids, valid, num_rows):

@@ -117,14 +117,17 @@ def _on_local_cpu(*arrays):
     return True
 
 
-def fused_rule(optimizer, constraint, table):
+def fused_rule(optimizer, constraint, table, slots=()):
     """``(rule, slot names)`` when the update of ``table`` (an array or a
-    variable's value) by ``optimizer`` runs as the custom call; else None.
-    Builds the library on first use."""
+    variable's value) and its ``slots`` by ``optimizer`` runs as the custom
+    call (float32 arrays only: 16-bit ones take the ops route, which rounds
+    stochastically); else None. Builds the library on first use."""
     found = rule_of(optimizer)
     if not FUSED_OPTIMIZERS or constraint is not None or found is None:
         return None
     if np.dtype(table.dtype) != np.float32 or len(table.shape) != 2:
+        return None
+    if any(np.dtype(s.dtype) != np.float32 for s in slots):
         return None
     if not _on_local_cpu(table) or library() is None:
         return None
