@@ -6,6 +6,8 @@ training batch), the same fit without `keras_sparse.data.prefetch`, an
 uninterrupted run for a resumed one, and the layer on one device.
 """
 
+import time
+
 import h5py
 import keras
 import numpy as np
@@ -194,3 +196,95 @@ def test_eight_devices_expire_like_the_model():
             seen[k] = s
     assert sorted(eight.table.export()[0].tolist()) == sorted(seen)
     assert eight.stats()["expired"] == expired > 0
+
+
+def _wait_mapped(stage, batches):
+    """Waits until ``stage``'s workers mapped its pass's first ``batches``."""
+    p = stage._engine._pass
+    deadline = time.time() + 10
+    while time.time() < deadline and p.turn[p.lane[0]] < batches:
+        time.sleep(0.01)
+    assert p.turn[p.lane[0]] >= batches  # batches in flight
+
+
+class _ReadAt(keras.callbacks.Callback):
+    """After steps ``READ_AT`` (the stage, if any, two batches ahead), reads
+    ``PROBE`` read-only and the table as the stage's table calls left it."""
+
+    def __init__(self, layer, stage):
+        super().__init__()
+        self.layer, self.stage, self.seen = layer, stage, {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch not in READ_AT:
+            return
+        if self.stage is None:
+            assert self.model is not None  # re-attaches what a JAX fit holds
+        else:
+            _wait_mapped(self.stage, batch + 3)
+        mapped = self.layer.table.lookup(PROBE[:, 0], count=False)
+        out = keras.ops.convert_to_numpy(self.layer(PROBE, training=False))
+        self.seen[batch] = (out, mapped)
+
+
+READ_AT, PROBE = (2, 4), np.arange(40, dtype=np.int64)[:, None]
+
+
+def test_reads_mid_stage_find_keys_batches_in_flight_expired():
+    """A read-only call from a callback while the stage mapped two batches
+    ahead reads the keys those batches expired as the run without the
+    stage does at that step: trained vectors, not zeros."""
+    x, y = _data()
+    runs = []
+    for staged in (False, True):
+        model = _model()
+        layer = model.get_layer("h")
+        if staged:
+            with prefetch((x, y), model, batch_size=BATCH, threads=2, capacity=4) as st:
+                reader = _ReadAt(layer, st)
+                model.fit(st, verbose=0, callbacks=[reader])
+        else:
+            reader = _ReadAt(layer, None)
+            model.fit(
+                x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[reader]
+            )
+        runs.append(reader.seen)
+    plain, staged = runs
+    expired_ahead = 0
+    for batch in READ_AT:
+        want, in_plain = plain[batch]
+        got, in_stage = staged[batch]
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        # Keys the trained step holds that the batches in flight expired.
+        expired_ahead += int(np.sum((in_plain >= 0) & (in_stage < 0)))
+    assert expired_ahead > 5
+
+
+def test_abandoned_batches_leave_clock_and_expired_keys_as_trained():
+    """A fit with ``steps_per_epoch`` shorter than the stage's pass, then
+    training on without the stage, ends as the unstaged fit of the same
+    steps: the untrained batches neither advanced the clock nor expired
+    keys."""
+    x, y = _data()
+    first = STEPS // 2 * BATCH
+    plain = _model()
+    for part in (slice(0, first), slice(first, None)):
+        plain.fit(x[part], y[part], batch_size=BATCH, shuffle=False, verbose=0)
+    model = _model()
+    with prefetch((x, y), model, batch_size=BATCH, threads=2, capacity=4) as st:
+        model.fit(st, steps_per_epoch=STEPS // 2, verbose=0)
+        _wait_mapped(st, STEPS // 2 + 2)  # mapped, never trained
+    layer = model.get_layer("h")
+    seen, expired = _ttl_model(x, STEPS // 2)
+    assert sorted(layer.table.export()[0].tolist()) == sorted(seen)
+    assert layer.stats()["expired"] == expired
+    model.fit(x[first:], y[first:], batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_same(_records(model), _records(plain))
+    want, got = plain.get_layer("h").stats(), layer.stats()
+    assert got["expired"] == want["expired"] == _ttl_model(x, STEPS)[1]
+    assert got["size"] == want["size"]
+    assert st.stats()["undone_calls"] >= 2
+    for w, v in zip(plain.weights, model.weights):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(w), keras.ops.convert_to_numpy(v)
+        )

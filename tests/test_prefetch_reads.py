@@ -123,18 +123,23 @@ def test_keys_where_codes_are_expected_raise_naming_the_layer():
     assert keras.ops.convert_to_numpy(layer(np.array([[5, 7]]), training=True)).any()
 
 
-def test_rows_before_untrained_calls_match_the_table_state_before_them():
-    """Rows as of before a few evicting calls (keys re-inserted elsewhere,
-    evicted twice) equal a dict of `state_before`'s entries."""
+@pytest.mark.parametrize("ttl_steps", [None, 2])
+def test_rows_before_untrained_calls_match_the_table_state_before_them(ttl_steps):
+    """Rows as of before a few evicting (and expiring) calls (keys
+    re-inserted elsewhere, evicted or expired twice, expired rows reused)
+    equal a dict of `state_before`'s entries."""
     from keras_sparse.layers.hash.trained_rows import rows_before
     from keras_sparse.table import HashTable
 
     rng = np.random.default_rng(1)
-    table = HashTable(64, eviction="lru", device="cpu")
+    table = HashTable(96, eviction="lru", device="cpu", ttl_steps=ttl_steps)
     table.lookup_or_insert(rng.integers(0, 400, 50))
     log = []
     for _ in range(5):  # each call evicts some keys, some come back
         table.lookup_or_insert_fresh(rng.integers(0, 400, 40), undo=log)
+    assert sum(len(r.evicted_keys) for r in log) > 20
+    if ttl_steps is not None:  # and expired keys of the first calls
+        assert sum(len(r.ttl.expired_keys) for r in log) > 20
     state = table.state_before(log)
     want = dict(zip(state.keys.tolist(), state.rows.tolist()))
     keys = np.arange(400, dtype=np.int64)

@@ -145,6 +145,7 @@ from keras_sparse.data import lookahead
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
+from keras_sparse.data.untrained import undo_since
 from keras_sparse.data.untrained import undo_untrained
 from keras_sparse.layers.hash import table_users
 from keras_sparse.layers.hash.prepared_inputs import KeyWords
@@ -249,10 +250,11 @@ class _Engine:
 
     def _rollback(self, p):
         """Erases keys given fresh rows by looked-up but untrained batches
-        (layers with a row store: undoes those batches' table calls, see
-        `keras_sparse.data.untrained`); returns the batches of the pass
-        trained per feed (None: unknown)."""
+        (layers with a row store or a time to live: undoes those batches'
+        table calls, see `keras_sparse.data.untrained`); returns the
+        batches of the pass trained per feed (None: unknown)."""
         done = [None] * len(self.feeds)
+        undone = set()  # lanes (tables) whose untrained calls are undone
         for f_idx, feed in enumerate(self.feeds):
             if feed.kind != "hash" or not self.insert:
                 continue
@@ -274,6 +276,17 @@ class _Engine:
                 journal = p.journals[p.lane[f_idx]]
                 self.stats["undone_calls"] += undo_untrained(feed.layer, journal)
                 continue
+            if feed.layer.table.ttl_steps is not None and done[f_idx] is not None:
+                # Erasing would leave the clock advanced (later keys expire
+                # early) and the keys those calls expired gone: undo them.
+                lane = p.lane[f_idx]
+                if lane in undone:
+                    continue
+                count = undo_since(feed.layer, p.journals[lane], done[f_idx])
+                if count is not None:
+                    undone.add(lane)
+                    self.stats["undone_calls"] += count
+                    continue
             keys = [
                 fresh[f_idx]
                 for seq, fresh in p.pending.items()

@@ -12,6 +12,12 @@ put back exactly as the last trained step left it (the calls' undo records,
 counts) and the calls' row moves are dropped. An evicted key is back in its
 row, which no untrained step touched; a key an untrained call was to bring
 back from the store is still there.
+
+A layer with a time to live (``ttl_steps``) is undone the same way
+(`undo_since`): erasing would leave the table's clock advanced by the
+untrained calls, so later keys would expire early, and the keys those calls
+expired would stay erased. Its untrained calls are those of the batches
+past its step counter.
 """
 
 import keras
@@ -36,10 +42,23 @@ def undo_untrained(layer, journal):
             "keys they evicted cannot be returned to the table. Restore the "
             "model from a checkpoint."
         )
-    table = layer.table
-    table.restore(table.state_before(records))
+    layer.table.undo_calls(records)
     tier.drop_newest(count)
     return count
+
+
+def undo_since(layer, journal, first):
+    """Undoes ``layer``'s table calls for the batches ``first`` on of the
+    pass ``journal`` (a `keras_sparse.data.lookahead.Journal`) recorded.
+    Returns how many calls were undone, or None when the journal no longer
+    holds them all (Keras fetched batches far ahead of training)."""
+    try:
+        records = journal.since(first, layer.name)
+    except RuntimeError:
+        return None
+    if records:
+        layer.table.undo_calls(records)
+    return len(records)
 
 
 def _wait_for_steps():

@@ -338,6 +338,33 @@ class HashTable:
             self._version += 1
             restore(self._impl, state)
 
+    def undo_calls(self, records):
+        """Undoes the table's newest calls, which wrote the undo ``records``
+        (call order): `restore` of their `state_before`, under one lock.
+        Keys they expired (``ttl_steps``) are back and no longer counted in
+        ``stats()["expired"]``; the other counters are kept.
+
+        Example:
+          >>> table = HashTable(64, device="cpu", ttl_steps=1)
+          >>> _ = table.lookup_or_insert([1])
+          >>> log = []
+          >>> _ = table.lookup_or_insert_fresh([2], undo=log)
+          >>> _ = table.lookup_or_insert_fresh([2], undo=log)  # 1 expires
+          >>> table.undo_calls(log)
+          >>> table.export()[0].tolist(), table.stats()["expired"]
+          ([1], 0)
+        """
+        with self._lock:
+            self._version += 1
+            restore(self._impl, state_before(self._impl, records))
+            ttl = self._impl.ttl
+            if ttl is not None:
+                ttl.expired -= sum(
+                    int(r.ttl.expired_keys.shape[0])
+                    for r in records
+                    if r.ttl is not None
+                )
+
     def erase(self, keys) -> int:
         """Remove ``keys`` (absent ones are ignored); returns how many were live."""
         k, _ = self._convert(keys, "keys")

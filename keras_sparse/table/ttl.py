@@ -18,7 +18,11 @@ keys of that same call, and a key given it starts like any new key
 depends only on each key's own steps and the clock the call sees, so it is
 the same for any batch split, shard count or device, and an input stage
 that maps batches ahead (`keras_sparse.data.prefetch`) expires exactly what
-unstaged training does. A call that raises (a full table with
+unstaged training does: its undo records (`keras_sparse.table.undo`) keep
+the expired keys, so a read or save mid-stage shows them as of the last
+trained step, and batches the stage mapped but abandoned untrained are
+undone (`HashTable.undo_calls`: clock, last-seen steps, expired keys and
+the ``expired`` count). A call that raises (a full table with
 ``eviction=None``) puts the expired keys back: a refused call changes
 nothing. Pending admission counts do not expire.
 

@@ -4,11 +4,12 @@ A training stage (`keras_sparse.data.prefetch`) maps batches into the table
 before their steps run. A read-only call made meanwhile (inference from a
 callback, an inference stage) must see the model as the trained steps left
 it, as the same run without the stage would: a key that only untrained
-batches inserted has no row yet, and a key they evicted still owns its old
-row (which no untrained step has reset). The stage's undo records of those
-batches' table calls (`keras_sparse.data.lookahead`) give both: the rows
-they touched, and which key each held before them. Without a stage the
-mapping is one table lookup.
+batches inserted has no row yet, and a key they evicted or expired
+(``ttl_steps``) still owns its old row (which no untrained step has
+reset). The stage's undo records of those batches' table calls
+(`keras_sparse.data.lookahead`) give both: the rows they touched, and which
+key each held before them. Without a stage the mapping is one table
+lookup.
 
 Only the layer's own read-only calls (`as_trained`, entered by its ``call``)
 resolve keys this way. An inference stage's workers map as before: they may
@@ -81,6 +82,11 @@ def rows_before(rows, keys, records):
         touched += [new, old]
         was_key += [np.zeros(new.size, np.int64), to_numpy(r.evicted_keys)]
         was_live += [np.zeros(new.size, bool), np.ones(old.size, bool)]
+        if r.ttl is not None:  # after the placements: expired rows reused
+            gone = to_numpy(r.ttl.expired_rows).astype(np.int64).reshape(-1)
+            touched.append(gone)
+            was_key.append(to_numpy(r.ttl.expired_keys).reshape(-1))
+            was_live.append(np.ones(gone.size, bool))
     touched = np.concatenate(touched)
     was_key = np.concatenate(was_key).astype(np.int64, copy=False)
     was_live = np.concatenate(was_live)
