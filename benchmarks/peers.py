@@ -116,13 +116,13 @@ batch-512 step took ~1.3 s (TorchRec; nearly all in FBGEMM's CPU backward)
 and ~390 ms (ks-torch-layers) with torch's default 2 threads, 8-13 ms and
 ~80 ms with ``--torch-threads 1``.
 
-    python benchmarks/peers.py --torchrec-python /work/torchrec-venv/bin/python
+    python benchmarks/peers.py --torchrec-python <torchrec-venv>/bin/python
     python benchmarks/peers.py --variants torchrec,ks-jax-layers --rows 1e5
     python benchmarks/peers.py --quick      # CI smoke run: ks variants, tiny
     python benchmarks/peers.py --rows 1e5 --optimizers adagrad,rowwise_adagrad \
         --variants ks-jax-layers,ks-tf-layers,ks-torch-layers
     python benchmarks/peers.py --together --variants torchrec,ks-tf-layers \\
-        --torchrec-python /work/torchrec-venv/bin/python   # growth 1e5 -> 1e6
+        --torchrec-python <torchrec-venv>/bin/python   # growth 1e5 -> 1e6
 
 Writes a markdown table to stdout and a bar chart to
 ``<--out>/peers.png`` (default benchmarks/out).
@@ -137,11 +137,11 @@ declare no torch requirement); ``torch==2.13.0`` here is the
 CPU wheel (``2.13.0+cpu``) that pip finds on this machine's disk, where a
 bare ``torch`` requirement would pull a multi-GB CUDA build::
 
-    python3 -m venv /work/torchrec-venv
-    /work/torchrec-venv/bin/pip install torch==2.13.0
-    /work/torchrec-venv/bin/pip install fbgemm-gpu-cpu==1.8.0 numpy
-    /work/torchrec-venv/bin/pip install --no-deps torchrec==1.8.0
-    /work/torchrec-venv/bin/pip install tensordict torchmetrics==1.0.3 \\
+    python3 -m venv <torchrec-venv>
+    <torchrec-venv>/bin/pip install torch==2.13.0
+    <torchrec-venv>/bin/pip install fbgemm-gpu-cpu==1.8.0 numpy
+    <torchrec-venv>/bin/pip install --no-deps torchrec==1.8.0
+    <torchrec-venv>/bin/pip install tensordict torchmetrics==1.0.3 \\
         tqdm pyre-extensions
 
 (Elsewhere, take torch 2.13.0's CPU build from PyTorch's CPU wheel index.)

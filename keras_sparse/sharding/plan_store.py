@@ -18,8 +18,8 @@ Store bytes (`store_bytes`), for ``rows`` rows (a hash layer: its keys):
   (`keras_sparse.store.key_index`, arrays grown by doubling): the key, 8-16
   bytes; its int32 hash-table position at a load of 0.25-0.6, 7-16 bytes;
   a live flag, 1-2 bytes (about 17 in all right after a growth, 34 at
-  most). Keys the cache holds leave the store, so ``rows`` keys is an
-  upper bound.
+  most). A key keeps its stored copy while the cache holds it again, so
+  the store reaches ``rows`` keys: every key the layer ever evicted.
 
 Not counted: rows allocated ahead of the keys (a host store grows by
 doubling up to blocks of 64 MiB per field, then a block at a time) and the

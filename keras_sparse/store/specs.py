@@ -57,7 +57,9 @@ class Disk:
     ``reopen=True`` opens the store left in the folder in place instead,
     without copying its files (its fields, and rows for a fixed
     vocabulary, must be the layer's); a folder without a store gets a new
-    one. Write a layer's cached rows down first (``layer.flush_store()``).
+    one. Write a layer's cached rows down first (``layer.flush_store()``):
+    a store keeps an older copy of each key the table holds, so without it
+    the reopened store serves those keys' older rows.
     """
 
     path: str

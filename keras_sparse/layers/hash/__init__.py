@@ -2,7 +2,13 @@
 
 The layers (`embedding`, `collection`) map any 64-bit key to a row of a
 fixed-capacity device table through a hash table (`keras_sparse.table`).
-The helpers, one concept each:
+`DistributedHashEmbedding` is built from mixins, one concept each:
+`table_mapping` (keys to rows through the table), `key_calls` (a call
+given keys), `row_output` (rows to vectors, fresh rows drawn),
+`stage_feed` (a call given an input stage's codes, and the stage's hold),
+`records` (exports, imports, checkpoints); `ttl_state` checks and saves
+its time to live, `trained_rows` reads rows as of the last trained step
+while a stage runs ahead. The helpers, one concept each:
 
 * key mapping: `key_mapping` (the `KeyMapper` routes), `jax_step_mapping`,
   `jax_group_mapping` (JAX in-step mapping), `host_keys`, `string_keys`,
