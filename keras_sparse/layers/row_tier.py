@@ -420,6 +420,34 @@ def _dtype(variable):
     return np.dtype(str(variable.dtype).split(".")[-1]).name
 
 
+def evictions(before, result):
+    """``(keys, rows, scores)`` of the keys a table call evicted:
+    ``before`` the table's ``export()`` ahead of it, ``result`` its
+    `InsertResult`."""
+    keys = np.asarray(_host(result.evicted_keys), np.int64).reshape(-1)
+    rows = np.asarray(_host(result.evicted_rows), np.int64).reshape(-1)
+    old_keys, _, old_scores = (np.asarray(_host(x)).reshape(-1) for x in before)
+    at = _positions(old_keys.astype(np.int64), keys)
+    return keys, rows, old_scores[at].astype(np.int64)
+
+
+def write_back(tier, keys, rows, scores, state):
+    """Writes ``keys`` down to ``tier``'s store from their ``rows`` of
+    ``state`` (``{"table" | slot name: host array}``), with ``scores``."""
+    if not len(keys):
+        return
+    out = {VALUES: state["table"][rows]}
+    out.update({name: v[rows] for name, v in state.items() if name != "table"})
+    if tier.scored:
+        out[SCORE] = np.asarray(scores, np.int64).reshape(-1, 1)
+    with tier.lock:
+        tier.store.write(keys, out)
+
+
+def _host(x):
+    return keras.ops.convert_to_numpy(x) if not isinstance(x, np.ndarray) else x
+
+
 def stored_records(tier, out, include_rows):
     """``out`` (a layer's exported table records) followed by the records
     of the keys ``tier``'s store holds (row -1); keys the table holds are

@@ -1,0 +1,59 @@
+"""Row-store edge cases: imports that evict, tables set later, refused
+builds, reopened shard folders, saves of unbuilt layers, incomplete files."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
+
+
+def _layer(name="ids", capacity=64, **kwargs):
+    layer = DistributedHashEmbedding(
+        4, capacity=capacity, optimizer="adagrad", store="host", name=name, **kwargs
+    )
+    layer.build((None, 2))
+    return layer
+
+
+def _record(layer, key):
+    rec = layer.export()
+    at = np.flatnonzero(rec["keys"] == key)
+    assert at.size == 1
+    return {name: np.asarray(value)[at[0]] for name, value in rec.items()}
+
+
+def _bucket_mates(layer, key, count):
+    """``count`` keys with ``key``'s first bucket among their candidates."""
+    table = layer.table
+    home = np.asarray(table.candidate_buckets(np.asarray([key])))[0][0]
+    pool = np.arange(1, 200_000, dtype="int64")
+    b1, b2 = (np.asarray(b) for b in table.candidate_buckets(pool))
+    return pool[(b1 == home) | (b2 == home)][:count]
+
+
+def test_an_import_writes_the_keys_it_evicts_down_to_the_store():
+    layer = _layer()
+    key = np.int64(12345)
+    width = {"values": 4, "accumulator": 4}
+    # The store keeps an older copy of the key (as after a fill)...
+    old = {n: np.full((1, w), -1.0, "float32") for n, w in width.items()}
+    layer.row_tier.store.write([key], {**old, "score": np.ones((1, 1), "int64")})
+    # ...and the table a newer one, which wins while the key has a row.
+    new = np.full((1, 4), 2.0, "float32")
+    layer.import_([key], new, slots={"accumulator": new + 1}, scores=[0])
+    np.testing.assert_allclose(_record(layer, key)["values"], new[0])
+    # Hotter keys of the key's bucket fill it and their other buckets: an
+    # import evicts the key.
+    mates = _bucket_mates(layer, key, 64).reshape(-1, 8)
+    for others in mates:
+        layer.import_(others, np.zeros((8, 4), "float32"), scores=[9] * 8)
+        if key not in keras.ops.convert_to_numpy(layer.table.export()[0]):
+            break
+    else:
+        raise AssertionError("the key was never evicted")
+    # It went down with its newer row, vector, slots and score.
+    got = _record(layer, key)
+    np.testing.assert_allclose(got["values"], new[0])
+    np.testing.assert_allclose(got["accumulator"], new[0] + 1)
+    assert got["scores"] == 0
