@@ -57,3 +57,15 @@ def test_an_import_writes_the_keys_it_evicts_down_to_the_store():
     np.testing.assert_allclose(got["values"], new[0])
     np.testing.assert_allclose(got["accumulator"], new[0] + 1)
     assert got["scores"] == 0
+
+
+def test_a_table_with_a_time_to_live_is_refused_under_a_store():
+    from keras_sparse.table import HashTable
+
+    layer = DistributedHashEmbedding(4, capacity=64, store="host", name="ttl")
+    before = layer.table
+    with pytest.raises(ValueError, match="'ttl'.*ttl_steps=5.*store"):
+        layer.table = HashTable(64, ttl_steps=5)
+    assert layer.table is before  # nothing changed
+    layer.table = HashTable(64)  # without a time to live it is taken
+    assert layer.table is not before
