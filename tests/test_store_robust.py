@@ -69,3 +69,18 @@ def test_a_table_with_a_time_to_live_is_refused_under_a_store():
     assert layer.table is before  # nothing changed
     layer.table = HashTable(64)  # without a time to live it is taken
     assert layer.table is not before
+
+
+def test_a_refused_store_leaves_the_layer_unbuilt():
+    layer = DistributedHashEmbedding(
+        4,
+        capacity=64,
+        store="host",
+        embeddings_initializer=keras.initializers.Orthogonal(seed=1),
+        name="orth",
+    )
+    keys = np.array([[1, 2]], "int64")
+    for _ in range(2):  # a caught refusal does not let it train storeless
+        with pytest.raises(ValueError, match="'orth'.*per key"):
+            layer(keys, training=True)
+        assert not layer.built

@@ -343,10 +343,10 @@ def store_config(spec):
     return row_stores.serialize(spec)
 
 
-def attach(layer, spec):
-    """A `RowTier` for built ``layer`` over a store opened from ``spec``;
-    the layer's table admits the store's keys at sight."""
-    from keras_sparse import store as row_stores
+def check_attachable(layer):
+    """Raises ValueError (naming the layer) when ``layer`` cannot have a row
+    store; run before the layer builds, so a refused build leaves it unbuilt
+    (a caught refusal must not let it train without its store)."""
     from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
     from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 
@@ -376,10 +376,6 @@ def attach(layer, spec):
             "a VarianceScaling initializer or an unseeded one; received "
             f"embeddings_initializer={type(init).__name__}."
         )
-    fields = [row_stores.FieldSpec(VALUES, layer.output_dim, _dtype(layer.embeddings))]
-    for name, var in layer.slots.items():
-        fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
-    fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
     check_not_shared(layer, layer.table)
     table = layer.table
     if key_sharded and len(table.local) < table.num_shards:
@@ -390,6 +386,20 @@ def attach(layer, spec):
             f"{table.num_shards} (a run of several processes). Use no store "
             "there, or one process."
         )
+
+
+def attach(layer, spec):
+    """A `RowTier` for built ``layer`` over a store opened from ``spec``;
+    the layer's table admits the store's keys at sight."""
+    from keras_sparse import store as row_stores
+
+    check_attachable(layer)
+    fields = [row_stores.FieldSpec(VALUES, layer.output_dim, _dtype(layer.embeddings))]
+    for name, var in layer.slots.items():
+        fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
+    fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
+    table = layer.table
+    key_sharded = getattr(table, "num_shards", None) is not None
     if key_sharded:
         # A store per shard: a key never leaves its owner shard. Errors
         # name the layer and the shard.

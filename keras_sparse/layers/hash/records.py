@@ -317,9 +317,7 @@ class HashRecords:
             self._table_import(records.keys, records.rows, records.scores)
             target, source = records.rows, np.arange(len(records.keys))
         else:
-            target, source, evicted = self._place_records(
-                records.keys, records.scores
-            )
+            target, source, evicted = self._place_records(records.keys, records.scores)
         progress.stage("variables")
         state = self._host_state(progress)
         if evicted is not None:
