@@ -84,3 +84,41 @@ def test_a_refused_store_leaves_the_layer_unbuilt():
         with pytest.raises(ValueError, match="'orth'.*per key"):
             layer(keys, training=True)
         assert not layer.built
+
+
+def _sharded(path, reopen, devices):
+    import keras_sparse as ks
+    from keras_sparse import sharding
+
+    layer = DistributedHashEmbedding(
+        4,
+        capacity=512,
+        optimizer="sgd",
+        sharding="key",
+        store=ks.store.Disk(str(path), reopen=reopen),
+        name="own",
+    )
+    keras.distribution.set_distribution(sharding.distribution([layer], devices=devices))
+    try:
+        layer.build((None, 2))
+    finally:
+        keras.distribution.set_distribution(None)
+    return layer
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax" or len(keras.distribution.list_devices()) < 8,
+    reason="key-sharded stores: JAX on 8 devices",
+)
+def test_a_reopened_shard_folder_must_serve_the_same_shard(tmp_path):
+    keys = np.arange(40, dtype=np.int64) * 7_919 + 5
+    rows = {"values": np.ones((40, 4), "float32"), "score": np.ones((40, 1), "int64")}
+    layer = _sharded(tmp_path, False, 8)
+    layer.row_tier.store.write(keys, rows)
+    layer.row_tier.store.close()
+    with pytest.raises(ValueError, match="'own'.*shard 0 of 8.*shard 0 of 4"):
+        _sharded(tmp_path, True, 4)
+    # Under the same shard count every key is back in its owner's store.
+    again = _sharded(tmp_path, True, 8)
+    found, _ = again.row_tier.store.read(keys)
+    assert found.all()

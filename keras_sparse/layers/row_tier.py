@@ -403,13 +403,23 @@ def attach(layer, spec):
     if key_sharded:
         # A store per shard: a key never leaves its owner shard. Errors
         # name the layer and the shard.
+        stores = {}
+        try:
+            for d in table.local:
+                stores[d] = spec.open_keyed(
+                    tuple(fields), name=f"{layer.name}.shard{d}"
+                )
+                # A reopened folder must be this shard's of as many shards.
+                row_tier_shards.check_shard_folder(
+                    layer.name, stores[d], d, table.num_shards
+                )
+        except Exception:
+            for store in stores.values():
+                store.close()
+            raise
         shards = {
-            d: RowTier(
-                f"{layer.name} (table shard {d})",
-                spec.open_keyed(tuple(fields), name=f"{layer.name}.shard{d}"),
-                layer.slots,
-            )
-            for d in table.local
+            d: RowTier(f"{layer.name} (table shard {d})", store, layer.slots)
+            for d, store in stores.items()
         }
         tier = row_tier_shards.ShardedRowTier(
             layer.name, shards, table.num_shards, table.shard_rows
