@@ -122,3 +122,17 @@ def test_a_reopened_shard_folder_must_serve_the_same_shard(tmp_path):
     again = _sharded(tmp_path, True, 8)
     found, _ = again.row_tier.store.read(keys)
     assert found.all()
+
+
+def test_a_model_with_an_unbuilt_cached_layer_saves(tmp_path):
+    import keras_sparse as ks
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(inputs))
+    # Tracked but never called, so never built: no row store yet.
+    model.ids = ks.AllToAllDenseEmbedding(300, 3, cache_rows=64, optimizer="sgd")
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    for a, b in zip(loaded.get_layer("out").get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
