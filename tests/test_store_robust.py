@@ -136,3 +136,30 @@ def test_a_model_with_an_unbuilt_cached_layer_saves(tmp_path):
     loaded = keras.models.load_model(path)
     for a, b in zip(loaded.get_layer("out").get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_incomplete_file_says_which_keys_are_missing(tmp_path):
+    from keras_sparse.layers import store_assets
+    from tests import row_store_models as shared
+
+    keys, target = shared.batches(1, 250, 12)
+    model, layer = shared.model(64, "host")
+    model.fit(keys, target, batch_size=shared.BATCH, shuffle=False, verbose=0)
+    stored = layer.stats()["store_size"]
+    model.save(tmp_path / "m.keras")
+    weights = shared.weights_entries(tmp_path / "m.keras")
+    at = "layers/distributed_hash_embedding"
+    entries = {k.split("/")[-1]: v for k, v in weights.items() if k.startswith(at)}
+    _, again = shared.model(64, "host")
+    (tmp_path / "empty").mkdir()
+    with store_assets.assets_follow():
+        again.load_own_variables(entries)
+        with pytest.raises(ValueError, match="incomplete") as raised:
+            again.load_assets(str(tmp_path / "empty"))
+    message = str(raised.value)
+    assert f"those {stored:,} keys are missing" in message
+    assert "store is empty" not in message
+    # As it says: the weights' (table) keys are loaded, the stored ones not.
+    np.testing.assert_array_equal(
+        np.sort(again.export()["keys"]), np.sort(entries["record_keys"])
+    )

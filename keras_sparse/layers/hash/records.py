@@ -464,12 +464,14 @@ class HashRecords:
         if expected is None:
             return
         if store_assets.saved_rows(dir_path) != expected:
+            # Keras reads the assets after the weights, which are loaded.
             raise ValueError(
                 f"Layer '{self.name}': the file's weights say its row store "
                 f"held {expected:,} keys, but its asset files hold "
                 f"{store_assets.saved_rows(dir_path)} (None: no saved rows); "
-                "the file is incomplete. The layer's table is loaded, its "
-                "store is empty."
+                "the file is incomplete. The layer holds the keys of the "
+                f"file's weights only: those {expected:,} keys are missing. "
+                "Load a complete file (or save the trained model again)."
             )
         tier = getattr(self, "row_tier", None)
         fields = self._saved_store_fields()
