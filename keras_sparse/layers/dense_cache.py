@@ -259,9 +259,9 @@ class CacheRows(DistributedHashEmbedding):
     def save_assets(self, dir_path):
         from keras_sparse.layers import store_assets
 
-        if not store_assets.expected():
-            return
         tier = self.row_tier
+        if tier is None or not store_assets.expected():
+            return  # unbuilt: no store, nothing trained to save
         fields = tier.store.fields
         with tier.lock:
             keys, rows, _ = (np.asarray(x) for x in self.table.export())

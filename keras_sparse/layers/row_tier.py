@@ -347,10 +347,10 @@ def store_config(spec):
     return row_stores.serialize(spec)
 
 
-def attach(layer, spec):
-    """A `RowTier` for built ``layer`` over a store opened from ``spec``;
-    the layer's table admits the store's keys at sight."""
-    from keras_sparse import store as row_stores
+def check_attachable(layer):
+    """Raises ValueError (naming the layer) when ``layer`` cannot have a row
+    store; run before the layer builds, so a refused build leaves it unbuilt
+    (a caught refusal must not let it train without its store)."""
     from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
     from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 
@@ -380,10 +380,6 @@ def attach(layer, spec):
             "a VarianceScaling initializer or an unseeded one; received "
             f"embeddings_initializer={type(init).__name__}."
         )
-    fields = [row_stores.FieldSpec(VALUES, layer.output_dim, _dtype(layer.embeddings))]
-    for name, var in layer.slots.items():
-        fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
-    fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
     check_not_shared(layer, layer.table)
     table = layer.table
     if key_sharded and len(table.local) < table.num_shards:
@@ -394,16 +390,40 @@ def attach(layer, spec):
             f"{table.num_shards} (a run of several processes). Use no store "
             "there, or one process."
         )
+
+
+def attach(layer, spec):
+    """A `RowTier` for built ``layer`` over a store opened from ``spec``;
+    the layer's table admits the store's keys at sight."""
+    from keras_sparse import store as row_stores
+
+    check_attachable(layer)
+    fields = [row_stores.FieldSpec(VALUES, layer.output_dim, _dtype(layer.embeddings))]
+    for name, var in layer.slots.items():
+        fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
+    fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
+    table = layer.table
+    key_sharded = getattr(table, "num_shards", None) is not None
     if key_sharded:
         # A store per shard: a key never leaves its owner shard. Errors
         # name the layer and the shard.
+        stores = {}
+        try:
+            for d in table.local:
+                stores[d] = spec.open_keyed(
+                    tuple(fields), name=f"{layer.name}.shard{d}"
+                )
+                # A reopened folder must be this shard's of as many shards.
+                row_tier_shards.check_shard_folder(
+                    layer.name, stores[d], d, table.num_shards
+                )
+        except Exception:
+            for store in stores.values():
+                store.close()
+            raise
         shards = {
-            d: RowTier(
-                f"{layer.name} (table shard {d})",
-                spec.open_keyed(tuple(fields), name=f"{layer.name}.shard{d}"),
-                layer.slots,
-            )
-            for d in table.local
+            d: RowTier(f"{layer.name} (table shard {d})", store, layer.slots)
+            for d, store in stores.items()
         }
         tier = row_tier_shards.ShardedRowTier(
             layer.name, shards, table.num_shards, table.shard_rows
@@ -422,6 +442,34 @@ def attach(layer, spec):
 
 def _dtype(variable):
     return np.dtype(str(variable.dtype).split(".")[-1]).name
+
+
+def evictions(before, result):
+    """``(keys, rows, scores)`` of the keys a table call evicted:
+    ``before`` the table's ``export()`` ahead of it, ``result`` its
+    `InsertResult`."""
+    keys = np.asarray(_host(result.evicted_keys), np.int64).reshape(-1)
+    rows = np.asarray(_host(result.evicted_rows), np.int64).reshape(-1)
+    old_keys, _, old_scores = (np.asarray(_host(x)).reshape(-1) for x in before)
+    at = _positions(old_keys.astype(np.int64), keys)
+    return keys, rows, old_scores[at].astype(np.int64)
+
+
+def write_back(tier, keys, rows, scores, state):
+    """Writes ``keys`` down to ``tier``'s store from their ``rows`` of
+    ``state`` (``{"table" | slot name: host array}``), with ``scores``."""
+    if not len(keys):
+        return
+    out = {VALUES: state["table"][rows]}
+    out.update({name: v[rows] for name, v in state.items() if name != "table"})
+    if tier.scored:
+        out[SCORE] = np.asarray(scores, np.int64).reshape(-1, 1)
+    with tier.lock:
+        tier.store.write(keys, out)
+
+
+def _host(x):
+    return keras.ops.convert_to_numpy(x) if not isinstance(x, np.ndarray) else x
 
 
 def stored_records(tier, out, include_rows):

@@ -15,12 +15,17 @@ read-only reads, export, save and load); its ``store`` routes keys to the
 shards' stores by owner.
 """
 
+import json
+import os
 import threading
 
 import numpy as np
 
 from keras_sparse.layers.record_checks import subset
 from keras_sparse.table.sharded_table import owner_of
+
+#: File in a shard's disk store folder: which shard of how many it serves.
+SHARD_FILE = "key_shard.json"
 
 
 class ShardStores:
@@ -210,3 +215,39 @@ class ShardedRowTier:
         out["store_size"] = self.stored_size()
         out["store_bytes"] = int(self.store.nbytes)
         return out
+
+
+def check_shard_folder(layer_name, store, shard, num_shards):
+    """Records in ``store``'s folder (disk stores) that it serves table
+    shard ``shard`` of ``num_shards``; raises ValueError when a reopened
+    folder holding keys served another shard or shard count (its keys
+    would sit in a store that never reads them: lost)."""
+    folder = getattr(store, "path", None)
+    if folder is None:
+        return
+    want = {"shard": int(shard), "num_shards": int(num_shards)}
+    mark = os.path.join(folder, SHARD_FILE)
+    found = None
+    if os.path.exists(mark):
+        with open(mark) as f:
+            found = json.load(f)
+    if int(store.size) and found != want:
+        if found is None:  # a folder from before the record: ask its keys
+            wrong = any(
+                (owner_of(keys, num_shards) != shard).any()
+                for keys, _ in store.chunks()
+            )
+            found = "keys of other shards" if wrong else None
+        if isinstance(found, dict):
+            found = f"table shard {found.get('shard')} of {found.get('num_shards')}"
+        if found is not None:
+            raise ValueError(
+                f"Layer '{layer_name}': `store` Disk(reopen=True): the "
+                f"folder {folder} holds the store of {found}, but table "
+                f"shard {shard} of {num_shards} would reopen it and its keys "
+                "would be lost. Reopen under the shard count it was written "
+                "with, or load a checkpoint (it moves keys to their new "
+                "owners); nothing was opened."
+            )
+    with open(mark, "w") as f:
+        json.dump(want, f)

@@ -361,6 +361,8 @@ class DistributedHashEmbedding(
             # --- keras_sparse.sharding hook: a table shard per device under
             # key sharding (before the variables get their row count).
             placement.provider().place_hash_table(self)
+            if self.store is not None:
+                row_tier.check_attachable(self)
         built = self.built
         super().build(input_shape)
         if not built:

@@ -33,9 +33,11 @@ from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.record_checks import subset
 from keras_sparse.layers.row_tier import SCORE
 from keras_sparse.layers.row_tier import VALUES
+from keras_sparse.layers.row_tier import evictions
 from keras_sparse.layers.row_tier import not_cached
 from keras_sparse.layers.row_tier import stored_chunks
 from keras_sparse.layers.row_tier import stored_records
+from keras_sparse.layers.row_tier import write_back
 from keras_sparse.progress import silent
 from keras_sparse.progress import tracker
 from keras_sparse.table import TableFullError
@@ -309,13 +311,19 @@ class HashRecords:
         """Writes validated records into the table and the variables;
         returns how many keys were stored."""
         progress.stage("place")
+        evicted = None
         if records.rows is not None:
+            # Rows given: a row taken by another key is refused, none evicted.
             self._table_import(records.keys, records.rows, records.scores)
             target, source = records.rows, np.arange(len(records.keys))
         else:
-            target, source = self._place_records(records.keys, records.scores)
+            target, source, evicted = self._place_records(records.keys, records.scores)
         progress.stage("variables")
         state = self._host_state(progress)
+        if evicted is not None:
+            # Before their rows are overwritten: the keys the import evicted
+            # go down to the store, over their older stored copies.
+            write_back(self.row_tier, *evicted, state)
         progress.stage("write")
         given = {"table": records.values, **records.slots}
         initial = {s.name: s.initial_value for s in self.sparse_optimizer.slot_specs()}
@@ -339,15 +347,23 @@ class HashRecords:
 
     def _place_records(self, keys, scores):
         """Inserts keys hottest first through the table's own placement;
-        ``(rows, indices into keys)`` of the keys that got a row."""
+        ``(rows, indices into keys, evicted)`` of the keys that got a row,
+        ``evicted`` the ``(keys, rows, scores)`` the import pushed out of a
+        layer with a row store (else None)."""
         # At most `capacity` keys: the table refuses larger batches.
         order = hottest_first(scores, len(keys))[: self.table.capacity]
+        tier = getattr(self, "row_tier", None)
+        # The evicted keys' scores are overwritten by the import: keep them.
+        before = None if tier is None else self.table.export()
         res = self._table_import(
             keys[order], None, None if scores is None else scores[order]
         )
         rows = _to_numpy(res.rows)
         ok = rows >= 0
-        return rows[ok], order[ok]
+        evicted = None
+        if tier is not None:
+            evicted = evictions(before, res)
+        return rows[ok], order[ok], evicted
 
     def _table_import(self, keys, rows, scores):
         """`HashTable.import_`, its errors naming the layer (the table is
@@ -450,12 +466,14 @@ class HashRecords:
         if expected is None:
             return
         if store_assets.saved_rows(dir_path) != expected:
+            # Keras reads the assets after the weights, which are loaded.
             raise ValueError(
                 f"Layer '{self.name}': the file's weights say its row store "
                 f"held {expected:,} keys, but its asset files hold "
                 f"{store_assets.saved_rows(dir_path)} (None: no saved rows); "
-                "the file is incomplete. The layer's table is loaded, its "
-                "store is empty."
+                "the file is incomplete. The layer holds the keys of the "
+                f"file's weights only: those {expected:,} keys are missing. "
+                "Load a complete file (or save the trained model again)."
             )
         tier = getattr(self, "row_tier", None)
         fields = self._saved_store_fields()

@@ -107,6 +107,16 @@ class TableMapping:
     def table(self, table):
         if table is not None and table is not self.table:
             row_tier.check_not_shared(self, table)
+            ttl_steps = getattr(table, "ttl_steps", None)
+            if ttl_steps is not None and getattr(self, "store", None) is not None:
+                # As `ttl_steps=` with `store=`: an expired key would come back.
+                raise ValueError(
+                    f"Layer '{self.name}': `table` has ttl_steps={ttl_steps}, "
+                    "which cannot be combined with the layer's row store "
+                    "(`store=`): an expired key would come back from the "
+                    "store. Nothing was changed; assign a table with "
+                    "ttl_steps=None."
+                )
         self.__dict__["_ks_table"] = table
         table_users.register(table, self)
 
