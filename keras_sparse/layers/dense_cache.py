@@ -183,11 +183,11 @@ class CacheRows(DistributedHashEmbedding):
         combiner,
         optimizer,
         initializer,
-        regularizer,
-        constraint,
         dtype,
         name,
         store_name,
+        regularizer=None,
+        constraint=None,
     ):
         super().__init__(
             output_dim,

@@ -16,10 +16,10 @@ then every fresh row whose key the store holds is filled from it. The
 key's stored copy stays (no erase on the step's path): while the key has
 a row the table's copy wins, and its eviction's write-back overwrites the
 stored one. Readers of the store therefore leave out the keys the table
-holds (`stored_chunks`, `RowTier.stored_size`); the table asks `held` and
-read-only calls read the store only for keys without a row. Plans are
-consumed in the order the calls made them, which is the order of the
-steps, with or without `keras_sparse.data.prefetch`; a step
+holds (`keras_sparse.layers.stored_rows`, `RowTier.stored_size`); the
+table asks `held` and read-only calls read the store only for keys
+without a row. Plans are consumed in the order the calls made them, which
+is the order of the steps, with or without `keras_sparse.data.prefetch`; a step
 whose fresh rows are not those of the oldest plan raises instead of moving
 the wrong rows.
 
@@ -114,7 +114,7 @@ class RowTier:
         scores = np.asarray(rows[SCORE]).reshape(-1).astype(np.int64)
         for plan in plans:
             if plan.victim_keys.size:
-                pos = _positions(plan.victim_keys, keys)
+                pos = positions(plan.victim_keys, keys)
                 hit = pos >= 0
                 held |= hit
                 scores[hit] = plan.victim_scores[pos[hit]]
@@ -170,7 +170,7 @@ class RowTier:
         plan = self._pop(rows, fresh)
         at = np.flatnonzero(fresh)
         if plan.victim_keys.size:
-            pos = _positions(rows[at], plan.victim_rows)
+            pos = positions(rows[at], plan.victim_rows)
             if (pos < 0).any():
                 raise RuntimeError(
                     f"Layer '{self.layer_name}': an evicted key's row is not "
@@ -190,7 +190,7 @@ class RowTier:
             for name in before
         }
         if plan.keys.size:
-            keys = plan.keys[_positions(plan.rows, rows[at])]
+            keys = plan.keys[positions(plan.rows, rows[at])]
             names = (VALUES,) + self.slot_names
             found, got = _read(self.store, keys, names)
             found = np.asarray(found, bool)
@@ -312,7 +312,7 @@ def _read(store, keys, names):
     return store.read(keys)
 
 
-def _positions(haystack, needles):
+def positions(haystack, needles):
     """Index in ``haystack`` (distinct values) of each of ``needles``, -1
     where absent."""
     haystack = np.asarray(haystack)
@@ -442,81 +442,6 @@ def attach(layer, spec):
 
 def _dtype(variable):
     return np.dtype(str(variable.dtype).split(".")[-1]).name
-
-
-def evictions(before, result):
-    """``(keys, rows, scores)`` of the keys a table call evicted:
-    ``before`` the table's ``export()`` ahead of it, ``result`` its
-    `InsertResult`."""
-    keys = np.asarray(_host(result.evicted_keys), np.int64).reshape(-1)
-    rows = np.asarray(_host(result.evicted_rows), np.int64).reshape(-1)
-    old_keys, _, old_scores = (np.asarray(_host(x)).reshape(-1) for x in before)
-    at = _positions(old_keys.astype(np.int64), keys)
-    return keys, rows, old_scores[at].astype(np.int64)
-
-
-def write_back(tier, keys, rows, scores, state):
-    """Writes ``keys`` down to ``tier``'s store from their ``rows`` of
-    ``state`` (``{"table" | slot name: host array}``), with ``scores``."""
-    if not len(keys):
-        return
-    out = {VALUES: state["table"][rows]}
-    out.update({name: v[rows] for name, v in state.items() if name != "table"})
-    if tier.scored:
-        out[SCORE] = np.asarray(scores, np.int64).reshape(-1, 1)
-    with tier.lock:
-        tier.store.write(keys, out)
-
-
-def _host(x):
-    return keras.ops.convert_to_numpy(x) if not isinstance(x, np.ndarray) else x
-
-
-def stored_records(tier, out, include_rows):
-    """``out`` (a layer's exported table records) followed by the records
-    of the keys ``tier``'s store holds (row -1); keys the table holds are
-    left out (their stored rows are older)."""
-    parts = {name: [value] for name, value in out.items()}
-    for chunk in stored_chunks(tier, out):
-        for name, value in chunk.items():
-            parts[name].append(value)
-    del include_rows  # rows are in ``out`` exactly when asked for
-    return {name: np.concatenate(chunks) for name, chunks in parts.items()}
-
-
-def stored_chunks(tier, out, rows_per_chunk=65536):
-    """The records of the keys ``tier``'s store holds, at most
-    ``rows_per_chunk`` at a time, as dicts of ``out``'s names and dtypes
-    (the table's records; ``rows`` -1). Keys ``out`` holds are left out
-    (their stored rows are older)."""
-    for keys, rows in not_cached(tier.store.chunks(rows_per_chunk), out["keys"]):
-        chunk = {"keys": np.asarray(keys, np.int64)}
-        for name in out:
-            if name == "keys":
-                continue
-            if name == "rows":
-                chunk[name] = np.full(len(keys), -1, out[name].dtype)
-            elif name == "scores":
-                score = rows.get(SCORE, np.zeros(len(keys), np.int64))
-                chunk[name] = score.reshape(-1).astype(out[name].dtype)
-            else:
-                field = VALUES if name == "values" else name
-                chunk[name] = rows[field].astype(out[name].dtype, copy=False)
-        yield chunk
-
-
-def not_cached(chunks, table_keys):
-    """Store ``chunks`` (``(keys, rows)``) without the keys in
-    ``table_keys`` (the table's copies win over the stored ones)."""
-    cached = np.sort(np.asarray(table_keys, np.int64).reshape(-1))
-    for keys, rows in chunks:
-        if cached.size:
-            at = np.minimum(np.searchsorted(cached, keys), cached.size - 1)
-            keep = cached[at] != keys
-            if not keep.all():
-                keys, rows = keys[keep], {k: v[keep] for k, v in rows.items()}
-        if keys.size:
-            yield keys, rows
 
 
 def check_not_shared(layer, table):

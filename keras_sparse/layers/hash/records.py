@@ -33,11 +33,11 @@ from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.record_checks import subset
 from keras_sparse.layers.row_tier import SCORE
 from keras_sparse.layers.row_tier import VALUES
-from keras_sparse.layers.row_tier import evictions
-from keras_sparse.layers.row_tier import not_cached
-from keras_sparse.layers.row_tier import stored_chunks
-from keras_sparse.layers.row_tier import stored_records
-from keras_sparse.layers.row_tier import write_back
+from keras_sparse.layers.stored_rows import evictions
+from keras_sparse.layers.stored_rows import not_cached
+from keras_sparse.layers.stored_rows import stored_chunks
+from keras_sparse.layers.stored_rows import stored_records
+from keras_sparse.layers.stored_rows import write_back
 from keras_sparse.progress import silent
 from keras_sparse.progress import tracker
 from keras_sparse.table import TableFullError
@@ -523,11 +523,7 @@ class HashRecords:
             keys, rows, scores = (_to_numpy(x) for x in self.table.export())
             if keys.size:
                 state = self._host_state()
-                out = {VALUES: state["table"][rows]}
-                out.update({name: state[name][rows] for name in self.slots})
-                if tier.scored:
-                    out[SCORE] = np.asarray(scores, np.int64).reshape(-1, 1)
-                tier.store.write(keys, out)
+                write_back(tier, keys, rows, scores, state)
                 clock, pending = self._table_clock(), self._pending_state(None)
                 self.table.clear()
                 self._table_clock(clock)

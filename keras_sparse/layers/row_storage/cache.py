@@ -25,40 +25,13 @@ def check_layer(where, optimizer):
     dense_cache.check_optimizer(where, optimizer)
 
 
-def cached_table(
-    label,
-    input_dim,
-    output_dim,
-    cache_rows,
-    spec,
-    *,
-    combiner,
-    optimizer,
-    initializer,
-    dtype,
-    name,
-    store_name,
-    regularizer=None,
-    constraint=None,
-):
+def cached_table(label, input_dim, output_dim, cache_rows, spec, **options):
     """The `CacheRows` of a ``[input_dim, output_dim]`` table: ``cache_rows``
     rows in its variables, the whole table in a dense store opened from
-    ``spec`` (named ``store_name`` under a `Disk` path) when built.
-    ``label`` names the table in errors ("Layer '{label}': ...")."""
+    ``spec`` when built. ``label`` names the table in errors ("Layer
+    '{label}': ..."); ``options`` are `CacheRows`' keyword arguments."""
     return dense_cache.CacheRows(
-        label,
-        int(input_dim),
-        int(output_dim),
-        int(cache_rows),
-        spec,
-        combiner=combiner,
-        optimizer=optimizer,
-        initializer=initializer,
-        regularizer=regularizer,
-        constraint=constraint,
-        dtype=dtype,
-        name=name,
-        store_name=store_name,
+        label, int(input_dim), int(output_dim), int(cache_rows), spec, **options
     )
 
 
