@@ -6,6 +6,7 @@ and the asynchronous prefetching input stage (`prefetch`)."""
 from keras_sparse.data.prefetch import PrefetchError  # noqa: E402
 from keras_sparse.data.prefetch import PrefetchStage  # noqa: E402
 from keras_sparse.data.prefetch import prefetch  # noqa: E402
+from keras_sparse.data.remote_cache import plan_remote_cache  # noqa: E402
 from keras_sparse.data.routing import locality_assignment  # noqa: E402
 from keras_sparse.data.synthetic import criteo_like
 from keras_sparse.data.synthetic import zipf_ids
@@ -15,6 +16,7 @@ __all__ = [
     "PrefetchStage",
     "criteo_like",
     "locality_assignment",
+    "plan_remote_cache",
     "prefetch",
     "zipf_ids",
 ]
