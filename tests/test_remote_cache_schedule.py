@@ -103,27 +103,34 @@ def replay(batches, owner, capacity, plan, flush_after=(), final_flush=True):
     return hits, transfers, evictions
 
 
-def _batches(rng, steps, d, per_device, ids, owner_of, routed, zipf):
+def _batches(rng, steps, d, per_device, ids, owner_of, routed, mode):
     """Per step, per device id arrays: samples of 2 ids split into blocks,
-    Keras' contiguous split or locality routing."""
+    Keras' contiguous split or locality routing. ``mode``: uniform ids (-1:
+    padding), Zipf ids, or "sticky": block ``k``'s first ids are one row
+    (rows may repeat over blocks) that moves to the next block every 2
+    steps, its second ids half padding."""
     out = []
-    for _ in range(steps):
+    pools = rng.integers(0, ids, d)
+    for t in range(steps):
         b = per_device * d
-        if zipf:
+        if mode == "zipf":
             x = zipf_ids(2 * b, ids, 1.2, rng).reshape(b, 2)
         else:
-            x = rng.integers(-1, ids, (b, 2))  # -1: padding
-        if routed:
+            x = rng.integers(-1, ids, (b, 2))
+        if mode == "sticky":
+            x[:, 0] = np.roll(pools, t // 2)[np.arange(b) // per_device]
+            x[:, 1] = rng.integers(-ids, ids, b)
+        if routed and mode != "sticky":  # routing would break the stickiness
             owners = [np.where(x >= 0, owner_of(np.maximum(x, 0)), -1)]
             x = x[locality_assignment(owners, d)]
         out.append(list(x.reshape(d, -1)))
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
-    steps=st.integers(1, 7),
+    steps=st.integers(2, 8),
     d=st.integers(1, 4),
     per_device=st.integers(1, 5),
     ids=st.integers(1, 24),
@@ -131,13 +138,13 @@ def _batches(rng, steps, d, per_device, ids, owner_of, routed, zipf):
     slots=st.integers(0, 2),
     lookahead=st.sampled_from([None, 0, 1, 3]),
     routed=st.booleans(),
-    zipf=st.booleans(),
+    mode=st.sampled_from(["sticky", "sticky", "zipf", "uniform"]),
     hashed=st.booleans(),
     flushes=st.sets(st.integers(0, 6), max_size=2),
     final_flush=st.booleans(),
 )
 def test_replayed_schedule_reads_latest_versions(
-    seed, steps, d, per_device, ids, capacity, slots, lookahead, routed, zipf,
+    seed, steps, d, per_device, ids, capacity, slots, lookahead, routed, mode,
     hashed, flushes, final_flush,
 ):  # fmt: skip
     rng = np.random.default_rng(seed)
@@ -149,7 +156,7 @@ def test_replayed_schedule_reads_latest_versions(
         rps = -(-ids // d)
         owner_of = lambda a: np.asarray(a, np.int64) // rps  # noqa: E731
         owner = ids
-    batches = _batches(rng, steps, d, per_device, ids, owner_of, routed, zipf)
+    batches = _batches(rng, steps, d, per_device, ids, owner_of, routed, mode)
     plan = plan_remote_cache(
         batches, owner, capacity, dim=4, slots=slots, lookahead=lookahead,
         flush_after=flushes, final_flush=final_flush,
