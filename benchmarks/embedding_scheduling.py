@@ -6,7 +6,10 @@
 
   user-item: 1M users, 200K items (dim 64), 3 small context fields (dim
       16), Zipf(1.05) ids;
-  26-field Criteo-like: ``criteo_like(scale=0.01)``, dim 16.
+  26-field Criteo-like: ``criteo_like(scale=0.01)``, dim 16;
+  and, constructed to show when a cache pays, user-item with sessions (a
+  session's samples come in 4 consecutive batches and read 4 items, see
+  `sessions`).
 
 Per workload, five configurations: Keras' contiguous split ("no routing"),
 ``route="locality"`` (`keras_sparse.data.locality_assignment`, as the
@@ -25,7 +28,8 @@ remote read per looked-up position, as today's exchange sends them);
 deduplicating exchange), the baseline the cache rows compare with. Per
 device: the mean over devices and steps (total / 8) and the busiest
 device's mean. Scheduler: ``plan_remote_cache``'s time per batch, all
-tables.
+tables (wall, and process CPU time: on a shared machine the wall time
+counts other processes' work).
 
     python benchmarks/embedding_scheduling.py [--batch 16384] [--steps 8]
         [--lookahead 4] [--quick]
@@ -35,6 +39,7 @@ import argparse
 import os
 import pathlib
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -72,6 +77,41 @@ def user_item(batch, steps):
     ]
 
 
+def sessions(batch, steps, length=4, per_step=8, items=4):
+    """User-item with sessions (constructed, to show when a cache pays):
+    ``batch / per_step`` sessions are open at each step, a quarter renewed
+    per step (so each lasts ``length`` steps); a session is one Zipf user
+    and ``items`` Zipf items, and gives ``per_step`` samples per step, each
+    one of its items; context fields as in `user_item`; each batch
+    shuffled."""
+    rng = np.random.default_rng(2)
+    open_n = batch // per_step
+    user = zipf_ids(open_n, 1_000_000, 1.05, rng)
+    item = zipf_ids(open_n * items, 200_000, 1.05, rng).reshape(open_n, items)
+    age = rng.integers(0, length, open_n)
+    cols = {"user": [], "item": []}
+    for _ in range(steps):
+        new = age % length == 0
+        user[new] = zipf_ids(int(new.sum()), 1_000_000, 1.05, rng)
+        item[new] = zipf_ids(int(new.sum()) * items, 200_000, 1.05, rng).reshape(
+            -1, items
+        )
+        age += 1
+        who = np.repeat(np.arange(open_n), per_step)
+        pick = item[who, rng.integers(0, items, who.size)]
+        order = rng.permutation(who.size)
+        cols["user"].append(user[who][order])
+        cols["item"].append(pick[order])
+    n = batch * steps
+    out = [
+        ("user", 1_000_000, 64, np.concatenate(cols["user"]).astype(np.int64)),
+        ("item", 200_000, 64, np.concatenate(cols["item"]).astype(np.int64)),
+    ]
+    for name, rows in (("hour", 24), ("device", 8), ("city", 1000)):
+        out.append((name, rows, 16, zipf_ids(n, rows, 1.05, rng).astype(np.int64)))
+    return out
+
+
 def criteo(batch, steps, scale=0.01):
     features, _ = criteo_like(batch * steps, scale=scale, seed=1)
     cards = scaled_cardinalities(None, scale)
@@ -83,20 +123,57 @@ def criteo(batch, steps, scale=0.01):
 
 def routed_batches(tables, batch, steps, route):
     """Per table, per step, per device: the ids, after the routing;
-    and the per-position bytes of each step (the routing code's count)."""
+    and the per-position bytes of each step (the routing code's count).
+
+    ``route``: None (contiguous split), "locality" (by owners), or
+    "affinity": locality routing that counts a row as local to the device
+    that alone read it at the previous step (where a cache would hold it).
+    """
     d = REPLICAS
     per_table = [[] for _ in tables]
     position_bytes = []
     cost = [remote_id_bytes(dim) for _, _, dim, _ in tables]
+    last = [None for _ in tables]  # (sorted ids, device) read by one device
     for s in range(steps):
         part = slice(s * batch, (s + 1) * batch)
         owners = [ids[part] // rows_per_shard(rows, d) for _, rows, _, ids in tables]
-        perm = locality_assignment(owners, d, cost) if route else None
+        scores = owners
+        if route == "affinity":
+            scores = [
+                _affine(ids[part], own, prev)
+                for (*_, ids), own, prev in zip(tables, owners, last)
+            ]
+        perm = None if route is None else locality_assignment(scores, d, cost)
         position_bytes.append(exchanged_bytes(owners, d, cost, perm))
         order = np.arange(batch) if perm is None else perm
         for t, (_, _, _, ids) in enumerate(tables):
-            per_table[t].append(list(ids[part][order].reshape(d, -1)))
+            blocks = ids[part][order].reshape(d, -1)
+            per_table[t].append(list(blocks))
+            last[t] = _alone(blocks)
     return per_table, position_bytes
+
+
+def _alone(blocks):
+    """(sorted ids, device) of the ids one device alone read."""
+    d = blocks.shape[0]
+    dev = np.repeat(np.arange(d), blocks.shape[1])
+    pairs = np.unique(blocks.reshape(-1) * d + dev)
+    ids, dev = pairs // d, pairs % d
+    one = (
+        np.bincount(np.searchsorted(ids, ids), minlength=ids.size)[
+            np.searchsorted(ids, ids)
+        ]
+        == 1
+    )
+    return ids[one], dev[one]
+
+
+def _affine(ids, owners, prev):
+    """Owners, with the ids one device alone read last step on it."""
+    if prev is None or not prev[0].size:
+        return owners
+    at = np.minimum(np.searchsorted(prev[0], ids), prev[0].size - 1)
+    return np.where(prev[0][at] == ids, prev[1][at], owners)
 
 
 def schedule(tables, per_table, share, lookahead):
@@ -104,6 +181,7 @@ def schedule(tables, per_table, share, lookahead):
     seconds, counts)."""
     sent = base = 0
     seconds, counts = 0.0, {}
+    cpu = time.process_time()
     for (_, rows, dim, _), batches in zip(tables, per_table):
         plan = plan_remote_cache(
             batches, rows, int(share * rows), dim=dim, slots=1, lookahead=lookahead
@@ -113,6 +191,7 @@ def schedule(tables, per_table, share, lookahead):
         seconds += plan.seconds
         for k, v in plan.counts.items():
             counts[k] = counts.get(k, 0) + v
+    counts["cpu_s"] = time.process_time() - cpu
     return sent, base, seconds, counts
 
 
@@ -120,27 +199,32 @@ def run(name, tables, batch, steps, lookahead):
     rows = []
     mib = 2.0**20
     ref = None
-    for route in (False, True):
+    for route in (None, "locality", "affinity"):
         per_table, position = routed_batches(tables, batch, steps, route)
         shares = (0.0,) + (CACHE_SHARES if route else ())
+        if route == "affinity":
+            shares = CACHE_SHARES
         for share in shares:
             sent, base, seconds, counts = schedule(tables, per_table, share, lookahead)
             if ref is None:
                 ref = base.sum()
-            label = "locality routing" if route else "no routing"
+            label = {None: "no routing", "locality": "locality routing"}.get(
+                route, "affinity routing"
+            )
             if share:
                 label += f" + cache {100 * share:.0f}%"
             rows.append(
                 (
                     name,
                     label,
-                    f"{np.mean(position) / mib:.2f}" if not share else "-",
+                    f"{np.mean(position) / mib:.2f}",
                     f"{sent.sum() / steps / mib:.2f}",
                     f"{sent.sum() / steps / REPLICAS / 1024:.0f}",
                     f"{sent.sum(axis=0).max() / steps / 1024:.0f}",
                     f"{100 * (1 - sent.sum() / ref):.1f}%",
                     f"{counts['hits']}",
                     f"{1e3 * seconds / steps:.1f}",
+                    f"{1e3 * counts['cpu_s'] / steps:.1f}",
                 )
             )
     return rows
@@ -166,20 +250,26 @@ def main():
         f"look-ahead {args.lookahead}; bytes from the schedule\n"
     )
     rows = []
-    for name, make in (("user-item", user_item), ("26-field Criteo-like", criteo)):
+    workloads = (
+        ("user-item", user_item),
+        ("26-field Criteo-like", criteo),
+        ("user-item, sessions", sessions),
+    )
+    for name, make in workloads:
         rows += run(
             name, make(args.batch, args.steps), args.batch, args.steps, args.lookahead
         )
     headers = [
         "workload",
         "configuration",
-        "per position MiB/step",
+        "per position MiB/step (no cache)",
         "distinct MiB/step",
         "KiB/device/step",
         "busiest device KiB/step",
         "vs no routing (distinct)",
         "cache hits",
         "scheduler ms/batch",
+        "scheduler CPU ms/batch",
     ]
     print(markdown(headers, rows))
 
