@@ -13,6 +13,7 @@ MODULES = [
     "keras_sparse.layers.inputs",
     "keras_sparse.layers.hash.serving_map",
     "keras_sparse.layers.hash.tf_string_hash",
+    "keras_sparse.data.remote_cache",
     "keras_sparse.optimizers.adam",
     "keras_sparse.progress",
     "keras_sparse.sharding.exchange_buckets",

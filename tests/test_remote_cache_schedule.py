@@ -191,7 +191,7 @@ def test_cache_cuts_bytes_with_eviction_and_transfers():
     )
     assert hits > 50 and transfers > 0 and evictions > 0
     assert plan.saved_fraction > 0.2
-    assert plan.seconds > 0
+    assert plan.seconds > 0 and plan.seconds_per_batch == plan.seconds / 12
 
 
 def test_shared_reads_go_through_the_owner():

@@ -103,9 +103,9 @@ class RemoteCachePlan:
         counts: total rows per kind of move (``hits``, ``pulls``,
             ``pushes``, ``remote``, ``flushes``).
         seconds: planning time of the whole window.
-        remote_read_bytes, row_bytes: bytes of one remote read (id and vector
-            forward, id and gradient backward) and of one pull or push (id,
-            row and its optimizer slots).
+        remote_read_bytes: bytes of one remote read (id and vector forward,
+            id and gradient backward).
+        row_bytes: bytes of one pull or push (id, row, optimizer slots).
     """
 
     steps: list
@@ -115,6 +115,11 @@ class RemoteCachePlan:
     seconds: float
     remote_read_bytes: int
     row_bytes: int
+
+    @property
+    def seconds_per_batch(self):
+        """Planning time per batch of the window."""
+        return self.seconds / max(1, len(self.steps))
 
     @property
     def saved_fraction(self):
@@ -157,7 +162,8 @@ def plan_remote_cache(
             (checkpoints).
         final_flush: flush after the last step too (the owners then hold
             every row's latest value).
-        id_bytes, value_bytes: bytes of an id and of a vector element.
+        id_bytes: bytes of an id.
+        value_bytes: bytes of a vector element.
 
     Returns:
         A `RemoteCachePlan`.
