@@ -157,6 +157,10 @@ def test_replayed_schedule_reads_latest_versions(
         owner_of = lambda a: np.asarray(a, np.int64) // rps  # noqa: E731
         owner = ids
     batches = _batches(rng, steps, d, per_device, ids, owner_of, routed, mode)
+    if hashed:  # 64-bit keys: key = id * 2**57 + 1
+        batches = [[np.where(a >= 0, a * 2**57 + 1, -1) for a in s] for s in batches]
+        owner = lambda k: perm[(np.asarray(k, np.int64) - 1) >> 57]  # noqa: E731
+        owner_of = owner
     plan = plan_remote_cache(
         batches, owner, capacity, dim=4, slots=slots, lookahead=lookahead,
         flush_after=flushes, final_flush=final_flush,

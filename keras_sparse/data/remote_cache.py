@@ -364,13 +364,39 @@ def _distinct_reads(batches, d):
             ts.append(np.full(a.size, t, np.int64))
             devs.append(np.full(a.size, dev, np.int64))
     ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    uniq, inv = np.unique(ids, return_inverse=True)
+    # Sort-based: NumPy's hash-based np.unique is many times slower here.
+    order = _argsort(ids)
+    first = _firsts(ids[order])
+    uniq = ids[order][first]
+    inv = np.empty(ids.size, np.int64)
+    inv[order] = np.cumsum(first) - 1
     n_u = max(1, uniq.size)
-    key = np.unique(
+    key = _sorted_unique(
         (np.concatenate(ts) * n_u + inv.reshape(-1)) * d + np.concatenate(devs)
     )
     rest = key % (n_u * d)
     return key // (n_u * d), rest // d, rest % d, uniq
+
+
+def _argsort(ids):
+    """``np.argsort`` of non-negative int64 ids; a plain sort of the ids
+    packed with their positions where they fit (several times faster)."""
+    bits = max(1, int(ids.size).bit_length())
+    if not ids.size or int(ids.max()) >= 1 << (63 - bits):
+        return np.argsort(ids)
+    return np.sort((ids << bits) | np.arange(ids.size)) & ((1 << bits) - 1)
+
+
+def _firsts(sorted_a):
+    """Mask of the first of each run of equal values of a sorted array."""
+    first = np.ones(sorted_a.size, bool)
+    first[1:] = sorted_a[1:] != sorted_a[:-1]
+    return first
+
+
+def _sorted_unique(a):
+    a = np.sort(a)
+    return a[_firsts(a)]
 
 
 def _row_owner(num_rows, d):
