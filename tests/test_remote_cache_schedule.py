@@ -198,7 +198,9 @@ def test_cache_cuts_bytes_with_eviction_and_transfers():
     assert plan.seconds > 0 and plan.seconds_per_batch == plan.seconds / 12
 
 
-def test_shared_reads_go_through_the_owner():
+def test_hand_made_schedules():
+    """Shared reads go through the owner; rows move holder to holder; no
+    look-ahead, no cache."""
     # Row 0 (owner 0): device 1 caches it; at step 2 devices 1 and 2 read it
     # (pushed back first, both read through the owner); then device 2 alone.
     batches = [[[], [0], []], [[], [0], []], [[], [0], [0]]] + [[[], [], [0]]] * 3
@@ -211,8 +213,6 @@ def test_shared_reads_go_through_the_owner():
     assert s[5].flushes.of(2).tolist() == [0]
     replay(batches, lambda i: i, 1, plan)
 
-
-def test_transfer_from_holder_and_lookahead():
     # Device 1 then device 2 read row 0 (owner 0) for three steps each: the
     # row moves from 1 to 2 directly. Without look-ahead nothing is cached.
     batches = [[[], [0], []]] * 3 + [[[], [], [0]]] * 3
@@ -240,3 +240,32 @@ def test_errors_name_the_argument():
         args.update(kwargs)
         with pytest.raises(ValueError, match=match):
             plan_remote_cache(**args)
+
+
+def test_benchmark_rows_reproduce_the_routing_counts():
+    """benchmarks/embedding_scheduling.py at a tiny size: its per-position
+    column is the routing code's count, the distinct count is never above
+    it, and the cache rows report the schedule's hits."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import embedding_scheduling as bench
+
+    from keras_sparse.data.routing import exchanged_bytes
+    from keras_sparse.data.routing import remote_id_bytes
+
+    batch, steps = 256, 2
+    tables = bench.sessions(batch, steps)
+    rows = bench.run("s", tables, batch, steps, lookahead=4)
+    labels = [r[1] for r in rows]
+    assert labels[:2] == ["no routing", "locality routing"] and len(rows) == 8
+    owners = [ids[:batch] // -(-n // 8) for _, n, _, ids in tables]
+    cost = [remote_id_bytes(dim) for _, _, dim, _ in tables]
+    first = exchanged_bytes(owners, 8, cost)
+    later = [ids[batch:] // -(-n // 8) for _, n, _, ids in tables]
+    per_step = (first + exchanged_bytes(later, 8, cost)) / 2 / 2**20
+    assert rows[0][2] == f"{per_step:.2f}"
+    for r in rows:
+        assert float(r[3]) <= float(r[2])  # distinct <= per position
+    assert all(r[7] == "0" for r in rows[:2]) and int(rows[-1][7]) > 0
