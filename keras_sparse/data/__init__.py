@@ -1,5 +1,6 @@
 """Input data helpers: synthetic Criteo-like data for examples and benchmarks,
-and the asynchronous prefetching input stage (`prefetch`)."""
+the asynchronous prefetching input stage (`prefetch`), and a planner of
+remote rows cached on the devices that read them (`plan_remote_cache`)."""
 
 # Imported last: binds `keras_sparse.data.prefetch` to the function (the
 # module stays importable as `keras_sparse.data.prefetch` via sys.modules).
