@@ -16,7 +16,19 @@ import pytest  # noqa: E402
 def _fresh_keras_state():
     keras.utils.set_random_seed(1234)
     yield
-    keras.backend.clear_session()
+    # Without Keras's full garbage collection: late in a run the process
+    # holds millions of objects and a full collection after every test cost
+    # about as much as the tests themselves. One per file (below) bounds
+    # what cycles can hold.
+    keras.backend.clear_session(free_memory=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_garbage_per_file():
+    yield
+    import gc
+
+    gc.collect()
 
 
 def backend():
