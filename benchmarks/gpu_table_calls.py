@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from keras_sparse.table import HashTable  # noqa: E402
 from keras_sparse.table import insert_call  # noqa: E402
 from keras_sparse.table import step_rows_together  # noqa: E402
-from keras_sparse.table.numpy_table import ArrayTable  # noqa: E402
+from keras_sparse.table.array_table import ArrayTable  # noqa: E402
 
 EMULATED = getattr(cp, "EMULATED", False)
 

@@ -557,7 +557,7 @@ def test_claim_kernel_emulation(bucket_size):
 @pytest.mark.parametrize("bucket_size", [8, 16, 32])
 def test_fast_find_matches_generic_probe(bucket_size):
     """NumpyTable.find (chunked, fused) == ArrayTable.find (generic probe)."""
-    from keras_sparse.table.numpy_table import ArrayTable
+    from keras_sparse.table.array_table import ArrayTable
     from keras_sparse.table.numpy_table import NumpyTable
 
     rng = np.random.default_rng(bucket_size)
@@ -583,7 +583,7 @@ def test_fast_claim_matches_generic(bucket_size):
     """NumpyTable._claim_write (compact fast path) == ArrayTable._claim_write."""
     import copy
 
-    from keras_sparse.table.numpy_table import ArrayTable
+    from keras_sparse.table.array_table import ArrayTable
 
     rng = np.random.default_rng(bucket_size + 7)
     t = HashTable(1024, bucket_size=bucket_size, eviction="lru", device="cpu")
@@ -649,7 +649,7 @@ def test_fresh_flags_mark_keys_given_a_new_row(device, eviction, admit_after):
 
 def test_find_for_insert_matches_find():
     """The CPU split (hits, misses, their hashes) agrees with find + hash."""
-    from keras_sparse.table.numpy_table import ArrayTable
+    from keras_sparse.table.array_table import ArrayTable
 
     rng = np.random.default_rng(5)
     t = HashTable(1 << 12, eviction="lru", device="cpu")
@@ -670,8 +670,8 @@ def test_find_for_insert_matches_find():
 
 def test_fast_choose_buckets_matches_generic():
     """NumpyTable._choose_buckets (chunked) == ArrayTable._choose_buckets."""
+    from keras_sparse.table.array_table import ArrayTable
     from keras_sparse.table.numpy_table import _CHUNK
-    from keras_sparse.table.numpy_table import ArrayTable
 
     rng = np.random.default_rng(11)
     t = HashTable(1 << 12, bucket_size=4, eviction="lru", device="cpu")
@@ -686,7 +686,7 @@ def test_fast_choose_buckets_matches_generic():
 
 def _generic_evict(t):
     """``t`` with ``ArrayTable._evict_round`` instead of the CPU twin's."""
-    from keras_sparse.table.numpy_table import ArrayTable
+    from keras_sparse.table.array_table import ArrayTable
 
     impl = t._impl
     impl._evict_round = lambda *args: ArrayTable._evict_round(impl, *args)

@@ -36,10 +36,10 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from .array_table import ArrayTable
 from .cuda_modules import module as _module
 from .insert_call import FusedInsert
 from .keys import to_cupy_keys  # noqa: F401  (re-exported for the front class)
-from .numpy_table import ArrayTable
 from .undo import evicted_log
 
 _BLOCK = 256

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from .array_table import MIN_BUCKETS
+from .call_results import BatchTooLargeError
+from .call_results import InsertResult
+from .call_results import TableFullError
 from .keys import to_numpy_keys
-from .numpy_table import MIN_BUCKETS
-from .numpy_table import BatchTooLargeError
-from .numpy_table import InsertResult
 from .numpy_table import NumpyTable
-from .numpy_table import TableFullError
 from .scores import check_scores
 from .ttl import Expiry
 from .ttl import check_ttl_steps

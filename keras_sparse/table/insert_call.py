@@ -36,9 +36,9 @@ import threading
 import cupy as cp
 import numpy as np
 
+from .call_results import InsertResult
+from .call_results import TableFullError
 from .cuda_modules import module
-from .numpy_table import InsertResult
-from .numpy_table import TableFullError
 
 MAX_KEYS = 1 << 16
 THREADS = 512  # KS_FT in keras_sparse/kernels/insert_call.cu

@@ -41,12 +41,12 @@ import threading
 
 import numpy as np
 
+from .call_results import InsertResult
+from .call_results import TableFullError
 from .hash_table import HashTable
 from .keys import mix64
 from .keys import to_host
 from .keys import to_numpy_keys
-from .numpy_table import InsertResult
-from .numpy_table import TableFullError
 from .scores import check_scores
 
 __all__ = ["OWNER_SALT", "ShardedHashTable", "key_words", "keys_of_words", "owner_of"]

@@ -51,7 +51,7 @@ def test_gpu_matches_cpu_under_eviction(eviction, admit_after, path, monkeypatch
     from keras_sparse.table import HashTable
     from keras_sparse.table import cupy_table
     from keras_sparse.table import insert_call
-    from keras_sparse.table.numpy_table import ArrayTable
+    from keras_sparse.table.array_table import ArrayTable
 
     fused = path != "per_round"
     if path != "insert_call":
