@@ -9,21 +9,11 @@ algorithm; `NumpyTable` overrides the hot steps with fused NumPy code.
 
 from __future__ import annotations
 
-import numpy as np
-
 from .call_results import BatchTooLargeError
 from .call_results import TableFullError
 from .call_results import score_of
 from .undo import note_evicted
-
-_INT64_MAX = np.iinfo(np.int64).max
-# de Bruijn sequence for count-trailing-zeros of an isolated bit (NumPy has no ctz).
-_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_DEBRUIJN_TABLE = np.zeros(64, np.int64)
-for _i in range(64):
-    _DEBRUIJN_TABLE[((1 << _i) * 0x03F79D71B4CB0A89 & 0xFFFFFFFFFFFFFFFF) >> 58] = _i
-MIN_BUCKETS = 4
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+from .word_tricks import INT64_MAX
 
 
 class ArrayPlacement:
@@ -259,10 +249,10 @@ class ArrayPlacement:
         sc = self.score[cand]
         if isinstance(prot, int):  # protected == score is the step
             step, prot = prot, None
-            sc[sc == step] = _INT64_MAX
+            sc[sc == step] = INT64_MAX
         else:
             step = None
-            sc[prot[cand]] = _INT64_MAX
+            sc[prot[cand]] = INT64_MAX
         pick = xp.argmin(sc, axis=1)  # first minimum: bucket 1 before 2, low slot first
         victim = xp.take_along_axis(cand, pick[:, None], axis=1)[:, 0]
         usable = ~prot[victim] if step is None else self.score[victim] != step

@@ -37,15 +37,11 @@ from .keys import seed_word
 from .keys import to_host
 from .undo import UndoRecord
 from .undo import evicted_log
+from .word_tricks import DEBRUIJN
+from .word_tricks import DEBRUIJN_TABLE
+from .word_tricks import UINT
 
-_INT64_MAX = np.iinfo(np.int64).max
-# de Bruijn sequence for count-trailing-zeros of an isolated bit (NumPy has no ctz).
-_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_DEBRUIJN_TABLE = np.zeros(64, np.int64)
-for _i in range(64):
-    _DEBRUIJN_TABLE[((1 << _i) * 0x03F79D71B4CB0A89 & 0xFFFFFFFFFFFFFFFF) >> 58] = _i
 MIN_BUCKETS = 4
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class ArrayTable(ArrayPlacement):
@@ -153,13 +149,13 @@ class ArrayTable(ArrayPlacement):
             return rows
         bb = np.stack([b1, b2], axis=1)
         # Gather whole digest rows as machine words: far faster than bytes.
-        row_dt = _UINT[min(S, 8)]
+        row_dt = UINT[min(S, 8)]
         dig_rows = self.digest.view(row_dt).reshape(self.num_buckets, -1)
         g = np.take(dig_rows, bb, axis=0).view(np.uint8).reshape(n, 2 * S)
         eq = g == d[:, None]
         packed = np.packbits(eq, axis=1, bitorder="little")
         wbytes = min(packed.shape[1], 8)
-        words = packed.view(_UINT[wbytes]).reshape(-1)
+        words = packed.view(UINT[wbytes]).reshape(-1)
         nw = packed.shape[1] // wbytes
         flat_bb = bb.reshape(-1)
         shift = np.int64(S.bit_length() - 1)
@@ -168,7 +164,7 @@ class ArrayTable(ArrayPlacement):
             # candidate); only digest false positives go to the sparse rounds.
             vals = words.astype(np.uint64)
             low = vals & (~vals + np.uint64(1))
-            pos = _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)]
+            pos = DEBRUIJN_TABLE[(low * DEBRUIJN) >> np.uint64(58)]
             slot = np.take(flat_bb, np.arange(0, 2 * n, 2) + (pos >> shift)) * S + (
                 pos & (S - 1)
             )
@@ -184,7 +180,7 @@ class ArrayTable(ArrayPlacement):
             ki, base = ki // nw, (ki % nw) * 64
         while ki.shape[0]:
             low = vals & (~vals + np.uint64(1))
-            pos = _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)] + base
+            pos = DEBRUIJN_TABLE[(low * DEBRUIJN) >> np.uint64(58)] + base
             slot = flat_bb[2 * ki + (pos >> shift)] * S + (pos & (S - 1))
             hit = self.keys[slot] == k[ki]
             rows[ki[hit]] = slot[hit]

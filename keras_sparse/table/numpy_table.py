@@ -12,16 +12,10 @@ import numpy as np
 from .array_table import ArrayTable
 from .call_results import score_of
 from .undo import note_evicted
-
-_INT64_MAX = np.iinfo(np.int64).max
-# de Bruijn sequence for count-trailing-zeros of an isolated bit (NumPy has no ctz).
-_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_DEBRUIJN_TABLE = np.zeros(64, np.int64)
-for _i in range(64):
-    _DEBRUIJN_TABLE[((1 << _i) * 0x03F79D71B4CB0A89 & 0xFFFFFFFFFFFFFFFF) >> 58] = _i
-MIN_BUCKETS = 4
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
+from .word_tricks import DEBRUIJN
+from .word_tricks import DEBRUIJN_TABLE
+from .word_tricks import INT64_MAX
+from .word_tricks import UINT
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -153,7 +147,7 @@ class NumpyTable(ArrayTable):
         rows = np.empty(n, dtype=np.int64)  # every chunk writes all its rows
         # One void item per bucket's digests: a single fast 8/16/32-byte gather.
         digv = self.digest.view(np.dtype((np.void, S)))
-        mask_dt = _UINT[S // 8]
+        mask_dt = UINT[S // 8]
         W = S // 8  # digest words per bucket
         shift = S.bit_length() - 1
         nb = np.uint64(self.num_buckets)
@@ -194,9 +188,9 @@ class NumpyTable(ArrayTable):
             vals <<= bits
             vals |= mk[0]
             low = vals & (~vals + np.uint64(1))
-            pos = low * _DEBRUIJN
+            pos = low * DEBRUIJN
             pos >>= np.uint64(58)
-            pos = _DEBRUIJN_TABLE.take(pos)
+            pos = DEBRUIJN_TABLE.take(pos)
             sel = pos >> shift  # 0: first bucket, 1: second
             sel *= m
             sel += np.arange(m)
@@ -394,12 +388,12 @@ class NumpyTable(ArrayTable):
         sc = self.score.reshape(-1, S)
         if isinstance(prot, int):
             sc = sc.copy() if buckets is None else sc.take(buckets, axis=0)
-            sc[sc == prot] = _INT64_MAX
+            sc[sc == prot] = INT64_MAX
         else:
             mask = prot.reshape(-1, S)
             if buckets is not None:
                 sc, mask = sc.take(buckets, axis=0), mask.take(buckets, axis=0)
-            sc = np.where(mask, _INT64_MAX, sc)
+            sc = np.where(mask, INT64_MAX, sc)
         pos = sc.argmin(axis=1)
         return np.take_along_axis(sc, pos[:, None], axis=1)[:, 0], pos
 
@@ -442,9 +436,9 @@ class NumpyTable(ArrayTable):
             low = ~vals
             low += one
             low &= vals
-            pos = low * _DEBRUIJN
+            pos = low * DEBRUIJN
             pos >>= s58
-            pos = _DEBRUIJN_TABLE.take(pos)
+            pos = DEBRUIJN_TABLE.take(pos)
             sel = pos >> shift
             sel *= m
             sel += ki
