@@ -51,6 +51,7 @@ through ``layers.placement``, which ``sharding`` fills in when imported.
 
 # First: a Keras backend whose framework is missing fails here in one line.
 from keras_sparse import _keras_import  # noqa: F401
+from keras_sparse import callbacks
 from keras_sparse import data
 from keras_sparse import optimizers
 from keras_sparse import sharding
@@ -62,6 +63,7 @@ from keras_sparse.layers import DistributedHashEmbedding
 from keras_sparse.layers import EmbeddingCollection
 from keras_sparse.layers import HashEmbeddingCollection
 from keras_sparse.layers import TableConfig
+from keras_sparse.layers import apply_delta
 from keras_sparse.layers import ragged_to_padded
 from keras_sparse.layers import refresh_serving_maps
 from keras_sparse.ops.native_rows import compiled_cpu_helpers
@@ -84,6 +86,8 @@ __all__ = [
     "HashTable",
     "InsertResult",
     "TableFullError",
+    "apply_delta",
+    "callbacks",
     "compiled_cpu_helpers",
     "data",
     "distribution",

@@ -1,0 +1,180 @@
+"""Delta exports: ``layer.export(since_step=s)``, `apply_delta`, checkpoints
+and the `DeltaExport` callback.
+
+Reference: the layer's plain ``export()`` at the end (keys sorted), and a
+dict model of which keys each step saw and which keys the table held.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_sparse as ks
+from keras_sparse.layers.hash.deltas import META
+
+DIM, BAG, BATCH = 4, 3, 16
+
+
+def _layer(name="user", **kwargs):
+    args = dict(
+        capacity=128,
+        combiner="sum",
+        optimizer="adagrad",
+        ttl_steps=3,
+        track_changes=True,
+        name=name,
+    )
+    args.update(kwargs)
+    return ks.DistributedHashEmbedding(DIM, **args)
+
+
+def _model(layer):
+    keys = keras.Input((BAG,), dtype="int64", name="keys")
+    out = keras.layers.Dense(1)(layer(keys))
+    model = keras.Model(keys, out)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def _batches(steps, seed, vocab=250):
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, vocab, size=(steps * BATCH, BAG)).astype(np.int64)
+    keys = keys * 7_919_993_123 - (3 << 40)  # beyond int32
+    return keys, rng.normal(size=(steps * BATCH, 1)).astype("float32")
+
+
+def _fit(model, keys, y):
+    model.fit(keys, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+
+def _by_key(records):
+    order = np.argsort(records["keys"], kind="stable")
+    names = set(records) - set(META)
+    return {n: np.asarray(records[n])[order] for n in names}
+
+
+def _assert_same(got, want):
+    got, want = _by_key(got), _by_key(want)
+    assert sorted(got) == sorted(want)
+    for name in want:  # bit-exact: the same vectors, slots, scores
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_deltas_applied_in_order_reproduce_the_table():
+    """full(4) + delta(4, 7) + delta(7, 10) == full(10), with evictions
+    (64 rows, 150 keys), TTL expiry and Adagrad slots; each delta holds
+    exactly the live keys seen after its start, and removes the keys
+    gone since."""
+    layer = _layer()
+    model = _model(layer)
+    keys, y = _batches(10, seed=0)
+    held, chain = [], []
+    for lo, hi in ((0, 4), (4, 7), (7, 10)):
+        _fit(model, keys[lo * BATCH : hi * BATCH], y[lo * BATCH : hi * BATCH])
+        since = -1 if lo == 0 else int(chain[-1]["step"])
+        chain.append(layer.export(since_step=since))
+        held.append(set(layer.export()["keys"].tolist()))
+        assert int(chain[-1]["step"]) == hi
+    stats = layer.stats()
+    assert stats["evictions"] > 0 and stats["expired"] > 0
+    for i, (lo, hi) in enumerate(((4, 7), (7, 10)), start=1):
+        seen = set(keys[lo * BATCH : hi * BATCH].ravel().tolist())
+        delta = chain[i]
+        assert set(delta["keys"].tolist()) == seen & held[i]
+        removed = set(delta["removed_keys"].tolist())
+        assert removed and not removed & held[i]
+        assert held[i - 1] - held[i] <= removed <= (held[i - 1] | seen) - held[i]
+        assert len(delta["keys"]) < len(held[i])  # a delta, not a full copy
+    applied = ks.apply_delta(chain[0], chain[1], chain[2])
+    _assert_same(applied, layer.export())
+    assert int(applied["step"]) == 10
+    # The chain refuses a delta applied twice, skipped or to another layer.
+    with pytest.raises(ValueError, match=r"covers steps \(7, 10\].*at step 4"):
+        ks.apply_delta(chain[0], chain[2])
+    other = dict(chain[1], layer=np.str_("item"))
+    with pytest.raises(ValueError, match="layer 'item'.*layer 'user'"):
+        ks.apply_delta(chain[0], other)
+
+
+def test_since_step_is_checked_and_needs_tracking():
+    plain = _layer("plain", track_changes=False)
+    plain(np.array([[1, 2, 3]]), training=True)
+    with pytest.raises(ValueError, match="'plain'.*track_changes=True"):
+        plain.export(since_step=0)
+    layer = _layer()
+    layer(np.array([[1, 2, 3]]), training=True)
+    with pytest.raises(ValueError, match=r"'user'.*since_step.*\[0, 1\]"):
+        layer.export(since_step=2)
+    with pytest.raises(ValueError, match="track_changes"):
+        _layer("bad", track_changes="yes")
+
+
+def test_chain_continues_across_save_and_load(tmp_path):
+    """Change steps and removed keys survive a `.keras` save: a delta of
+    the loaded layer applies to a base taken before the save."""
+    layer = _layer()
+    model = _model(layer)
+    keys, y = _batches(9, seed=1)
+    _fit(model, keys[: 4 * BATCH], y[: 4 * BATCH])
+    base = layer.export(since_step=-1)
+    _fit(model, keys[4 * BATCH : 6 * BATCH], y[4 * BATCH : 6 * BATCH])
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    again = loaded.get_layer("user")
+    assert again.table.track_changes
+    _fit(loaded, keys[6 * BATCH :], y[6 * BATCH :])
+    delta = again.export(since_step=int(base["step"]))
+    assert len(delta["removed_keys"]) > 0
+    _assert_same(ks.apply_delta(base, delta), again.export())
+
+
+def _files(directory):
+    return sorted(os.listdir(directory))
+
+
+def test_delta_export_callback_writes_a_chain_during_fit(tmp_path):
+    """`DeltaExport` writes a base then one delta per 3 steps, atomically
+    (no temporary file left), readable back into the final table; a file
+    applied out of order is refused."""
+    layer = _layer()
+    model = _model(layer)
+    keys, y = _batches(7, seed=2)
+    callback = ks.callbacks.DeltaExport(tmp_path, every_n_steps=3)
+    _fit(model, keys, y)  # step 7 before the callback: a base at 7
+    model.fit(keys, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback])
+    names = _files(tmp_path)
+    assert names == [
+        "user.00000007.full.npz",
+        "user.00000010.delta.npz",
+        "user.00000013.delta.npz",
+        "user.00000014.delta.npz",  # the end of fit
+    ]
+    records = ks.callbacks.DeltaExport.read(tmp_path, "user")
+    _assert_same(records, layer.export())
+    files = [np.load(tmp_path / n) for n in names]
+    assert str(files[1]["layer"]) == "user" and int(files[1]["since_step"]) == 7
+    assert str(files[1]["dtype"]) == "float32"
+    with pytest.raises(ValueError, match="apply deltas in order"):
+        ks.apply_delta(dict(files[0]), dict(files[2]))
+
+
+def test_collection_exports_and_applies_per_field():
+    fields = {n: _layer(n, ttl_steps=None) for n in ("user", "item")}
+    collection = ks.HashEmbeddingCollection(fields)
+    rng = np.random.default_rng(3)
+
+    def step():
+        batch = {n: rng.integers(0, 200, size=(BATCH, BAG)) for n in fields}
+        collection(batch, training=True)
+
+    step()
+    base = collection.export(since_step=-1)
+    step()
+    delta = collection.export(since_step=1)
+    assert 0 < len(delta["user"]["keys"]) < len(fields["user"].export()["keys"])
+    assert sorted(delta) == ["item", "user"]
+    applied = ks.apply_delta(base, delta)
+    for name, layer in fields.items():
+        _assert_same(applied[name], layer.export())
