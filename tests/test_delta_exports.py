@@ -178,3 +178,30 @@ def test_collection_exports_and_applies_per_field():
     applied = ks.apply_delta(base, delta)
     for name, layer in fields.items():
         _assert_same(applied[name], layer.export())
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="sharding is implemented for JAX"
+)
+def test_key_sharded_layer_on_eight_devices_chains_its_deltas():
+    """8 table shards: expiry per shard; the deltas of every shard together
+    reproduce the whole table."""
+    from keras_sparse import sharding
+    from keras_sparse.table import ShardedHashTable
+
+    layer = _layer(sharding="key")
+    keras.distribution.set_distribution(sharding.distribution([layer], devices=8))
+    try:
+        model = _model(layer)
+        keys, y = _batches(8, seed=4)
+        _fit(model, keys[: 4 * BATCH], y[: 4 * BATCH])
+        base = layer.export(since_step=-1)
+        _fit(model, keys[4 * BATCH :], y[4 * BATCH :])
+        delta = layer.export(since_step=4)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert isinstance(layer.table, ShardedHashTable) and layer.table.num_shards == 8
+    assert layer.stats()["expired"] > 0 and len(delta["removed_keys"]) > 0
+    seen = set(keys[4 * BATCH :].ravel().tolist())
+    assert set(delta["keys"].tolist()) == seen & set(layer.export()["keys"].tolist())
+    _assert_same(ks.apply_delta(base, delta), layer.export())
