@@ -90,6 +90,12 @@ def test_deltas_applied_in_order_reproduce_the_table():
     applied = ks.apply_delta(chain[0], chain[1], chain[2])
     _assert_same(applied, layer.export())
     assert int(applied["step"]) == 10
+    with pytest.raises(ValueError, match=r"'user'.*since_step.*\[0, 10\]"):
+        layer.export(since_step=11)
+    with pytest.raises(ValueError, match="'plain'.*track_changes=True"):
+        _layer("plain", track_changes=False).export(since_step=0)
+    with pytest.raises(ValueError, match="track_changes"):
+        _layer("bad", track_changes="yes")
     # The chain refuses a delta applied twice, skipped or to another layer.
     with pytest.raises(ValueError, match=r"covers steps \(7, 10\].*at step 4"):
         ks.apply_delta(chain[0], chain[2])
@@ -98,66 +104,70 @@ def test_deltas_applied_in_order_reproduce_the_table():
         ks.apply_delta(chain[0], other)
 
 
-def test_since_step_is_checked_and_needs_tracking():
-    plain = _layer("plain", track_changes=False)
-    plain(np.array([[1, 2, 3]]), training=True)
-    with pytest.raises(ValueError, match="'plain'.*track_changes=True"):
-        plain.export(since_step=0)
-    layer = _layer()
-    layer(np.array([[1, 2, 3]]), training=True)
-    with pytest.raises(ValueError, match=r"'user'.*since_step.*\[0, 1\]"):
-        layer.export(since_step=2)
-    with pytest.raises(ValueError, match="track_changes"):
-        _layer("bad", track_changes="yes")
-
-
-def test_chain_continues_across_save_and_load(tmp_path):
-    """Change steps and removed keys survive a `.keras` save: a delta of
-    the loaded layer applies to a base taken before the save."""
-    layer = _layer()
+def test_a_row_store_keeps_evicted_keys_in_the_records():
+    """Evicted keys go down to the store: still records, not removed; a
+    delta holds those evicted after its start (with their last vectors)."""
+    layer = _layer(capacity=64, ttl_steps=None, store=ks.store.Host())
     model = _model(layer)
-    keys, y = _batches(9, seed=1)
-    _fit(model, keys[: 4 * BATCH], y[: 4 * BATCH])
+    keys, y = _batches(6, seed=5)
+    _fit(model, keys[: 3 * BATCH], y[: 3 * BATCH])
     base = layer.export(since_step=-1)
-    _fit(model, keys[4 * BATCH : 6 * BATCH], y[4 * BATCH : 6 * BATCH])
-    model.save(tmp_path / "m.keras")
-    loaded = keras.models.load_model(tmp_path / "m.keras")
-    again = loaded.get_layer("user")
-    assert again.table.track_changes
-    _fit(loaded, keys[6 * BATCH :], y[6 * BATCH :])
-    delta = again.export(since_step=int(base["step"]))
-    assert len(delta["removed_keys"]) > 0
-    _assert_same(ks.apply_delta(base, delta), again.export())
+    _fit(model, keys[3 * BATCH :], y[3 * BATCH :])
+    delta = layer.export(since_step=3)
+    assert layer.stats()["evictions"] > 0 and len(delta["removed_keys"]) == 0
+    assert len(layer.export()["keys"]) > layer.table.size  # some in the store
+    _assert_same(ks.apply_delta(base, delta), layer.export())
 
 
 def _files(directory):
     return sorted(os.listdir(directory))
 
 
-def test_delta_export_callback_writes_a_chain_during_fit(tmp_path):
-    """`DeltaExport` writes a base then one delta per 3 steps, atomically
-    (no temporary file left), readable back into the final table; a file
+def test_delta_export_callback_chains_across_save_and_load(tmp_path):
+    """`DeltaExport` writes a full file, then a delta every 3 steps and at
+    the end of fit, atomically (no temporary file left); after a `.keras`
+    save and load (change steps and removed keys kept) a new callback
+    continues the chain, which reads back into the final table. A file
     applied out of order is refused."""
     layer = _layer()
     model = _model(layer)
-    keys, y = _batches(7, seed=2)
-    callback = ks.callbacks.DeltaExport(tmp_path, every_n_steps=3)
-    _fit(model, keys, y)  # step 7 before the callback: a base at 7
-    model.fit(keys, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback])
-    names = _files(tmp_path)
+    keys, y = _batches(9, seed=2)
+    folder = tmp_path / "deltas"
+    model.fit(
+        keys[: 5 * BATCH],
+        y[: 5 * BATCH],
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        callbacks=[ks.callbacks.DeltaExport(folder, every_n_steps=3)],
+    )
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    again = loaded.get_layer("user")
+    assert again.table.track_changes
+    loaded.fit(
+        keys[5 * BATCH :],
+        y[5 * BATCH :],
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        callbacks=[ks.callbacks.DeltaExport(folder, every_n_steps=3)],
+    )
+    names = _files(folder)
     assert names == [
-        "user.00000007.full.npz",
-        "user.00000010.delta.npz",
-        "user.00000013.delta.npz",
-        "user.00000014.delta.npz",  # the end of fit
+        "user.00000000.full.npz",
+        "user.00000003.delta.npz",
+        "user.00000005.delta.npz",  # the end of the first fit
+        "user.00000008.delta.npz",  # after the load
+        "user.00000009.delta.npz",
     ]
-    records = ks.callbacks.DeltaExport.read(tmp_path, "user")
-    _assert_same(records, layer.export())
-    files = [np.load(tmp_path / n) for n in names]
-    assert str(files[1]["layer"]) == "user" and int(files[1]["since_step"]) == 7
-    assert str(files[1]["dtype"]) == "float32"
+    files = [dict(np.load(folder / n)) for n in names]
+    assert str(files[3]["layer"]) == "user" and int(files[3]["since_step"]) == 5
+    assert str(files[3]["dtype"]) == "float32"
+    assert sum(len(f["removed_keys"]) for f in files[3:]) > 0
+    _assert_same(ks.callbacks.DeltaExport.read(folder, "user"), again.export())
     with pytest.raises(ValueError, match="apply deltas in order"):
-        ks.apply_delta(dict(files[0]), dict(files[2]))
+        ks.apply_delta(files[0], files[2])
 
 
 def test_collection_exports_and_applies_per_field():
@@ -193,7 +203,7 @@ def test_key_sharded_layer_on_eight_devices_chains_its_deltas():
     keras.distribution.set_distribution(sharding.distribution([layer], devices=8))
     try:
         model = _model(layer)
-        keys, y = _batches(8, seed=4)
+        keys, y = _batches(7, seed=4)
         _fit(model, keys[: 4 * BATCH], y[: 4 * BATCH])
         base = layer.export(since_step=-1)
         _fit(model, keys[4 * BATCH :], y[4 * BATCH :])

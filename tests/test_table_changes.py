@@ -81,7 +81,7 @@ def _run(table, program):
     return table
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(ops, st.sampled_from(["lru", "lfu"]), st.sampled_from([None, 2]))
 def test_deltas_since_any_step_rebuild_the_table(program, eviction, ttl):
     table = HashTable(
@@ -95,7 +95,7 @@ def test_deltas_since_any_step_rebuild_the_table(program, eviction, ttl):
     _run(table, program)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(ops)
 def test_sharded_tables_track_changes_per_shard(program):
     table = ShardedHashTable(32, 4, bucket_size=4, ttl_steps=2, track_changes=True)
