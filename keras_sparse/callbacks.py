@@ -55,6 +55,7 @@ class DeltaExport(keras.callbacks.Callback):
         self.every_n_steps = int(every_n_steps)
         self.layer_names = None if layers is None else list(layers)
         self._last = {}  # layer name -> step of its newest file
+        self._tracked = []  # the layers, found at the start of fit
 
     def _layers(self):
         found = {x.name: x for x in hash_layers(self.model)}
@@ -80,7 +81,8 @@ class DeltaExport(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         os.makedirs(self.directory, exist_ok=True)
-        for layer in self._layers():
+        self._tracked = self._layers()
+        for layer in self._tracked:
             files = chain_files(self.directory, layer.name)
             if not files:
                 self._write(layer, FULL)
@@ -95,19 +97,24 @@ class DeltaExport(keras.callbacks.Callback):
             self._last[layer.name] = last
 
     def on_train_batch_end(self, batch, logs=None):
-        for layer in self._layers():
-            step = layer_step(layer, layer._trained_table())
-            if step >= self._last[layer.name] + self.every_n_steps:
+        # The table clock is host state: no variable is read until a write.
+        # (With a prefetch stage it runs ahead; each file still ends at the
+        # last trained step.)
+        for layer in self._tracked:
+            if layer_step(layer) >= self._last[layer.name] + self.every_n_steps:
                 self._write(layer, self._last[layer.name])
 
     def on_train_end(self, logs=None):
-        for layer in self._layers():
-            if layer_step(layer, layer._trained_table()) > self._last[layer.name]:
+        for layer in self._tracked:
+            if layer_step(layer) > self._last[layer.name]:
                 self._write(layer, self._last[layer.name])
 
     def _write(self, layer, since):
+        self.model  # noqa: B018 (on JAX: attaches the variables fit holds)
         records = layer.export(since_step=since)
         step = int(records["step"])
+        if since != FULL and step <= since:
+            return  # nothing trained since (a stage mapped ahead): no file
         kind = "full" if since == FULL else "delta"
         target = os.path.join(self.directory, f"{layer.name}.{step:08d}.{kind}.npz")
         with atomic_path(target, suffix=".npz") as temp:
