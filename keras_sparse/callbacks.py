@@ -25,9 +25,10 @@ class DeltaExport(keras.callbacks.Callback):
 
     At the start of ``fit`` a layer with no file in ``directory`` gets a
     full one (every record, `export(since_step=-1)`); a layer with files
-    continues its chain from the newest. Then, once the layer's step is
-    ``every_n_steps`` past its last file, and at the end of ``fit``, it gets
-    a delta since that file (`export(since_step=...)`). Each file is written
+    continues its chain from the newest. Then every ``every_n_steps``
+    training steps, and at the end of ``fit``, it gets
+    a delta since that file (`export(since_step=...)`), ending at the
+    layer's last trained step (none when it has not moved). Each file is written
     under a temporary name and renamed, so a reader sees whole files only;
     each holds what describes it (``layer``, ``since_step``, ``step``,
     ``dtype``), and `keras_sparse.apply_delta` refuses one applied out of
@@ -82,6 +83,7 @@ class DeltaExport(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         os.makedirs(self.directory, exist_ok=True)
         self._tracked = self._layers()
+        self._batches = 0
         for layer in self._tracked:
             files = chain_files(self.directory, layer.name)
             if not files:
@@ -97,17 +99,17 @@ class DeltaExport(keras.callbacks.Callback):
             self._last[layer.name] = last
 
     def on_train_batch_end(self, batch, logs=None):
-        # The table clock is host state: no variable is read until a write.
-        # (With a prefetch stage it runs ahead; each file still ends at the
-        # last trained step.)
-        for layer in self._tracked:
-            if layer_step(layer) >= self._last[layer.name] + self.every_n_steps:
+        # Counted in batches: a prefetch stage moves the table clock ahead
+        # of training (each file still ends at the last trained step).
+        self._batches += 1
+        if self._batches >= self.every_n_steps:
+            self._batches = 0
+            for layer in self._tracked:
                 self._write(layer, self._last[layer.name])
 
     def on_train_end(self, logs=None):
         for layer in self._tracked:
-            if layer_step(layer) > self._last[layer.name]:
-                self._write(layer, self._last[layer.name])
+            self._write(layer, self._last[layer.name])
 
     def _write(self, layer, since):
         self.model  # noqa: B018 (on JAX: attaches the variables fit holds)

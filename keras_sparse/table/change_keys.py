@@ -43,8 +43,8 @@ def keys_changed(table, keys):
 
 
 def removed_keys(table):
-    """``(keys, steps)`` of the keys removed from ``table`` and not held by
-    it again, each with the step of its last removal, sorted by key."""
+    """``(keys, steps)`` of the keys removed from ``table`` (some may be
+    held again), each with the step of its last removal, sorted by key."""
     keys, steps = [], []
     for t, on_device, _ in _parts(table, np.zeros(0, np.int64)):
         with on_device, t._lock:

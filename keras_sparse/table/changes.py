@@ -11,8 +11,9 @@ A `HashTable` built with ``track_changes=True`` keeps, for delta exports:
   clock and the one after it agree on which side of the line they fall;
 - the *removed keys*: each key evicted, expired (``ttl_steps``), erased or
   cleared, with the step of its last removal (host NumPy, compacted to one
-  entry per key; a key live in the table again is dropped from it, since
-  its row's change step is at least its removal step).
+  entry per key: 16 bytes per distinct removed key). A key held again keeps
+  its entry: an input stage may have mapped it back ahead of training,
+  while a delta as of the last trained step must still remove it.
 
 Marks only ever err on the side of "changed": a call undone by an input
 stage (`HashTable.undo_calls`) leaves its marks. A delta holding a key that
@@ -66,8 +67,8 @@ class Changes:
             self.compact(impl)
 
     def compact(self, impl):
-        """One entry per removed key (its last removal), without keys the
-        table holds again; returns ``(keys, steps)`` sorted by key."""
+        """One entry per removed key (its last removal); returns ``(keys,
+        steps)`` sorted by key."""
         if not self._removed:
             empty = np.zeros(0, np.int64)
             return empty, empty
@@ -79,8 +80,6 @@ class Changes:
         last = np.ones(keys.size, bool)
         last[:-1] = keys[1:] != keys[:-1]
         keys, steps = keys[last], steps[last]
-        live = to_host(impl.find(impl.xp.asarray(keys))) >= 0
-        keys, steps = keys[~live], steps[~live]
         self._removed = [(keys, steps)]
         self._pending = self._kept = keys.size
         return keys, steps
