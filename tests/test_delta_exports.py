@@ -215,3 +215,39 @@ def test_key_sharded_layer_on_eight_devices_chains_its_deltas():
     seen = set(keys[4 * BATCH :].ravel().tolist())
     assert set(delta["keys"].tolist()) == seen & set(layer.export()["keys"].tolist())
     _assert_same(ks.apply_delta(base, delta), layer.export())
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="host-side stage logic, the same on every backend (torch: cheapest)",
+)
+def test_prefetch_stage_files_equal_the_unstaged_run_step_by_step(tmp_path):
+    """With `ks.data.prefetch` mapping batches ahead of their steps (clock,
+    evictions and expiry ahead of training), `DeltaExport` writes files at
+    the same steps as the run without the stage, and each prefix of the
+    chain applies to the same records."""
+    n = 8 * BATCH
+    keys = _batches(8, seed=6)[0][:, :BAG]
+    y = np.random.default_rng(6).normal(size=(n, 1)).astype("float32")
+    chains = []
+    for staged in (False, True):
+        keras.utils.set_random_seed(11)
+        model = _model(_layer(capacity=64, ttl_steps=2))
+        folder = tmp_path / f"staged{staged}"
+        callback = ks.callbacks.DeltaExport(folder, every_n_steps=2)
+        if staged:
+            feed = ks.data.prefetch((keys, y), model, batch_size=BATCH, capacity=4)
+            with feed as stage:
+                model.fit(stage, verbose=0, callbacks=[callback])
+        else:
+            _fit_with(model, keys, y, callback)
+        names = _files(folder)
+        files = [dict(np.load(folder / name)) for name in names]
+        chains.append((names, [ks.apply_delta(*files[: i + 1]) for i in range(5)]))
+    assert chains[0][0] == chains[1][0] and len(chains[0][0]) == 5
+    for plain, staged in zip(chains[0][1], chains[1][1]):
+        _assert_same(staged, plain)
+
+
+def _fit_with(model, keys, y, callback):
+    model.fit(keys, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback])
