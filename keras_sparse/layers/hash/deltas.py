@@ -202,6 +202,10 @@ def save(layer, store, keys):
     """Writes the saved ``keys``' change steps and the removal log."""
     if not change_keys.tracks_changes(layer.table):
         return
+    local = getattr(layer.table, "local", None)
+    if local is not None and len(local) < layer.table.num_shards:
+        # Other processes' removals are not here: the load starts afresh.
+        return
     steps = change_keys.keys_changed(layer.table, keys)
     gone, gone_steps = change_keys.removed_keys(layer.table)
     # Keys only in the row store: changed when they were removed.
