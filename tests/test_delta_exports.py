@@ -171,23 +171,28 @@ def test_delta_export_callback_chains_across_save_and_load(tmp_path):
 
 
 def test_collection_exports_and_applies_per_field():
+    """One delta per field, applied field by field (table calls stand in
+    for training steps: the layer-level tests above train)."""
     fields = {n: _layer(n, ttl_steps=None) for n in ("user", "item")}
     collection = ks.HashEmbeddingCollection(fields)
     rng = np.random.default_rng(3)
 
     def step():
-        batch = {n: rng.integers(0, 200, size=(BATCH, BAG)) for n in fields}
-        collection(batch, training=True)
+        for layer in fields.values():
+            layer.table.lookup_or_insert(rng.integers(0, 10**6, size=100))
 
     step()
     base = collection.export(since_step=-1)
     step()
     delta = collection.export(since_step=1)
-    assert 0 < len(delta["user"]["keys"]) < len(fields["user"].export()["keys"])
     assert sorted(delta) == ["item", "user"]
+    assert 0 < len(delta["user"]["keys"]) < len(fields["user"].export()["keys"])
+    assert len(delta["user"]["removed_keys"]) > 0  # 128 rows, 200 keys
     applied = ks.apply_delta(base, delta)
     for name, layer in fields.items():
         _assert_same(applied[name], layer.export())
+    with pytest.raises(ValueError, match="fields"):
+        ks.apply_delta(base, {"user": delta["user"]})
 
 
 @pytest.mark.skipif(
