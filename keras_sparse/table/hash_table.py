@@ -69,8 +69,8 @@ class HashTable:
         start of the next call (its row free for that call's new keys;
         ``stats()["expired"]``); see `keras_sparse.table.ttl`.
       track_changes: keep each row's step of last change and the keys
-        removed with their step, for delta exports (`changed_since`); see
-        `keras_sparse.table.changes`.
+        removed with their step, for delta exports (read by
+        `keras_sparse.table.change_keys`; see `keras_sparse.table.changes`).
 
     Batch semantics of ``lookup_or_insert``: duplicates share a row; keys
     found or inserted by a call are never evicted by that same call; a batch
@@ -180,7 +180,7 @@ class HashTable:
 
     @property
     def track_changes(self) -> bool:
-        """Whether the table keeps change steps (`changed_since`)."""
+        """Whether the table keeps change steps (``track_changes=True``)."""
         return self._impl.changes is not None
 
     @property
