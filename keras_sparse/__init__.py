@@ -13,6 +13,10 @@ Public API:
         (or string).
     HashEmbeddingCollection: several DistributedHashEmbedding fields whose
         tables are called together (one table call per training step).
+    apply_delta: apply delta exports (``export(since_step=s)`` of a hash
+        layer with ``track_changes=True``) in order to older records.
+    callbacks: ``callbacks.DeltaExport``, delta checkpoints written during
+        ``fit``.
     HashTable: int64 key -> row map with eviction and admission (GPU or CPU);
         table.ShardedHashTable / table.owner_of: one shard per device.
     InsertResult: what ``HashTable.lookup_or_insert`` returns (rows, new
@@ -51,6 +55,7 @@ through ``layers.placement``, which ``sharding`` fills in when imported.
 
 # First: a Keras backend whose framework is missing fails here in one line.
 from keras_sparse import _keras_import  # noqa: F401
+from keras_sparse import callbacks
 from keras_sparse import data
 from keras_sparse import optimizers
 from keras_sparse import sharding
@@ -62,6 +67,7 @@ from keras_sparse.layers import DistributedHashEmbedding
 from keras_sparse.layers import EmbeddingCollection
 from keras_sparse.layers import HashEmbeddingCollection
 from keras_sparse.layers import TableConfig
+from keras_sparse.layers import apply_delta
 from keras_sparse.layers import ragged_to_padded
 from keras_sparse.layers import refresh_serving_maps
 from keras_sparse.ops.native_rows import compiled_cpu_helpers
@@ -84,6 +90,8 @@ __all__ = [
     "HashTable",
     "InsertResult",
     "TableFullError",
+    "apply_delta",
+    "callbacks",
     "compiled_cpu_helpers",
     "data",
     "distribution",

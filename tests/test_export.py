@@ -36,9 +36,14 @@ _SERVE = textwrap.dedent(
         saved = np.load(records)
         names = sorted({k.split("/")[0] for k in saved.files})
         for name in names:
-            served.keras_sparse_tables[name].update(
-                saved[name + "/keys"], saved[name + "/values"]
-            )
+            table, rec = served.keras_sparse_tables[name], name + "/"
+            if rec + "removed_keys" in saved.files:  # a delta
+                table.apply_delta(
+                    saved[rec + "keys"], saved[rec + "values"],
+                    saved[rec + "removed_keys"],
+                )
+            else:
+                table.update(saved[rec + "keys"], saved[rec + "values"])
     arrays = np.load(data)
     inputs = [arrays["x%d" % i] for i in range(len(arrays.files))]
     np.save(out, np.asarray(served.serve(inputs)))
@@ -61,6 +66,8 @@ def _serve_fresh(tmp_path, artifact, inputs, records=None):
         for name, rec in records.items():
             arrays[f"{name}/keys"] = rec["keys"]
             arrays[f"{name}/values"] = rec["values"]
+            if "removed_keys" in rec:
+                arrays[f"{name}/removed_keys"] = rec["removed_keys"]
         np.savez(saved, **arrays)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("KERAS_BACKEND", None)
@@ -140,12 +147,12 @@ def test_export_serves_like_predict_in_a_fresh_process(tmp_path):
     np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
 
 
-def _hash_only_model(dim, key_shape, key_dtype):
+def _hash_only_model(dim, key_shape, key_dtype, **kwargs):
     """keys, weights -> one summed hash embedding (its output unchanged)."""
     keys = keras.Input(key_shape, dtype=key_dtype, name="keys")
     w = keras.Input(key_shape, dtype="float32", name="w")
     layer = ks.DistributedHashEmbedding(
-        dim, capacity=128, combiner="sum", optimizer="adagrad", name="hashed"
+        dim, capacity=128, combiner="sum", optimizer="adagrad", name="hashed", **kwargs
     )
     model = keras.Model([keys, w], layer(keys, weights=w))
     model.compile(keras.optimizers.SGD(0.1), "mse")
@@ -169,6 +176,28 @@ def test_served_tables_take_retrained_records_without_a_new_export(tmp_path):
     assert np.abs(stale - expected).max() > 1e-3  # the export is out of date
     served = _serve_fresh(
         tmp_path, tmp_path / "model", probe, records={"hashed": layer.export()}
+    )
+    np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
+
+
+def test_served_tables_apply_a_delta_without_a_new_export(tmp_path):
+    """`apply_delta` of the artifact's table: the delta since the export
+    (new keys, evicted ones, changed vectors) serves like `predict`."""
+    model, layer = _hash_only_model(8, (3,), "int64", track_changes=True)
+    (k, w_, _), _ = _data(128, seed=0, vocab=100)
+    y = np.random.default_rng(0).normal(size=(128, 8)).astype("float32")
+    model.fit([k[:64], w_[:64]], y[:64], batch_size=32, verbose=0)
+    model.export(tmp_path / "model", format="tf_saved_model", verbose=False)
+    since = int(layer.export(since_step=-1)["step"])
+    (k2, w2, _), _ = _data(128, seed=5, vocab=400)
+    model.fit([k2[:32], w2[:32]], y[:32], batch_size=32, verbose=0)
+    delta = layer.export(since_step=since)
+    assert len(delta["removed_keys"]) > 0  # the 128-row table evicted
+    assert len(delta["keys"]) < len(layer.export()["keys"])
+    probe = [np.concatenate([k[:40], k2[:40]]), np.concatenate([w_[:40], w2[:40]])]
+    expected = model.predict(probe, verbose=0)
+    served = _serve_fresh(
+        tmp_path, tmp_path / "model", probe, records={"hashed": delta}
     )
     np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
 

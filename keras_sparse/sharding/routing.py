@@ -144,6 +144,7 @@ def place_hash_table(layer):
             device=table.device,
             seed=layer.table_seed,
             ttl_steps=table.ttl_steps,
+            track_changes=table.track_changes,
         )
     else:
         d, local, _ = shards
@@ -158,6 +159,7 @@ def place_hash_table(layer):
             device=table.device,
             seed=layer.table_seed,
             ttl_steps=table.ttl_steps,
+            track_changes=table.track_changes,
             gpus=_shard_gpus(local, shards[2]) if table.device == "gpu" else None,
         )
     sharing = [u.name for u in table_users.users(layer) if u is not layer]

@@ -9,6 +9,9 @@ from .array_table import MIN_BUCKETS
 from .call_results import BatchTooLargeError
 from .call_results import InsertResult
 from .call_results import TableFullError
+from .changes import Changes
+from .changes import after_call
+from .changes import call_step
 from .keys import to_numpy_keys
 from .numpy_table import NumpyTable
 from .scores import check_scores
@@ -65,6 +68,9 @@ class HashTable:
         ``lookup_or_insert`` call for ``ttl_steps`` steps is erased at the
         start of the next call (its row free for that call's new keys;
         ``stats()["expired"]``); see `keras_sparse.table.ttl`.
+      track_changes: keep each row's step of last change and the keys
+        removed with their step, for delta exports (read by
+        `keras_sparse.table.change_keys`; see `keras_sparse.table.changes`).
 
     Batch semantics of ``lookup_or_insert``: duplicates share a row; keys
     found or inserted by a call are never evicted by that same call; a batch
@@ -104,6 +110,7 @@ class HashTable:
         device="auto",
         seed=0,
         ttl_steps=None,
+        track_changes=False,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
@@ -152,6 +159,7 @@ class HashTable:
             )
             self._convert = to_numpy_keys
         self._impl.ttl = None if ttl_steps is None else Expiry(ttl_steps, self._impl)
+        self._impl.changes = Changes(self._impl) if track_changes else None
         self._lock = threading.RLock()
         self._version = 0
 
@@ -169,6 +177,11 @@ class HashTable:
         """Steps a key may go unseen before it expires (None: never)."""
         ttl = self._impl.ttl
         return None if ttl is None else ttl.steps
+
+    @property
+    def track_changes(self) -> bool:
+        """Whether the table keeps change steps (``track_changes=True``)."""
+        return self._impl.changes is not None
 
     @property
     def size(self) -> int:
@@ -216,12 +229,14 @@ class HashTable:
         """
         k, shape = self._convert(keys, "keys")
         with self._lock:
+            at, gone = call_step(self._impl, step), None
             if self._impl.ttl is not None:
                 res, _, gone = mapped(self._impl, k, step, None)
-                self._version += bool(gone)
+                self._version += gone is not None
             else:
                 res = self._impl.lookup_or_insert(k, step)
             self._version += bool(res.new_rows.size)
+            after_call(self._impl, res, at, gone)
         return res._replace(rows=res.rows.reshape(shape))
 
     def lookup_or_insert_fresh(self, keys, step=None, undo=None):
@@ -242,14 +257,16 @@ class HashTable:
         """
         k, shape = self._convert(keys, "keys")
         with self._lock:
+            at, gone = call_step(self._impl, step), None
             if self._impl.ttl is not None:
                 res, fresh, gone = mapped(self._impl, k, step, undo)
-                self._version += bool(gone)
+                self._version += gone is not None
             elif undo is None:
                 res, fresh = self._impl.lookup_or_insert_fresh(k, step)
             else:
                 res, fresh = self._impl.lookup_or_insert_fresh(k, step, undo)
             self._version += bool(res.new_rows.size)
+            after_call(self._impl, res, at, gone)
         return res._replace(rows=res.rows.reshape(shape)), fresh.reshape(shape)
 
     @property
@@ -285,8 +302,9 @@ class HashTable:
         this never wait for the GPU.
         """
         step_rows = getattr(self._impl, "step_rows", None)
-        if step_rows is None or self._impl.ttl is not None:
-            return None  # (expiry runs in `lookup_or_insert_fresh`)
+        if step_rows is None or self._impl.ttl is not None or self.track_changes:
+            # (expiry and change tracking run in `lookup_or_insert_fresh`)
+            return None
         k, _ = self._convert(keys, "keys")
         if out is None:
             import cupy as cp
@@ -371,6 +389,10 @@ class HashTable:
         with self._lock:
             if self._impl.ttl is not None:
                 self._impl.ttl.freed(self._impl.find(k))
+            changes = self._impl.changes
+            if changes is not None:
+                live = k[self._impl.find(k) >= 0]
+                changes.removed(self._impl, live, self._impl.clock + 1)
             erased = self._impl.erase(k)
             self._version += bool(erased)
             return erased
@@ -402,11 +424,19 @@ class HashTable:
             res = self._impl.import_(k, r, s)
             if self._impl.ttl is not None:  # imported keys count as seen now
                 self._impl.ttl.load(res.rows, int(self._impl.clock))
+            # Between training steps: changed as of the next one.
+            after_call(self._impl, res, self._impl.clock + 1)
             return res
 
     def clear(self):
         """Remove every entry and every admission count (counters are kept)."""
         with self._lock:
+            changes = self._impl.changes
+            if changes is not None:
+                changes.removed(
+                    self._impl, self._impl.export()[0], self._impl.clock + 1
+                )
+                changes.clear()
             self._impl.clear()
             if self._impl.ttl is not None:
                 self._impl.ttl.clear()
@@ -464,7 +494,9 @@ def step_rows_together(tables, keys, use, bounds, out):
     on_gpu = [
         i
         for i, t in enumerate(tables)
-        if getattr(t._impl, "step_rows", None) and t._impl.ttl is None
+        if getattr(t._impl, "step_rows", None)
+        and t._impl.ttl is None
+        and t._impl.changes is None
     ]
     if not on_gpu:
         return list(range(len(tables)))

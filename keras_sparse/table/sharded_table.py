@@ -158,6 +158,7 @@ class ShardedHashTable:
         seed: as for `HashTable`.
         ttl_steps: as for `HashTable`; the shards' clocks advance together,
             so a key expires at the same step on any shard count.
+        track_changes: as for `HashTable`.
         gpus: with ``device="gpu"``, a dict ``{shard: CUDA device}``
             (shards it leaves out live on device 0).
     """
@@ -175,6 +176,7 @@ class ShardedHashTable:
         seed=0,
         gpus=None,
         ttl_steps=None,
+        track_changes=False,
     ):
         if isinstance(num_shards, bool) or int(num_shards) < 1:
             raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
@@ -194,6 +196,7 @@ class ShardedHashTable:
                     device=device,
                     seed=seed,
                     ttl_steps=ttl_steps,
+                    track_changes=track_changes,
                 )
         first = self._shards[self.local[0]]
         self.shard_rows = first.capacity
@@ -212,6 +215,7 @@ class ShardedHashTable:
     device = property(lambda self: self._first().device)
     seed = property(lambda self: self._first().seed)
     ttl_steps = property(lambda self: self._first().ttl_steps)
+    track_changes = property(lambda self: self._first().track_changes)
 
     @property
     def size(self):

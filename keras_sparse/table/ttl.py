@@ -173,7 +173,8 @@ class _Catch:
 def mapped(impl, k, step, undo):
     """``impl.lookup_or_insert_fresh(k, step, undo)`` of a table with a
     time to live: expiry first, marks after; the `UndoRecord` given to
-    ``undo`` carries a `TtlRecord`."""
+    ``undo`` carries a `TtlRecord`. Returns ``(result, fresh, expired
+    keys or None)``."""
     ttl = impl.ttl
     at = ttl.call_step(impl, step)
     gone = ttl.expire(impl, at)
@@ -189,6 +190,7 @@ def mapped(impl, k, step, undo):
     seen_rows, before = ttl.mark(res.rows, at, keep=catch is not None)
     n_gone = 0 if gone is None else int(gone[0].shape[0])
     ttl.expired += n_gone
+    expired_keys = None if gone is None else gone[0]
     if catch is not None:
         xp = impl.xp
         if gone is None:
@@ -196,4 +198,4 @@ def mapped(impl, k, step, undo):
             gone = (empty, empty, empty, empty)
         catch.record = catch.record._replace(ttl=TtlRecord(*gone, seen_rows, before))
         undo.append(catch.record)
-    return res, fresh, n_gone
+    return res, fresh, expired_keys

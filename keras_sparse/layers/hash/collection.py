@@ -192,6 +192,15 @@ class HashEmbeddingCollection(keras.layers.Layer):
         """``{field: DistributedHashEmbedding.stats()}``."""
         return {name: self.fields[name].stats() for name in self.field_names}
 
+    def export(self, include_rows=False, since_step=None):
+        """``{field: layer.export(include_rows, since_step)}``: the fields'
+        records, or their deltas (`keras_sparse.apply_delta` applies them
+        field by field)."""
+        return {
+            name: self.fields[name].export(include_rows, since_step=since_step)
+            for name in self.field_names
+        }
+
     def get_config(self):
         config = super().get_config()
         config["fields"] = {

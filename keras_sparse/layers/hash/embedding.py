@@ -13,6 +13,7 @@ from keras_sparse.layers.hash import serving_hooks
 from keras_sparse.layers.hash import serving_map
 from keras_sparse.layers.hash import stage_feed
 from keras_sparse.layers.hash import trained_rows
+from keras_sparse.layers.hash.deltas import checked_flag
 from keras_sparse.layers.hash.key_calls import KeyCalls
 from keras_sparse.layers.hash.records import HashRecords
 from keras_sparse.layers.hash.row_output import RowOutput
@@ -41,6 +42,7 @@ _OWN_ARGUMENTS = (
     "store",
     *STORAGE_ARGUMENTS,
     "ttl_steps",
+    "track_changes",
 )
 
 
@@ -177,6 +179,11 @@ class DistributedHashEmbedding(
         ttl_steps: None (keys never expire) or an int >= 1: the training
             steps a key may go unseen before it expires (inference does
             not refresh it). Not with ``store=``.
+        track_changes: keep each key's step of last change and the keys
+            removed (evicted, expired, erased) with their step, so that
+            ``export(since_step=s)`` returns a delta (see
+            `keras_sparse.layers.hash.deltas`). Costs 8 bytes a row; a GPU
+            table then maps through its general path.
 
     Call arguments:
         inputs: int32/int64 keys of any shape, NumPy string arrays, TF string
@@ -243,6 +250,7 @@ class DistributedHashEmbedding(
         stochastic_rounding=True,
         slot_dtype=None,
         ttl_steps=None,
+        track_changes=False,
         **kwargs,
     ):
         name = kwargs.get("name") or "distributed_hash_embedding"
@@ -306,6 +314,7 @@ class DistributedHashEmbedding(
             device=table_device,
             seed=int(table_seed),
             ttl_steps=ttl_steps,
+            track_changes=checked_flag(name, "track_changes", track_changes),
         )
         super().__init__(
             table.capacity,
@@ -405,6 +414,7 @@ class DistributedHashEmbedding(
                 "table_seed": self.table_seed,
                 "store": row_tier.store_config(self.store),
                 "ttl_steps": self.ttl_steps,
+                "track_changes": self.table.track_changes,
             }
         )
         return config

@@ -16,6 +16,7 @@ from keras import ops
 
 from keras_sparse.layers import placement
 from keras_sparse.layers import store_assets
+from keras_sparse.layers.hash import deltas
 from keras_sparse.layers.hash import ttl_state
 from keras_sparse.layers.hash.host_keys import to_numpy as _to_numpy
 from keras_sparse.layers.hash.record_placement import greedy_rows
@@ -84,10 +85,14 @@ class HashRecords:
         """The table and slot variables keyed "table"/slot name."""
         return {"table": self.embeddings, **self.slots}
 
-    def export(self, include_rows=False):
+    def export(self, include_rows=False, since_step=None):
         """Live records as NumPy, in row order: dict(keys, values, <slot
         name>..., scores), plus each key's ``rows`` with ``include_rows=True``
         (for `import_` into a table of the same capacity and seed).
+
+        With ``since_step`` (a layer built with ``track_changes=True``): a
+        delta, the records changed after that step plus ``removed_keys``
+        and what describes it (see `keras_sparse.layers.hash.deltas`).
 
         Key-sharded across processes, each process exports the keys of the
         table shards it holds; together they are the whole table, and
@@ -98,6 +103,8 @@ class HashRecords:
         n = self.table.size
         title = f"Layer '{self.name}': exporting {n:,} keys"
         with tracker(n, title, _EXPORT_STAGES) as progress:
+            if since_step is not None:
+                return deltas.delta_records(self, since_step, include_rows, progress)
             return self._records_out(include_rows, progress, self._trained_table())
 
     def _trained_table(self):
@@ -433,6 +440,7 @@ class HashRecords:
             store[name] = np.int64(value)
         store["table_clock"] = np.int64(clock)
         ttl_state.save(self, store, records["keys"], trained)
+        deltas.save(self, store, records["keys"])
         store["sparse_iterations"] = ops.convert_to_numpy(self.sparse_iterations)
         store["seed_state"] = ops.convert_to_numpy(self.seed_generator.state)
         if admission is not None:
@@ -578,6 +586,7 @@ class HashRecords:
             progress.stage("checkpoint")
             saved = self._read_checkpoint(store)
             last_seen = ttl_state.checked(self, store)
+            changes = deltas.checked(self, store)
             # Key-sharded across processes: the keys this process's shards own.
             records = self._held_here(saved.records)
             progress.stage("rows")
@@ -595,6 +604,7 @@ class HashRecords:
                 records = subset(records, kept)._replace(rows=rows[kept])
             self._store_records(records, progress)
             ttl_state.load(self, last_seen)
+            deltas.load(self, changes)
         self.sparse_iterations.assign(saved.iterations)
         self.seed_generator.state.assign(saved.seed_state)
         self._load_admission(saved.admission)

@@ -14,7 +14,13 @@ loaded the model with TensorFlow alone can install retrained records
     served.keras_sparse_tables["user"].update(records["keys"], records["values"])
 
 ``update`` replaces the whole map: the keys read ``values`` (in their
-order), every other key reads zeros. It is not atomic with respect to
+order), every other key reads zeros. ``apply_delta(keys, values,
+removed_keys)`` applies a delta (``layer.export(since_step=s)``, see
+`keras_sparse.layers.hash.deltas`) to the map it serves: the delta's keys
+read their new ``values``, its ``removed_keys`` read zeros, the other keys
+keep theirs. The served map must be the records as of step ``s`` (an
+export, or the previous delta applied): the artifact does not know its
+step, so the order is the caller's to keep. It is not atomic with respect to
 requests served at the same moment (the map, its directory and the vectors
 are separate variables, and a JAX-exported artifact writes its
 non-trainable variables back after each request): apply updates between
@@ -68,7 +74,36 @@ def _served_table(layer, tf_variable):
         return _update(module, capacity, layer.name, keys, values)
 
     module.update = update
+    removed = tf.TensorSpec([None], tf.int64, name="removed_keys")
+
+    @tf.function(input_signature=[*spec, removed], autograph=False)
+    def apply_delta(keys, values, removed_keys):
+        return _apply_delta(module, capacity, layer.name, keys, values, removed_keys)
+
+    module.apply_delta = apply_delta
     return module
+
+
+def _apply_delta(module, capacity, name, keys, values, removed_keys):
+    """The served keys and vectors, updated by a delta, through `_update`."""
+    import tensorflow as tf
+
+    n = module.meta[0]
+    words = module.key_words[:n]
+    high = tf.cast(words[:, 0], tf.int64)
+    low = tf.cast(words[:, 1], tf.int64) + 2**31
+    served = tf.bitwise.left_shift(high, 32) + low
+    vectors = tf.gather(module.embeddings, module.rows[:n])
+    drop = tf.sort(tf.concat([removed_keys, keys], axis=0))
+    # Served keys the delta replaces or removes: found in `drop`.
+    at = tf.minimum(tf.searchsorted(drop, served), tf.maximum(tf.size(drop) - 1, 0))
+    found = tf.logical_and(
+        tf.size(drop) > 0, tf.equal(tf.gather(tf.concat([drop, [0]], 0), at), served)
+    )
+    keep = tf.logical_not(found)
+    all_keys = tf.concat([tf.boolean_mask(served, keep), keys], axis=0)
+    all_values = tf.concat([tf.boolean_mask(vectors, keep), values], axis=0)
+    return _update(module, capacity, name, all_keys, all_values)
 
 
 def _update(module, capacity, name, keys, values):

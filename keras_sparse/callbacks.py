@@ -1,0 +1,152 @@
+"""Keras callbacks of keras_sparse.
+
+`DeltaExport` writes delta checkpoints of a model's hash layers while it
+trains (`keras_sparse.layers.hash.deltas`).
+"""
+
+import os
+import re
+
+import keras
+import numpy as np
+
+from keras_sparse.atomic_files import atomic_path
+from keras_sparse.layers.hash.deltas import FULL
+from keras_sparse.layers.hash.deltas import apply_delta
+from keras_sparse.layers.hash.deltas import layer_step
+from keras_sparse.layers.hash.serving_map import hash_layers
+
+_NAME = re.compile(r"^(?P<layer>.+)\.(?P<step>\d{8,})\.(?P<kind>full|delta)\.npz$")
+
+
+class DeltaExport(keras.callbacks.Callback):
+    """Writes ``<layer>.<step>.full.npz`` then ``<layer>.<step>.delta.npz``
+    files of each hash layer built with ``track_changes=True``.
+
+    At the start of ``fit`` a layer with no file in ``directory`` gets a
+    full one (every record, `export(since_step=-1)`); a layer with files
+    continues its chain from the newest. Then every ``every_n_steps``
+    training steps, and at the end of ``fit``, it gets
+    a delta since that file (`export(since_step=...)`), ending at the
+    layer's last trained step (none when it has not moved). Each file is written
+    under a temporary name and renamed, so a reader sees whole files only;
+    each holds what describes it (``layer``, ``since_step``, ``step``,
+    ``dtype``), and `keras_sparse.apply_delta` refuses one applied out of
+    order or to another layer. `read` applies a layer's chain.
+
+    Args:
+        directory: folder of the files (created if missing).
+        every_n_steps: int >= 1, the training steps between deltas.
+        layers: names of the hash layers to export (None: every hash layer
+            of the model with ``track_changes=True``).
+    """
+
+    def __init__(self, directory, every_n_steps, layers=None):
+        super().__init__()
+        if (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, (int, np.integer))
+            or every_n_steps < 1
+        ):
+            raise ValueError(
+                "DeltaExport: `every_n_steps` must be an integer >= 1. "
+                f"Received: every_n_steps={every_n_steps!r}."
+            )
+        self.directory = os.fspath(directory)
+        self.every_n_steps = int(every_n_steps)
+        self.layer_names = None if layers is None else list(layers)
+        self._last = {}  # layer name -> step of its newest file
+        self._tracked = []  # the layers, found at the start of fit
+
+    def _layers(self):
+        found = {x.name: x for x in hash_layers(self.model)}
+        if self.layer_names is None:
+            chosen = [x for x in found.values() if x.table.track_changes]
+            if not chosen:
+                raise ValueError(
+                    "DeltaExport: the model has no DistributedHashEmbedding "
+                    "built with `track_changes=True` (hash layers: "
+                    f"{sorted(found)}); build them with it to export deltas."
+                )
+            return chosen
+        out = []
+        for name in self.layer_names:
+            if name not in found or not found[name].table.track_changes:
+                raise ValueError(
+                    f"DeltaExport: `layers` names '{name}', which is not a "
+                    "hash layer of the model built with track_changes=True "
+                    f"(hash layers: {sorted(found)})."
+                )
+            out.append(found[name])
+        return out
+
+    def on_train_begin(self, logs=None):
+        os.makedirs(self.directory, exist_ok=True)
+        self._tracked = self._layers()
+        self._batches = 0
+        for layer in self._tracked:
+            files = chain_files(self.directory, layer.name)
+            if not files:
+                self._write(layer, FULL)
+                continue
+            last = files[-1][0]
+            if last > layer_step(layer, layer._trained_table()):
+                raise ValueError(
+                    f"DeltaExport: '{self.directory}' holds files of layer "
+                    f"'{layer.name}' up to step {last}, past the layer's "
+                    f"step {layer_step(layer)}; use another directory."
+                )
+            self._last[layer.name] = last
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Counted in batches: a prefetch stage moves the table clock ahead
+        # of training (each file still ends at the last trained step).
+        self._batches += 1
+        if self._batches >= self.every_n_steps:
+            self._batches = 0
+            for layer in self._tracked:
+                self._write(layer, self._last[layer.name])
+
+    def on_train_end(self, logs=None):
+        for layer in self._tracked:
+            self._write(layer, self._last[layer.name])
+
+    def _write(self, layer, since):
+        self.model  # noqa: B018 (on JAX: attaches the variables fit holds)
+        records = layer.export(since_step=since)
+        step = int(records["step"])
+        if since != FULL and step <= since:
+            return  # nothing trained since (a stage mapped ahead): no file
+        kind = "full" if since == FULL else "delta"
+        target = os.path.join(self.directory, f"{layer.name}.{step:08d}.{kind}.npz")
+        with atomic_path(target, suffix=".npz") as temp:
+            np.savez(temp, **records)
+        self._last[layer.name] = step
+
+    @staticmethod
+    def read(directory, layer):
+        """The records of hash layer ``layer`` (its name) as of its newest
+        file in ``directory``: its newest full file with the deltas after
+        it applied in order (a full delta, see `keras_sparse.apply_delta`)."""
+        files = chain_files(os.fspath(directory), layer)
+        fulls = [i for i, (_, kind, _) in enumerate(files) if kind == "full"]
+        if not fulls:
+            raise ValueError(
+                f"DeltaExport.read: '{directory}' holds no full file of layer "
+                f"'{layer}' (files {[f[2] for f in files]})."
+            )
+        start = fulls[-1]
+        loaded = [dict(np.load(path)) for _, _, path in files[start:]]
+        return apply_delta(loaded[0], *loaded[1:])
+
+
+def chain_files(directory, layer):
+    """``(step, kind, path)`` of ``layer``'s files in ``directory``, by step."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in os.listdir(directory):
+        m = _NAME.match(name)
+        if m and m["layer"] == layer:
+            out.append((int(m["step"]), m["kind"], os.path.join(directory, name)))
+    return sorted(out)
