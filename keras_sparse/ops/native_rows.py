@@ -246,12 +246,13 @@ def compiled_cpu_helpers():
     op of its own and JAX one XLA custom call (the same C code, built
     against the installed TensorFlow or jaxlib). Without a compiler each runs the same
     arithmetic as its own operations, about half as fast. Returns
-    ``"on: <library path>; <what it does not serve>"`` or ``"off:
+    ``"on: <library path>; <what it serves of 16-bit tables>"`` or ``"off:
     <reason>"`` for the current backend, building first if needed. The
-    compiled update serves float32 tables and slots: bfloat16 and float16
-    ones (``table_dtype``, ``slot_dtype``) take the backend's own
-    operations, which round stochastically
-    (`keras_sparse.ops.row_rounding`), as the text says.
+    compiled update serves float32, bfloat16 and float16 tables and slots
+    (``table_dtype``, ``slot_dtype``): 16-bit rows are updated in float32
+    and written back rounded as the backends' own operations round them
+    (`keras_sparse.ops.row_rounding`: stochastically, or to nearest with
+    ``stochastic_rounding=False``), to the bit.
 
     Example:
 
@@ -265,10 +266,10 @@ def compiled_cpu_helpers():
     return text
 
 
-#: What `compiled_cpu_helpers` says of the tables it does not serve.
+#: What `compiled_cpu_helpers` says of 16-bit tables.
 SIXTEEN_BIT_ROUTE = (
-    "float32 tables only: bfloat16 and float16 tables and slots take the "
-    "ops route, with stochastic rounding"
+    "float32, bfloat16 and float16 tables and slots: 16-bit rows round "
+    "stochastically (or to nearest), as the ops route rounds them"
 )
 
 
