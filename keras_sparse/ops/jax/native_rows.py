@@ -49,8 +49,9 @@ PREFETCH_MIN_BYTES = 16 << 20
 _RULE_CODES = {"sgd": 0, "adagrad": 1, "adam": 2, "rowwise_adagrad": 3}
 _UPDATE_TARGET = "keras_sparse_row_update"
 _UPDATE_16_TARGET = "keras_sparse_row_update_16"
-#: Rules whose call also serves bfloat16 and float16 tables and slots.
-SIXTEEN_BIT_RULES = frozenset(_RULE_CODES)
+#: Rules whose call also serves bfloat16 and float16 tables and slots
+#: (`jax_rows_ffi.cc`'s RowUpdate16 runs these passes of cpu_rows.c).
+SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
 _STORAGE = ("float32", "bfloat16", "float16")
 _GATHER_TARGET = "keras_sparse_gather_rows"
 
