@@ -240,3 +240,6 @@ void ks_rowwise_adagrad_rows_f32(float *table, float *acc, const int64_t *rows,
     for (int64_t j = 0; j < dim; ++j) row[j] = row[j] - lr * g[j] / root;
   }
 }
+
+/* 16-bit tables: widening and rounding rows around the passes above. */
+#include "cpu_rounding.c"

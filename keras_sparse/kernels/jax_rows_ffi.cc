@@ -32,6 +32,7 @@ using Ids = ffi::Buffer<ffi::S32, 1>;
 using Flags = ffi::Buffer<ffi::PRED, 1>;
 using Rows = ffi::Buffer<ffi::F32, 2>;
 using Scalars = ffi::Buffer<ffi::F32, 1>;
+using Seeds = ffi::Buffer<ffi::S32, 1>;
 
 // Per-thread scratch of the update, kept between calls: a step updates
 // dozens of tables, and fresh megabyte buffers would each be mapped and
@@ -142,6 +143,136 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
   return ffi::Error::Success();
 }
 
+// The update of RowUpdate where the table or a slot is bfloat16 or float16:
+// the touched rows of every array are widened into float32 scratch, the
+// rule's float32 pass runs on the scratch, and the rows are written back
+// rounded (ks_narrow_rows: stochastically with seeds[i], the int32 seed of
+// array i, where `stochastic`, else to nearest), as the XLA route rounds
+// them (keras_sparse/ops/row_rounding.py), to the bit.
+struct Scratch16 {
+  std::vector<float> rows;
+  std::vector<int64_t> order;
+};
+
+int StorageKind(ffi::DataType type) {
+  return type == ffi::DataType::F32    ? KS_FLOAT32
+         : type == ffi::DataType::BF16 ? KS_BFLOAT16
+         : type == ffi::DataType::F16  ? KS_FLOAT16
+                                       : -1;
+}
+
+ffi::Error RowUpdate16(Ids ids, Flags valid, Rows grads, Scalars scalars,
+                       Seeds seeds,
+                       ffi::RemainingArgs arrays, ffi::RemainingRets outs,
+                       int32_t rule, int32_t stochastic) {
+  const int64_t n = ids.element_count();
+  const int wanted =
+      rule == 0 ? 1 : rule == 1 || rule == 3 ? 2 : rule == 2 ? 3 : -1;
+  const int64_t n_scalars = rule == 0 ? 1 : rule == 2 ? 4 : 2;
+  if (wanted < 0 || int64_t(arrays.size()) != wanted ||
+      int64_t(outs.size()) != wanted ||
+      int64_t(scalars.element_count()) != n_scalars ||
+      int64_t(seeds.element_count()) != wanted) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse 16-bit row update: rule " + std::to_string(rule) +
+        " with " + std::to_string(arrays.size()) + " arrays, " +
+        std::to_string(scalars.element_count()) + " scalars and " +
+        std::to_string(seeds.element_count()) + " seeds");
+  }
+  const int64_t dim = grads.dimensions()[1];
+  if (int64_t(valid.element_count()) != n || grads.dimensions()[0] != n ||
+      n > (int64_t{1} << 30)) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse 16-bit row update: ids [n] (n <= 2**30), valid [n] and "
+        "grads [n, dim] do not fit");
+  }
+  int64_t rows = -1;
+  std::vector<void*> data(wanted);
+  std::vector<int> kinds(wanted);
+  std::vector<int64_t> widths(wanted);
+  for (int i = 0; i < wanted; ++i) {
+    auto in = arrays.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!in.has_value() || !out.has_value()) {
+      return ffi::Error::InvalidArgument(
+          "keras_sparse 16-bit row update: arrays must be buffers");
+    }
+    const auto shape = in->dimensions();
+    const auto out_shape = (*out)->dimensions();
+    const int64_t width = rule == 3 && i > 0 ? 1 : dim;
+    kinds[i] = StorageKind(in->element_type());
+    if (kinds[i] < 0 || (*out)->element_type() != in->element_type() ||
+        shape.size() != 2 || out_shape.size() != 2 || shape[1] != width ||
+        (rows >= 0 && shape[0] != rows) || out_shape[0] != shape[0] ||
+        out_shape[1] != width) {
+      return ffi::Error::InvalidArgument(
+          "keras_sparse 16-bit row update: the table must be [rows, " +
+          std::to_string(dim) + "] and its slots [rows, " +
+          std::to_string(rule == 3 ? 1 : dim) +
+          "], each float32, bfloat16 or float16");
+    }
+    rows = shape[0];
+    widths[i] = width;
+    void* target = (*out)->untyped_data();
+    if (target != in->untyped_data()) {
+      std::memcpy(target, in->untyped_data(), in->size_bytes());
+    }
+    data[i] = target;
+  }
+  if (n == 0) return ffi::Error::Success();
+  Scratch& s = thread_scratch();
+  s.wide.resize(n);
+  s.hash.resize(ks_dedup_scratch_entries(n));
+  s.unique.resize(n);
+  s.summed.resize(size_t(n) * size_t(dim));
+  const int32_t* narrow = ids.typed_data();
+  for (int64_t p = 0; p < n; ++p) s.wide[p] = narrow[p];
+  const int64_t count = ks_distinct_sum_f32(
+      s.wide.data(), reinterpret_cast<const uint8_t*>(valid.typed_data()), n,
+      rows, grads.typed_data(), 1, dim, s.hash.data(), s.unique.data(),
+      s.summed.data());
+  if (count < 0) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse row update: id " + std::to_string(narrow[-1 - count]) +
+        " at position " + std::to_string(-1 - count) +
+        " is outside the table's rows [0, " + std::to_string(rows) + ")");
+  }
+  thread_local Scratch16 t;
+  std::vector<float*> compact(wanted);
+  size_t total = 0;
+  for (int i = 0; i < wanted; ++i) total += size_t(count) * size_t(widths[i]);
+  t.rows.resize(total);
+  t.order.resize(count);
+  for (int64_t i = 0; i < count; ++i) t.order[i] = i;
+  float* next = t.rows.data();
+  for (int i = 0; i < wanted; ++i) {
+    compact[i] = next;
+    ks_widen_rows(data[i], kinds[i], s.unique.data(), count, widths[i], next);
+    next += count * widths[i];
+  }
+  const float* k = scalars.typed_data();
+  const int64_t* order = t.order.data();
+  const float* g = s.summed.data();
+  float** c = compact.data();
+  if (rule == 0) {
+    ks_sgd_rows_f32(c[0], order, g, count, dim, k[0]);
+  } else if (rule == 1) {
+    ks_adagrad_rows_f32(c[0], c[1], order, g, count, dim, k[0], k[1]);
+  } else if (rule == 3) {
+    ks_rowwise_adagrad_rows_f32(c[0], c[1], order, g, count, dim, k[0], k[1]);
+  } else {
+    ks_adam_rows_f32(c[0], c[1], c[2], order, g, count, dim, k[0], k[1], k[2],
+                     k[3]);
+  }
+  for (int i = 0; i < wanted; ++i) {
+    ks_narrow_rows(data[i], kinds[i], s.unique.data(), compact[i], count,
+                   widths[i], stochastic, seeds.typed_data()[i], 0);
+  }
+  if (s.summed.capacity() * sizeof(float) > kKeptScratchBytes) s = Scratch();
+  if (t.rows.capacity() * sizeof(float) > kKeptScratchBytes) t = Scratch16();
+  return ffi::Error::Success();
+}
+
 // rows[p] = table[ids[p]] where valid[p], else zeros, prefetching the row
 // KS_AHEAD positions on (ks_gather_rows_f32): XLA's gather takes the cache
 // misses of a large table one after another.
@@ -186,3 +317,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasSparseGatherRows, GatherRows,
                                   .Arg<Ids>()
                                   .Arg<Flags>()
                                   .Ret<Rows>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasSparseRowUpdate16, RowUpdate16,
+                              ffi::Ffi::Bind()
+                                  .Arg<Ids>()
+                                  .Arg<Flags>()
+                                  .Arg<Rows>()
+                                  .Arg<Scalars>()
+                                  .Arg<Seeds>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("rule")
+                                  .Attr<int32_t>("stochastic"));

@@ -11,7 +11,9 @@
  */
 #define EIGEN_USE_THREADS
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -168,6 +170,203 @@ class KerasSparseRowUpdateOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("KerasSparseRowUpdate").Device(DEVICE_CPU),
                         KerasSparseRowUpdateOp);
+
+// KerasSparseRowUpdate where the table or a slot is bfloat16 or float16:
+// the touched rows of every variable are widened into float32 scratch, the
+// rule's float32 pass of cpu_rows.c runs on the scratch, and the rows are
+// written back rounded (ks_narrow_rows: stochastically with seeds[i], the
+// int32 seed of variable i, where `stochastic`, else to nearest; the random
+// words of row first + id, as the graph route draws them), to the bit.
+REGISTER_OP("KerasSparseRowUpdate16")
+    .Input("variables: N * resource")
+    .Input("ids: int32")
+    .Input("valid: bool")
+    .Input("grads: float")
+    .Input("scalars: float")
+    .Input("seeds: int32")
+    .Attr("N: int >= 1")
+    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad'}")
+    .Attr("first: int >= 0")
+    .Attr("rows: int >= 1")
+    .Attr("stochastic: bool")
+    .Output("updated: int64")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+
+// A variable's switch to sparse access (copy-on-read), by its own dtype.
+absl::Status SparseAccess(OpKernelContext* ctx, tensorflow::Var* var) {
+  switch (var->tensor()->dtype()) {
+    case tensorflow::DT_FLOAT:
+      return tensorflow::EnsureSparseVariableAccess<CPUDevice, float>(ctx, var);
+    case tensorflow::DT_BFLOAT16:
+      return tensorflow::EnsureSparseVariableAccess<CPUDevice,
+                                                    Eigen::bfloat16>(ctx, var);
+    case tensorflow::DT_HALF:
+      return tensorflow::EnsureSparseVariableAccess<CPUDevice, Eigen::half>(
+          ctx, var);
+    default:
+      return absl::InvalidArgumentError(
+          "KerasSparseRowUpdate16: variables must be float32, bfloat16 or "
+          "float16");
+  }
+}
+
+class KerasSparseRowUpdate16Op : public OpKernel {
+ public:
+  explicit KerasSparseRowUpdate16Op(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n_vars_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stochastic", &stochastic_));
+    const int wanted = rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
+    OP_REQUIRES(ctx, n_vars_ == wanted,
+                absl::InvalidArgumentError("KerasSparseRowUpdate16: rule " +
+                                           rule_ + " takes " +
+                                           std::to_string(wanted) +
+                                           " variables"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(n_vars_);
+    const Tensor& valid = ctx->input(n_vars_ + 1);
+    const Tensor& grads = ctx->input(n_vars_ + 2);
+    const Tensor& scalars = ctx->input(n_vars_ + 3);
+    const Tensor& seeds = ctx->input(n_vars_ + 4);
+    const int64_t n = ids.NumElements();
+    OP_REQUIRES(
+        ctx,
+        ids.dims() == 1 && valid.shape() == ids.shape() && grads.dims() == 2 &&
+            grads.dim_size(0) == n && n <= (int64_t{1} << 30) &&
+            seeds.NumElements() == n_vars_,
+        absl::InvalidArgumentError(
+            "KerasSparseRowUpdate16: ids [n] (n <= 2**30), valid [n], grads "
+            "[n, dim] and seeds [N] do not fit"));
+    const int64_t dim = grads.dim_size(1);
+    const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
+    OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
+                absl::InvalidArgumentError("KerasSparseRowUpdate16: scalars"));
+    Tensor* updated = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &updated));
+    updated->scalar<int64_t>()() = 0;
+
+    // Exclusive locks in address order, each variable switched to sparse
+    // access by its own dtype first (TensorFlow's helper takes one dtype).
+    std::vector<tensorflow::core::RefCountPtr<tensorflow::Var>> vars(n_vars_);
+    std::vector<tsl::mutex*> mutexes;
+    for (int i = 0; i < n_vars_; ++i) {
+      OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
+                              ctx, tensorflow::HandleFromInput(ctx, i), &vars[i]));
+      OP_REQUIRES_OK(ctx, SparseAccess(ctx, vars[i].get()));
+      if (std::find(mutexes.begin(), mutexes.end(), vars[i]->mu()) ==
+          mutexes.end())
+        mutexes.push_back(vars[i]->mu());
+    }
+    std::sort(mutexes.begin(), mutexes.end());
+    std::vector<std::unique_ptr<tsl::mutex_lock>> locks;
+    for (tsl::mutex* mu : mutexes)
+      locks.push_back(std::make_unique<tsl::mutex_lock>(*mu));
+    std::vector<void*> arrays;
+    std::vector<int> kinds;
+    std::vector<int64_t> widths;
+    for (int i = 0; i < n_vars_; ++i) {
+      Tensor var = *vars[i]->tensor();
+      const int64_t width = rule_ == "rowwise_adagrad" && i > 0 ? 1 : dim;
+      const auto type = var.dtype();
+      const int kind = type == tensorflow::DT_FLOAT      ? KS_FLOAT32
+                       : type == tensorflow::DT_BFLOAT16 ? KS_BFLOAT16
+                       : type == tensorflow::DT_HALF     ? KS_FLOAT16
+                                                         : -1;
+      OP_REQUIRES(
+          ctx,
+          kind >= 0 && var.dims() == 2 && var.dim_size(1) == width &&
+              var.dim_size(0) >= first_ + rows_,
+          absl::InvalidArgumentError(
+              "KerasSparseRowUpdate16: variable " + std::to_string(i) + " " +
+              var.shape().DebugString() + " does not hold rows [" +
+              std::to_string(first_) + ", " + std::to_string(first_ + rows_) +
+              ") of width " + std::to_string(width) +
+              " as float32, bfloat16 or float16"));
+      const size_t element = kind == KS_FLOAT32 ? 4 : 2;
+      arrays.push_back(static_cast<char*>(var.data()) +
+                       first_ * width * element);
+      kinds.push_back(kind);
+      widths.push_back(width);
+    }
+    if (n == 0) return;
+
+    Tensor scratch, wide_ids, unique, summed, compact, order;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(
+                            tensorflow::DT_INT32,
+                            TensorShape({ks_dedup_scratch_entries(n)}), &scratch));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
+                                           TensorShape({n}), &wide_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
+                                           TensorShape({n}), &unique));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT,
+                                           TensorShape({n, dim}), &summed));
+    const int32_t* narrow = ids.flat<int32_t>().data();
+    int64_t* wide = wide_ids.flat<int64_t>().data();
+    for (int64_t p = 0; p < n; ++p) wide[p] = narrow[p];
+    const int64_t count = ks_distinct_sum_f32(
+        wide, reinterpret_cast<const uint8_t*>(valid.flat<bool>().data()), n,
+        rows_, grads.flat<float>().data(), 1, dim,
+        scratch.flat<int32_t>().data(), unique.flat<int64_t>().data(),
+        summed.flat<float>().data());
+    OP_REQUIRES(ctx, count >= 0,
+                absl::InvalidArgumentError(
+                    "KerasSparseRowUpdate16: id " +
+                    std::to_string(wide[-1 - count]) + " at position " +
+                    std::to_string(-1 - count) +
+                    " is outside the table's rows [0, " +
+                    std::to_string(rows_) + ")"));
+    updated->scalar<int64_t>()() = count;
+    int64_t total = 0;
+    for (int64_t w : widths) total += count * w;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT,
+                                           TensorShape({total}), &compact));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
+                                           TensorShape({count}), &order));
+    int64_t* o = order.flat<int64_t>().data();
+    for (int64_t i = 0; i < count; ++i) o[i] = i;
+    const int64_t* rows = unique.flat<int64_t>().data();
+    std::vector<float*> c;
+    float* next = compact.flat<float>().data();
+    for (int i = 0; i < n_vars_; ++i) {
+      c.push_back(next);
+      ks_widen_rows(arrays[i], kinds[i], rows, count, widths[i], next);
+      next += count * widths[i];
+    }
+    const float* s = scalars.flat<float>().data();
+    const float* g = summed.flat<float>().data();
+    if (rule_ == "sgd") {
+      ks_sgd_rows_f32(c[0], o, g, count, dim, s[0]);
+    } else if (rule_ == "adagrad") {
+      ks_adagrad_rows_f32(c[0], c[1], o, g, count, dim, s[0], s[1]);
+    } else if (rule_ == "rowwise_adagrad") {
+      ks_rowwise_adagrad_rows_f32(c[0], c[1], o, g, count, dim, s[0], s[1]);
+    } else {
+      ks_adam_rows_f32(c[0], c[1], c[2], o, g, count, dim, s[0], s[1], s[2],
+                       s[3]);
+    }
+    const int32_t* seed = seeds.flat<int32_t>().data();
+    for (int i = 0; i < n_vars_; ++i) {
+      ks_narrow_rows(arrays[i], kinds[i], rows, c[i], count, widths[i],
+                     stochastic_, seed[i], first_);
+    }
+  }
+
+ private:
+  int n_vars_;
+  std::string rule_;
+  int64_t first_;
+  int64_t rows_;
+  bool stochastic_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("KerasSparseRowUpdate16").Device(DEVICE_CPU),
+                        KerasSparseRowUpdate16Op);
 
 // rows[p] = table[ids[p]] where valid[p], else zeros. A lookup's rows are
 // random accesses into a table far larger than the caches; TensorFlow's

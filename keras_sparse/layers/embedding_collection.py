@@ -24,16 +24,20 @@ from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers import store_assets
+from keras_sparse.layers.arguments import ArgumentError
 from keras_sparse.layers.arguments import check_fields
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.row_storage import variables as row_variables
+from keras_sparse.layers.sparse_embedding_base import _dtype_argument
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
 from keras_sparse.layers.sparse_embedding_base import sparse_step
 from keras_sparse.layers.sparse_embedding_base import table_state
+from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
+from keras_sparse.layers.table_storage import TableStorage
 from keras_sparse.ops import backend_module
 
 
@@ -74,6 +78,14 @@ class TableConfig:
             (default), ``keras_sparse.store.Host()`` or
             ``keras_sparse.store.Disk(path)`` (the table's files go to
             ``path/<collection name>/<table name>``).
+        table_dtype: the table's storage dtype, "float32", "bfloat16" or
+            "float16" (None: the collection's variable dtype), as
+            `AllToAllDenseEmbedding`'s; 16 bits need the collection's sparse
+            ``optimizer`` and no ``cache_rows``. Tables of different
+            storage never share a stacked variable.
+        stochastic_rounding: whether rows written into 16-bit tables and
+            slots round stochastically (default) or to nearest.
+        slot_dtype: the optimizer slots' storage dtype, as ``table_dtype``.
 
     Example:
 
@@ -91,8 +103,15 @@ class TableConfig:
         sharding="auto",
         cache_rows=None,
         store=None,
+        table_dtype=None,
+        stochastic_rounding=True,
+        slot_dtype=None,
     ):
         where = "TableConfig"
+        self.storage = TableStorage(
+            where, table_dtype, stochastic_rounding, slot_dtype, where=where
+        )
+        self.storage.check_no_store(where, cache_rows, "cache_rows")
         _check_positive_int(where, "input_dim", input_dim)
         _check_positive_int(where, "output_dim", output_dim)
         pooling.check_combiner(where, combiner)
@@ -128,6 +147,8 @@ class TableConfig:
         if self.cache_rows is not None:
             config["cache_rows"] = self.cache_rows
             config["store"] = row_stores.serialize(self.store)
+        if self.storage.config() != TableStorage("").config():
+            config.update(self.storage.config())
         return config
 
     @classmethod
@@ -143,6 +164,11 @@ class TableConfig:
                 ""
                 if self.cache_rows is None
                 else f", cache_rows={self.cache_rows}, store={self.store!r}"
+            )
+            + "".join(
+                f", {k}={v!r}"
+                for k, v in self.storage.config().items()
+                if v != TableStorage("").config()[k]
             )
             + ")"
         )
@@ -229,6 +255,7 @@ _TABLE_FIELDS = (
     "sharding",
     "cache_rows",
     "store",
+    *STORAGE_ARGUMENTS,
 )
 
 
@@ -353,6 +380,21 @@ class EmbeddingCollection(keras.layers.Layer):
         check_sharding(self.name, sharding)
         self.sharding = sharding
         self.sparse_optimizer = sparse_optimizers.get(optimizer, f"Layer '{self.name}'")
+        for name, config in configs.items():
+            where = f"{self.name}' table '{name}"
+            config.storage.check_sparse(where, self.sparse_optimizer is not None)
+            strategy = sharding if config.sharding == "auto" else config.sharding
+            if config.storage.is_sixteen_bit() and strategy in ("table", "column"):
+                # Rows round by their row and column numbers in the table
+                # (`keras_sparse.ops.row_rounding`): a table-wise stack or
+                # a column shard numbers them otherwise.
+                raise ArgumentError(
+                    f"Layer '{where}': 16-bit storage (`table_dtype`/"
+                    f"`slot_dtype`) cannot be sharded {strategy!r}-wise; use "
+                    "sharding 'data', 'row' or 'auto'. Received: "
+                    f"table_dtype={config.storage.table_dtype!r}, slot_dtype="
+                    f"{config.storage.slot_dtype!r}, sharding={strategy!r}."
+                )
         # Read by the shared lookup; per-table ones are not offered.
         self.embeddings_regularizer = None
         self.embeddings_constraint = None
@@ -421,6 +463,13 @@ class EmbeddingCollection(keras.layers.Layer):
             self._stack_slots[stack_name].values()
         )
 
+    def table_storage_of(self, variable):
+        """The `TableStorage` of the stack whose table is ``variable``."""
+        for stack in self.stacks:
+            if self._stack_tables.get(stack.name) is variable:
+                return self.tables[stack.tables[0]].storage
+        return None
+
     def _stack_of(self, name):
         for stack in self.stacks:
             if name in stack.offsets:
@@ -458,6 +507,7 @@ class EmbeddingCollection(keras.layers.Layer):
                     init.assign_to(variable)
                 return variable
 
+            storage = self.tables[stack.tables[0]].storage
             table, slots = row_variables.add_table(
                 self,
                 add,
@@ -467,6 +517,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 name=stack.name,
                 slot_prefix=f"{stack.name}_",
                 scratch_name=f"{stack.name}_scratch",
+                slot_options=_dtype_argument(storage.slot_dtype),
+                **_dtype_argument(storage.table_dtype),
             )
             self._stack_tables[stack.name] = table
             self._stack_slots[stack.name] = slots

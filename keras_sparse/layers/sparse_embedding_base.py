@@ -280,6 +280,15 @@ def sparse_step(layer, training):
     return iterations
 
 
+def storage_of(layer, table):
+    """The `TableStorage` of ``table``: the layer's, or a collection's for
+    the stack the variable holds (`EmbeddingCollection.table_storage_of`)."""
+    storage = getattr(layer, "table_storage", None)
+    if storage is None and hasattr(layer, "table_storage_of"):
+        storage = layer.table_storage_of(table)
+    return storage or TableStorage(layer.name)
+
+
 def table_state(layer, table, slots):
     """The `TableState` of ``table`` (a variable of ``layer``) and its
     optimizer ``slots``."""
@@ -289,8 +298,7 @@ def table_state(layer, table, slots):
         layer.sparse_anchor,
         layer.sparse_optimizer,
         layer.embeddings_constraint,
-        # A collection (no storage settings yet) keeps its variables' dtype.
-        getattr(layer, "table_storage", TableStorage(layer.name)).stochastic_rounding,
+        storage_of(layer, table).stochastic_rounding,
     )
 
 

@@ -33,17 +33,19 @@ class TableStorage:
     """
 
     def __init__(self, layer_name, table_dtype=None, stochastic_rounding=True,
-                 slot_dtype=None):  # fmt: skip
+                 slot_dtype=None, where=None):  # fmt: skip
+        # ``where``: what errors name instead of the layer (a TableConfig).
+        where = where or f"Layer '{layer_name}'"
         for arg, value in (("table_dtype", table_dtype), ("slot_dtype", slot_dtype)):
             if value is not None and value not in STORAGE_DTYPES:
                 raise ArgumentError(
-                    f"Layer '{layer_name}': `{arg}` must be one of "
+                    f"{where}: `{arg}` must be one of "
                     f"{', '.join(repr(d) for d in STORAGE_DTYPES)} (or None: "
                     f"the layer's variable dtype). Received: {arg}={value!r}."
                 )
         if not isinstance(stochastic_rounding, bool):
             raise ArgumentError(
-                f"Layer '{layer_name}': `stochastic_rounding` must be True or "
+                f"{where}: `stochastic_rounding` must be True or "
                 f"False. Received: stochastic_rounding={stochastic_rounding!r}."
             )
         self.table_dtype = table_dtype
@@ -77,6 +79,16 @@ class TableStorage:
                 f"keeps float32 rows). Received: table_dtype="
                 f"{self.table_dtype!r}, slot_dtype={self.slot_dtype!r}."
             )
+
+    def stack_suffix(self):
+        """What tables must share to share a stacked variable (their dtype,
+        their slots' and how rows round into them), as a suffix of the
+        stack's name: empty without 16-bit storage, so that float32 stacks
+        keep their names."""
+        if not self.is_sixteen_bit():
+            return ""
+        table, slots = self.table_dtype or "float32", self.slot_dtype or "float32"
+        return f"_{table}_{slots}" + ("" if self.stochastic_rounding else "_nearest")
 
     def config(self):
         return {

@@ -27,18 +27,25 @@ benchmarks compare the two).
 
 import numpy as np
 
+from keras_sparse.ops.native_rows import KINDS
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
 from keras_sparse.ops.optimizer_rules import slot_width
+from keras_sparse.ops.row_rounding import int_seed
 
 #: Read at every update: False sends every optimizer down the torch route.
 FUSED_OPTIMIZERS = True
 
 
-def fused_update(native, optimizer, state, unique, summed, iterations, constraint):
+def fused_update(
+    native, optimizer, state, unique, summed, iterations, constraint, stochastic=True
+):
     """Updates rows ``unique`` (int64 NumPy, distinct, in range) of
-    ``state`` (``{"table": tensor, slot: tensor}``, CPU float32) in place
-    from ``summed`` (their float32 NumPy gradients) in one compiled pass.
+    ``state`` (``{"table": tensor, slot: tensor}``, CPU float32, bfloat16
+    or float16) in place from ``summed`` (their float32 NumPy gradients)
+    in one compiled pass. 16-bit arrays are widened to float32 rows, updated
+    and written back rounded as `keras_sparse.ops.row_rounding` rounds them
+    (stochastically, or to nearest with ``stochastic=False``), to the bit.
 
     Returns False, changing nothing, where the optimizer, the constraint
     or the arrays do not suit it; the caller then runs the torch route.
@@ -52,28 +59,54 @@ def fused_update(native, optimizer, state, unique, summed, iterations, constrain
     rule, slot_names = found
     if set(state) != {"table", *slot_names}:
         return False
-    tensors = [table, *(state[name] for name in slot_names)]
+    names = ["table", *slot_names]
+    tensors = [state[name] for name in names]
     if table.dim() != 2:
         return False
     slot_shape = (table.shape[0], slot_width(rule, table.shape[1]))
-    if (
-        any(
-            t.device.type != "cpu"
-            or t.dtype != table.dtype
-            or tuple(t.shape) != (tuple(table.shape) if i == 0 else slot_shape)
-            or not t.is_contiguous()
-            for i, t in enumerate(tensors)
-        )
-        or str(table.dtype) != "torch.float32"
+    dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+    if any(
+        t.device.type != "cpu"
+        or tuple(t.shape) != (tuple(table.shape) if i == 0 else slot_shape)
+        or not t.is_contiguous()
+        or dtypes[i] not in KINDS
+        for i, t in enumerate(tensors)
     ):
         return False
-    arrays = [t.detach().numpy() for t in tensors]
+    sixteen_bit = any(d != "float32" for d in dtypes)
+    if sixteen_bit and rule not in SIXTEEN_BIT_RULES:
+        return False
     # The torch route's float32 scalars, read here (free on a CPU) and
     # passed on as the same float32 values.
-    scalars = [float(x) for x in rule_scalars(optimizer, iterations, table.dtype)]
-    native.optimizer_rows(rule, arrays, unique, np.asarray(summed), scalars)
+    scalars = [float(x) for x in rule_scalars(optimizer, iterations, "float32")]
+    if sixteen_bit:
+        arrays = [(_bits(t), KINDS[d]) for t, d in zip(tensors, dtypes)]
+        step = int(iterations)
+        compact = [native.widen_rows(a, unique) for a in arrays]
+        native.optimizer_rows(
+            rule, compact, np.arange(len(unique)), np.asarray(summed), scalars
+        )
+        for name, array, rows in zip(names, arrays, compact):
+            seed = int_seed(step, name) if stochastic else None
+            native.narrow_rows(array, unique, rows, seed)
+    else:
+        arrays = [t.detach().numpy() for t in tensors]
+        native.optimizer_rows(rule, arrays, unique, np.asarray(summed), scalars)
     for tensor in tensors:
         # Writes through NumPy bypass autograd's version counter; a graph
         # that saved the table must still see it changed.
         tensor[:0].zero_()
     return True
+
+
+#: Rules whose compiled pass also serves 16-bit tables and slots.
+SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
+
+
+def _bits(tensor):
+    """A CPU tensor's memory as NumPy: float32, or uint16 for 16 bits."""
+    import torch
+
+    if tensor.dtype == torch.float32:
+        return tensor.detach().numpy()
+    return tensor.detach().view(torch.int16).numpy().view(np.uint16)

@@ -56,6 +56,13 @@ class NativeRows:
         for function, arrays, scalars in self._optimizer_rows.values():
             function.restype = None
             function.argtypes = [ptr] * (arrays + 2) + [i64, i64] + scalars
+        i32 = ctypes.c_int32
+        self._widen_rows = lib.ks_widen_rows
+        self._widen_rows.restype = None
+        self._widen_rows.argtypes = [ptr, i32, ptr, i64, i64, ptr]
+        self._narrow_rows = lib.ks_narrow_rows
+        self._narrow_rows.restype = None
+        self._narrow_rows.argtypes = [ptr, i32, ptr, ptr, i64, i64, i32, i32, i64]
 
     def distinct_sum(self, ids, valid, grads, rows, bag=1, unique=None):
         """``count``: writes the distinct valid ids (ordered by their last
@@ -166,6 +173,58 @@ class NativeRows:
             rows.shape[0], shape[1], *scalars,
         )  # fmt: skip
 
+    def widen_rows(self, array, rows):
+        """``array[rows]`` as float32 (``array`` float32, bfloat16 or
+        float16, given as a C-contiguous NumPy array of its bits: float32,
+        or uint16 with ``kind``; see `kind_of`)."""
+        data, kind = array
+        rows = self._rows_for(data, rows, "widen_rows")
+        out = np.empty((rows.shape[0], data.shape[1]), np.float32)
+        self._widen_rows(
+            data.ctypes.data, kind, rows.ctypes.data, rows.shape[0],
+            data.shape[1], out.ctypes.data,
+        )  # fmt: skip
+        return out
+
+    def narrow_rows(self, array, rows, values, seed=None, first_row=0):
+        """``array[rows] = values`` (float32) in place, in the array's kind:
+        16-bit kinds round stochastically with the int32 ``seed``
+        (`keras_sparse.ops.row_rounding`, the same bits), or to nearest
+        where ``seed`` is None."""
+        data, kind = array
+        rows = self._rows_for(data, rows, "narrow_rows")
+        values = np.ascontiguousarray(values, np.float32)
+        if values.shape != (rows.shape[0], data.shape[1]):
+            raise ValueError(
+                f"narrow_rows: {values.shape} values for {rows.shape[0]} rows "
+                f"of {data.shape}."
+            )
+        self._narrow_rows(
+            data.ctypes.data, kind, rows.ctypes.data, values.ctypes.data,
+            rows.shape[0], data.shape[1], seed is not None, int(seed or 0),
+            first_row,
+        )  # fmt: skip
+
+    @staticmethod
+    def _rows_for(data, rows, what):
+        rows = np.ascontiguousarray(rows, np.int64)
+        if (
+            data.dtype not in (np.float32, np.uint16)
+            or data.ndim != 2
+            or not data.flags.c_contiguous
+            or rows.ndim != 1
+            or (rows.size and (rows.min() < 0 or rows.max() >= data.shape[0]))
+        ):
+            raise ValueError(
+                f"{what}: rows {rows.shape} into {data.shape} ({data.dtype}) do "
+                "not fit."
+            )
+        return rows
+
+
+#: `NativeRows.widen_rows`' kinds: how the compiled code reads an array.
+KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
+
 
 def library():
     """The `NativeRows` helpers, built or loaded once per process; or None."""
@@ -187,12 +246,13 @@ def compiled_cpu_helpers():
     op of its own and JAX one XLA custom call (the same C code, built
     against the installed TensorFlow or jaxlib). Without a compiler each runs the same
     arithmetic as its own operations, about half as fast. Returns
-    ``"on: <library path>; <what it does not serve>"`` or ``"off:
+    ``"on: <library path>; <what it serves of 16-bit tables>"`` or ``"off:
     <reason>"`` for the current backend, building first if needed. The
-    compiled update serves float32 tables and slots: bfloat16 and float16
-    ones (``table_dtype``, ``slot_dtype``) take the backend's own
-    operations, which round stochastically
-    (`keras_sparse.ops.row_rounding`), as the text says.
+    compiled update serves float32, bfloat16 and float16 tables and slots
+    (``table_dtype``, ``slot_dtype``): 16-bit rows are updated in float32
+    and written back rounded as the backends' own operations round them
+    (`keras_sparse.ops.row_rounding`: stochastically, or to nearest with
+    ``stochastic_rounding=False``), to the bit.
 
     Example:
 
@@ -206,10 +266,10 @@ def compiled_cpu_helpers():
     return text
 
 
-#: What `compiled_cpu_helpers` says of the tables it does not serve.
+#: What `compiled_cpu_helpers` says of 16-bit tables.
 SIXTEEN_BIT_ROUTE = (
-    "float32 tables only: bfloat16 and float16 tables and slots take the "
-    "ops route, with stochastic rounding"
+    "float32, bfloat16 and float16 tables and slots: 16-bit rows round "
+    "stochastically (or to nearest), as the ops route rounds them"
 )
 
 

@@ -84,6 +84,16 @@ def array_seed(iterations, name):
     return mix32(ops.bitwise_xor(step, np.int32(name_salt(name))))
 
 
+def int_seed(iterations, name):
+    """`array_seed` as a Python int (signed int32), for compiled code."""
+    x = (int(iterations) ^ name_salt(name)) & 0xFFFFFFFF
+    for shift, multiplier in ((16, _MUL_1), (15, _MUL_2), (16, None)):
+        x ^= x >> shift
+        if multiplier is not None:
+            x = (x * multiplier) & 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
 class Seed:
     """What the writes of one array at one step round with: made for every
     write, computed (`array_seed`) only where a 16-bit array needs it."""

@@ -141,6 +141,15 @@ def _table_bytes_per_device(spec, strategy, num_devices):
     return math.ceil(spec.total_bytes / num_devices)
 
 
+def _sixteen_bit(spec):
+    """Whether a collection's table ``spec`` stores 16-bit values or slots."""
+    config = getattr(spec.layer, "tables", {}).get(spec.collection_table)
+    storage = getattr(config or spec.layer, "storage", None) or getattr(
+        spec.layer, "table_storage", None
+    )
+    return storage is not None and storage.is_sixteen_bit()
+
+
 def structural_problem(spec, strategy, d, processes=1):
     if strategy == "key" and not spec.hash_keys:
         return "key sharding is for DistributedHashEmbedding tables"
@@ -159,6 +168,12 @@ def structural_problem(spec, strategy, d, processes=1):
     in_collection = spec.collection_table is not None
     if strategy == "table" and spec.layer is not None and not in_collection:
         return "a whole table per device needs the table in an EmbeddingCollection"
+    if strategy in ("table", "column") and _sixteen_bit(spec):
+        return (
+            f"a 16-bit table (`table_dtype`/`slot_dtype`) is not sharded "
+            f"{strategy}-wise: its values round by their row and column "
+            'numbers in the table ("data" and "row" keep them)'
+        )
     if in_collection and strategy != "data" and not spec.sparse_update:
         # Sharded stacks are padded and re-stacked on load; a Keras
         # optimizer's state of the stacked shape would not follow.

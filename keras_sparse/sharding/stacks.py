@@ -63,6 +63,9 @@ class StackLayout:
         self.rows = int(rows)
         self.block_rows = block_rows
         self.placement = None
+        # The tables' `TableStorage` (dtypes, rounding), set by
+        # `collection_stacks`; None: the layer's variable dtype.
+        self.storage = None
 
     def variable_names(self, optimizer):
         names = [self.name]
@@ -90,7 +93,8 @@ def collection_stacks(tables, placement, num_devices):
             replicated ("data").
         num_devices: devices of the mesh (``D``).
 
-    Tables group by ``(output_dim, strategy)``, groups ordered by their first
+    Tables group by ``(output_dim, strategy)`` and storage dtypes (a
+    16-bit table's stack is named by them), groups ordered by their first
     table; a "table" stack packs each device's tables (in collection order)
     into its block of ``B`` rows. Without a distribution, on a JAX CPU
     step, each table is a stack of its own (`per_table_stacks`).
@@ -101,11 +105,19 @@ def collection_stacks(tables, placement, num_devices):
         strategy = "data" if placement is None else placement[name][0]
         # A table's own stack is named by its position: names of tables
         # could collide with another stack's slot suffixes.
-        key = (config.output_dim, strategy) + ((f"t{len(groups)}",) if split else ())
+        # Tables of different storage dtypes never share a variable, and a
+        # 16-bit table has one of its own: its rows round by their row
+        # numbers, which must be the table's own (as in a layer of its own).
+        storage = getattr(config, "storage", None)
+        suffix = storage.stack_suffix() if storage is not None else ""
+        own = split or bool(suffix)
+        key = (config.output_dim, strategy, suffix) + (
+            (f"t{len(groups)}",) if own else ()
+        )
         groups.setdefault(key, []).append(name)
     d = int(num_devices)
     stacks = []
-    for (dim, strategy, *own), names in groups.items():
+    for (dim, strategy, suffix, *own), names in groups.items():
         offsets, block = {}, None
         if strategy == "table":
             per_device = [[] for _ in range(d)]
@@ -131,8 +143,10 @@ def collection_stacks(tables, placement, num_devices):
                 rows += tables[name].input_dim
             if strategy == "row":  # an equal block per device
                 rows = padded_rows(rows, d)
-        name = f"stack_{dim}_{strategy}" + "".join(f"_{n}" for n in own)
-        stacks.append(StackLayout(name, strategy, dim, names, offsets, rows, block))
+        name = f"stack_{dim}_{strategy}{suffix}" + "".join(f"_{n}" for n in own)
+        stack = StackLayout(name, strategy, dim, names, offsets, rows, block)
+        stack.storage = getattr(tables[names[0]], "storage", None)
+        stacks.append(stack)
     return stacks
 
 

@@ -149,7 +149,7 @@ def _backward(config, residuals, cotangents):
     fused = jax_native_rows.fused_rule(optimizer, constraint, table, slots.values())
     if fused is not None and set(state) == {"table", *fused[1]}:
         updated = jax_native_rows.fused_update(
-            state, optimizer, ids, valid, grads, iterations, *fused
+            state, optimizer, ids, valid, grads, iterations, *fused, stochastic
         )
         table_out = updated.pop("table")
         return table_out, updated, None, None, None, None

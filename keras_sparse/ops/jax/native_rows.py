@@ -34,6 +34,7 @@ import numpy as np
 from keras_sparse.ops import native_build
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
+from keras_sparse.ops.row_rounding import array_seed
 
 SOURCE = "jax_rows_ffi.cc"
 #: Read when a step is traced: False sends every update down the XLA route.
@@ -47,6 +48,11 @@ PREFETCH_GATHER = None
 PREFETCH_MIN_BYTES = 16 << 20
 _RULE_CODES = {"sgd": 0, "adagrad": 1, "adam": 2, "rowwise_adagrad": 3}
 _UPDATE_TARGET = "keras_sparse_row_update"
+_UPDATE_16_TARGET = "keras_sparse_row_update_16"
+#: Rules whose call also serves bfloat16 and float16 tables and slots
+#: (`jax_rows_ffi.cc`'s RowUpdate16 runs these passes of cpu_rows.c).
+SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
+_STORAGE = ("float32", "bfloat16", "float16")
 _GATHER_TARGET = "keras_sparse_gather_rows"
 
 
@@ -67,6 +73,7 @@ def _register(path):
     lib = ctypes.CDLL(str(path))
     for target, symbol in (
         (_UPDATE_TARGET, lib.KerasSparseRowUpdate),
+        (_UPDATE_16_TARGET, lib.KerasSparseRowUpdate16),
         (_GATHER_TARGET, lib.KerasSparseGatherRows),
     ):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
@@ -120,28 +127,38 @@ def _on_local_cpu(*arrays):
 def fused_rule(optimizer, constraint, table, slots=()):
     """``(rule, slot names)`` when the update of ``table`` (an array or a
     variable's value) and its ``slots`` by ``optimizer`` runs as the custom
-    call (float32 arrays only: 16-bit ones take the ops route, which rounds
-    stochastically); else None. Builds the library on first use."""
+    call (float32, bfloat16 or float16 arrays: 16-bit ones round as
+    `keras_sparse.ops.row_rounding` does, to the bit); else None. Builds
+    the library on first use."""
     found = rule_of(optimizer)
     if not FUSED_OPTIMIZERS or constraint is not None or found is None:
         return None
-    if np.dtype(table.dtype) != np.float32 or len(table.shape) != 2:
+    dtypes = [_dtype_name(a) for a in (table, *slots)]
+    if any(d not in _STORAGE for d in dtypes) or len(table.shape) != 2:
         return None
-    if any(np.dtype(s.dtype) != np.float32 for s in slots):
+    if any(d != "float32" for d in dtypes) and found[0] not in SIXTEEN_BIT_RULES:
         return None
     if not _on_local_cpu(table) or library() is None:
         return None
     return found
 
 
-def fused_update(state, optimizer, ids, valid, grads, iterations, rule, slot_names):
+def _dtype_name(array):
+    return jnp.dtype(array.dtype).name
+
+
+def fused_update(
+    state, optimizer, ids, valid, grads, iterations, rule, slot_names,
+    stochastic=True,
+):  # fmt: skip
     """``{name: array}``: ``state`` (``{"table": [rows, dim], slot: ...}``,
-    float32) with the rows ``ids[valid]`` updated by ``optimizer`` from the
-    per-position ``grads``, as one custom call whose results alias the
-    arrays. ``rule``, ``slot_names``: from `fused_rule`. An id outside the
-    table raises when the call runs, having written no row (the layers
-    mark such ids invalid first; a step that donated its state has lost
-    it either way)."""
+    float32, bfloat16 or float16) with the rows ``ids[valid]`` updated by
+    ``optimizer`` from the per-position ``grads``, as one custom call whose
+    results alias the arrays (16-bit ones rounded as `row_rounding` rounds,
+    stochastically where ``stochastic``). ``rule``, ``slot_names``: from
+    `fused_rule`. An id outside the table raises when the call runs,
+    having written no row (the layers mark such ids invalid first; a step
+    that donated its state has lost it either way)."""
     names = ["table", *slot_names]
     arrays = [state[name] for name in names]
     scalars = jnp.stack(
@@ -157,6 +174,22 @@ def fused_update(state, optimizer, ids, valid, grads, iterations, rule, slot_nam
         scalars,
         *arrays,
     )
+    if any(_dtype_name(a) != "float32" for a in arrays):
+        # The 16-bit call takes each array's int32 seed after the scalars.
+        stochastic = stochastic and iterations is not None
+        seeds = jnp.stack(
+            [array_seed(iterations if stochastic else 0, name) for name in names]
+        )
+        updated = jax.ffi.ffi_call(
+            _UPDATE_16_TARGET,
+            [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+            input_output_aliases={5 + i: i for i in range(len(arrays))},
+            vmap_method="sequential",
+        )(
+            *inputs[:4], seeds, *arrays, rule=np.int32(_RULE_CODES[rule]),
+            stochastic=np.int32(bool(stochastic)),
+        )  # fmt: skip
+        return dict(zip(names, updated))
     first_array = 4  # the arrays follow ids, valid, grads and scalars
     updated = jax.ffi.ffi_call(
         _UPDATE_TARGET,

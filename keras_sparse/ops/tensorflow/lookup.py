@@ -104,7 +104,7 @@ def _static_shape_update(
 
 def _fused_update(
     state, optimizer, ids, valid, grads, iterations, first, rows, constraint,
-    segments,
+    segments, stochastic=True,
 ):  # fmt: skip
     """`tf_native_rows.fused_update`; with the input stage's ``segments``,
     of the distinct ids they number (each once, so the op's own dedup
@@ -114,8 +114,9 @@ def _fused_update(
         ids, grads = tf_row_updates.distinct_sums(ids, valid, grads, rows, segments)
         valid = tf.ones_like(ids, tf.bool)
     return tf_native_rows.fused_update(
-        state, optimizer, ids, valid, grads, iterations, first, rows, constraint
-    )
+        state, optimizer, ids, valid, grads, iterations, first, rows, constraint,
+        stochastic,
+    )  # fmt: skip
 
 
 def lookup(state: TableState, batch: LookupBatch):
@@ -182,6 +183,7 @@ def lookup(state: TableState, batch: LookupBatch):
                         fused = _fused_update(
                             variables, optimizer, part_ids, part_valid, part_grads,
                             iterations, first, end - first, constraint, segments,
+                            state.stochastic_rounding,
                         )  # fmt: skip
                     writes += [fused] if fused is not None else (
                         tf_row_updates.apply_row_updates(

@@ -26,6 +26,7 @@ import tensorflow as tf
 from keras_sparse.ops import native_build
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
+from keras_sparse.ops.row_rounding import array_seed
 
 SOURCE = "tf_rows_op.cc"
 #: Read when a step is traced: False sends every update down the graph route.
@@ -83,8 +84,9 @@ def status():
 
 
 def fused_update(
-    state, optimizer, ids, valid, grads, iterations, first, rows, constraint
-):
+    state, optimizer, ids, valid, grads, iterations, first, rows, constraint,
+    stochastic=True,
+):  # fmt: skip
     """The update of rows ``[first, first + rows)`` of ``state``
     (``{"table": tf.Variable, slot: tf.Variable}``) from ``ids`` (int32,
     relative to ``first``), ``valid`` and per-position ``grads``, as one
@@ -92,7 +94,9 @@ def fused_update(
     the update); or None, having run nothing, where the optimizer, the
     constraint, the dtypes or the build do not suit it, and the caller
     runs the graph route. An id outside ``[0, rows)`` raises, changing
-    no row.
+    no row. bfloat16 and float16 variables take the 16-bit op, which
+    rounds as `keras_sparse.ops.row_rounding` does (stochastically where
+    ``stochastic``), to the bit.
     """
     found = rule_of(optimizer)
     if not FUSED_OPTIMIZERS or constraint is not None or found is None:
@@ -100,7 +104,7 @@ def fused_update(
     rule, slot_names = found
     variables = [state["table"], *(state.get(name) for name in slot_names)]
     if set(state) != {"table", *slot_names} or any(
-        v.dtype != tf.float32 or len(v.shape) != 2 or not _usable_variable(v)
+        v.dtype not in _STORAGE or len(v.shape) != 2 or not _usable_variable(v)
         for v in variables
     ):
         return None
@@ -109,11 +113,30 @@ def fused_update(
     scalars = tf.stack(
         [tf.cast(x, tf.float32) for x in rule_scalars(optimizer, iterations, "float32")]
     )
-    return library().keras_sparse_row_update(
+    args = (
         [v.handle for v in variables], tf.cast(ids, tf.int32),
-        tf.cast(valid, tf.bool), grads, scalars, rule=rule, first=int(first),
-        rows=int(rows),
+        tf.cast(valid, tf.bool), grads, scalars,
     )  # fmt: skip
+    if all(v.dtype == tf.float32 for v in variables):
+        return library().keras_sparse_row_update(
+            *args, rule=rule, first=int(first), rows=int(rows)
+        )
+    if rule not in SIXTEEN_BIT_RULES:
+        return None
+    stochastic = bool(stochastic) and iterations is not None
+    names = ["table", *slot_names]
+    seeds = tf.stack(
+        [array_seed(iterations if stochastic else 0, name) for name in names]
+    )
+    return library().keras_sparse_row_update16(
+        *args, seeds, rule=rule, first=int(first), rows=int(rows),
+        stochastic=stochastic,
+    )  # fmt: skip
+
+
+#: Rules whose op also serves bfloat16 and float16 tables and slots.
+SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
+_STORAGE = (tf.float32, tf.bfloat16, tf.float16)
 
 
 def gather_rows(table, ids, valid):

@@ -115,7 +115,7 @@ def apply_row_updates(
         native = native_rows.library() if _usable(table, summed) else None
     if native is not None and native_optimizers.fused_update(
         native, optimizer, state, unique.numpy(), summed.numpy(), iterations,
-        constraint,
+        constraint, stochastic,
     ):  # fmt: skip
         return
     # The optimizer's math runs in float32 for 16-bit arrays too.
@@ -143,10 +143,15 @@ def compiled_route(table, grads, segments=None):
     return None
 
 
-def _usable(*tensors):
-    """True where every tensor is float32 on the CPU (what the compiled
-    helpers take)."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+def _usable(table, grads):
+    """True where both are on the CPU, the gradients float32 and the table
+    float32, bfloat16 or float16 (what the compiled helpers take)."""
+    return (
+        table.device.type == "cpu"
+        and grads.device.type == "cpu"
+        and table.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and grads.dtype == torch.float32
+    )
 
 
 def _distinct_sum(ids, valid, grads, scratch, segments, num_rows):
