@@ -12,12 +12,10 @@ Design: a dedicated cache for a fixed vocabulary, no hash table. Its host
 map (`keras_sparse.layers.row_storage.dense_slots`) is direct: an int32
 slot per id and an id per slot, so a step maps its ids with a few
 vectorized NumPy passes over the batch; CLOCK picks the victims, never a
-slot the batch uses. A training step then runs three parts:
+slot the batch uses. A training step runs three parts:
 
-- the mapping, on the host (an ordered ``io_callback`` in a compiled JAX
-  step, a ``tf.numpy_function`` in a TensorFlow graph, a direct call in
-  eager steps): ids -> slots, with the slots given to new ids flagged and
-  their victims recorded as a plan;
+- the mapping, on the host: ids -> slots, the slots given to new ids
+  flagged and their victims recorded as a plan;
 - the moves (`keras_sparse.layers.row_storage.dense_moves`), through the
   in-step glue the hash layer's store uses too
   (`keras_sparse.layers.row_moves.move_rows`): each victim's row (values
@@ -27,6 +25,12 @@ slot the batch uses. A training step then runs three parts:
 - the layer's ordinary sparse lookup and update (`SparseEmbeddingBase`) on
   the ``[C, dim]`` variables, at the slots.
 
+The two host parts are direct calls in eager steps, ``tf.numpy_function``s
+in a TensorFlow graph, and in a compiled JAX step in-place buffer callbacks
+where the step runs on one CPU device and calls the owner once (no host
+copies, and JAX keeps its fast dispatch: an ordered ``io_callback`` costs
+milliseconds a step), ordered ``io_callback``s otherwise (`CacheRows._route`).
+
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the
 cache changes (a compiled step aborts with that error), and so does a
@@ -34,12 +38,14 @@ batch with more distinct ids than ``cache_rows``. Read-only calls
 (inference) map ids without changing the cache and read the ids it does
 not hold from the store (`row_moves.read_stored`). The store is
 initialized from the layer's ``embeddings_initializer`` chunk by chunk
-(`initial_rows`): each id's vector is a function of (seed, id) only, so no
-chunk depends on another and no full-size temporary exists.
+(`keras_sparse.layers.row_storage.cache_store`): each id's vector is a
+function of (seed, id) only, so no chunk depends on another and no
+full-size temporary exists.
 
-The full table (store rows overridden by the cached rows) is what
-`get_weights`, ``model.save`` and `set_weights`/``load_model`` see.
-``model.save`` streams it chunk by chunk into the file's asset files
+The full table (store rows overridden by the cached rows,
+`keras_sparse.layers.row_storage.cache_state`) is what `get_weights`,
+``model.save`` and `set_weights`/``load_model`` see. ``model.save`` streams
+it chunk by chunk into the file's asset files
 (`keras_sparse.layers.store_assets`; memory bounded by a chunk) and
 ``load_model`` streams it back; `get_weights` and ``save_weights`` gather it
 in host memory (the entries of a layer without a cache, so weight files
@@ -61,21 +67,13 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
-from keras_sparse.layers.hash.keyed_fresh_rows import key_values
-from keras_sparse.layers.hash.keyed_fresh_rows import per_key
-from keras_sparse.layers.record_checks import checked_step_count
-from keras_sparse.layers.row_storage.cache_checks import check_initializer
-from keras_sparse.layers.row_storage.dense_moves import DenseMoves
+from keras_sparse.layers.row_storage import cache_store
+from keras_sparse.layers.row_storage.cache_state import CacheState
 from keras_sparse.layers.row_storage.dense_slots import DenseSlots
-from keras_sparse.layers.row_tier import VALUES
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
-from keras_sparse.table.sharded_table import key_words
-
-#: Bytes of rows written to the store per call when a whole table is set.
-_WRITE_BYTES = 64 << 20
 
 
-class CacheRows(SparseEmbeddingBase):
+class CacheRows(CacheState, SparseEmbeddingBase):
     """The cache variables, id map and dense store of a table with
     ``cache_rows`` (see the module). The class name places its asset files
     in a model file (``cache_rows``), as files saved before expect."""
@@ -131,7 +129,7 @@ class CacheRows(SparseEmbeddingBase):
         if self.built:
             return
         self.embeddings = self._build_table()
-        self.row_tier = _dense_tier(self)
+        self.row_tier = cache_store.open_store(self)
         self.built = True
 
     # ---------------------------------------------------------------- call
@@ -233,12 +231,6 @@ class CacheRows(SparseEmbeddingBase):
         return np.asarray(ids, np.int64)
 
     # ---------------------------------------------------------------- state
-    def _host_state(self):
-        """NumPy copies of the cache's variables ("table" / slot name)."""
-        state = {"table": ops.convert_to_numpy(self.embeddings)}
-        state.update({k: ops.convert_to_numpy(v) for k, v in self.slots.items()})
-        return state
-
     def stats(self):
         """The cache's counters (``hits``/``misses`` of the ids of training
         calls, a repeat within a call being a hit; ``evictions``), ``size``
@@ -251,192 +243,9 @@ class CacheRows(SparseEmbeddingBase):
         out.update(self.row_tier.stats())
         return out
 
-    def export(self):
-        """The whole table as records: ``{"keys": every id, "values",
-        <slot name>...}`` (`full_table`)."""
-        table = self.full_table()
-        out = {"keys": np.arange(self.input_dim, dtype=np.int64)}
-        out["values"] = table.pop(VALUES)
-        out.update(table)
-        return out
-
-    def flush_store(self):
-        """Writes the cached rows down to the store, empties the cache and
-        flushes the store (it then holds the whole trained table)."""
-        tier = self.row_tier
-        with tier.lock:
-            if tier.pending():
-                raise ValueError(
-                    f"Layer '{self.owner_name}': flush_store(): "
-                    f"{tier.pending()} batch(es) were mapped but not trained."
-                )
-            ids, slots = self.slot_map.cached()
-            if ids.size:
-                state = self._host_state()
-                out = {VALUES: state["table"][slots]}
-                out.update({name: state[name][slots] for name in self.slots})
-                tier.store.write(ids, out)
-            self.slot_map.clear()
-            tier.store.flush()
-
-    # The owner saves the full table; this layer's variables are its cache.
-    def save_own_variables(self, store):
-        pass
-
-    def load_own_variables(self, store):
-        pass
-
-    # A model save: the full table into the asset files, chunk by chunk.
-    def save_assets(self, dir_path):
-        from keras_sparse.layers import store_assets
-
-        tier = self.row_tier
-        if tier is None or not store_assets.expected():
-            return  # unbuilt: no store, nothing trained to save
-        fields = tier.store.fields
-        with tier.lock:
-            ids, slots = self.slot_map.cached()
-            state = self._host_state() if ids.size else {}
-            chunks = _overridden(
-                tier.store.chunks(store_assets.rows_per_chunk(fields)),
-                ids,
-                slots,
-                {VALUES: "table", **{n: n for n in self.slots}},
-                state,
-            )
-            store_assets.save(self.owner_name, fields, chunks, self.input_dim, dir_path)
-
-    def load_assets(self, dir_path):
-        from keras_sparse.layers import store_assets
-
-        expected, self.table_in_assets = getattr(self, "table_in_assets", None), None
-        if expected is None:
-            return
-        saved = store_assets.saved_rows(dir_path)
-        if saved != self.input_dim:
-            raise ValueError(
-                f"Layer '{self.owner_name}': the file's asset files hold {saved} "
-                f"rows of its table (None: none), not input_dim="
-                f"{self.input_dim}; the file is incomplete."
-            )
-        tier = self.row_tier
-        with tier.lock:
-            tier.drop_plans()
-            self.slot_map.clear()
-            store_assets.load(
-                self.owner_name, tier.store.fields, dir_path, tier.store.write
-            )
-
-    def full_table(self):
-        """``{"values" | slot name: [input_dim, width]}``: the store's rows
-        overridden by the cached ones (gathered in host memory)."""
-        tier = self.row_tier
-        with tier.lock:
-            fields = tier.store.fields
-            out = {f.name: np.empty((self.input_dim, f.width), f.dtype) for f in fields}
-            for ids, rows in tier.store.chunks():
-                for f in fields:
-                    out[f.name][ids] = rows[f.name]
-            ids, slots = self.slot_map.cached()
-            if ids.size:
-                state = self._host_state()
-                out[VALUES][ids] = state["table"][slots]
-                for name in self.slots:
-                    out[name][ids] = state[name][slots]
-        return out
-
-    def write_table(self, arrays, iterations=None):
-        """Sets the full table (``arrays`` as `full_table` gives, NumPy or
-        anything sliceable): into the store chunk by chunk; the cache is
-        emptied (every id is filled from the store when next trained)."""
-        tier = self.row_tier
-        fields = tier.store.fields
-        step = max(1, _WRITE_BYTES // sum(f.row_bytes for f in fields))
-        with tier.lock:
-            tier.drop_plans()
-            self.slot_map.clear()
-            for first in range(0, self.input_dim, step):
-                end = min(first + step, self.input_dim)
-                rows = {f.name: np.asarray(arrays[f.name][first:end]) for f in fields}
-                tier.store.write(np.arange(first, end, dtype=np.int64), rows)
-        if iterations is not None:
-            value = checked_step_count(
-                self.owner_name, np.asarray(iterations), self.sparse_iterations
-            )
-            self.sparse_iterations.assign(value)
-
 
 def _in_shape_inference():
     """True inside Keras' ``compute_output_spec`` (placeholder values)."""
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
-
-
-def _dense_tier(cache):
-    """The `DenseMoves` over a new dense store of ``cache``'s full table."""
-    from keras_sparse import store as row_stores
-
-    dim = cache.output_dim
-    fields = [row_stores.FieldSpec(VALUES, dim, _dtype(cache.embeddings))]
-    for name, var in cache.slots.items():
-        fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
-    init = initial_rows(cache, fields)
-    store = cache.spec.open_dense(
-        tuple(fields), cache.input_dim, init, name=cache.store_name
-    )
-    return DenseMoves(cache.owner_name, store, cache.slots)
-
-
-def _overridden(chunks, keys, rows, names, state):
-    """``chunks`` of a dense store with the rows of the cached ids ``keys``
-    (ascending; at cache ``rows``) taken from ``state`` ({``names``[field]:
-    host array}): the full table, chunk by chunk."""
-    for ids, got in chunks:
-        if keys.size:
-            at = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
-            hit = keys[at] == ids
-            if hit.any():
-                got = {name: np.array(value) for name, value in got.items()}
-                for field, name in names.items():
-                    got[field][hit] = state[name][rows[at[hit]]]
-        yield ids, got
-
-
-def initial_rows(cache, fields):
-    """``initializer(first, end)`` of the dense store: the rows of ids
-    ``[first, end)``. Values: per id from (seed, id) for random
-    initializers (`keyed_fresh_rows`, with the fans of the whole
-    ``[input_dim, dim]`` table), a constant's value otherwise; slots: their
-    initial values."""
-    init = cache.store_initializer
-    check_initializer(f"Layer '{cache.owner_name}'", init)
-    dim, num_rows = cache.output_dim, cache.input_dim
-    values_dtype = next(f.dtype for f in fields if f.name == VALUES)
-    seed = getattr(init, "seed", None)
-    if not isinstance(seed, (int, np.integer)):
-        seed = int(np.random.default_rng(seed=None).integers(1, 2**31 - 1))
-    slot_values = {
-        spec.name: spec.initial_value for spec in cache.sparse_optimizer.slot_specs()
-    }
-
-    def rows(first, end):
-        n = end - first
-        if per_key(init):
-            words = key_words(np.arange(first, end, dtype=np.int64))
-            values = key_values(
-                init, words, dim, values_dtype, int(seed), (num_rows, dim)
-            )
-        else:
-            values = init((n, dim), dtype=values_dtype)
-        out = {VALUES: ops.convert_to_numpy(values)}
-        for f in fields:
-            if f.name != VALUES:
-                out[f.name] = np.full((n, f.width), slot_values[f.name], f.dtype)
-        return out
-
-    return rows
-
-
-def _dtype(variable):
-    return np.dtype(str(variable.dtype).split(".")[-1]).name
