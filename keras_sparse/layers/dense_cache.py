@@ -168,8 +168,9 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         def host(ids, used):
             ids = np.asarray(ids).reshape(-1)
             used = np.asarray(used, bool).reshape(-1)
-            if not insert:
-                slots = self.slot_map.lookup(ids, used)
+            if not insert:  # inference threads may read while a step maps
+                with self.row_tier.lock:
+                    slots = self.slot_map.lookup(ids, used)
                 return slots, np.zeros(slots.shape, bool)
             with self.row_tier.lock:
                 slots, fill, evicted = self.slot_map.assign(ids, used)
