@@ -212,17 +212,12 @@ def test_initial_table_does_not_depend_on_chunks(monkeypatch):
     np.testing.assert_array_equal(whole[1], 0)  # Adam's slots start at 0
 
 
-def test_a_batch_without_cache_rows_for_all_ids_raises(monkeypatch):
-    from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
-
+def test_a_batch_without_cache_rows_for_all_ids_raises():
     layer = ks.AllToAllDenseEmbedding(300, 3, cache_rows=64, optimizer="sgd")
-    mapped = DistributedHashEmbedding._table_rows
-
-    def overflowing(self, *args, **kwargs):
-        rows, fresh = mapped(self, *args, **kwargs)
-        rows[0] = -1  # as the table leaves an id whose buckets are full
-        return rows, fresh
-
-    monkeypatch.setattr(DistributedHashEmbedding, "_table_rows", overflowing)
+    layer(np.arange(40).reshape(20, 2), training=True)
+    before, counts = layer.get_weights(), layer.stats()
     with pytest.raises(RuntimeError, match="found no cache row"):
-        layer(np.array([[1, 2]]), training=True)
+        layer(np.arange(100, 230).reshape(65, 2), training=True)  # 130 > 64
+    assert layer.stats() == counts
+    for a, b in zip(layer.get_weights(), before):
+        np.testing.assert_array_equal(a, b)

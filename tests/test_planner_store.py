@@ -1,7 +1,6 @@
 """The planner with row stores: the device holds a cache, the store the
 table; the plan counts each level and sizes caches for a memory budget."""
 
-import math
 from collections import Counter
 
 import keras
@@ -45,12 +44,10 @@ def nbytes(layer, names):
 
 
 def hand_cache_bytes(cache_rows, bytes_per_row):
-    """A cache's device bytes from the layer's documented shapes: whole
-    buckets of 16 (at least 4), values and slots, and the serving map
-    (key words and row per row, a directory of 2**ceil(log2 rows) + 1)."""
-    rows = max(math.ceil(cache_rows / 16), 4) * 16
-    directory = 2 ** math.ceil(math.log2(rows)) + 1
-    return rows * bytes_per_row + (3 * rows + directory) * 4
+    """A fixed vocabulary's cache's device bytes from the layer's documented
+    shapes: values and slots of exactly ``cache_rows`` rows (no serving map:
+    its ids are mapped on the host)."""
+    return cache_rows * bytes_per_row
 
 
 @pytest.mark.parametrize("make", [dense, hashed])
@@ -73,7 +70,7 @@ def test_dense_store_bytes_are_the_store_rows():
     layer.build((None,))
     store = layer.row_cache.row_tier.store
     spec = TableSpec.from_layer(layer)
-    assert spec.rows == 3000 and spec.device_rows == 304
+    assert spec.rows == 3000 and spec.device_rows == 300  # cache_rows exactly
     assert spec.store_bytes == (store._rows.nbytes, 0)
     on_disk = TableSpec.from_layer(dense(store=ks.store.Disk("unused")))
     assert on_disk.store_bytes == (0, store._rows.nbytes)  # no keys: ids
@@ -135,7 +132,7 @@ def test_plan_sizes_a_cache_that_does_not_fit():
     left = budget - TableSpec.from_layer(other).total_bytes
     c = ks.propose_cache_rows(big, left)
     assert p["big"].cache_rows == c and c < 50_000
-    assert p["big"].spec.device_rows == plan_store.cache_capacity(c)
+    assert p["big"].spec.device_rows == c
     bpr = TableSpec.from_layer(big).bytes_per_row
     assert p["big"].bytes_per_device == hand_cache_bytes(c, bpr)
     assert max(p.device_bytes) <= budget

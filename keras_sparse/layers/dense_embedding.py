@@ -5,7 +5,6 @@ import numpy as np
 from keras import ops
 
 from keras_sparse.backend_utils import is_tf_ragged
-from keras_sparse.layers import dense_cache
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
@@ -13,6 +12,7 @@ from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_storage import cache as cached_rows
+from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
 from keras_sparse.layers.table_storage import TableStorage
@@ -105,8 +105,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             "table", "row", "column").
         cache_rows: None (the table lives in the layer's variables) or a
             positive int <= ``input_dim``: the variables then hold that many
-            rows (values and slots; the hash table rounds it up to whole
-            buckets of 16, at least 64), a cache of the ids trained lately,
+            rows (values and slots), a cache of the ids trained lately,
             and the whole table lives in ``store``. Needs a sparse
             ``optimizer``; training is exact (see
             `keras_sparse.layers.dense_cache`). ``layer.stats()`` reports the
@@ -169,7 +168,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         _check_positive_int(name, "output_dim", output_dim)
         store_spec = None
         if cache_rows is not None or store is not None:
-            store_spec = dense_cache.check_arguments(
+            store_spec = cache_checks.check_arguments(
                 f"Layer '{name}'", input_dim, cache_rows, store, optimizer, sharding,
                 mask_zero=mask_zero, lora_rank=lora_rank,
                 quantization_config=quantization_config,
@@ -204,7 +203,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         self.store = store_spec
         self.row_cache = None
         if store_spec is not None:
-            dense_cache.check_initializer(
+            cache_checks.check_initializer(
                 f"Layer '{self.name}'", self.embeddings_initializer
             )
             # The cache's variables, id map and store (built with the layer).
@@ -222,6 +221,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 dtype=self.dtype_policy,
                 name=f"{self.name}_cache",
                 store_name=self.name,
+                owner=self,
             )
             # Host callbacks: no XLA in TensorFlow graphs, eager torch steps.
             self.supports_jit = keras.backend.backend() == "jax"
@@ -284,11 +284,11 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         return keras.layers.Embedding.embeddings.fget(self)
 
     def stats(self):
-        """With ``cache_rows``: the cache's counters (see
-        `DistributedHashEmbedding.stats`: ``hits``/``misses`` of ids,
-        ``evictions``) and its store's: ``fills`` (rows read into the
-        cache), ``write_backs``, ``store_hits`` (ids read from the store in
-        inference), ``store_size``, ``store_bytes``."""
+        """With ``cache_rows``: the cache's counters (``hits``/``misses``
+        of ids, ``evictions``, ``size``, ``capacity``) and its store's:
+        ``fills`` (rows read into the cache), ``write_backs``,
+        ``store_hits`` (ids read from the store in inference),
+        ``store_size``, ``store_bytes``."""
         if self.row_cache is None:
             raise ValueError(
                 f"Layer '{self.name}': stats() reports the counters of a "

@@ -440,6 +440,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 dtype=self.dtype_policy,
                 name=f"{self.name}_{name}_cache",
                 store_name=f"{self.name}/{name}",
+                owner=self,
             )
         return caches
 

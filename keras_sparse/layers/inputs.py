@@ -146,7 +146,14 @@ def cast_float_ids(layer_name, ids):
 
 
 def fixed_vocabulary_ids(
-    layer_name, inputs, weights, input_dim, combiner, mask_zero=False, cast=False
+    layer_name,
+    inputs,
+    weights,
+    input_dim,
+    combiner,
+    mask_zero=False,
+    cast=False,
+    in_range=True,
 ):
     """``(ids, weights, valid)`` of a fixed-vocabulary lookup of any input form.
 
@@ -154,6 +161,8 @@ def fixed_vocabulary_ids(
     out-of-range ids (raising `check_range_eagerly` in eager calls), ragged
     or sparse gaps, weight 0 and, with a combiner and ``mask_zero``, id 0.
     ``cast``: integral float ids are accepted (`cast_float_ids`).
+    ``in_range=False`` leaves out-of-range ids valid, for a caller that
+    raises on them inside the step (a table cached over a row store).
     """
     if cast:
         inputs = cast_float_ids(layer_name, inputs)
@@ -165,6 +174,8 @@ def fixed_vocabulary_ids(
         present = None if present is None else ops.expand_dims(present, -1)
     check_range_eagerly(layer_name, ids, present, 0, input_dim)
     valid = ops.logical_and(ids >= 0, ids < input_dim)
+    if not in_range:
+        valid = ops.ones_like(valid)
     if present is not None:
         valid = ops.logical_and(valid, present)
     if combiner is not None and mask_zero:

@@ -18,10 +18,13 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.ops import backend_module
 
 
-def move_rows(layer, rows, fresh):
+def move_rows(layer, rows, fresh, route="io_callback"):
     """Bool ``[n]``: the fresh positions of flat ``rows`` whose rows the
     layer's store filled (their values and slots are written; the others
-    are for the caller to initialize)."""
+    are for the caller to initialize). ``route``: how a compiled JAX step
+    reaches the host, "io_callback" or "cpu_buffers" (an in-place buffer
+    callback, for a layer called once by a step on one CPU device; see
+    `keras_sparse.layers.hash.jax_step_mapping.choose_route`)."""
     tier = layer.row_tier
     variables = {"table": layer.embeddings, **layer.slots}
     safe = ops.where(fresh, rows, ops.zeros_like(rows))
@@ -44,6 +47,8 @@ def move_rows(layer, rows, fresh):
     if not is_symbolic(rows):
         out = host(*(ops.convert_to_numpy(a) for a in args))
         filled, *fills = (ops.convert_to_tensor(x) for x in out)
+    elif route == "cpu_buffers" and keras.backend.backend() == "jax":
+        filled, *fills = _jax_buffer_hop(host, args)
     else:
         filled, *fills = _HOPS[keras.backend.backend()](host, args)
     _write_rows(variables, rows, filled, dict(zip(names, fills)))
@@ -56,6 +61,32 @@ def _jax_hop(host, args):
     shapes = [jax.ShapeDtypeStruct(args[1].shape, "bool")]
     shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
     return jax.experimental.io_callback(host, shapes, *args, ordered=True)
+
+
+def _jax_buffer_hop(host, args):
+    """`_jax_hop` by an in-place buffer callback: no host copies and no
+    ordering token, so the step keeps JAX's fast dispatch (an ordered
+    ``io_callback`` costs milliseconds a step). Declared free of side
+    effects, as the hash layer's mapping callback is (the step consumes
+    the filled rows, so the callback runs once per step, in step order),
+    except where Keras rematerializes the call."""
+    import jax
+
+    from keras_sparse.layers.hash.jax_step_mapping import _rematerializing
+    from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
+
+    shapes = [jax.ShapeDtypeStruct(args[1].shape, "bool")]
+    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
+
+    def callback(ctx, outputs, *inputs):
+        got = host(*(np.asarray(x) for x in inputs))
+        for out, value in zip(outputs, got):
+            np.asarray(out)[...] = value
+
+    hop = buffer_callback_or_none()(
+        callback, shapes, has_side_effect=_rematerializing()
+    )
+    return hop(*args)
 
 
 def _tf_hop(host, args):

@@ -82,12 +82,9 @@ class UndoCollector:
 class RowTier:
     """The row store under one hash layer's table, and its pending moves."""
 
-    def __init__(self, layer_name, store, slot_names, dense=False):
+    def __init__(self, layer_name, store, slot_names):
         self.layer_name = layer_name
         self.store = store
-        # A dense store holds every id (a fixed vocabulary): a fill leaves
-        # the id's stored row in place, and exports take the cached row.
-        self.dense = bool(dense)
         self.scored = any(f.name == SCORE for f in store.fields)
         self.slot_names = tuple(slot_names)
         self.plans = deque()
@@ -292,7 +289,7 @@ class RowTier:
             table_keys = self.table_keys()
         with self.lock:
             size = int(self.store.size)
-            if self.dense or table_keys is None or not size:
+            if table_keys is None or not size:
                 return size
             keys = np.asarray(table_keys, np.int64).reshape(-1)
             return size - int(np.count_nonzero(self.store.contains(keys)))

@@ -105,10 +105,11 @@ def propose_cache_rows(layer_or_spec, device_bytes_budget, devices=1, strategy="
     ``capacity`` of a `DistributedHashEmbedding`) of a table with a row
     store whose bytes per device fit ``device_bytes_budget``.
 
-    The bytes counted are `plan`'s: the cache's rows, rounded up to whole
-    buckets as its hash table does (`plan_store.cache_capacity`), of values
-    and optimizer slots (split over ``devices`` for ``strategy="row"``),
-    plus its serving map (on every device). At most the table's rows (a
+    The bytes counted are `plan`'s: the cache's rows (a hash layer's
+    rounded up to whole buckets as its hash table does,
+    `plan_store.cache_capacity`), of values and optimizer slots (split over
+    ``devices`` for ``strategy="row"``), plus a hash layer's serving map
+    (on every device). At most the table's rows (a
     hash layer: the keys of a `TableSpec`, else its capacity); 0 when not
     even the smallest cache fits.
 

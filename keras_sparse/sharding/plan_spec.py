@@ -97,18 +97,18 @@ class TableSpec:
         return plan_store.store_bytes(self)
 
     def with_cache(self, cache_rows):
-        """A copy whose device holds a cache of ``cache_rows`` rows (rounded
-        up to whole buckets, as the layer's hash table does)."""
+        """A copy whose device holds a cache of ``cache_rows`` rows (a hash
+        layer's rounded up to whole buckets, as its hash table does)."""
         out = copy.copy(self)
-        out.device_rows = plan_store.cache_capacity(cache_rows)
+        out.device_rows = plan_store.cache_capacity(cache_rows, self.hash_keys)
         return out
 
     @property
     def serving_map_bytes(self):
-        """A hash layer's (or a cache's) serving map (key words, rows and
-        bucket directory, int32), replicated on every device whatever the
-        strategy."""
-        if not (self.hash_keys or self.store):
+        """A hash layer's serving map (key words, rows and bucket
+        directory, int32), replicated on every device whatever the
+        strategy. A fixed vocabulary's cache has none (its host maps ids)."""
+        if not self.hash_keys:
             return 0
         directory = 2 ** serving_map.directory_bits(self.device_rows) + 1
         return (self.device_rows * _SERVING_MAP_ROW_INTS + directory) * 4
@@ -117,7 +117,7 @@ class TableSpec:
     def from_layer(cls, layer, num_keys=None):
         """The spec of a one-table layer. With a store: ``device_rows`` is
         the cache's (a hash layer's ``capacity``, an `AllToAllDenseEmbedding`'s
-        ``cache_rows`` rounded to whole buckets) and ``rows`` all rows: a
+        ``cache_rows``) and ``rows`` all rows: a
         dense layer's ``input_dim``, a hash layer's ``num_keys`` (the
         distinct keys expected; default: its capacity)."""
         opt = getattr(layer, "sparse_optimizer", None)

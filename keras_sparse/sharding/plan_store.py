@@ -3,11 +3,12 @@ store, what each level holds, and the largest cache a budget allows.
 
 A table with a row store (``DistributedHashEmbedding(store=...)``,
 ``AllToAllDenseEmbedding(cache_rows=C, store=...)``) holds on the device a
-cache of ``device_rows`` rows (values and optimizer slots) and, like every
-hash layer, a serving map over them; the whole table lives one level down.
-Every cache is a hash table's rows, so a cache of ``C`` rows holds
+cache of ``device_rows`` rows (values and optimizer slots) and, a hash
+layer, a serving map over them; the whole table lives one level down. A
+hash layer's cache is its hash table's rows, so a cache of ``C`` rows holds
 `cache_capacity` ``(C)`` rows: ``C`` rounded up to whole buckets of
-`BUCKET_ROWS`, at least `MIN_CACHE_ROWS`.
+`BUCKET_ROWS`, at least `MIN_CACHE_ROWS`; a fixed vocabulary's cache holds
+``C`` rows exactly (its id map lives on the host).
 
 Store bytes (`store_bytes`), for ``rows`` rows (a hash layer: its keys):
 
@@ -46,8 +47,11 @@ SCORE_BYTES = 8
 STORE_KINDS = (None, "host", "disk")
 
 
-def cache_capacity(rows):
-    """Rows a hash table of ``rows`` requested rows holds (whole buckets)."""
+def cache_capacity(rows, hashed=True):
+    """Rows a cache of ``rows`` requested rows holds: a hash table's whole
+    buckets (``hashed``), else exactly ``rows``."""
+    if not hashed:
+        return int(rows)
     buckets = max(-(-int(rows) // BUCKET_ROWS), MIN_CACHE_ROWS // BUCKET_ROWS)
     return buckets * BUCKET_ROWS
 
@@ -148,11 +152,11 @@ def propose(spec, share, free, strategies, cache_bytes):
         left = f"its share {_fmt(share)} of {_fmt(free)} left after other tables"
     if not rows:
         return 0, (
-            f"not even a cache of {MIN_CACHE_ROWS} rows "
+            f"not even a cache of {cache_capacity(1, spec.hash_keys)} rows "
             f"({_fmt(cache_bytes(spec, 1, 'data'))}/device) fits "
             f"{left} (strategies {list(strategies)})"
         )
-    kept = cache_capacity(rows) * spec.bytes_per_row
+    kept = cache_capacity(rows, spec.hash_keys) * spec.bytes_per_row
     return rows, (
         f"cache {rows:,} of {spec.rows:,} rows ({_pct(rows, spec.rows)}): "
         f"{_fmt(kept)} of values and slots, within {left}"

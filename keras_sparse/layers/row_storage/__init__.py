@@ -19,5 +19,5 @@ The hash layer's own store of evicted keys (``store=`` of
 (`keras_sparse.layers.row_tier`).
 
 This package imports nothing on purpose: ``variables`` sits below the layer
-classes, ``cache`` above the hash layer it builds on.
+classes, ``cache`` above the layer base its cache builds on.
 """

@@ -1,0 +1,112 @@
+"""The argument checks of a table with ``cache_rows`` (a fixed vocabulary
+cached on the device over a row store, `keras_sparse.layers.dense_cache`):
+what `AllToAllDenseEmbedding` and `EmbeddingCollection` refuse, each error
+naming the table and the argument."""
+
+import keras
+import numpy as np
+
+from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
+from keras_sparse.layers.hash.keyed_fresh_rows import per_key
+
+_CONSTANT_INITS = (
+    keras.initializers.Zeros,
+    keras.initializers.Ones,
+    keras.initializers.Constant,
+)
+
+
+def check_arguments(
+    where, input_dim, cache_rows, store, optimizer, sharding, **refused
+):
+    """The store spec of a table given ``cache_rows``; raises ValueError
+    naming the argument when the cache cannot keep the table exact.
+    ``where``: how errors name the table ("Layer 'ids'")."""
+    check_cache_rows(where, input_dim, cache_rows, store)
+    check_optimizer(where, optimizer)
+    check_sharding(where, sharding)
+    for arg, value in refused.items():
+        if value:
+            raise ValueError(
+                f"{where}: `{arg}`={value!r} is not available with "
+                f"`cache_rows` (a table cached on the device trains with the "
+                f"layer's sparse optimizer only). Drop `{arg}` or `cache_rows`."
+            )
+    return store_spec(where, store)
+
+
+def check_optimizer(where, optimizer):
+    """Refuses ``optimizer=None`` (dense gradients) with ``cache_rows``."""
+    if optimizer is None:
+        raise ValueError(
+            f"{where}: `cache_rows` needs a sparse `optimizer` (e.g. "
+            "'adagrad'): the cached rows change ids as they are evicted, so "
+            "the layer updates them itself, not the model's optimizer. "
+            "Received: optimizer=None."
+        )
+
+
+def check_sharding(where, sharding):
+    """Refuses the strategies a cached table does not support yet."""
+    if sharding not in ("auto", "data"):
+        raise ValueError(
+            f"{where}: `sharding`={sharding!r} is not available with "
+            "`cache_rows` yet: use 'data' or 'auto' (one device)."
+        )
+
+
+def store_spec(where, store):
+    """The `keras_sparse.store` spec ``store`` names ("host" when None)."""
+    from keras_sparse import store as row_stores
+
+    try:
+        return row_stores.get("host" if store is None else store)
+    except ValueError as e:
+        raise ValueError(f"{where}: `store`: {e}") from None
+
+
+def check_cache_rows(where, input_dim, cache_rows, store):
+    """Raises ValueError unless ``cache_rows`` is an int in [1, input_dim]
+    (a ``store`` needs one)."""
+    if cache_rows is None:
+        raise ValueError(
+            f"{where}: `store`={store!r} needs `cache_rows` (the rows the "
+            "device holds, 1 <= cache_rows <= input_dim)."
+        )
+    if (
+        not isinstance(cache_rows, (int, np.integer))
+        or isinstance(cache_rows, bool)
+        or not 1 <= cache_rows <= input_dim
+    ):
+        raise ValueError(
+            f"{where}: `cache_rows` must be an integer in [1, input_dim="
+            f"{input_dim}]. Received: cache_rows={cache_rows!r}."
+        )
+
+
+def check_initializer(where, initializer):
+    """Refuses initializers with no per-id form (their values for one chunk
+    would depend on the chunk)."""
+    if per_key(initializer) or (
+        isinstance(initializer, _CONSTANT_INITS) and not has_seed(initializer)
+    ):
+        return
+    raise ValueError(
+        f"{where}: with `cache_rows` the table is initialized chunk by "
+        "chunk, each id's row a function of (seed, id): "
+        "`embeddings_initializer` must be RandomUniform, RandomNormal, "
+        "TruncatedNormal, a VarianceScaling initializer (Glorot, He, Lecun) "
+        f"or a constant; received {type(initializer).__name__}."
+    )
+
+
+def check_one_device(name):
+    """Refuses a Keras distribution over several devices (JAX)."""
+    dist = keras.distribution.distribution()
+    devices = getattr(getattr(dist, "device_mesh", None), "devices", None)
+    if devices is not None and np.size(devices) > 1:
+        raise ValueError(
+            f"Layer '{name}': `cache_rows` is not available under a "
+            f"distribution over {np.size(devices)} devices yet (`sharding`): "
+            "build and train the layer on one device."
+        )

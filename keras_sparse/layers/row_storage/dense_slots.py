@@ -1,0 +1,166 @@
+"""Which ids of a fixed vocabulary a device cache holds, and where.
+
+The host map of a table with ``cache_rows`` (see
+`keras_sparse.layers.dense_cache`): ``slot_of_id`` (int32 per id, -1: not
+cached) and ``id_of_slot`` (int64 per cache row, -1: empty), so mapping a
+batch is a few vectorized NumPy passes over the batch, whatever the table's
+size. Eviction is CLOCK (second chance): a hand sweeps the slots, clearing
+the reference bit of each slot it passes and taking the first slots whose
+bit is clear and that the batch being mapped does not use; a hit sets its
+slot's bit. A sweep costs O(misses) per step on average.
+
+For a fixed vocabulary the policy only changes speed: every id's row is
+either in the cache or in the store, and each move writes it down before
+its slot is reused, so any victim keeps training exact.
+"""
+
+import numpy as np
+
+
+class DenseSlots:
+    """The id <-> cache row map of one table (see the module)."""
+
+    def __init__(self, label, input_dim, cache_rows):
+        # Errors read "Layer '{label}': ...".
+        self.label = label
+        self.input_dim = int(input_dim)
+        self.capacity = int(cache_rows)
+        self.slot_of_id = np.full(self.input_dim, -1, np.int32)
+        self.id_of_slot = np.full(self.capacity, -1, np.int64)
+        self.referenced = np.zeros(self.capacity, bool)
+        # The step a slot was last used in: a batch's own slots are never
+        # victims of its misses.
+        self.used_in = np.zeros(self.capacity, np.int64)
+        self.hand = 0
+        self.calls = 0
+        self.counts = {"hits": 0, "misses": 0, "evictions": 0}
+
+    @property
+    def size(self):
+        """Ids cached now."""
+        return int(np.count_nonzero(self.id_of_slot >= 0))
+
+    def cached(self):
+        """``(ids, slots)`` of the cached ids, ids ascending."""
+        slots = np.flatnonzero(self.id_of_slot >= 0)
+        ids = self.id_of_slot[slots]
+        order = np.argsort(ids)
+        return ids[order], slots[order]
+
+    def clear(self):
+        """Empties the cache (the store then holds every id's row)."""
+        self.slot_of_id.fill(-1)
+        self.id_of_slot.fill(-1)
+        self.referenced.fill(False)
+        self.hand = 0
+
+    def check_range(self, ids):
+        """Raises ValueError on ids (the used ones) outside
+        ``[0, input_dim)``."""
+        if not ids.size or (ids.min() >= 0 and ids.max() < self.input_dim):
+            return
+        bad = (ids < 0) | (ids >= self.input_dim)
+        raise ValueError(
+            f"Layer '{self.label}': id {int(ids[bad][0])} is out of range; "
+            f"valid ids are in [0, {self.input_dim}) (input_dim="
+            f"{self.input_dim}). {int(bad.sum())} id(s) out of range in "
+            "this batch; the cache and its store were not changed."
+        )
+
+    def lookup(self, ids, use):
+        """Int32 slots of flat ``ids`` (-1: not cached or not ``use``d);
+        reads only."""
+        ids = np.asarray(ids).reshape(-1)
+        use = np.asarray(use, bool).reshape(-1)
+        slots = np.full(ids.shape[0], -1, np.int32)
+        at = np.flatnonzero(use)
+        used = ids[at]
+        self.check_range(used)
+        slots[at] = self.slot_of_id[used]
+        return slots
+
+    def assign(self, ids, use):
+        """Maps a training batch: gives each used id of flat ``ids`` a slot.
+
+        Returns ``(slots, fill, victims)``: int32 ``[n]`` slots (-1 where
+        not ``use``d), bool ``[n]`` True at the first position of each id
+        given a slot now, and the int64 ids evicted from those slots (in
+        the order of their positions; -1 for empty slots). Raises before
+        changing anything when the batch's ids cannot all be cached.
+        """
+        ids = np.asarray(ids).reshape(-1)
+        use = np.asarray(use, bool).reshape(-1)
+        n = ids.shape[0]
+        every = bool(use.all())
+        at = None if every else np.flatnonzero(use)
+        batch = ids if every else ids[at]
+        self.check_range(batch)
+        slots = np.full(n, -1, np.int32)
+        fill = np.zeros(n, bool)
+        if not batch.size:
+            return slots, fill, np.zeros(0, np.int64)
+        found = self.slot_of_id[batch]
+        miss = found < 0
+        used = found[~miss]
+        # Distinct missing ids, by first position (among the batch's).
+        missing, first = np.unique(batch[miss], return_index=True)
+        if missing.size > self.capacity - used.size:  # else room for sure
+            self._check_room(missing.size, used, batch.size)
+        self.calls += 1
+        self.referenced[used] = True
+        self.used_in[used] = self.calls
+        self.counts["hits"] += int(batch.size - missing.size)
+        self.counts["misses"] += int(missing.size)
+        evicted = np.zeros(0, np.int64)
+        if missing.size:
+            order = np.argsort(first)
+            missing, first = missing[order], first[order]
+            victims = self._victims(missing.size)
+            evicted = self.id_of_slot[victims]
+            old = evicted >= 0
+            self.slot_of_id[evicted[old]] = -1
+            self.counts["evictions"] += int(old.sum())
+            self.id_of_slot[victims] = missing
+            self.slot_of_id[missing] = victims
+            self.referenced[victims] = False
+            self.used_in[victims] = self.calls
+            where = np.flatnonzero(miss)
+            found[where] = self.slot_of_id[batch[where]]
+            where = where[first]
+            fill[where if every else at[where]] = True
+        slots[slice(None) if every else at] = found
+        return slots, fill, evicted
+
+    def _check_room(self, count, used, positions):
+        """Raises unless ``count`` slots are left besides the batch's hits
+        (slots ``used``), before anything changes."""
+        free = self.capacity - np.unique(used).size
+        if count > free:
+            raise RuntimeError(
+                f"Layer '{self.label}': {count - free} id(s) of this batch "
+                f"found no cache row: its {positions} ids hold more distinct "
+                f"ids than cache_rows={self.capacity}. Use a larger "
+                "`cache_rows` or a smaller batch; the cache and its store "
+                "were not changed."
+            )
+
+    def _victims(self, count):
+        """``count`` slots the batch does not use, by the CLOCK sweep (room
+        checked by `_check_room`)."""
+        out = []
+        while count:
+            # A window of the next slots from the hand (wrapping around).
+            width = min(self.capacity, max(2 * count, 64))
+            window = (self.hand + np.arange(width)) % self.capacity
+            takeable = ~self.referenced[window] & (self.used_in[window] != self.calls)
+            picked = np.flatnonzero(takeable)[:count]
+            # The hand passes every slot up to the last one taken (or the
+            # whole window), clearing their bits: their second chance.
+            swept = width if picked.size < count else int(picked[-1]) + 1
+            self.referenced[window[:swept]] = False
+            self.hand = int((self.hand + swept) % self.capacity)
+            taken = window[picked]
+            self.used_in[taken] = self.calls  # not picked twice
+            out.append(taken)
+            count -= picked.size
+        return np.concatenate(out).astype(np.int32)
