@@ -358,4 +358,6 @@ def map_keys(routing, keys, use, insert, draw=None):
         seed = draw[1]
     outputs = (P(axis),) * (2 if draw is None else 3)
     mapped = _smap(local, mesh, (P(axis), P(axis), P()), outputs)(keys, use, seed)
-    return MappedKeys(*mapped)
+    return MappedKeys(
+        mapped[0], mapped[1], init=mapped[2] if draw is not None else None
+    )
