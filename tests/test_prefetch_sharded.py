@@ -160,7 +160,7 @@ def test_overflowing_bucket_fails_in_the_worker_and_rolls_back():
     probe = ks.DistributedHashEmbedding(DIM, capacity=CAPACITY, optimizer="sgd")
     probe.build()
     candidates = np.arange(200) + 1000
-    rows, _ = probe.map_host_keys(candidates, np.ones(200, bool), True)
+    rows = probe.map_host_keys(candidates, np.ones(200, bool), True).rows
     hot = candidates[np.asarray(rows).reshape(-1) < CAPACITY // D]
     keys = np.resize(hot, BATCH * BAG).reshape(BATCH, BAG).astype("int32")
     x = {"keys": keys, "ctx": np.zeros((BATCH, 1), "int32")}

@@ -173,7 +173,7 @@ def test_key_sharded_store_refuses_eager_training_calls():
 
 
 def test_key_sharded_store_refuses_a_process_holding_some_shards():
-    from keras_sparse.layers import row_tier
+    from keras_sparse.layers.row_storage import hash_store
     from keras_sparse.table import ShardedHashTable
 
     layer = ks.DistributedHashEmbedding(4, capacity=512, optimizer="sgd", name="part")
@@ -182,7 +182,7 @@ def test_key_sharded_store_refuses_a_process_holding_some_shards():
     with pytest.raises(
         ValueError, match="'part'.*`store`.*shards \\[0, 1, 2, 3\\] of 8"
     ):
-        row_tier.attach(layer, ks.store.Host())
+        hash_store.attach(layer, ks.store.Host())
 
 
 def test_planner_key_shards_hash_tables_with_a_store():

@@ -340,7 +340,8 @@ class _Engine:
         use = None if w is None else (w != 0).reshape(-1)  # None: every position
         insert = self.insert and layer.trainable
         undo = journal if insert else None
-        rows, fresh = layer.map_host_keys(k, use, insert, undo=undo)
+        mapped = layer.map_host_keys(k, use, insert, undo=undo)
+        rows, fresh = mapped.rows, mapped.fresh
         codes = rows.astype(np.int32)  # a copy: rows are kept for the segments
         np.subtract(-2, codes, out=codes, where=fresh)  # fresh rows: -2 - row
         fresh_keys = None

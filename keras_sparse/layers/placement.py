@@ -21,11 +21,16 @@ Two parts:
   / ``route_stack``), compact exchange buffers (``exchange_buckets``) and
   where a hash layer's keys are mapped (``place_hash_table``,
   ``map_keys_in_step``).
+
+A key-sharded hash layer's placement is also its `KeyMapper`
+(`keras_sparse.layers.hash.key_mapper`, the one interface of every route
+that maps a hash layer's keys to rows).
 """
 
 from typing import Protocol
 from typing import runtime_checkable
 
+from keras_sparse.layers.hash.key_mapper import KeyMapper  # noqa: F401  (re-export)
 from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
 
@@ -56,24 +61,6 @@ class TablePlacement(Protocol):
     def lookup(self, state: TableState, batch: LookupBatch): ...
 
     def gather(self, table_var, batch: LookupBatch): ...
-
-
-@runtime_checkable
-class KeyMapper(Protocol):
-    """Where a hash layer's keys become rows when its keys are sharded (the
-    placement of a key-sharded `DistributedHashEmbedding` is also its key
-    mapper; one shared with tiers of rows below the device later).
-
-    ``map_keys`` takes the layer, its flat ``keys`` (int64), flat bool
-    ``use`` and ``insert`` (training: admitted new keys get rows), and
-    ``draw`` (the layer's ``keyed_draw()`` in training, else None), and
-    returns flat ``(rows, fresh, init)``: int32 global rows of the layer's
-    row-sharded table variable (-1 where a key has none), bool ``fresh`` at
-    the first position of each newly assigned row, and ``init`` None or the
-    ``[n, dim]`` initial vectors of fresh rows (drawn per key).
-    """
-
-    def map_keys(self, layer, keys, use, insert, draw=None): ...
 
 
 def install(provider):

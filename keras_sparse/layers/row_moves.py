@@ -152,7 +152,7 @@ def read_stored(layer, keys, rows):
             or full.shape != step_keys.shape
             or not np.array_equal(full.astype(step_keys.dtype), step_keys)
         ):
-            full = layer._full_keys(step_keys)
+            full = layer.full_keys(step_keys)
         full = np.asarray(full, np.int64).reshape(-1)
         return tier.read_missing(full, np.asarray(step_rows), dtype)
 

@@ -32,10 +32,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-import keras
 import numpy as np
-
-from keras_sparse.layers import row_tier_shards
 
 #: Store field of a key's table score (LRU step or LFU count).
 SCORE = "score"
@@ -57,26 +54,6 @@ class MovePlan:
     victim_keys: np.ndarray
     victim_rows: np.ndarray
     victim_scores: np.ndarray
-
-
-class UndoCollector:
-    """Receives a table call's undo record (its evictions with their
-    scores) and passes it on to the input stage's journal, if any."""
-
-    def __init__(self, journal=None):
-        self.record = None
-        self._journal = journal
-
-    def append(self, record):
-        self.record = record
-        if self._journal is not None:
-            self._journal.append(record)
-
-    def __getattr__(self, name):
-        # The stage's journal may lend buffers (`buffer`); forward them.
-        if name == "buffer" and self._journal is not None:
-            return self._journal.buffer
-        raise AttributeError(name)
 
 
 class RowTier:
@@ -117,22 +94,18 @@ class RowTier:
                 scores[hit] = plan.victim_scores[pos[hit]]
         return held, scores
 
-    def record(self, keys, rows, fresh, undo_record):
-        """Queues the plan of a training call: ``keys``/``rows``/``fresh``
-        its flat NumPy keys, rows and fresh flags (first positions only),
-        ``undo_record`` its `keras_sparse.table.undo.UndoRecord`."""
-        at = np.flatnonzero(fresh)
-        empty = np.zeros(0, np.int64)
-        if undo_record is None:
-            victims = (empty, empty, empty)
-        else:
-            victims = (
-                np.asarray(undo_record.evicted_keys, np.int64),
-                np.asarray(undo_record.evicted_rows, np.int64),
-                np.asarray(undo_record.evicted_scores, np.int64),
-            )
+    def record(self, mapped):
+        """Queues the plan of a training table call: ``mapped``, its host
+        `keras_sparse.layers.hash.key_mapper.MappedKeys` (flat NumPy keys,
+        rows, fresh flags at first positions only, and evicted keys with
+        their rows and scores)."""
+        at = np.flatnonzero(mapped.fresh)
         plan = MovePlan(
-            np.asarray(rows[at], np.int64), np.asarray(keys[at], np.int64), *victims
+            np.asarray(mapped.rows[at], np.int64),
+            np.asarray(mapped.keys[at], np.int64),
+            np.asarray(mapped.evicted_keys, np.int64),
+            np.asarray(mapped.evicted_rows, np.int64),
+            np.asarray(mapped.evicted_scores, np.int64),
         )
         with self.lock:
             self.plans.append(plan)
@@ -320,125 +293,6 @@ def positions(haystack, needles):
     ranked = haystack[order]
     i = np.minimum(np.searchsorted(ranked, needles), ranked.size - 1)
     return np.where(ranked[i] == needles, order[i], -1)
-
-
-# ------------------------------------------------------------------ wiring
-def store_spec(layer_name, store):
-    """The layer's ``store`` argument as a store spec (None: no store)."""
-    if store is None:
-        return None
-    from keras_sparse import store as row_stores
-
-    try:
-        return row_stores.get(store)
-    except ValueError as e:
-        raise ValueError(f"Layer '{layer_name}': `store`: {e}") from None
-
-
-def store_config(spec):
-    """The spec's config for ``get_config`` (None without a store)."""
-    if spec is None:
-        return None
-    from keras_sparse import store as row_stores
-
-    return row_stores.serialize(spec)
-
-
-def check_attachable(layer):
-    """Raises ValueError (naming the layer) when ``layer`` cannot have a row
-    store; run before the layer builds, so a refused build leaves it unbuilt
-    (a caught refusal must not let it train without its store)."""
-    from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
-    from keras_sparse.layers.hash.keyed_fresh_rows import per_key
-
-    where = f"Layer '{layer.name}': `store`"
-    if layer.table.device != "cpu":
-        raise ValueError(
-            f"{where} needs the key->row map on the host (table_device='cpu'); "
-            f"received table_device={layer.table_device!r}."
-        )
-    key_sharded = getattr(layer.table, "num_shards", None) is not None
-    if layer.placement is not None or (
-        key_sharded and keras.backend.backend() != "jax"
-    ):
-        raise ValueError(
-            f"{where} is not available for a layer the "
-            f"{keras.backend.backend()} distribution shards (sharding="
-            f"{layer.sharding!r}): there use no store or one replica. On JAX "
-            "a store works with sharding='data' (one host table) and "
-            "sharding='key' (a store per table shard)."
-        )
-    init = layer.embeddings_initializer
-    if has_seed(init) and not per_key(init):
-        raise ValueError(
-            f"{where} needs fresh rows drawn per key, so that a key's first "
-            "vector does not depend on which keys the store brought back in "
-            "the same step: use RandomUniform, RandomNormal, TruncatedNormal, "
-            "a VarianceScaling initializer or an unseeded one; received "
-            f"embeddings_initializer={type(init).__name__}."
-        )
-    check_not_shared(layer, layer.table)
-    table = layer.table
-    if key_sharded and len(table.local) < table.num_shards:
-        # A step's moves run in one host callback over the whole batch.
-        raise ValueError(
-            f"{where} with sharding='key' needs every table shard in this "
-            f"process; it holds shards {list(table.local)} of "
-            f"{table.num_shards} (a run of several processes). Use no store "
-            "there, or one process."
-        )
-
-
-def attach(layer, spec):
-    """A `RowTier` for built ``layer`` over a store opened from ``spec``;
-    the layer's table admits the store's keys at sight."""
-    from keras_sparse import store as row_stores
-
-    check_attachable(layer)
-    fields = [row_stores.FieldSpec(VALUES, layer.output_dim, _dtype(layer.embeddings))]
-    for name, var in layer.slots.items():
-        fields.append(row_stores.FieldSpec(name, int(var.shape[1]), _dtype(var)))
-    fields.append(row_stores.FieldSpec(SCORE, 1, "int64"))
-    table = layer.table
-    key_sharded = getattr(table, "num_shards", None) is not None
-    if key_sharded:
-        # A store per shard: a key never leaves its owner shard. Errors
-        # name the layer and the shard.
-        stores = {}
-        try:
-            for d in table.local:
-                stores[d] = spec.open_keyed(
-                    tuple(fields), name=f"{layer.name}.shard{d}"
-                )
-                # A reopened folder must be this shard's of as many shards.
-                row_tier_shards.check_shard_folder(
-                    layer.name, stores[d], d, table.num_shards
-                )
-        except Exception:
-            for store in stores.values():
-                store.close()
-            raise
-        shards = {
-            d: RowTier(f"{layer.name} (table shard {d})", store, layer.slots)
-            for d, store in stores.items()
-        }
-        tier = row_tier_shards.ShardedRowTier(
-            layer.name, shards, table.num_shards, table.shard_rows
-        )
-        for d, shard_tier in tier.shards.items():
-            # Keys never change shards: the table's keys filter each store.
-            shard_tier.table_keys = layer._cached_keys
-            table.shard(d).set_held_keys(shard_tier.held)
-        return tier
-    opened = spec.open_keyed(tuple(fields), name=layer.name)
-    tier = RowTier(layer.name, opened, layer.slots)
-    tier.table_keys = layer._cached_keys
-    table.set_held_keys(tier.held)
-    return tier
-
-
-def _dtype(variable):
-    return np.dtype(str(variable.dtype).split(".")[-1]).name
 
 
 def check_not_shared(layer, table):

@@ -47,7 +47,8 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
-from keras_sparse.layers.row_tier import UndoCollector
+from keras_sparse.layers.hash.key_mapper import MappedKeys
+from keras_sparse.layers.hash.key_mapper import UndoCollector
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.jax_sharded_lookup import _smap
 from keras_sparse.table.keys import to_host
@@ -132,7 +133,9 @@ def map_received(table, words, counts, insert, row_tier=None):
         once[first] = True
         fresh[live] = new & once
         if row_tier is not None:
-            row_tier.record(keys, got, fresh[live], undo.record)
+            row_tier.record(
+                MappedKeys.of_table_call(keys, got, fresh[live], undo.record)
+            )
     else:
         # A read (inference, a frozen layer): not counted in stats().
         got = to_host(table.lookup(repeated, count=False))[starts]
@@ -238,7 +241,7 @@ def key_capacity(keys_per_device, num_devices, slack=None):
 
 
 def map_keys(routing, keys, use, insert, draw=None):
-    """``(rows int32 [N], fresh bool [N], init)`` of the global,
+    """`MappedKeys` ``(rows int32 [N], fresh bool [N], init)`` of the global,
     batch-sharded ``keys`` / ``use``: rows are global (-1 where absent or
     unused), fresh at one position per newly assigned row, and ``init`` the
     ``[N, dim]`` values of fresh rows when ``draw=(fn, seed)`` is given
@@ -355,4 +358,6 @@ def map_keys(routing, keys, use, insert, draw=None):
         seed = draw[1]
     outputs = (P(axis),) * (2 if draw is None else 3)
     mapped = _smap(local, mesh, (P(axis), P(axis), P()), outputs)(keys, use, seed)
-    return mapped if draw is not None else mapped + (None,)
+    return MappedKeys(
+        mapped[0], mapped[1], init=mapped[2] if draw is not None else None
+    )

@@ -7,6 +7,7 @@ shape). Lookups run the ``shard_map`` primitives of `jax_sharded_lookup`.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 from keras_sparse.ops.lookup_batch import LookupBatch
@@ -109,14 +110,16 @@ class JaxMeshPlacement:
         return table, reset
 
     def map_keys(self, layer, keys, use, insert, draw=None):
-        """The `KeyMapper` of a key-sharded hash layer: ``(rows, fresh,
-        init)`` of its traced flat ``keys`` (see `jax_key_mapping.map_keys`)."""
+        """The `KeyMapper` of a key-sharded hash layer: `MappedKeys`
+        ``(rows, fresh, init)`` of its traced flat ``keys`` (see
+        `jax_key_mapping.map_keys`)."""
+        from keras_sparse.layers import jax_full_keys
         from keras_sparse.layers.hash.jax_step_mapping import step_failures
         from keras_sparse.sharding import jax_key_mapping
 
         routing = jax_key_mapping.KeyRouting(
             layer.table,
-            layer._restore_part,
+            functools.partial(jax_full_keys.restore_part, layer),
             self.mesh,
             self.axis,
             self.slack,

@@ -203,7 +203,7 @@ def _shard_gpus(local, routing):
 
 
 def map_keys_in_step(layer, keys, use, insert, draw=None):
-    """``(rows, fresh, init)`` of a key-sharded hash layer's traced flat
+    """`MappedKeys` ``(rows, fresh, init)`` of a key-sharded hash layer's traced flat
     ``keys``/``use`` (see `jax_key_mapping.map_keys`; ``draw``: the layer's
     ``keyed_draw()`` in training), or None when the layer is not
     key-sharded under the active distribution."""

@@ -45,6 +45,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
 from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 from keras_sparse.ops.key_hash import words_of_keys
@@ -147,8 +148,8 @@ class TfKeyPlacement:
 
     # ---------------------------------------------------------------- keys
     def map_keys(self, layer, keys, use, insert, draw=None):
-        """``(rows, fresh, init)`` of this replica's flat ``keys``/``use``
-        (see `keras_sparse.layers.placement.KeyMapper`). ``init`` is zeros:
+        """`MappedKeys` ``(rows, fresh, init)`` of this replica's flat
+        ``keys``/``use`` (see `keras_sparse.layers.hash.key_mapper`). ``init`` is zeros:
         the owners re-initialized the fresh rows before this returns."""
         keys = tf.cast(tf.reshape(keys, [-1]), tf.int64)
         use = tf.cast(tf.reshape(use, [-1]), tf.bool)
@@ -186,7 +187,7 @@ class TfKeyPlacement:
         answers = tf.concat([answers, tf.tile([[-1, 0]], [missing, 1])], 0)
         got = tf.gather(answers, place[start : start + n])
         init = tf.zeros([n, layer.output_dim], layer.embeddings.dtype)
-        return got[:, 0], got[:, 1] > 0, init
+        return MappedKeys(got[:, 0], got[:, 1] > 0, init=init)
 
     def _reset_owned(self, layer, context, me, all_keys, rows, fresh):
         """Re-initializes the rows this replica's shard assigned in this
@@ -218,7 +219,7 @@ class TfKeyPlacement:
         strategy = self.rows.distribute
         held = layer.table.local
         if len(held) == self.devices:
-            return _read_held(layer, keys, use), tf.zeros_like(use), None
+            return MappedKeys(_read_held(layer, keys, use), tf.zeros_like(use))
         # Across workers each holds its replicas' shards: every worker reads
         # every worker's keys in the shards it holds (-1 elsewhere).
         n = tf.shape(keys)[0]
@@ -226,7 +227,7 @@ class TfKeyPlacement:
         both, start = tf_workers.concat_over_workers(strategy, both)
         found = _read_held(layer, both[:, 0], both[:, 1] > 0) + 1
         rows = tf_workers.sum_over_workers(strategy, found) - 1
-        return rows[start : start + n], tf.zeros_like(use), None
+        return MappedKeys(rows[start : start + n], tf.zeros_like(use))
 
     def gathered_records(self, records, admission, clock):
         """Every worker's ``records`` (dict of arrays, concatenated in

@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.sharding import torch_placement
@@ -133,7 +134,7 @@ class TorchKeyPlacement(TorchShardedPlacement):
             rows, fresh = torch_key_mapping.map_keys(
                 self, layer, keys, use, insert, draw if insert else None
             )
-        return rows, fresh, RESET_ON_OWNERS if insert else None
+        return MappedKeys(rows, fresh, init=RESET_ON_OWNERS if insert else None)
 
     # -------------------------------------------------------------- lookups
     def lookup(self, state: TableState, batch: LookupBatch):

@@ -10,7 +10,9 @@ given keys), `row_output` (rows to vectors, fresh rows drawn),
 its time to live, `trained_rows` reads rows as of the last trained step
 while a stage runs ahead. The helpers, one concept each:
 
-* key mapping: `key_mapping` (the `KeyMapper` routes), `jax_step_mapping`,
+* key mapping: `key_mapper` (the one interface of every route,
+  `KeyMapper`, and its result `MappedKeys`), `key_mapping` (the routes),
+  `jax_step_mapping`,
   `jax_group_mapping` (JAX in-step mapping), `host_keys`, `string_keys`,
   `tf_string_hash`, `table_users`;
 * rows a call admits: `fresh_rows`, `keyed_fresh_rows`;

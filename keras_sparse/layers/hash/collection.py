@@ -153,10 +153,8 @@ class HashEmbeddingCollection(keras.layers.Layer):
         for name, layer, (_, w, shape, _), field in zip(
             self.field_names, layers, prepared, mapped
         ):
-            rows, fresh = field[:2]
-            extra = {"words": field[2]} if words else None
             out[name] = layer._vectors_out(
-                rows, rows >= 0, fresh, w, shape, True, extra
+                field.rows, field.rows >= 0, field.fresh, w, shape, True, field.drawn()
             )
         return out
 

@@ -5,7 +5,6 @@ import numpy as np
 
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
-from keras_sparse.layers import row_tier
 from keras_sparse.layers.arguments import check_choice
 from keras_sparse.layers.arguments import check_given
 from keras_sparse.layers.arguments import check_known
@@ -20,6 +19,7 @@ from keras_sparse.layers.hash.row_output import RowOutput
 from keras_sparse.layers.hash.stage_feed import StageFed
 from keras_sparse.layers.hash.table_mapping import TableMapping
 from keras_sparse.layers.hash.ttl_state import checked_ttl_steps
+from keras_sparse.layers.row_storage import hash_store
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
 from keras_sparse.layers.table_storage import TableStorage
@@ -337,7 +337,7 @@ class DistributedHashEmbedding(
         self.table_seed = int(table_seed)
         self.ttl_steps = ttl_steps
         # Evicted keys go down to this store (None: they are dropped).
-        self.store = row_tier.store_spec(name, store)
+        self.store = hash_store.store_spec(name, store)
         self.row_tier = None
         self.seed_generator = keras.random.SeedGenerator(int(table_seed) + 1)
         # Fresh rows' first vectors are a function of (fresh_seed, key): a
@@ -371,13 +371,13 @@ class DistributedHashEmbedding(
             # key sharding (before the variables get their row count).
             placement.provider().place_hash_table(self)
             if self.store is not None:
-                row_tier.check_attachable(self)
+                hash_store.check_attachable(self)
         built = self.built
         super().build(input_shape)
         if not built:
             serving_map.build(self)
             if self.store is not None:
-                self.row_tier = row_tier.attach(self, self.store)
+                self.row_tier = hash_store.attach(self, self.store)
 
     # ------------------------------------------------------------------ call
     def call(self, inputs, weights=None, training=None):
@@ -412,7 +412,7 @@ class DistributedHashEmbedding(
                 "key_dtype": self.key_dtype,
                 "table_device": self.table_device,
                 "table_seed": self.table_seed,
-                "store": row_tier.store_config(self.store),
+                "store": hash_store.store_config(self.store),
                 "ttl_steps": self.ttl_steps,
                 "track_changes": self.table.track_changes,
             }

@@ -20,6 +20,7 @@ import numpy as np
 
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers.hash import jax_step_mapping
+from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.ops.key_hash import step_words
 
 
@@ -120,10 +121,10 @@ def _gpu_rows(layers, bounds, keys, use, insert, out):
 
 
 def map_group_in_step(owner, layers, keys, use, insert, route, words=False):
-    """``[(rows int32, fresh bool)]`` per layer of traced flat ``keys`` /
-    ``use`` (one array per layer, one dtype, static sizes), by one callback;
-    with ``words``, ``[(rows, fresh, words int32 [n, 2])]`` (each key's high
-    and low word, see `jax_step_mapping.rows_in_step`)."""
+    """A `MappedKeys` (rows int32, fresh bool) per layer of traced flat
+    ``keys`` / ``use`` (one array per layer, one dtype, static sizes), by
+    one callback; with ``words``, each key's high and low word too (int32
+    ``[n, 2]``, see `jax_step_mapping.rows_in_step`)."""
     import jax.numpy as jnp
 
     bounds = _bounds([int(k.shape[0]) for k in keys])
@@ -147,7 +148,7 @@ def map_group_in_step(owner, layers, keys, use, insert, route, words=False):
         words,
     )
     if not words:
-        return [(mapped[0][a:b], mapped[1][a:b]) for a, b in bounds]
+        return [MappedKeys(mapped[0][a:b], mapped[1][a:b]) for a, b in bounds]
     rows, fresh, high = mapped
     both = step_words(high, flat)
-    return [(rows[a:b], fresh[a:b], both[a:b]) for a, b in bounds]
+    return [MappedKeys(rows[a:b], fresh[a:b], both[a:b]) for a, b in bounds]

@@ -66,7 +66,8 @@ class KeyCalls:
         insert = bool(training) and self.trainable
         # A frozen layer in a training step still maps through the table:
         # the serving map is refreshed for inference calls only.
-        rows, fresh, extra = self._map_keys(keys, use, insert, inference=not training)
+        mapped = self._map_keys(keys, use, insert, inference=not training)
+        rows, fresh, extra = mapped.rows, mapped.fresh, mapped.drawn()
         valid = rows >= 0
         if self.row_tier is not None and not insert:
             # Read-only calls read evicted keys from the store.

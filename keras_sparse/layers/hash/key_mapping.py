@@ -24,16 +24,17 @@ module of its own:
                    e.g. when ``fit`` builds the model): no key has a row and
                    the table is not called, so it neither changes nor counts.
 
+Each placement is a `KeyMapper` (`keras_sparse.layers.hash.key_mapper`,
+the interface the key-sharded placements of `keras_sparse.sharding`
+implement too) and returns flat `MappedKeys`: ``rows`` (int32, -1 where a
+key has none), ``fresh`` (at the first position of each newly assigned
+row) and, in training calls of layers whose fresh rows are drawn per key
+(`keras_sparse.layers.hash.keyed_fresh_rows`), ``words`` (each key's two
+32-bit halves: from the host keys, in the graph, or the high word from
+the step's callback and the low word from the step's keys) or, key
+sharded, ``init`` (the values, drawn on each device inside the step).
 Rows computed ahead of the step by `keras_sparse.data.prefetch` bypass this
-module (the layer's ``_call_prepared``). Every placement returns flat
-``(rows int32, fresh bool, extra)``: rows -1 where a key has none, fresh at
-the first position of each newly assigned row, and ``extra`` None or, in
-training calls of layers whose fresh rows are drawn per key
-(`keras_sparse.layers.hash.keyed_fresh_rows`), ``{"words": int32 [n, 2]}`` (each
-key's two 32-bit halves: from the host keys, in the graph, or the high word
-from the step's callback and the low word from the step's keys) or, key
-sharded, ``{"init": [n, dim]}`` (the values, drawn on each device inside the
-step).
+module (the layer's ``_call_prepared``).
 """
 
 import keras
@@ -46,6 +47,8 @@ from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.hash import serving_map
 from keras_sparse.layers.hash.host_keys import host_keys
 from keras_sparse.layers.hash.host_keys import string_kind
+from keras_sparse.layers.hash.key_mapper import KeyMapper
+from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.ops.key_hash import step_words
 from keras_sparse.ops.key_hash import words_of_keys
 from keras_sparse.table.sharded_table import key_words
@@ -59,7 +62,7 @@ def _key_mapper(layer):
     """The layer's `KeyMapper` when it was built key-sharded on TensorFlow
     or PyTorch (there the mapping is collective in every call), else None."""
     mapper = getattr(layer, "placement", None)
-    return mapper if isinstance(mapper, placement.KeyMapper) else None
+    return mapper if isinstance(mapper, KeyMapper) else None
 
 
 def placement_of(layer, keys, insert=True, inference=False):
@@ -95,8 +98,8 @@ def _in_shape_inference():
     return in_symbolic_scope()
 
 
-def _shape_only(layer, keys, use, insert):
-    return ops.full_like(use, -1, "int32"), ops.zeros_like(use), None
+def _shape_only(layer, keys, use, insert, draw=None):
+    return MappedKeys(ops.full_like(use, -1, "int32"), ops.zeros_like(use))
 
 
 def _wants_words(layer, insert):
@@ -104,45 +107,50 @@ def _wants_words(layer, insert):
     return insert and layer.keys_drawn_per_key()
 
 
-def _host(layer, keys, use, insert):
-    extra = None
-    full = layer._full_keys(keys)
+def _host(layer, keys, use, insert, draw=None):
+    words = None
+    full = layer.full_keys(keys)
     if _wants_words(layer, insert):
         full = host_keys(full)
-        extra = {"words": ops.convert_to_tensor(key_words(full))}
-    rows, fresh = layer.map_host_keys(full, ops.convert_to_numpy(use), insert)
-    return ops.convert_to_tensor(rows), ops.convert_to_tensor(fresh), extra
+        words = ops.convert_to_tensor(key_words(full))
+    mapped = layer.map_host_keys(full, ops.convert_to_numpy(use), insert)
+    rows, fresh = (
+        ops.convert_to_tensor(mapped.rows),
+        ops.convert_to_tensor(mapped.fresh),
+    )
+    return MappedKeys(rows, fresh, words=words)
 
 
-def _gpu(layer, keys, use, insert):
-    extra = None
+def _gpu(layer, keys, use, insert, draw=None):
+    words = None
     if _wants_words(layer, insert):
         if isinstance(keys, np.ndarray):
             words = key_words(host_keys(keys))
         else:
             words = words_of_keys(ops.reshape(keys, (-1,)))
-        extra = {"words": ops.convert_to_tensor(words)}
-    return layer._map_on_gpu(keys, use, insert) + (extra,)
+        words = ops.convert_to_tensor(words)
+    return layer._map_on_gpu(keys, use, insert)._replace(words=words)
 
 
 def _size(keys):
     return None if None in tuple(keys.shape) else int(np.prod(keys.shape))
 
 
-def _jax_step(layer, keys, use, insert):
+def _jax_step(layer, keys, use, insert, draw=None):
     words = _wants_words(layer, insert)
     mapped = jax_step_mapping.map_in_step(
         layer, keys, use, insert, _size(keys), words=words
     )
     if not words:
-        return mapped + (None,)
+        return MappedKeys(*mapped)
     rows, fresh, high = mapped
-    return rows, fresh, {"words": step_words(high, ops.reshape(keys, (-1,)))}
+    return MappedKeys(rows, fresh, words=step_words(high, ops.reshape(keys, (-1,))))
 
 
-def _key_sharded_step(layer, keys, use, insert):
+def _key_sharded_step(layer, keys, use, insert, draw=None):
     flat = ops.reshape(keys, (-1,))
-    draw = layer.keyed_draw() if insert else None
+    if draw is None and insert:
+        draw = layer.keyed_draw()
     mapper = _key_mapper(layer)
     if mapper is not None:
         mapped = mapper.map_keys(layer, flat, use, insert, draw)
@@ -155,48 +163,72 @@ def _key_sharded_step(layer, keys, use, insert):
             "keras_sparse.sharding.distribution it was built with, or save "
             "it and reload it with keras_sparse.sharding.load_model(...)."
         )
-    rows, fresh, init = mapped
-    return rows, fresh, None if init is None else {"init": init}
+    return mapped
 
 
-def _tf_graph(layer, keys, use, insert):
+def _rows_and_fresh(mapped):
+    return mapped.rows, mapped.fresh
+
+
+def _tf_graph(layer, keys, use, insert, draw=None):
     import tensorflow as tf
 
     n = _size(keys)
     rows, fresh = tf.numpy_function(
-        lambda k, u: layer._map_step_keys(k, u, insert),
+        lambda k, u: _rows_and_fresh(layer._map_step_keys(k, u, insert)),
         [keys, use],
         [tf.int32, tf.bool],
         stateful=True,
     )
     rows.set_shape((n,))
     fresh.set_shape((n,))
-    extra = None
+    words = None
     if _wants_words(layer, insert):  # in the graph, from the int64 keys
-        extra = {"words": words_of_keys(ops.reshape(keys, (-1,)))}
-    return rows, fresh, extra
+        words = words_of_keys(ops.reshape(keys, (-1,)))
+    return MappedKeys(rows, fresh, words=words)
 
 
-def _serving_map(layer, keys, use, insert):
+def _serving_map(layer, keys, use, insert, draw=None):
     rows = serving_map.lookup(layer, ops.reshape(keys, (-1,)))
     rows = ops.where(use, rows, -1)
-    return rows, ops.zeros_like(use), None
+    return MappedKeys(rows, ops.zeros_like(use))
 
 
-_PLACEMENTS = {
-    "host": _host,
-    "gpu": _gpu,
-    "jax_step": _jax_step,
-    "key_sharded": _key_sharded_step,
-    "tf_graph": _tf_graph,
-    "serving_map": _serving_map,
-    "shape_only": _shape_only,
+class Route:
+    """The `KeyMapper` of one placement: a function of this module."""
+
+    def __init__(self, name, fn):
+        self.name = name
+        self._fn = fn
+
+    def __repr__(self):
+        return f"Route({self.name!r})"
+
+    def map_keys(self, layer, keys, use, insert, draw=None):
+        return self._fn(layer, keys, use, insert, draw)
+
+
+ROUTES = {
+    name: Route(name, fn)
+    for name, fn in (
+        ("host", _host),
+        ("gpu", _gpu),
+        ("jax_step", _jax_step),
+        ("key_sharded", _key_sharded_step),
+        ("tf_graph", _tf_graph),
+        ("serving_map", _serving_map),
+        ("shape_only", _shape_only),
+    )
 }
 
 
+def route_of(layer, keys, insert=True, inference=False):
+    """The `KeyMapper` that maps ``keys`` for ``layer`` now."""
+    return ROUTES[placement_of(layer, keys, insert, inference)]
+
+
 def map_keys(layer, keys, use, insert, inference=False):
-    """Flat ``(rows, fresh, words)`` of ``keys`` (any shape) and flat bool
-    ``use``; ``insert`` adds admitted new keys (training); ``inference``
-    (a call with ``training`` falsy) may read the serving map."""
-    where = placement_of(layer, keys, insert, inference)
-    return _PLACEMENTS[where](layer, keys, use, insert)
+    """Flat `MappedKeys` of ``keys`` (any shape) and flat bool ``use``;
+    ``insert`` adds admitted new keys (training); ``inference`` (a call
+    with ``training`` falsy) may read the serving map."""
+    return route_of(layer, keys, insert, inference).map_keys(layer, keys, use, insert)

@@ -127,7 +127,7 @@ class HashRecords:
         done = self.trained_steps()  # re-attaches what a JAX fit detached
         return self.table.state_before(lambda: lookahead(self, done))
 
-    def _cached_keys(self):
+    def cached_keys(self):
         """The keys the table holds as of the layer's last trained step
         (the keys whose row store copies, if any, are stale)."""
         trained = self._trained_table()
@@ -458,7 +458,7 @@ class HashRecords:
         # Keys with a row are in the weights; their stored copies are stale.
         # (The table is read before the store's lock is taken: a table call
         # holds the table's lock while it asks the store.)
-        table_keys = self._cached_keys()
+        table_keys = self.cached_keys()
         with tier.lock:
             chunks = not_cached(
                 store.chunks(store_assets.rows_per_chunk(store.fields)), table_keys

@@ -1,9 +1,10 @@
 """The layer's hash table and the mapping of keys to its rows.
 
 Mixin of `DistributedHashEmbedding`: the ``table`` it owns (or shares), its
-counters (``stats``), and keys -> ``(rows, fresh)`` through that table, on
-the host (NumPy) or on the GPU (CuPy), eagerly or from a compiled step's
-callback (which placement maps a call: `keras_sparse.layers.hash.key_mapping`).
+counters (``stats``), and keys -> rows and fresh flags through that table,
+on the host (NumPy) or on the GPU (CuPy), eagerly or from a compiled step's
+callback (which placement maps a call: `keras_sparse.layers.hash.key_mapping`;
+what it gives: `keras_sparse.layers.hash.key_mapper.MappedKeys`).
 """
 
 import keras
@@ -18,6 +19,8 @@ from keras_sparse.layers.hash import trained_rows
 from keras_sparse.layers.hash.host_keys import host_keys as _host_keys
 from keras_sparse.layers.hash.host_keys import string_kind as _string_kind
 from keras_sparse.layers.hash.host_keys import to_numpy as _to_numpy
+from keras_sparse.layers.hash.key_mapper import MappedKeys
+from keras_sparse.layers.hash.key_mapper import UndoCollector
 from keras_sparse.table import BatchTooLargeError
 from keras_sparse.table import TableFullError
 
@@ -181,7 +184,7 @@ class TableMapping:
                     "training call is not supported."
                 )
             if tier is not None:  # the call's evictions go down to the store
-                undo = row_tier.UndoCollector(undo)
+                undo = UndoCollector(undo)
             if undo is None:
                 got, new = self._lookup_or_insert(selected)
             else:
@@ -190,7 +193,7 @@ class TableMapping:
             fresh[use] = as_xp(new)
             _first_fresh_only(rows, fresh, xp)
             if tier is not None:
-                tier.record(flat, rows, fresh, undo.record)
+                tier.record(MappedKeys.of_table_call(flat, rows, fresh, undo.record))
         else:
             # Read-only calls (inference, a frozen layer) leave `stats` alone:
             # compiled inference reads the serving map, which cannot count.
@@ -202,20 +205,21 @@ class TableMapping:
 
     def map_host_keys(self, keys, use, insert, out=None, undo=None):
         """Host keys (any shape), use (bool; None: every position) -> flat
-        NumPy (rows, fresh), through the table in call order (an input
-        stage maps its batches with this; ``undo`` receives the call's undo
-        record)."""
+        NumPy `MappedKeys` (rows, fresh), through the table in call order
+        (an input stage maps its batches with this; ``undo`` receives the
+        call's undo record)."""
         if use is not None:
             use = np.asarray(use, dtype=bool).reshape(-1)
-        return self._table_rows(_host_keys(keys), use, insert, np, out, undo)
+        rows, fresh = self._table_rows(_host_keys(keys), use, insert, np, out, undo)
+        return MappedKeys(rows, fresh)
 
     def _map_step_keys(self, keys, use, insert, out=None):
         """`map_host_keys` of the keys a compiled step received: the high 32
         bits JAX dropped are restored first. A third array in ``out``
         receives each key's high word (int32)."""
         if out is None or len(out) == 2:
-            return self.map_host_keys(self._full_keys(keys), use, insert, out)
-        flat = _host_keys(self._full_keys(keys))
+            return self.map_host_keys(self.full_keys(keys), use, insert, out)
+        flat = _host_keys(self.full_keys(keys))
         out[2][...] = (flat >> 32).astype(np.int32)
         return self.map_host_keys(flat, use, insert, out[:2])
 
@@ -248,14 +252,9 @@ class TableMapping:
 
         use = cp.asarray(ops.convert_to_numpy(use))
         rows, fresh = self._gpu_rows(keys, use, insert)
-        return _from_dlpack(rows), _from_dlpack(fresh)
+        return MappedKeys(_from_dlpack(rows), _from_dlpack(fresh))
 
-    def _restore_part(self, keys, part, parts):
-        """Full int64 keys of one device's slice of a step's batch (see
-        `jax_full_keys.restore_part`)."""
-        return jax_full_keys.restore_part(self, keys, part, parts)
-
-    def _full_keys(self, keys):
+    def full_keys(self, keys):
         """Keys with the high 32 bits JAX dropped restored (see
         `keras_sparse.layers.jax_full_keys`); other keys pass through."""
         if keras.backend.backend() != "jax" or _string_kind(keys):
@@ -263,6 +262,6 @@ class TableMapping:
         return jax_full_keys.restore(self, _host_keys(keys))
 
     def _map_keys(self, keys, use, insert, inference=False):
-        """Flat ``(rows, fresh, words)`` for ``keys``, wherever the mapping
-        runs now (see `keras_sparse.layers.hash.key_mapping`)."""
+        """Flat `MappedKeys` of ``keys``, wherever the mapping runs now
+        (see `keras_sparse.layers.hash.key_mapping`)."""
         return key_mapping.map_keys(self, keys, use, insert, inference)

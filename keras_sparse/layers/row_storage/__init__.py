@@ -1,7 +1,7 @@
 """Row storage: where a table's rows live, built in one place.
 
-Every keras_sparse table keeps its rows in one of two ways, and both are
-built by this package, for every layer kind:
+Every keras_sparse table keeps its rows in the ways below, all built by
+this package, for every layer kind:
 
 - on the device, in Keras variables: the values, the sparse optimizer's
   slots, a dedup scratch, and the layer's step counter
@@ -12,12 +12,12 @@ built by this package, for every layer kind:
   row store holding the whole table (`keras_sparse.layers.row_storage.cache`,
   the cache itself being `keras_sparse.layers.dense_cache.CacheRows`): a
   fixed-vocabulary table of `AllToAllDenseEmbedding` or of
-  `EmbeddingCollection`, with the same arguments, checks and exactness.
-
-The hash layer's own store of evicted keys (``store=`` of
-`DistributedHashEmbedding`) is attached by that layer
-(`keras_sparse.layers.row_tier`).
+  `EmbeddingCollection`, with the same arguments, checks and exactness;
+- with ``store=`` of `DistributedHashEmbedding`, a store of the keys its
+  table evicted (`keras_sparse.layers.row_storage.hash_store`; the moves
+  themselves: `keras_sparse.layers.row_tier`).
 
 This package imports nothing on purpose: ``variables`` sits below the layer
-classes, ``cache`` above the layer base its cache builds on.
+classes, ``cache`` above the layer base its cache builds on, ``hash_store``
+beside the hash layer it serves.
 """
