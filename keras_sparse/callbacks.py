@@ -14,6 +14,7 @@ from keras_sparse.atomic_files import atomic_path
 from keras_sparse.layers.hash.deltas import FULL
 from keras_sparse.layers.hash.deltas import apply_delta
 from keras_sparse.layers.hash.deltas import layer_step
+from keras_sparse.layers.hash.deltas import trained_step
 from keras_sparse.layers.hash.serving_map import hash_layers
 
 _NAME = re.compile(r"^(?P<layer>.+)\.(?P<step>\d{8,})\.(?P<kind>full|delta)\.npz$")
@@ -90,7 +91,7 @@ class DeltaExport(keras.callbacks.Callback):
                 self._write(layer, FULL)
                 continue
             last = files[-1][0]
-            if last > layer_step(layer, layer._trained_table()):
+            if last > trained_step(layer):
                 raise ValueError(
                     f"DeltaExport: '{self.directory}' holds files of layer "
                     f"'{layer.name}' up to step {last}, past the layer's "

@@ -226,7 +226,7 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             return "io_callback"
         return "cpu_buffers"
 
-    def _full_keys(self, ids):
+    def full_keys(self, ids):
         # `row_moves.read_stored`'s keys: ids of a fixed vocabulary fit in
         # the step's integers as they are.
         return np.asarray(ids, np.int64)

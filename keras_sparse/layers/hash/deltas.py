@@ -56,6 +56,12 @@ def layer_step(layer, trained=None):
     return int(layer._table_clock() if trained is None else trained.clock)
 
 
+def trained_step(layer):
+    """The layer's step as of its last trained step (a stage may have
+    mapped batches ahead of it)."""
+    return layer_step(layer, layer._trained_table())
+
+
 def delta_records(layer, since_step, include_rows, progress):
     """`export(since_step=...)`: see the module docstring."""
     _check_tracked(layer)
