@@ -218,6 +218,53 @@ void ks_adam_rows_f32(float *table, float *momentum, float *velocity,
   }
 }
 
+/* FTRL-Proximal (keras_sparse.optimizers.Ftrl), with p = -learning_rate_power:
+ * acc' = acc + g * g, then
+ * linear' = linear + (g + shrink2 * row) - ((acc'^p - acc^p) / lr) * row and
+ * row' = (clip(linear', -l1, l1) - linear') / (acc'^p / lr + 2 * l2_reg),
+ * where shrink2 is 2 * l2_shrinkage and l2_reg is l2 + beta / (2 * lr), as
+ * the Python route computes them. The power is a correctly rounded square
+ * root at p = 0.5 (the default), else the C library's powf: with a root the
+ * row loop vectorizes, and either way every clone computes the same bits. */
+static inline __attribute__((always_inline)) void ks_ftrl_row(
+    float *row, float *a, float *z, const float *g, int64_t dim, float lr,
+    float shrink2, float p, float l1, float l2_reg, int root) {
+  for (int64_t j = 0; j < dim; ++j) {
+    const float old_acc = a[j];
+    const float new_acc = old_acc + g[j] * g[j];
+    const float power_new =
+        root ? __builtin_sqrtf(new_acc) : __builtin_powf(new_acc, p);
+    const float power_old =
+        root ? __builtin_sqrtf(old_acc) : __builtin_powf(old_acc, p);
+    const float linear =
+        (z[j] + (g[j] + shrink2 * row[j])) - ((power_new - power_old) / lr) * row[j];
+    const float clipped = linear < -l1 ? -l1 : linear > l1 ? l1 : linear;
+    a[j] = new_acc;
+    z[j] = linear;
+    row[j] = (clipped - linear) / (power_new / lr + 2.0f * l2_reg);
+  }
+}
+
+KS_VECTOR_CLONES
+void ks_ftrl_rows_f32(float *table, float *acc, float *lin, const int64_t *rows,
+                      const float *grads, int64_t count, int64_t dim, float lr,
+                      float shrink2, float p, float l1, float l2_reg) {
+  const int root = p == 0.5f;
+  for (int64_t i = 0; i < count; ++i) {
+    KS_PREFETCH_ROW(table, i);
+    KS_PREFETCH_ROW(acc, i);
+    KS_PREFETCH_ROW(lin, i);
+    float *row = table + rows[i] * dim;
+    float *a = acc + rows[i] * dim;
+    float *z = lin + rows[i] * dim;
+    const float *g = grads + i * dim;
+    if (root)
+      ks_ftrl_row(row, a, z, g, dim, lr, shrink2, p, l1, l2_reg, 1);
+    else
+      ks_ftrl_row(row, a, z, g, dim, lr, shrink2, p, l1, l2_reg, 0);
+  }
+}
+
 /* Row-wise Adagrad: one accumulator per row (acc[num_rows][1]).
  * acc + mean(g * g), the mean a sum in column order divided by dim, then
  * row - lr * g / sqrt(acc + eps) with the one root of the row. The Python

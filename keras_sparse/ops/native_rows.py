@@ -20,6 +20,7 @@ import ctypes
 import numpy as np
 
 from keras_sparse.ops import native_build
+from keras_sparse.ops.optimizer_rules import compiled_optimizers
 from keras_sparse.ops.optimizer_rules import slot_width
 
 SOURCE = "cpu_rows.c"
@@ -52,6 +53,7 @@ class NativeRows:
             "adagrad": (lib.ks_adagrad_rows_f32, 2, [f32, f32]),
             "adam": (lib.ks_adam_rows_f32, 3, [f32] * 4),
             "rowwise_adagrad": (lib.ks_rowwise_adagrad_rows_f32, 2, [f32, f32]),
+            "ftrl": (lib.ks_ftrl_rows_f32, 3, [f32] * 5),
         }
         for function, arrays, scalars in self._optimizer_rows.values():
             function.restype = None
@@ -131,8 +133,8 @@ class NativeRows:
         )  # fmt: skip
 
     def optimizer_rows(self, rule, arrays, rows, grads, scalars):
-        """Applies the optimizer ``rule`` ("sgd", "adagrad", "adam" or
-        "rowwise_adagrad", see `keras_sparse/kernels/cpu_rows.c`) in place to
+        """Applies the optimizer ``rule`` ("sgd", "adagrad", "adam",
+        "rowwise_adagrad" or "ftrl", see `keras_sparse/kernels/cpu_rows.c`) in place to
         ``rows`` (distinct int64, in range) of ``arrays`` (the table, then the
         rule's slots: C-contiguous float32 ``[num_rows, dim]``, or
         ``[num_rows, 1]`` for a row-wise rule's slots) from ``grads``
@@ -183,12 +185,13 @@ def compiled_cpu_helpers():
     On a CPU every backend runs the sparse update of a table as compiled
     code, built on first use with the system compiler and cached per
     user: PyTorch calls a small C library (the dedup, the gradient sums,
-    and SGD, Adagrad, Adam and RowWiseAdagrad on the rows), TensorFlow one
-    op of its own and JAX one XLA custom call (the same C code, built
+    and SGD, Adagrad, Adam, RowWiseAdagrad and Ftrl on the rows), TensorFlow
+    one op of its own and JAX one XLA custom call (the same C code, built
     against the installed TensorFlow or jaxlib). Without a compiler each runs the same
     arithmetic as its own operations, about half as fast. Returns
-    ``"on: <library path>; <what it does not serve>"`` or ``"off:
-    <reason>"`` for the current backend, building first if needed. The
+    ``"on: <library path>; optimizers: <the compiled ones>; <what it does
+    not serve>"`` or ``"off: <reason>"`` for the current backend, building
+    first if needed. The
     compiled update serves float32 tables and slots: bfloat16 and float16
     ones (``table_dtype``, ``slot_dtype``) take the backend's own
     operations, which round stochastically
@@ -202,6 +205,7 @@ def compiled_cpu_helpers():
     """
     text = _backend_status()
     if text.startswith("on"):
+        text += f"; optimizers: {', '.join(compiled_optimizers())}"
         text += f"; {SIXTEEN_BIT_ROUTE}"
     return text
 
