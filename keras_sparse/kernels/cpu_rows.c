@@ -66,10 +66,11 @@ int64_t ks_dedup_scratch_entries(int64_t n) {
  * an entry per table row would miss the cache once tables outgrow it.
  */
 KS_VECTOR_CLONES
-int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
-                            int64_t n, int64_t rows, const float *grads,
-                            int64_t bag, int64_t dim, int32_t *scratch,
-                            int64_t *unique, float *summed) {
+int64_t ks_distinct_sum_strided_f32(const int64_t *ids, const uint8_t *valid,
+                                    int64_t n, int64_t rows, const float *grads,
+                                    int64_t stride, int64_t bag, int64_t dim,
+                                    int32_t *scratch, int64_t *unique,
+                                    float *summed) {
   int shift;
   const int64_t slots = ks_dedup_slots(n, &shift);
   const uint64_t mask = (uint64_t)slots - 1;
@@ -105,10 +106,21 @@ int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
   for (int64_t p = 0; p < n; ++p) {
     if (valid && !valid[p]) continue;
     float *out = summed + (int64_t)(-1 - last[where[p]]) * dim;
-    const float *g = grads + (p / bag) * dim;
+    const float *g = grads + (p / bag) * stride;
     for (int64_t j = 0; j < dim; ++j) out[j] += g[j];
   }
   return count;
+}
+
+/* ks_distinct_sum_strided_f32 of contiguous gradients (stride = dim). The
+ * strided form reads a table's columns of a wider gradient (PyTorch: its
+ * slice of the concatenated bags' gradient) without copying them first. */
+int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
+                            int64_t n, int64_t rows, const float *grads,
+                            int64_t bag, int64_t dim, int32_t *scratch,
+                            int64_t *unique, float *summed) {
+  return ks_distinct_sum_strided_f32(ids, valid, n, rows, grads, dim, bag, dim,
+                                     scratch, unique, summed);
 }
 
 /* dst[rows[i]][:] = src[i][:] for i < count (rows distinct). */

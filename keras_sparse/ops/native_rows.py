@@ -38,9 +38,9 @@ class NativeRows:
 
     def __init__(self, lib):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._distinct_sum = lib.ks_distinct_sum_f32
+        self._distinct_sum = lib.ks_distinct_sum_strided_f32
         self._distinct_sum.restype = i64
-        self._distinct_sum.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+        self._distinct_sum.argtypes = [ptr, ptr, i64, i64, ptr] + [i64] * 3 + [ptr] * 3
         self._scratch_entries = lib.ks_dedup_scratch_entries
         self._scratch_entries.restype = i64
         self._scratch_entries.argtypes = [i64]
@@ -74,7 +74,7 @@ class NativeRows:
         """
         ids = np.ascontiguousarray(ids)
         valid = np.ascontiguousarray(valid)
-        grads = np.ascontiguousarray(grads)
+        grads = _rows_view(grads)
         n, dim = ids.shape[0], grads.shape[1]
         if n > MAX_IDS:
             raise ValueError(f"sparse update: {n} ids in one call; at most {MAX_IDS}.")
@@ -99,8 +99,9 @@ class NativeRows:
             raise ValueError(f"sparse update: `unique` must hold {n} int64 ids.")
         summed = np.empty((n, dim), np.float32)
         count = self._distinct_sum(
-            ids.ctypes.data, valid.ctypes.data, n, rows, grads.ctypes.data, bag,
-            dim, scratch.ctypes.data, unique.ctypes.data, summed.ctypes.data,
+            ids.ctypes.data, valid.ctypes.data, n, rows, grads.ctypes.data,
+            grads.strides[0] // 4, bag, dim, scratch.ctypes.data,
+            unique.ctypes.data, summed.ctypes.data,
         )  # fmt: skip
         if count < 0:
             bad = -1 - count
@@ -167,6 +168,20 @@ class NativeRows:
             *(a.ctypes.data for a in arrays), rows.ctypes.data, grads.ctypes.data,
             rows.shape[0], shape[1], *scalars,
         )  # fmt: skip
+
+
+def _rows_view(grads):
+    """``grads`` as float32 rows the C code reads in place: contiguous
+    rows at any row stride (a table's columns of a wider gradient, read
+    without a copy), else a contiguous copy. Other dtypes pass as they
+    are, for `NativeRows.distinct_sum` to refuse."""
+    grads = np.asarray(grads)
+    if grads.dtype != np.float32 or grads.ndim != 2:
+        return grads
+    row, column = grads.strides
+    if column == 4 and row >= 0 and row % 4 == 0 and row >= 4 * grads.shape[1]:
+        return grads
+    return np.ascontiguousarray(grads)
 
 
 def library():
