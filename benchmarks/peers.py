@@ -84,6 +84,20 @@ default since their placement differs anyway):
   eps outside the root). ``keras-dense`` keeps Keras' Adagrad whatever the
   option. With several ``--optimizers`` each variant runs with each, in
   the same interleaved rounds, and a table gives their ratio.
+* ``--optimizers sgd``: ``ks.optimizers.SGD(0.01)`` against
+  ``torch.optim.SGD``, FBGEMM's ``EXACT_SGD`` (``w -= lr * g``, both).
+* ``--optimizers adam``: ``ks.optimizers.Adam(0.01)`` (Keras' defaults:
+  betas 0.9, 0.999, ``eps=1e-7`` outside the root, bias correction in the
+  step size; lazy: only touched rows and their moments change). The
+  fused module maps ``torch.optim.Adam`` to FBGEMM's ``ADAM``, which its
+  CPU mode refuses ("Optimizer OptimType.ADAM is not supported in CPU
+  mode"; it runs EXACT_SGD, EXACT_ADAGRAD and the row-wise Adagrads):
+  TorchRec runs its Adagrad child instead and Adam's "vs torchrec" is
+  over that one (marked "its adagrad").
+* ``--optimizers ftrl``: ``ks.optimizers.Ftrl(0.01)`` (Keras' defaults:
+  power -0.5, initial accumulator 0.1, no regularization; two slots per
+  element, accumulator and linear). FBGEMM has no FTRL: as for Adam,
+  Ftrl's "vs torchrec" is over TorchRec's Adagrad.
 * ``torch.optim.Adagrad`` (TorchRec's head): ``initial_accumulator_value=0,
   eps=1e-10`` outside the root, ``lr=0.01``.
 * Initial values: Keras ``Embedding`` and ks tables draw ``uniform``
@@ -170,6 +184,7 @@ from peers_runners import BAG  # noqa: E402
 from peers_runners import DEFAULT_ALLOCATOR  # noqa: E402
 from peers_runners import DIM  # noqa: E402
 from peers_runners import OPTIMIZERS  # noqa: E402
+from peers_runners import PEER_OPTIMIZER  # noqa: E402
 from peers_runners import VARIANTS  # noqa: E402
 from peers_runners import ZIPF_A  # noqa: E402
 from peers_runners import child  # noqa: E402
@@ -227,6 +242,21 @@ def label(args, variant, optimizer):
     """A row's name: the variant, and its tables' optimizer where
     ``--optimizers`` names several."""
     return variant if len(args.optimizers) == 1 else f"{variant}/{optimizer}"
+
+
+def run_list(args, variants):
+    """``(label, variant, optimizer)`` of each child to run: every variant
+    with every ``--optimizers`` entry, TorchRec's with the optimizer each is
+    compared with (`PEER_OPTIMIZER`: Ftrl's is Adagrad), once each."""
+    runs = []
+    for variant in variants:
+        for optimizer in args.optimizers:
+            if VARIANTS[variant][0] is None:
+                optimizer = PEER_OPTIMIZER[optimizer]
+            entry = (label(args, variant, optimizer), variant, optimizer)
+            if entry not in runs:
+                runs.append(entry)
+    return runs
 
 
 def run_child(args, variant, optimizer, rows, data):
@@ -317,7 +347,7 @@ def parent(args):
         print("nothing to run")
         return 1
     t0 = time.perf_counter()
-    runs = [(label(args, v, o), v, o) for v in variants for o in args.optimizers]
+    runs = run_list(args, variants)
     labels = [name for name, _, _ in runs]
     results = {(n, r): [] for n in labels for r in args.rows}
     growths = {n: [] for n in labels}  # --together: one ratio per child
@@ -371,15 +401,17 @@ def parent(args):
             )
     table = []
     for rows in args.rows:
-        not_run = [(label(args, v, o), v, o) for v in skipped for o in args.optimizers]
-        for variant, real_variant, optimizer in [*runs, *not_run]:
-            base = summary.get((label(args, "torchrec", optimizer), rows))
+        for variant, real_variant, optimizer in [*runs, *run_list(args, skipped)]:
+            peer = PEER_OPTIMIZER[optimizer]
+            base = summary.get((label(args, "torchrec", peer), rows))
             s = summary.get((variant, rows))
             if s is None:
                 why = "skipped" if real_variant in skipped else "failed"
                 table.append((variant, f"{rows:.0e}", why, "-", "-"))
                 continue
             ratio = f"{s['median'] / base['median']:.2f}x" if base else "-"
+            if base and peer != optimizer:
+                ratio += f" (its {peer})"
             table.append(
                 (variant, f"{rows:.0e}", f"{s['median']:.1f}", ratio, f"{s['rss']:.0f}")
             )

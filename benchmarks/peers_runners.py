@@ -25,9 +25,16 @@ HIDDEN = 64
 LR = 0.01
 FBGEMM_EPS = 1e-8
 #: ``--optimizers`` choices: the tables' optimizer, ours and TorchRec's
-#: (its fused module maps torch.optim.Adagrad to EXACT_ADAGRAD and
-#: torchrec.optim.RowWiseAdagrad to EXACT_ROWWISE_ADAGRAD).
-OPTIMIZERS = ("adagrad", "rowwise_adagrad")
+#: (its fused module maps torch.optim.SGD to EXACT_SGD, torch.optim.Adagrad
+#: to EXACT_ADAGRAD, torchrec.optim.RowWiseAdagrad to EXACT_ROWWISE_ADAGRAD
+#: and torch.optim.Adam to ADAM).
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+#: The TorchRec optimizer each is compared with. FBGEMM has no FTRL, and
+#: its CPU mode no ADAM (only EXACT_SGD, EXACT_ADAGRAD and the row-wise
+#: Adagrads: "Optimizer OptimType.ADAM is not supported in CPU mode"), so
+#: Ftrl and Adam stand beside Adagrad (per-element state, as theirs) and
+#: TorchRec does not run them.
+PEER_OPTIMIZER = {o: o for o in OPTIMIZERS} | {"ftrl": "adagrad", "adam": "adagrad"}
 VARIANTS = {  # name: (KERAS_BACKEND, model form); torchrec: no Keras
     "torchrec": (None, "torchrec"),
     "torchrec-thp": (None, "torchrec"),
@@ -75,6 +82,9 @@ def keras_model(form, names, rows, optimizer="adagrad"):
     keras.utils.set_random_seed(0)
 
     def sparse_optimizer():
+        if optimizer in ("sgd", "adam", "ftrl"):  # each library's defaults
+            return {"sgd": ks.optimizers.SGD, "adam": ks.optimizers.Adam,
+                    "ftrl": ks.optimizers.Ftrl}[optimizer](LR)  # fmt: skip
         kind = {"adagrad": ks.optimizers.Adagrad,
                 "rowwise_adagrad": ks.optimizers.RowWiseAdagrad}[optimizer]  # fmt: skip
         return kind(LR, initial_accumulator_value=0.0)
@@ -195,8 +205,9 @@ def torchrec_runner(args, rows, data):
     ]  # fmt: skip
     if args.optimizer == "rowwise_adagrad":
         from torchrec.optim import RowWiseAdagrad as table_optimizer
-    else:
-        table_optimizer = torch.optim.Adagrad  # -> fused EXACT_ADAGRAD
+    else:  # -> fused EXACT_SGD, EXACT_ADAGRAD
+        table_optimizer = {"sgd": torch.optim.SGD,
+                           "adagrad": torch.optim.Adagrad}[args.optimizer]  # fmt: skip
     ebc = FusedEmbeddingBagCollection(
         tables=configs,
         optimizer_type=table_optimizer,
@@ -238,7 +249,7 @@ def torchrec_runner(args, rows, data):
                 gaps.append(now - last)
             last = now
         # The fused update happened (a no-op step would time nothing).
-        assert not torch.equal(before, weight[hot]), "the fused Adagrad left the tables"
+        assert not torch.equal(before, weight[hot]), "the fused update left the tables"
         return gaps
 
     return run

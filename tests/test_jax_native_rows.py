@@ -65,13 +65,14 @@ def test_the_call_equals_numpy_to_the_bit(name, seed, n, rows, dim, it):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-def test_several_rowwise_adagrad_steps_with_duplicates():
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "ftrl_power"])
+def test_several_steps_with_duplicates(name):
     def apply(*args):
         state, fused = _apply(*args)
         assert fused
         return state
 
-    models.check_several_steps(apply, "rowwise_adagrad")
+    models.check_several_steps(apply, name)
 
 
 def test_the_gather_equals_numpy_with_zeros_where_not_valid(monkeypatch):
@@ -334,3 +335,12 @@ def test_a_jax_without_the_ffi_module_leaves_the_call_off():
     )
     assert library.get() is None
     assert library.status().startswith("off:") and "'ffi'" in library.status()
+
+
+def test_the_helpers_list_every_compiled_optimizer():
+    import keras_sparse as ks
+
+    _module()  # skips where the compiled code cannot be built
+    text = ks.compiled_cpu_helpers()
+    assert text.startswith("on: ")
+    assert "; optimizers: SGD, Adagrad, Adam, RowWiseAdagrad, Ftrl; " in text

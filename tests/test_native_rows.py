@@ -100,6 +100,29 @@ def test_distinct_sum_matches_numpy(seed, n, bag, num_rows, invalid_share):
         )
 
 
+def test_distinct_sum_reads_a_column_slice_in_place_to_the_same_bits():
+    native = _native()
+    _, native_rows, _ = _modules()
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 9, 24)
+    valid = rng.random(24) >= 0.2
+    wide = rng.normal(size=(12, 40)).astype("float32")  # 12 bags of 2 ids
+    view = wide[:, 16:32]  # one table's columns of a concatenated gradient
+    assert native_rows._rows_view(view) is view  # no copy
+    assert native_rows._rows_view(wide[:, ::2]) is not wide  # not rows: copied
+    got = native.distinct_sum(ids, valid, view, 9, bag=2)
+    want = native.distinct_sum(ids, valid, view.copy(), 9, bag=2)
+    assert got[0] == want[0] > 0
+    np.testing.assert_array_equal(got[1][: got[0]], want[1][: want[0]])
+    np.testing.assert_array_equal(got[2][: got[0]], want[2][: want[0]])
+    keys = want[1][: want[0]].tolist()
+    per_position = np.repeat(view, 2, axis=0)
+    np.testing.assert_allclose(
+        want[2][: want[0]],
+        [per_position[valid & (ids == k)].sum(0) for k in keys], rtol=1e-5,
+    )  # fmt: skip
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**16),

@@ -72,10 +72,13 @@ def test_op_equals_numpy_and_the_graph_route(name, seed, n, rows, first, dim, it
     assert not fused
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        np.testing.assert_allclose(got[key], graph[key], rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            got[key], graph[key], rtol=2e-6, atol=models.route_atol(name)
+        )
 
 
-def test_several_rowwise_adagrad_steps_with_duplicates():
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "ftrl_power"])
+def test_several_steps_with_duplicates(name):
     def apply(optimizer, table, slots, ids, valid, grads, it):
         state, fused = _apply(
             optimizer, table, slots, ids, valid, grads, 0, table.shape[0], it
@@ -83,7 +86,7 @@ def test_several_rowwise_adagrad_steps_with_duplicates():
         assert fused
         return state
 
-    models.check_several_steps(apply, "rowwise_adagrad")
+    models.check_several_steps(apply, name)
 
 
 def test_an_id_outside_the_rows_raises_and_changes_nothing():
@@ -146,3 +149,12 @@ def test_without_a_compiler_the_graph_route_runs(tmp_path):
     none, status = result.stdout.strip().splitlines()[-2:]
     assert none == "True"
     assert status == "off: no C compiler found ($CXX or c++)"
+
+
+def test_the_helpers_list_every_compiled_optimizer():
+    import keras_sparse as ks
+
+    _modules()  # skips where the compiled code cannot be built
+    text = ks.compiled_cpu_helpers()
+    assert text.startswith("on: ")
+    assert "; optimizers: SGD, Adagrad, Adam, RowWiseAdagrad, Ftrl; " in text

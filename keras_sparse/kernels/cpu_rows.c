@@ -66,10 +66,11 @@ int64_t ks_dedup_scratch_entries(int64_t n) {
  * an entry per table row would miss the cache once tables outgrow it.
  */
 KS_VECTOR_CLONES
-int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
-                            int64_t n, int64_t rows, const float *grads,
-                            int64_t bag, int64_t dim, int32_t *scratch,
-                            int64_t *unique, float *summed) {
+int64_t ks_distinct_sum_strided_f32(const int64_t *ids, const uint8_t *valid,
+                                    int64_t n, int64_t rows, const float *grads,
+                                    int64_t stride, int64_t bag, int64_t dim,
+                                    int32_t *scratch, int64_t *unique,
+                                    float *summed) {
   int shift;
   const int64_t slots = ks_dedup_slots(n, &shift);
   const uint64_t mask = (uint64_t)slots - 1;
@@ -105,10 +106,21 @@ int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
   for (int64_t p = 0; p < n; ++p) {
     if (valid && !valid[p]) continue;
     float *out = summed + (int64_t)(-1 - last[where[p]]) * dim;
-    const float *g = grads + (p / bag) * dim;
+    const float *g = grads + (p / bag) * stride;
     for (int64_t j = 0; j < dim; ++j) out[j] += g[j];
   }
   return count;
+}
+
+/* ks_distinct_sum_strided_f32 of contiguous gradients (stride = dim). The
+ * strided form reads a table's columns of a wider gradient (PyTorch: its
+ * slice of the concatenated bags' gradient) without copying them first. */
+int64_t ks_distinct_sum_f32(const int64_t *ids, const uint8_t *valid,
+                            int64_t n, int64_t rows, const float *grads,
+                            int64_t bag, int64_t dim, int32_t *scratch,
+                            int64_t *unique, float *summed) {
+  return ks_distinct_sum_strided_f32(ids, valid, n, rows, grads, dim, bag, dim,
+                                     scratch, unique, summed);
 }
 
 /* dst[rows[i]][:] = src[i][:] for i < count (rows distinct). */
@@ -215,6 +227,53 @@ void ks_adam_rows_f32(float *table, float *momentum, float *velocity,
       v[j] = new_v;
       row[j] = row[j] - (new_m * alpha) / (__builtin_sqrtf(new_v) + eps);
     }
+  }
+}
+
+/* FTRL-Proximal (keras_sparse.optimizers.Ftrl), with p = -learning_rate_power:
+ * acc' = acc + g * g, then
+ * linear' = linear + (g + shrink2 * row) - ((acc'^p - acc^p) / lr) * row and
+ * row' = (clip(linear', -l1, l1) - linear') / (acc'^p / lr + 2 * l2_reg),
+ * where shrink2 is 2 * l2_shrinkage and l2_reg is l2 + beta / (2 * lr), as
+ * the Python route computes them. The power is a correctly rounded square
+ * root at p = 0.5 (the default), else the C library's powf: with a root the
+ * row loop vectorizes, and either way every clone computes the same bits. */
+static inline __attribute__((always_inline)) void ks_ftrl_row(
+    float *row, float *a, float *z, const float *g, int64_t dim, float lr,
+    float shrink2, float p, float l1, float l2_reg, int root) {
+  for (int64_t j = 0; j < dim; ++j) {
+    const float old_acc = a[j];
+    const float new_acc = old_acc + g[j] * g[j];
+    const float power_new =
+        root ? __builtin_sqrtf(new_acc) : __builtin_powf(new_acc, p);
+    const float power_old =
+        root ? __builtin_sqrtf(old_acc) : __builtin_powf(old_acc, p);
+    const float linear =
+        (z[j] + (g[j] + shrink2 * row[j])) - ((power_new - power_old) / lr) * row[j];
+    const float clipped = linear < -l1 ? -l1 : linear > l1 ? l1 : linear;
+    a[j] = new_acc;
+    z[j] = linear;
+    row[j] = (clipped - linear) / (power_new / lr + 2.0f * l2_reg);
+  }
+}
+
+KS_VECTOR_CLONES
+void ks_ftrl_rows_f32(float *table, float *acc, float *lin, const int64_t *rows,
+                      const float *grads, int64_t count, int64_t dim, float lr,
+                      float shrink2, float p, float l1, float l2_reg) {
+  const int root = p == 0.5f;
+  for (int64_t i = 0; i < count; ++i) {
+    KS_PREFETCH_ROW(table, i);
+    KS_PREFETCH_ROW(acc, i);
+    KS_PREFETCH_ROW(lin, i);
+    float *row = table + rows[i] * dim;
+    float *a = acc + rows[i] * dim;
+    float *z = lin + rows[i] * dim;
+    const float *g = grads + i * dim;
+    if (root)
+      ks_ftrl_row(row, a, z, g, dim, lr, shrink2, p, l1, l2_reg, 1);
+    else
+      ks_ftrl_row(row, a, z, g, dim, lr, shrink2, p, l1, l2_reg, 0);
   }
 }
 

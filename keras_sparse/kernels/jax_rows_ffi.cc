@@ -57,10 +57,10 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
                      ffi::RemainingRets outs, int32_t rule) {
   const int64_t n = ids.element_count();
   // Rules: 0 SGD, 1 Adagrad, 2 Adam, 3 row-wise Adagrad (its accumulator
-  // [rows, 1]).
-  const int wanted =
-      rule == 0 ? 1 : rule == 1 || rule == 3 ? 2 : rule == 2 ? 3 : -1;
-  const int64_t n_scalars = rule == 0 ? 1 : rule == 2 ? 4 : 2;
+  // [rows, 1]), 4 Ftrl.
+  const int wanted = rule == 4 ? 3
+      : rule == 0 ? 1 : rule == 1 || rule == 3 ? 2 : rule == 2 ? 3 : -1;
+  const int64_t n_scalars = rule == 4 ? 5 : rule == 0 ? 1 : rule == 2 ? 4 : 2;
   if (wanted < 0 || int64_t(arrays.size()) != wanted ||
       int64_t(outs.size()) != wanted ||
       int64_t(scalars.element_count()) != n_scalars) {
@@ -131,6 +131,9 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
     ks_sgd_rows_f32(data[0], touched, g, count, dim, k[0]);
   } else if (rule == 1) {
     ks_adagrad_rows_f32(data[0], data[1], touched, g, count, dim, k[0], k[1]);
+  } else if (rule == 4) {
+    ks_ftrl_rows_f32(data[0], data[1], data[2], touched, g, count, dim, k[0],
+                     k[1], k[2], k[3], k[4]);
   } else if (rule == 3) {
     ks_rowwise_adagrad_rows_f32(data[0], data[1], touched, g, count, dim, k[0],
                                 k[1]);

@@ -46,7 +46,7 @@ REGISTER_OP("KerasSparseRowUpdate")
     .Input("grads: float")
     .Input("scalars: float")
     .Attr("N: int >= 1")
-    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad'}")
+    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad', 'ftrl'}")
     .Attr("first: int >= 0")
     .Attr("rows: int >= 1")
     .Output("updated: int64")
@@ -60,7 +60,8 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
-    const int wanted = rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
+    const int wanted =
+        rule_ == "ftrl" ? 3 : rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
     OP_REQUIRES(ctx, n_vars_ == wanted,
                 absl::InvalidArgumentError("KerasSparseRowUpdate: rule " +
                                            rule_ + " takes " +
@@ -83,7 +84,8 @@ class KerasSparseRowUpdateOp : public OpKernel {
             "[n, dim] do not fit: " + ids.shape().DebugString() + ", " +
             valid.shape().DebugString() + ", " + grads.shape().DebugString()));
     const int64_t dim = grads.dim_size(1);
-    const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
+    const size_t n_scalars =
+        rule_ == "ftrl" ? 5 : rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
     OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
                 absl::InvalidArgumentError("KerasSparseRowUpdate: scalars"));
 
@@ -152,6 +154,9 @@ class KerasSparseRowUpdateOp : public OpKernel {
       ks_sgd_rows_f32(arrays[0], rows, g, count, dim, s[0]);
     } else if (rule_ == "adagrad") {
       ks_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0], s[1]);
+    } else if (rule_ == "ftrl") {
+      ks_ftrl_rows_f32(arrays[0], arrays[1], arrays[2], rows, g, count, dim,
+                       s[0], s[1], s[2], s[3], s[4]);
     } else if (rule_ == "rowwise_adagrad") {
       ks_rowwise_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0],
                                   s[1]);

@@ -1,5 +1,5 @@
-"""The PyTorch CPU update of SGD, Adagrad, Adam and RowWiseAdagrad rows in one
-compiled pass.
+"""The PyTorch CPU update of SGD, Adagrad, Adam, RowWiseAdagrad and Ftrl rows
+in one compiled pass.
 
 After the compiled dedup (`keras_sparse.ops.native_rows`), the torch route
 gathers the touched rows of the table and of each slot, runs the optimizer
@@ -13,7 +13,10 @@ optimizer to the bit, and the torch route, whose vectorized square root may
 round an ulp away, to within an ulp (tests/test_native_optimizers.py);
 RowWiseAdagrad's mean of squares is summed in column order, which torch's
 vectorized mean need not follow, so there the two agree to float32
-rounding of that sum. The
+rounding of that sum. Ftrl's power of the accumulator is that square root
+at the default ``learning_rate_power=-0.5`` and the C library's powf
+otherwise (the NumPy model calls the same powf); its row, a difference of
+near values, inherits an ulp of a root as ~1e-7 absolute. The
 input stage's segments replace the dedup only, so a batch takes this pass
 with or without the stage. Under DistributedDataParallel every process
 must take the same route (the same compiler available, or

@@ -20,6 +20,7 @@ import ctypes
 import numpy as np
 
 from keras_sparse.ops import native_build
+from keras_sparse.ops.optimizer_rules import compiled_optimizers
 from keras_sparse.ops.optimizer_rules import slot_width
 
 SOURCE = "cpu_rows.c"
@@ -37,9 +38,9 @@ class NativeRows:
 
     def __init__(self, lib):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._distinct_sum = lib.ks_distinct_sum_f32
+        self._distinct_sum = lib.ks_distinct_sum_strided_f32
         self._distinct_sum.restype = i64
-        self._distinct_sum.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+        self._distinct_sum.argtypes = [ptr, ptr, i64, i64, ptr] + [i64] * 3 + [ptr] * 3
         self._scratch_entries = lib.ks_dedup_scratch_entries
         self._scratch_entries.restype = i64
         self._scratch_entries.argtypes = [i64]
@@ -52,6 +53,7 @@ class NativeRows:
             "adagrad": (lib.ks_adagrad_rows_f32, 2, [f32, f32]),
             "adam": (lib.ks_adam_rows_f32, 3, [f32] * 4),
             "rowwise_adagrad": (lib.ks_rowwise_adagrad_rows_f32, 2, [f32, f32]),
+            "ftrl": (lib.ks_ftrl_rows_f32, 3, [f32] * 5),
         }
         for function, arrays, scalars in self._optimizer_rows.values():
             function.restype = None
@@ -79,7 +81,7 @@ class NativeRows:
         """
         ids = np.ascontiguousarray(ids)
         valid = np.ascontiguousarray(valid)
-        grads = np.ascontiguousarray(grads)
+        grads = _rows_view(grads)
         n, dim = ids.shape[0], grads.shape[1]
         if n > MAX_IDS:
             raise ValueError(f"sparse update: {n} ids in one call; at most {MAX_IDS}.")
@@ -104,8 +106,9 @@ class NativeRows:
             raise ValueError(f"sparse update: `unique` must hold {n} int64 ids.")
         summed = np.empty((n, dim), np.float32)
         count = self._distinct_sum(
-            ids.ctypes.data, valid.ctypes.data, n, rows, grads.ctypes.data, bag,
-            dim, scratch.ctypes.data, unique.ctypes.data, summed.ctypes.data,
+            ids.ctypes.data, valid.ctypes.data, n, rows, grads.ctypes.data,
+            grads.strides[0] // 4, bag, dim, scratch.ctypes.data,
+            unique.ctypes.data, summed.ctypes.data,
         )  # fmt: skip
         if count < 0:
             bad = -1 - count
@@ -138,8 +141,8 @@ class NativeRows:
         )  # fmt: skip
 
     def optimizer_rows(self, rule, arrays, rows, grads, scalars):
-        """Applies the optimizer ``rule`` ("sgd", "adagrad", "adam" or
-        "rowwise_adagrad", see `keras_sparse/kernels/cpu_rows.c`) in place to
+        """Applies the optimizer ``rule`` ("sgd", "adagrad", "adam",
+        "rowwise_adagrad" or "ftrl", see `keras_sparse/kernels/cpu_rows.c`) in place to
         ``rows`` (distinct int64, in range) of ``arrays`` (the table, then the
         rule's slots: C-contiguous float32 ``[num_rows, dim]``, or
         ``[num_rows, 1]`` for a row-wise rule's slots) from ``grads``
@@ -226,6 +229,20 @@ class NativeRows:
 KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
+def _rows_view(grads):
+    """``grads`` as float32 rows the C code reads in place: contiguous
+    rows at any row stride (a table's columns of a wider gradient, read
+    without a copy), else a contiguous copy. Other dtypes pass as they
+    are, for `NativeRows.distinct_sum` to refuse."""
+    grads = np.asarray(grads)
+    if grads.dtype != np.float32 or grads.ndim != 2:
+        return grads
+    row, column = grads.strides
+    if column == 4 and row >= 0 and row % 4 == 0 and row >= 4 * grads.shape[1]:
+        return grads
+    return np.ascontiguousarray(grads)
+
+
 def library():
     """The `NativeRows` helpers, built or loaded once per process; or None."""
     return _LIBRARY.get()
@@ -242,17 +259,19 @@ def compiled_cpu_helpers():
     On a CPU every backend runs the sparse update of a table as compiled
     code, built on first use with the system compiler and cached per
     user: PyTorch calls a small C library (the dedup, the gradient sums,
-    and SGD, Adagrad, Adam and RowWiseAdagrad on the rows), TensorFlow one
-    op of its own and JAX one XLA custom call (the same C code, built
+    and SGD, Adagrad, Adam, RowWiseAdagrad and Ftrl on the rows), TensorFlow
+    one op of its own and JAX one XLA custom call (the same C code, built
     against the installed TensorFlow or jaxlib). Without a compiler each runs the same
     arithmetic as its own operations, about half as fast. Returns
-    ``"on: <library path>; <what it serves of 16-bit tables>"`` or ``"off:
-    <reason>"`` for the current backend, building first if needed. The
-    compiled update serves float32, bfloat16 and float16 tables and slots
-    (``table_dtype``, ``slot_dtype``): 16-bit rows are updated in float32
-    and written back rounded as the backends' own operations round them
+    ``"on: <library path>; optimizers: <the compiled ones>; <what it
+    serves of 16-bit tables>"`` or ``"off: <reason>"`` for the current
+    backend, building first if needed. The compiled update serves float32,
+    bfloat16 and float16 tables and slots (``table_dtype``,
+    ``slot_dtype``): 16-bit rows are updated in float32 and written back
+    rounded as the backends' own operations round them
     (`keras_sparse.ops.row_rounding`: stochastically, or to nearest with
-    ``stochastic_rounding=False``), to the bit.
+    ``stochastic_rounding=False``), to the bit. Ftrl serves float32 only:
+    its 16-bit tables take the backend's own operations, as the text says.
 
     Example:
 
@@ -262,6 +281,7 @@ def compiled_cpu_helpers():
     """
     text = _backend_status()
     if text.startswith("on"):
+        text += f"; optimizers: {', '.join(compiled_optimizers())}"
         text += f"; {SIXTEEN_BIT_ROUTE}"
     return text
 
@@ -269,7 +289,8 @@ def compiled_cpu_helpers():
 #: What `compiled_cpu_helpers` says of 16-bit tables.
 SIXTEEN_BIT_ROUTE = (
     "float32, bfloat16 and float16 tables and slots: 16-bit rows round "
-    "stochastically (or to nearest), as the ops route rounds them"
+    "stochastically (or to nearest), as the ops route rounds them; Ftrl's "
+    "16-bit tables take the ops route"
 )
 
 

@@ -1,19 +1,21 @@
 """Which built-in optimizers the compiled row updates run, and their scalars.
 
 The compiled updates (`keras_sparse/kernels/cpu_rows.c`: SGD, Adagrad, Adam,
-RowWiseAdagrad) take an optimizer as a rule name, its slots in order and a
-few float scalars per step. Only these exact classes qualify: a subclass
+RowWiseAdagrad, Ftrl) take an optimizer as a rule name, its slots in order
+and a few float scalars per step. Only these exact classes qualify: a subclass
 may change the update.
 """
 
 from keras_sparse.optimizers import SGD
 from keras_sparse.optimizers import Adagrad
 from keras_sparse.optimizers import Adam
+from keras_sparse.optimizers import Ftrl
 from keras_sparse.optimizers import RowWiseAdagrad
 
 _RULES = {SGD: ("sgd", ()), Adagrad: ("adagrad", ("accumulator",)),
           Adam: ("adam", ("momentum", "velocity")),
-          RowWiseAdagrad: ("rowwise_adagrad", ("accumulator",))}  # fmt: skip
+          RowWiseAdagrad: ("rowwise_adagrad", ("accumulator",)),
+          Ftrl: ("ftrl", ("accumulator", "linear"))}  # fmt: skip
 #: Rules whose slots hold one value per row (``[rows, 1]``), not per element.
 ROW_WISE_RULES = frozenset({"rowwise_adagrad"})
 
@@ -21,6 +23,11 @@ ROW_WISE_RULES = frozenset({"rowwise_adagrad"})
 def rule_of(optimizer):
     """``(rule, slot names in the rule's order)``, or None."""
     return _RULES.get(type(optimizer))
+
+
+def compiled_optimizers():
+    """The names of the optimizer classes the compiled updates run."""
+    return [cls.__name__ for cls in _RULES]
 
 
 def slot_width(rule, dim):
@@ -36,5 +43,18 @@ def rule_scalars(optimizer, iterations, dtype):
         return [lr]
     if type(optimizer) in (Adagrad, RowWiseAdagrad):
         return [lr, optimizer.epsilon]
+    if type(optimizer) is Ftrl:
+        return _ftrl_scalars(optimizer, lr)
     alpha = optimizer.step_size(lr, iterations, dtype)
     return [1 - optimizer.beta_1, 1 - optimizer.beta_2, alpha, optimizer.epsilon]
+
+
+def _ftrl_scalars(optimizer, lr):
+    """lr, 2 * l2_shrinkage, the accumulator's power (-learning_rate_power),
+    l1 and l2_reg: the scalars of `Ftrl`'s update, each as it computes them
+    (l2_reg from lr in its dtype)."""
+    l2_reg = optimizer.l2_regularization_strength + optimizer.beta / (2.0 * lr)
+    return [
+        lr, 2 * optimizer.l2_shrinkage_regularization_strength,
+        -optimizer.learning_rate_power, optimizer.l1_regularization_strength, l2_reg,
+    ]  # fmt: skip

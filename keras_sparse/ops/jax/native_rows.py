@@ -1,5 +1,5 @@
-"""JAX on a CPU: the sparse row update of SGD, Adagrad, Adam and RowWiseAdagrad
-as one custom call, and the forward's gather of rows with prefetching.
+"""JAX on a CPU: the sparse row update of SGD, Adagrad, Adam, RowWiseAdagrad and
+Ftrl as one custom call, and the forward's gather of rows with prefetching.
 
 XLA:CPU compiles the backend-neutral update (`keras_sparse.ops.row_updates`)
 into a dozen loops per table and step: the dedup, segment sums, a gather
@@ -46,7 +46,7 @@ FUSED_OPTIMIZERS = True
 #: gather). True/False force it (tests, benchmarks).
 PREFETCH_GATHER = None
 PREFETCH_MIN_BYTES = 16 << 20
-_RULE_CODES = {"sgd": 0, "adagrad": 1, "adam": 2, "rowwise_adagrad": 3}
+_RULE_CODES = {"sgd": 0, "adagrad": 1, "adam": 2, "rowwise_adagrad": 3, "ftrl": 4}
 _UPDATE_TARGET = "keras_sparse_row_update"
 _UPDATE_16_TARGET = "keras_sparse_row_update_16"
 #: Rules whose call also serves bfloat16 and float16 tables and slots

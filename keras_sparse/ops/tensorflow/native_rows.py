@@ -1,5 +1,5 @@
-"""TensorFlow on a CPU: the sparse row update of SGD, Adagrad, Adam and
-RowWiseAdagrad as one op, and the forward's gather of rows with prefetching.
+"""TensorFlow on a CPU: the sparse row update of SGD, Adagrad, Adam,
+RowWiseAdagrad and Ftrl as one op, and the forward's gather of rows with prefetching.
 
 Outside XLA the graph route (`keras_sparse.ops.tensorflow.row_updates`) runs a
 dozen operations per table and step, two of them gathers and two scatters
