@@ -102,8 +102,11 @@ class SparseEmbeddingBase(keras.layers.Layer):
             self.quantized_rows = quantized.add_variables(
                 self, self.num_rows, self.output_dim, self.quantization_mode, size
             )
-            if self.uses_sparse_update:
+            if self.uses_sparse_update:  # the counter (saved), no anchor
                 row_variables.add_step_counter(self)
+                if self.sparse_anchor is not None:
+                    delattr(self, "sparse_anchor")  # untracks the variable
+                    self.sparse_anchor = None
             self._is_quantized = True
             self.built = True
             return
