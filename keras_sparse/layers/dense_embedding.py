@@ -342,7 +342,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if type_check and type(self) is not Embedding:
             raise self._not_implemented_error(self.quantize)
         quantized_rows.check_mode(self.name, mode)
-        if self.row_cache is not None or self.placement is not None:
+        sharded = self.placement is not None or placement.provider().route(self)
+        if self.row_cache is not None or sharded:
             # NotImplementedError: Model.quantize skips such layers.
             raise NotImplementedError(
                 f"Layer '{self.name}': `quantize` needs a table held whole in "

@@ -17,6 +17,7 @@ seed (the saved config builds one), every key back on its row.
 import numpy as np
 from keras import ops
 
+from keras_sparse.layers import placement
 from keras_sparse.layers import quantized_rows
 from keras_sparse.layers.hash.host_keys import to_numpy
 from keras_sparse.layers.record_checks import checked_int
@@ -34,7 +35,8 @@ class QuantizedTable:
         quantized_rows.check_mode(self.name, mode)
         refused = {
             "`store`": self.row_tier is not None,
-            "a sharding placement": self.placement is not None,
+            "a sharding placement": self.placement is not None
+            or placement.provider().route(self) is not None,
             "an input stage (keras_sparse.data.prefetch)": self.prepared_form
             is not None,
         }
