@@ -185,8 +185,6 @@ def test_argument_errors_list_choices():
         ks.AllToAllDenseEmbedding(10, 2, lora_rank=4, optimizer="sgd", name="emb_l")
     layer = ks.AllToAllDenseEmbedding(10, 2, optimizer="adam", name="emb_q")
     layer.build()
-    with pytest.raises(NotImplementedError, match="emb_q.*`quantize`='int8' needs"):
-        layer.quantize("int8")
     with pytest.raises(ValueError, match="emb_q.*`lora_rank`=2 needs"):
         layer.enable_lora(2)
     with pytest.raises(ValueError, match="sharding"):

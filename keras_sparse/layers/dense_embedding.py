@@ -9,6 +9,7 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
+from keras_sparse.layers import quantized_rows
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_storage import cache as cached_rows
@@ -38,6 +39,17 @@ def _refuse_with_sparse_optimizer(layer_name, argument, value, error=ValueError)
         "sparse optimizer updates the table's rows itself. Pass "
         "optimizer=None, or drop the argument."
     )
+
+
+def _quantized_policy(dtype):
+    """Whether ``dtype`` (a layer's ``dtype`` argument) is int8/int4."""
+    if dtype is None:
+        return False
+    try:
+        mode = keras.dtype_policies.get(dtype).quantization_mode
+    except (ValueError, TypeError):
+        return False
+    return mode in quantized_rows.MODES
 
 
 _OWN_ARGUMENTS = (
@@ -174,9 +186,12 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 quantization_config=quantization_config,
             )  # fmt: skip
         if optimizer is not None:
+            # A quantized layer's config (a save of `quantize()`'s result)
+            # holds the config it was quantized with.
+            quantized = _quantized_policy(kwargs.get("dtype"))
             for arg, value in (
                 ("lora_rank", lora_rank),
-                ("quantization_config", quantization_config),
+                ("quantization_config", None if quantized else quantization_config),
             ):
                 if value is not None:
                     _refuse_with_sparse_optimizer(name, arg, value)
@@ -196,7 +211,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         storage = TableStorage(name, table_dtype, stochastic_rounding, slot_dtype)
         storage.check_no_store(name, store_spec, "cache_rows")
         self._init_sparse(combiner, optimizer, sharding, storage)
-        if self.uses_sparse_update and self.quantization_mode:
+        if self.quantization_mode and store_spec is not None:
             _refuse_with_sparse_optimizer(self.name, "dtype", self.dtype_policy.name)
         self.num_rows = self.input_dim
         self.cache_rows = None if cache_rows is None else int(cache_rows)
@@ -326,12 +341,31 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         # have state the quantized variables would not cover.
         if type_check and type(self) is not Embedding:
             raise self._not_implemented_error(self.quantize)
-        if self.uses_sparse_update:
+        quantized_rows.check_mode(self.name, mode)
+        sharded = self.placement is not None or placement.provider().route(self)
+        if self.row_cache is not None or sharded:
             # NotImplementedError: Model.quantize skips such layers.
-            _refuse_with_sparse_optimizer(
-                self.name, "quantize", mode, NotImplementedError
+            raise NotImplementedError(
+                f"Layer '{self.name}': `quantize` needs a table held whole in "
+                "the layer's variables; this one is cached over a store "
+                "(`cache_rows`) or sharded. Quantize a copy built without "
+                "them (set_weights moves the table)."
             )
+        training_state = [self._embeddings, *self.slots.values()]
         keras.layers.Embedding.quantize(self, mode, type_check=False, config=config)
+        if self.uses_sparse_update:
+            # The frozen table needs no optimizer state (as Keras drops the
+            # float table): slots, scratch, step counter and anchor go.
+            quantized_rows.untrack(self, training_state[1:])
+            scratches = getattr(self, "_dedup_scratch_by_table", {})
+            name = scratches.pop(training_state[0].path, None)
+            if name is not None:
+                self._tracker.untrack(getattr(self, f"_dedup_scratch_{name}"))
+            self.slots = {}
+            for name in ("sparse_iterations", "sparse_anchor"):
+                if getattr(self, name, None) is not None:
+                    delattr(self, name)  # untracks the variable
+            self.sparse_anchor = None
 
     # ------------------------------------------------------------------ call
     def __call__(self, inputs, *args, **kwargs):
@@ -378,6 +412,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
 
     def quantized_call(self, inputs, weights=None, training=None):
         """Keras's int8/int4 lookups, with combiners and per-id weights."""
+        if training and self.trainable and self.uses_sparse_update:
+            raise quantized_rows.training_error(self.name, "a sparse update")
         keras_call = keras.layers.Embedding.quantized_call
         if (
             self.combiner is None

@@ -19,10 +19,12 @@ from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse import store as row_stores
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import atomic_save
+from keras_sparse.layers import collection_quantization
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
+from keras_sparse.layers import quantized_rows
 from keras_sparse.layers import store_assets
 from keras_sparse.layers.arguments import ArgumentError
 from keras_sparse.layers.arguments import check_fields
@@ -402,6 +404,8 @@ class EmbeddingCollection(keras.layers.Layer):
         self.stacks = []
         self._stack_tables = {}
         self._stack_slots = {}
+        # ``{stack: {name: variable}}`` once quantized (int8/int4).
+        self._stack_quantized = {}
         # Tables with ``cache_rows``: a cache over a row store each (not in
         # a stack), built by `keras_sparse.layers.row_storage.cache`.
         self.table_caches = self._table_caches()
@@ -490,6 +494,10 @@ class EmbeddingCollection(keras.layers.Layer):
         # TensorFlow replicas / PyTorch processes: each holds its part of a
         # sharded stack (`keras_sparse.sharding.process_stacks`).
         hooks.place_stacks(self, self.stacks)
+        if self.quantization_mode in quantized_rows.MODES:  # a quantized save
+            collection_quantization.build(self)
+            self.built = True
+            return
         for stack in self.stacks:
             parts = [
                 (
@@ -585,7 +593,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 config.input_dim,
                 config.combiner,
             )
-        iterations = sparse_step(self, training)
+        iterations = None if self._stack_quantized else sparse_step(self, training)
         for stack in self.stacks:
             sums = self._bag_sums(stack, prepared, training, iterations)
             if sums is not None:
@@ -682,17 +690,20 @@ class EmbeddingCollection(keras.layers.Layer):
             (stack.offsets[n], stack.offsets[n] + self.tables[n].input_dim)
             for n in stack.tables
         ]
-        rows = lookup_flat_rows(
-            self,
-            self._stack_tables[stack.name],
-            self._stack_slots[stack.name],
-            flat_ids,
-            flat_valid,
-            training,
-            iterations,
-            routing,
-            blocks=(widths is not None, widths or sizes, row_ranges),
-        )
+        if self._stack_quantized:  # int8/int4 rows, read only
+            rows = collection_quantization.gather(self, stack, flat_ids, flat_valid)
+        else:
+            rows = lookup_flat_rows(
+                self,
+                self._stack_tables[stack.name],
+                self._stack_slots[stack.name],
+                flat_ids,
+                flat_valid,
+                training,
+                iterations,
+                routing,
+                blocks=(widths is not None, widths or sizes, row_ranges),
+            )
         if widths is not None:
             rows = ops.reshape(rows, (-1, sum(widths), stack.dim))
             cuts, axis = np.cumsum(widths)[:-1].tolist(), 1
@@ -737,6 +748,8 @@ class EmbeddingCollection(keras.layers.Layer):
             if not self.built:
                 self.build()
             return self.table_caches[name].full_table()["values"]
+        if self._stack_quantized:
+            return collection_quantization.table_values(self, name)
         stack = self._stack_of(name)
         start = stack.offsets[name]
         value = self._whole(stack, self._stack_tables[stack.name])
@@ -775,6 +788,9 @@ class EmbeddingCollection(keras.layers.Layer):
         self._assign_tables({name: {"embeddings": value}})
 
     def save_own_variables(self, store):
+        if self._stack_quantized:
+            collection_quantization.save(self, store)
+            return
         # Per table, unpadded and unstacked: loads under any grouping.
         for stack in self.stacks:
             for var_name, variable in self._named_stack_variables(stack).items():
@@ -797,6 +813,9 @@ class EmbeddingCollection(keras.layers.Layer):
             store["sparse_iterations"] = self.sparse_iterations.numpy()
 
     def load_own_variables(self, store):
+        if self._stack_quantized:
+            collection_quantization.load(self, store)
+            return
         in_assets = self._tables_in_assets(store)
         # Every entry the layer needs, or nothing is loaded (as Keras refuses
         # a file with missing variables).
@@ -858,6 +877,8 @@ class EmbeddingCollection(keras.layers.Layer):
         """``values``: ``{table: {"embeddings"|"slot_<name>": array}}``.
 
         Every shape is checked before any variable changes."""
+        if self._stack_quantized:
+            raise quantized_rows.training_error(self.name, "`set_table`")
         cached = {}
         for name, cache in self.table_caches.items():
             if name not in values:
@@ -904,11 +925,15 @@ class EmbeddingCollection(keras.layers.Layer):
             table.update(fields)
             cache.write_table(table)
 
-    def quantize(self, mode=None, **kwargs):
-        raise NotImplementedError(
-            f"Layer '{self.name}' (EmbeddingCollection) does not support "
-            "quantization yet; quantize the dense layers only."
-        )
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Makes every table int8 or int4 (Keras's per-row form, see
+        `keras_sparse.layers.collection_quantization`); frozen after."""
+        collection_quantization.quantize(self, mode, config)
+
+    def quantized_call(self, inputs, weights=None, training=None):
+        if training and self.trainable and self.uses_sparse_update:
+            raise quantized_rows.training_error(self.name, "a sparse update")
+        return self.call(inputs, weights, training)
 
     def get_config(self):
         config = super().get_config()

@@ -13,6 +13,7 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import atomic_save
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
+from keras_sparse.layers import quantized_rows as quantized
 from keras_sparse.layers.dedup_scratch import scratch_segments
 from keras_sparse.layers.row_storage import variables as row_variables
 from keras_sparse.layers.table_storage import TableStorage
@@ -80,6 +81,9 @@ class SparseEmbeddingBase(keras.layers.Layer):
         self.table_storage = table_storage or TableStorage(self.name)
         self.table_storage.check_sparse(self.name, self.sparse_optimizer is not None)
         self.slots = {}
+        # ``{name: variable}`` of an int8/int4 table (a hash layer's
+        # `quantize`), else None.
+        self.quantized_rows = None
         # A `TablePlacement` when built sharded on TensorFlow or PyTorch.
         self.placement = None
         # Saves of models holding this layer replace their file atomically.
@@ -92,6 +96,19 @@ class SparseEmbeddingBase(keras.layers.Layer):
 
     def build(self, input_shape=None):
         if self.built:
+            return
+        if self.quantization_mode in quantized.MODES:  # a quantized save
+            size = quantized.block_size(self)
+            self.quantized_rows = quantized.add_variables(
+                self, self.num_rows, self.output_dim, self.quantization_mode, size
+            )
+            if self.uses_sparse_update:  # the counter (saved), no anchor
+                row_variables.add_step_counter(self)
+                if self.sparse_anchor is not None:
+                    delattr(self, "sparse_anchor")  # untracks the variable
+                    self.sparse_anchor = None
+            self._is_quantized = True
+            self.built = True
             return
         self.embeddings = self._build_table()
         self.built = True
@@ -149,6 +166,17 @@ class SparseEmbeddingBase(keras.layers.Layer):
         """
         flat_ids = ops.reshape(ids, (-1,))
         flat_valid = ops.reshape(valid, (-1,))
+        if self.quantized_rows is not None:  # int8/int4 rows, read only
+            safe = ops.where(flat_valid, flat_ids, ops.zeros_like(flat_ids))
+            rows = quantized.gather(
+                self.quantized_rows,
+                safe,
+                self.quantization_mode,
+                self.output_dim,
+                "float32",
+            )
+            rows = ops.where(ops.expand_dims(flat_valid, -1), rows, 0)
+            return ops.reshape(rows, tuple(ops.shape(ids)) + (self.output_dim,))
         # --- keras_sparse.sharding hook: None unless JAX + an active
         # ModelParallel distribution + a row/column strategy for this layer.
         routing = placement.provider().route(self)

@@ -14,6 +14,7 @@ from keras_sparse.layers.hash import stage_feed
 from keras_sparse.layers.hash import trained_rows
 from keras_sparse.layers.hash.deltas import checked_flag
 from keras_sparse.layers.hash.key_calls import KeyCalls
+from keras_sparse.layers.hash.quantized_table import QuantizedTable
 from keras_sparse.layers.hash.records import HashRecords
 from keras_sparse.layers.hash.row_output import RowOutput
 from keras_sparse.layers.hash.stage_feed import StageFed
@@ -48,7 +49,13 @@ _OWN_ARGUMENTS = (
 
 @keras.saving.register_keras_serializable(package="keras_sparse")
 class DistributedHashEmbedding(
-    TableMapping, KeyCalls, RowOutput, StageFed, HashRecords, SparseEmbeddingBase
+    QuantizedTable,
+    TableMapping,
+    KeyCalls,
+    RowOutput,
+    StageFed,
+    HashRecords,
+    SparseEmbeddingBase,
 ):
     """Embedding for an unbounded key space backed by a `keras_sparse.table.HashTable`.
 

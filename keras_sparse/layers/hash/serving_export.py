@@ -50,6 +50,8 @@ def attach(archive, resource):
     tf_variable = _tf_variables(archive)
     tables = dict(getattr(archive._tf_trackable, "keras_sparse_tables", {}))
     for layer in layers:
+        if layer.quantized_rows is not None:  # int8/int4 rows: not updatable
+            continue
         tables[layer.name] = _served_table(layer, tf_variable)
     archive._tf_trackable.keras_sparse_tables = tables
 
