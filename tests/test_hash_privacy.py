@@ -42,7 +42,9 @@ def _private_names():
     private = {n for n in names if n.startswith("_") and not n.startswith("__")}
     # Keras' own attributes the layer sets (its instances have them).
     keras_layer = vars(__import__("keras").layers.Layer())
-    return private - inherited - set(keras_layer)
+    # and those Keras reads but sets only in its layers' `quantize`.
+    keras_protocol = {"_is_quantized"}
+    return private - inherited - set(keras_layer) - keras_protocol
 
 
 def _outside_uses(names):
