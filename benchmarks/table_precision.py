@@ -147,8 +147,7 @@ def dlrm_data(args, seed):
     return dlrm, dlrm.split(features, labels, 0.1)
 
 
-def train_dlrm(args, variant, seed, data):
-    dlrm, ((x_train, y_train), (x_test, y_test)) = data
+def dlrm_model(args, variant, seed, dlrm):
     keras.utils.set_random_seed(seed)  # the same initial weights per seed
     model = dlrm.build_model(
         scaled_cardinalities(scale=args.dlrm_scale)[: args.dlrm_fields],
@@ -157,6 +156,12 @@ def train_dlrm(args, variant, seed, data):
         table_options=VARIANTS[variant],
     )
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
+    return model
+
+
+def train_dlrm(args, variant, seed, data):
+    dlrm, ((x_train, y_train), (x_test, y_test)) = data
+    model = dlrm_model(args, variant, seed, dlrm)
     ms = fit_timed(model, x_train, y_train, args.dlrm_epochs, args.dlrm_batch)
     score = auc(y_test, predict(model, x_test, 8192))
     return score, table_bytes(model), ms
@@ -211,30 +216,117 @@ def mf_model(args, variant, lr, users=943, items=1682):
     return keras.Model({"user": user, "item": item}, dot)
 
 
-def train_ratings(args, variant, seed, data, lr):
-    (x_train, y_train), (x_test, y_test) = data
+def mf_compiled(args, variant, seed, lr):
     keras.utils.set_random_seed(seed)
     model = mf_model(args, variant, lr)
     # No dense weights: the tables' sparse SGD does all the training.
     model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def train_ratings(args, variant, seed, data, lr):
+    (x_train, y_train), (x_test, y_test) = data
+    model = mf_compiled(args, variant, seed, lr)
     ms = fit_timed(model, x_train, y_train, args.mf_epochs, args.mf_batch)
     error = predict(model, x_test, 8192).reshape(-1) - y_test
     return float(np.sqrt(np.mean(error**2))), table_bytes(model), ms
 
 
-def run_task(name, variants, seeds, train):
+def run_task(task, variants, seeds, train):
     """``{variant: [(metric, bytes, ms), ...per seed]}``; a seed's variants
-    back to back, so that their step times share the machine's state."""
+    back to back, so that their step times share the machine's state. Each
+    run also prints a ``run |`` line (``--combine`` reads them back)."""
     results = {v: [] for v in variants}
     for seed in seeds:
         for variant in variants:
             route(variant)
             results[variant].append(train(variant, seed))
-            metric, _, ms = results[variant][-1]
-            print(f"  {name} seed={seed} {variant}: {metric:.5f} {ms:.2f} ms/step",
-                  flush=True)  # fmt: skip
+            metric, size, ms = results[variant][-1]
+            # Exact values (repr), so that ``--combine`` prints the same table.
+            print(f"  run | {task} | {seed} | {variant} | {metric!r} | {size} | "
+                  f"{ms!r}", flush=True)  # fmt: skip
     route("float32")
     return results
+
+
+def interleaved_ms(task, build, x, y, batch, rounds, steps=10):
+    """Step times of a model per variant, ``build(variant)``, timed in
+    turns: each round runs ``steps`` `train_on_batch` calls of every
+    variant in a row, so that a busy machine slows them alike. Prints per
+    variant the median ms per step and the median of its per-round ratio
+    to float32."""
+    steps = min(steps, len(y) // batch)
+    batches = [
+        ({k: v[i * batch : (i + 1) * batch] for k, v in x.items()},
+         y[i * batch : (i + 1) * batch])
+        for i in range(steps)
+    ]  # fmt: skip
+    models = {}
+    for variant in build.variants:
+        route(variant)  # read when the step is traced: at its first call
+        models[variant] = build(variant)
+        models[variant].train_on_batch(*batches[0])
+    route("float32")
+    ms = {v: [] for v in models}
+    for _ in range(rounds):
+        for variant, model in models.items():
+            start = time.perf_counter()
+            for xb, yb in batches:
+                model.train_on_batch(xb, yb)
+            ms[variant].append(1000 * (time.perf_counter() - start) / steps)
+    rows = []
+    for variant, times in ms.items():
+        ratios = [t / b for t, b in zip(times, ms["float32"])]
+        rows.append([task, variant, f"{statistics.median(times):.2f}",
+                     f"{statistics.median(ratios):.2f}x", str(rounds)])  # fmt: skip
+    return rows
+
+
+def timing(args, names):
+    """``--timing``: the interleaved step times of both tasks (seed 0)."""
+    rows = []
+    if "dlrm" in args.tasks:
+        dlrm, ((x, y), _) = dlrm_data(args, 0)
+
+        def build(variant):
+            return dlrm_model(args, variant, 0, dlrm)
+
+        build.variants = names
+        rows += interleaved_ms("dlrm", build, x, y, args.dlrm_batch, args.rounds)
+    if "ratings" in args.tasks:
+        (x, y), _ = ratings_data(args, 0)
+        lr = float(args.mf_lr.split(",")[0])
+
+        def build(variant):
+            return mf_compiled(args, variant, 0, lr)
+
+        build.variants = names
+        rows += interleaved_ms("ratings", build, x, y, args.mf_batch, args.rounds)
+    header = ["task", "variant", "ms/step", "step ratio", "rounds"]
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def combine(paths):
+    """Table rows from the ``run |`` lines of earlier runs' outputs (say,
+    one process per seed), seeds in order per task and variant."""
+    runs = {}
+    for path in paths:
+        for line in pathlib.Path(path).read_text().splitlines():
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) == 7 and cells[0] == "run":
+                _, task, seed, variant, metric, size, ms = cells
+                runs.setdefault(task, {}).setdefault(variant, []).append(
+                    (int(seed), float(metric), int(size), float(ms))
+                )
+    rows = []
+    for task, by_variant in runs.items():
+        results = {v: [r[1:] for r in sorted(rs)] for v, rs in by_variant.items()}
+        rows += table_rows(task, results, relative="RMSE" in task)
+    return rows
 
 
 def mean_std(values, fmt):
@@ -267,7 +359,17 @@ def table_rows(task, results, relative):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke size")
-    parser.add_argument("--seeds", type=int)
+    parser.add_argument("--seeds", type=int, help="how many (3; quick: 1)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument(
+        "--timing",
+        action="store_true",
+        help="only step times, the variants timed in turns",
+    )
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="--timing: rounds of 10 steps per variant")  # fmt: skip
+    parser.add_argument("--combine", nargs="+", metavar="OUTPUT",
+                        help="print the table of earlier runs' outputs")  # fmt: skip
     parser.add_argument("--tasks", default="dlrm,ratings")
     parser.add_argument("--variants", help="comma-separated; default: all")
     parser.add_argument("--mf-lr",
@@ -291,8 +393,14 @@ def main(argv=None):
         names.append("f32 no-fused")
     if args.variants:
         names = ["float32"] + [v for v in args.variants.split(",") if v != "float32"]
-    seeds = range(args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     tasks = args.tasks.split(",")
+    if args.combine:
+        print_table(combine(args.combine))
+        return
+    if args.timing:
+        timing(args, names)
+        return
     print(f"backend={keras.backend.backend()} seeds={args.seeds} "
           f"compiled update: {ks.compiled_cpu_helpers()}", flush=True)  # fmt: skip
     rows = []
@@ -303,7 +411,7 @@ def main(argv=None):
               f"{args.dlrm_batch}, Adagrad(0.05) tables", flush=True)  # fmt: skip
         data = {s: dlrm_data(args, s) for s in seeds}
         results = run_task(
-            "dlrm", names, seeds, lambda v, s: train_dlrm(args, v, s, data[s])
+            "dlrm AUC", names, seeds, lambda v, s: train_dlrm(args, v, s, data[s])
         )
         rows += table_rows("dlrm AUC", results, relative=False)
     if "ratings" in tasks:
@@ -313,10 +421,15 @@ def main(argv=None):
                   f"{args.mf_epochs} epochs of batch {args.mf_batch}, "
                   f"SGD({lr}) tables", flush=True)  # fmt: skip
             results = run_task(
-                f"ratings lr={lr}", names, seeds,
+                f"ratings RMSE lr={lr}", names, seeds,
                 lambda v, s, lr=lr: train_ratings(args, v, s, data[s], lr),
             )  # fmt: skip
             rows += table_rows(f"ratings RMSE lr={lr}", results, relative=True)
+    print_table(rows)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+
+
+def print_table(rows):
     header = ["task", "variant", "metric", "Δ vs float32", "table+slot MiB",
               "bytes ratio", "ms/step", "step ratio"]  # fmt: skip
     print()
@@ -324,7 +437,6 @@ def main(argv=None):
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
