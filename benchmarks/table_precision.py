@@ -332,7 +332,8 @@ def combine(paths):
 def mean_std(values, fmt):
     if len(values) < 2:
         return fmt.format(values[0])
-    return f"{fmt.format(np.mean(values))} ± {fmt.format(np.std(values, ddof=1))}"
+    spread = fmt.replace("+", "").format(np.std(values, ddof=1))
+    return f"{fmt.format(np.mean(values))} ± {spread}"
 
 
 def table_rows(task, results, relative):
