@@ -71,7 +71,7 @@ FULL = dict(
 )  # fmt: skip
 QUICK = dict(
     seeds=1, dlrm_samples=2_000, dlrm_fields=2, dlrm_scale=0.001, dlrm_dim=4,
-    dlrm_epochs=2, dlrm_batch=500, ratings=2_000, mf_epochs=2, mf_batch=500,
+    dlrm_epochs=2, dlrm_batch=600, ratings=2_000, mf_epochs=2, mf_batch=600,
     mf_lr="0.5", variants="float32,bf16+SR,bf16 nearest",
 )  # fmt: skip
 
