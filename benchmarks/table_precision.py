@@ -26,10 +26,15 @@ mean +- std over seeds. Bytes are summed over the tables' variables (the
 table and its optimizer slots; the dedup scratch and counters are left
 out). Step time: ms per step over the epochs after the first (which
 compiles), its ratio to float32 taken per seed (variants of a seed run
-back to back) and the median reported.
+back to back) and the median reported. On a busy machine epoch times are
+noise; ``--timing`` times the variants' steps in turns instead (rounds of
+10 steps of each, the median of the per-round ratios).
 
-    python benchmarks/table_precision.py            # ~10 min on 2 CPU cores
-    python benchmarks/table_precision.py --quick    # smoke size, seconds
+    python benchmarks/table_precision.py                  # 3 seeds, both tasks
+    python benchmarks/table_precision.py --quick          # smoke size
+    python benchmarks/table_precision.py --tasks dlrm --first-seed 1 --seeds 1
+    python benchmarks/table_precision.py --combine out0.txt out1.txt
+    python benchmarks/table_precision.py --timing --rounds 15
 """
 
 import argparse
