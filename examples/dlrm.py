@@ -88,6 +88,7 @@ def build_model(
     embedding_lr=None,
     bottom_units=(64, 32),
     top_units=(256, 128),
+    table_options=None,
 ):
     """Builds the (uncompiled) DLRM.
 
@@ -99,6 +100,8 @@ def build_model(
             `SPARSE_OPTIMIZERS`).
         embedding_lr: its learning rate; defaults per optimizer.
         bottom_units, top_units: hidden widths of the two MLPs.
+        table_options: more keyword arguments of every table, e.g.
+            ``{"table_dtype": "bfloat16"}`` (`benchmarks/table_precision.py`).
 
     Returns:
         A functional `keras.Model` whose inputs are named like the keys of
@@ -118,6 +121,7 @@ def build_model(
             dim,
             optimizer=SPARSE_OPTIMIZERS[optimizer](learning_rate=lr),
             name=f"embedding_{i}",
+            **(table_options or {}),
         )
         vectors.append(table(ids))
     interactions = DotInteraction(name="interaction")(vectors)

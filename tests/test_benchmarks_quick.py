@@ -186,3 +186,53 @@ def test_row_store_training_quick_reopens_the_disk_store(tmp_path):
     assert float(init) > 0, row
     assert float(reopen) > 0, row
     assert list(tmp_path.iterdir()) == []  # the store was deleted
+
+
+def test_table_precision_quick_prints_both_tasks(tmp_path):
+    """benchmarks/table_precision.py --quick (JAX): per task a float32 and a
+    bf16+SR row with a finite metric (AUC in (0, 1), RMSE > 0), float32's
+    own delta and ratios exactly zero / 1.00x, bf16's table+slot bytes
+    half of float32's, and the ratings tables' bytes those of NumPy's
+    count ((943 + 1682) rows x (16 + 1) float32 columns, SGD: no slots);
+    ``--combine`` of its output prints the same rows."""
+    import pytest
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the benchmark's code is the same on every backend")
+    args = ["benchmarks/table_precision.py", "--quick", "--variants", "bf16+SR"]
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    rows = {}
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[1] in ("float32", "bf16+SR"):
+            rows[cells[0], cells[1]] = cells[2:]
+    tasks = ("dlrm AUC", "ratings RMSE lr=0.5")
+    want_rows = [(t, v) for t in tasks for v in ("float32", "bf16+SR")]
+    assert sorted(rows) == sorted(want_rows), out[-4000:]
+    for (task, variant), (metric, delta, _, ratio, ms, step) in rows.items():
+        metric, ms = float(metric), float(ms)
+        assert np.isfinite(metric) and metric > 0 and np.isfinite(ms) and ms > 0
+        assert metric < 1 or task != "dlrm AUC", (task, metric)
+        if variant == "float32":
+            assert (delta, ratio, step) in (("+0.0000", "1.00x", "1.00x"),
+                                            ("+0.00%", "1.00x", "1.00x"))  # fmt: skip
+        else:
+            assert ratio == "0.50x" and step.endswith("x"), (task, ratio, step)
+    want = (943 + 1682) * (16 + 1) * 4 / 2**20
+    assert float(rows["ratings RMSE lr=0.5", "float32"][2]) == float(f"{want:.3g}")
+    # --combine rebuilds the same rows from the printed ``run |`` lines.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "table_precision", ROOT / "benchmarks" / "table_precision.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "out.txt").write_text(done.stdout)
+    combined = {(r[0], r[1]): r[2:] for r in module.combine([tmp_path / "out.txt"])}
+    assert combined == rows
