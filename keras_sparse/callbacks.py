@@ -40,9 +40,14 @@ class DeltaExport(keras.callbacks.Callback):
         every_n_steps: int >= 1, the training steps between deltas.
         layers: names of the hash layers to export (None: every hash layer
             of the model with ``track_changes=True``).
+        forget_removals: after each file, drop the layer's log of removed
+            keys up to the file's step (`forget_removals` of the layer):
+            the log then stays the size of one interval's removals instead
+            of growing with every key ever evicted, and the layer can no
+            longer give deltas since steps before its newest file.
     """
 
-    def __init__(self, directory, every_n_steps, layers=None):
+    def __init__(self, directory, every_n_steps, layers=None, forget_removals=False):
         super().__init__()
         if (
             isinstance(every_n_steps, bool)
@@ -56,6 +61,12 @@ class DeltaExport(keras.callbacks.Callback):
         self.directory = os.fspath(directory)
         self.every_n_steps = int(every_n_steps)
         self.layer_names = None if layers is None else list(layers)
+        if not isinstance(forget_removals, (bool, np.bool_)):
+            raise ValueError(
+                "DeltaExport: `forget_removals` must be True or False. "
+                f"Received: forget_removals={forget_removals!r}."
+            )
+        self.forget_removals = bool(forget_removals)
         self._last = {}  # layer name -> step of its newest file
         self._tracked = []  # the layers, found at the start of fit
 
@@ -123,6 +134,8 @@ class DeltaExport(keras.callbacks.Callback):
         with atomic_path(target, suffix=".npz") as temp:
             np.savez(temp, **records)
         self._last[layer.name] = step
+        if self.forget_removals:
+            layer.forget_removals(step)
 
     @staticmethod
     def read(directory, layer):

@@ -256,3 +256,30 @@ def test_prefetch_stage_files_equal_the_unstaged_run_step_by_step(tmp_path):
 
 def _fit_with(model, keys, y, callback):
     model.fit(keys, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback])
+
+
+def test_forgetting_removals_bounds_the_log_and_keeps_later_deltas_exact(tmp_path):
+    """`DeltaExport(forget_removals=True)` drops the removed-key log up to
+    each file: the log holds only removals after the newest file (fewer
+    than the removals seen), the chain still reads back into the final
+    table, and deltas since an earlier step are refused."""
+    layer = _layer(capacity=64)
+    model = _model(layer)
+    keys, y = _batches(9, seed=4, vocab=400)
+    folder = tmp_path / "deltas"
+    callback = ks.callbacks.DeltaExport(folder, every_n_steps=2, forget_removals=True)
+    model.fit(keys, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback])
+    from keras_sparse.table import change_keys
+
+    stats = layer.stats()
+    removals = stats["evictions"] + stats["expired"]
+    gone, steps = change_keys.removed_keys(layer.table)
+    assert removals > 0 and len(gone) < removals
+    assert (steps > 9).all() or len(gone) == 0  # nothing at or before the last file
+    _assert_same(ks.callbacks.DeltaExport.read(folder, "user"), layer.export())
+    with pytest.raises(ValueError, match=r"'user'.*since_step.*\[9, 9\]"):
+        layer.export(since_step=8)
+    with pytest.raises(ValueError, match=r"'user'.*forget_removals.*\[9, 9\]"):
+        layer.forget_removals(3)
+    with pytest.raises(ValueError, match="forget_removals"):
+        ks.callbacks.DeltaExport(folder, 2, forget_removals="yes")

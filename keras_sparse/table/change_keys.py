@@ -56,6 +56,16 @@ def removed_keys(table):
     return keys[order], steps[order]
 
 
+def forget_removals(table, step):
+    """Drops ``table``'s removal entries at or before ``step`` on every
+    local shard (`Changes.forget_through`); returns how many."""
+    dropped = 0
+    for t, on_device, _ in _parts(table, np.zeros(0, np.int64)):
+        with on_device, t._lock:
+            dropped += t._impl.changes.forget_through(t._impl, step)
+    return dropped
+
+
 def set_changes(table, keys, steps, gone_keys, gone_steps, since):
     """Loads change steps of the live ``keys`` (steps < 0 leave a key as
     it is), the removal log and its horizon ``since``."""

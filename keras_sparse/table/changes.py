@@ -84,6 +84,17 @@ class Changes:
         self._pending = self._kept = keys.size
         return keys, steps
 
+    def forget_through(self, impl, step):
+        """Drops the removals at or before ``step``: deltas since ``step``
+        or later stay exact, earlier ones are refused (the horizon moves to
+        ``step``). Returns how many entries were dropped."""
+        keys, steps = self.compact(impl)
+        keep = steps > step
+        self._removed = [(keys[keep], steps[keep])] if keep.any() else []
+        self._pending = self._kept = int(keep.sum())
+        self.horizon = max(self.horizon, int(step))
+        return int(keys.size - self._kept)
+
     def load(self, keys, steps, horizon):
         """Replaces the removal log (sorted or not) and its horizon."""
         keys = np.asarray(keys, np.int64).reshape(-1)

@@ -62,6 +62,23 @@ def trained_step(layer):
     return layer_step(layer, layer._trained_table())
 
 
+def forget_removals(layer, through_step):
+    """`DistributedHashEmbedding.forget_removals`: see there."""
+    _check_tracked(layer)
+    low, step = change_keys.horizon(layer.table), trained_step(layer)
+    if (
+        isinstance(through_step, bool)
+        or not isinstance(through_step, (int, np.integer))
+        or not low <= through_step <= step
+    ):
+        raise ValueError(
+            f"Layer '{layer.name}': `forget_removals` takes a step in "
+            f"[{low}, {step}] (the oldest step deltas can start from, and "
+            f"the last trained step). Received: through_step={through_step!r}."
+        )
+    return change_keys.forget_removals(layer.table, int(through_step))
+
+
 def delta_records(layer, since_step, include_rows, progress):
     """`export(since_step=...)`: see the module docstring."""
     _check_tracked(layer)

@@ -8,6 +8,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers.arguments import check_choice
 from keras_sparse.layers.arguments import check_given
 from keras_sparse.layers.arguments import check_known
+from keras_sparse.layers.hash import deltas
 from keras_sparse.layers.hash import serving_hooks
 from keras_sparse.layers.hash import serving_map
 from keras_sparse.layers.hash import stage_feed
@@ -406,6 +407,15 @@ class DistributedHashEmbedding(
                 return self._call_with_keys(inputs, weights, training)
         # --- prepared-input fast path (keras_sparse.data.prefetch) end
         return self._call_with_keys(inputs, weights, training)
+
+    def forget_removals(self, through_step):
+        """Drops the removed keys logged at or before ``through_step`` (a
+        layer built with ``track_changes=True`` logs every evicted,
+        expired or erased key, 16 bytes each, for deltas). Deltas since
+        ``through_step`` or later stay exact; earlier ones are refused.
+        Returns how many entries were dropped. `ks.callbacks.DeltaExport`
+        with ``forget_removals=True`` calls it after each file."""
+        return deltas.forget_removals(self, through_step)
 
     def get_config(self):
         config = super().get_config()

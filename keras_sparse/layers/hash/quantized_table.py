@@ -74,14 +74,14 @@ class QuantizedTable:
             )
         return self.call(inputs, weights, training)
 
-    def export(self, include_rows=False):
+    def export(self, include_rows=False, since_step=None):
         if getattr(self, "quantized_rows", None) is not None:
             raise ValueError(
                 f"Layer '{self.name}': the table is quantized; its records are "
                 "in its saves (`model.save`). Export float records before "
                 "`quantize()`."
             )
-        return super().export(include_rows)
+        return super().export(include_rows, since_step=since_step)
 
     def save_own_variables(self, store):
         if getattr(self, "quantized_rows", None) is None:
