@@ -70,8 +70,9 @@ def test_compact_matches_full_buffers():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _python_slots(rows, devices, shard_rows):
-    """Reference numbering: per device, count earlier ids per owner."""
+def _python_slots(rows, devices, shard_rows, dedup):
+    """Reference numbering: per device, count earlier ids per owner, or
+    (``dedup``) smaller distinct ids per owner."""
     out = []
     for local in np.asarray(rows).reshape(devices, -1):
         seen = {}
@@ -80,29 +81,34 @@ def _python_slots(rows, devices, shard_rows):
                 out.append(0)
                 continue
             owner = r // shard_rows
+            if dedup:
+                mine = {v for v in local.tolist() if v // shard_rows == owner}
+                out.append(sum(v < r for v in mine))
+                continue
             out.append(seen.get(owner, 0))
             seen[owner] = seen.get(owner, 0) + 1
     return np.array(out)
 
 
 @pytest.mark.backend_independent
-def test_host_exchange_slots_match_a_python_reference():
+@pytest.mark.parametrize("dedup", [True, False])
+def test_host_exchange_slots_match_a_python_reference(dedup):
     from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
     from keras_sparse.sharding.exchange_buckets import exchange_slots
 
     rng = np.random.default_rng(5)
     rows = rng.integers(-1, ROWS, (16, 16))  # 256 ids, 32 per device
     rows[:, 3] = 9  # a hot row
-    want = _python_slots(rows, D, ROWS // D)
-    got = exchange_slots(rows, D, ROWS // D, capacity=32)
+    want = _python_slots(rows, D, ROWS // D, dedup)
+    got = exchange_slots(rows, D, ROWS // D, capacity=32, dedup=dedup)
     assert got.shape == rows.shape and got.dtype == np.int32
     np.testing.assert_array_equal(got.reshape(-1), want)
     worst = int(want.max()) + 1
-    exchange_slots(rows, D, ROWS // D, capacity=worst)  # just fits
+    exchange_slots(rows, D, ROWS // D, capacity=worst, dedup=dedup)  # just fits
     with pytest.raises(ExchangeOverflowError, match="'emb'.*device \\d+ had"):
-        exchange_slots(rows, D, ROWS // D, capacity=worst - 1, name="layer 'emb'")
+        exchange_slots(rows, D, ROWS // D, worst - 1, "layer 'emb'", dedup)
     with pytest.raises(ValueError, match="split evenly over 8 devices"):
-        exchange_slots(rows[:, :3].reshape(-1)[:45], D, ROWS // D, 32)
+        exchange_slots(rows[:, :3].reshape(-1)[:45], D, ROWS // D, 32, dedup=dedup)
 
 
 def test_step_takes_host_slots_without_the_in_step_check():
@@ -133,7 +139,7 @@ def test_step_takes_host_slots_without_the_in_step_check():
 def test_overflow_raises_instead_of_dropping():
     jax, mesh, opt = _setup()
     ids = np.random.default_rng(2).integers(0, ROWS // D, N)  # all on shard 0
-    step = _step_fn(jax, mesh, opt, 2.0)
+    step = _step_fn(jax, mesh, opt, 1.0)  # 4 slots < 8 distinct ids per device
     with pytest.raises(Exception, match="exchange slots per destination"):
         out = step(*_args(jax, mesh, ids))
         jax.block_until_ready(out)
@@ -201,3 +207,33 @@ def test_fit_with_slack_and_overflow_error():
             float(hist.history["loss"][-1])
     finally:
         keras.distribution.set_distribution(None)
+
+
+def test_repeated_ids_fit_buffers_sized_on_distinct_ids():
+    # Every device's 32 ids lie in shard 0's 8 rows: 8 distinct ids per
+    # device fit the 8 slots of slack 2; one slot per position overflowed.
+    from keras_sparse.ops.jax import lookup as single
+    from keras_sparse.sharding import jax_exchange_bytes as jeb
+
+    jax, mesh, opt = _setup()
+    ids = np.random.default_rng(2).integers(0, ROWS // D, N)
+    args = _args(jax, mesh, ids)
+    step = _step_fn(jax, mesh, opt, 2.0).lower(*args).compile()
+    rows, (table, slots) = step(*args)
+    table0, slots0, _, valid, grads = (np.asarray(a) for a in jax.tree.leaves(args))
+    want = np.where(valid[:, None], table0[ids], 0)
+    np.testing.assert_array_equal(np.asarray(rows), want)
+
+    def one_device(t, s):  # the unsharded primitive: global-order sums
+        cfg = single._Config(opt, None)
+        return single._lookup(cfg, t, s, ids, valid, 0, None)[0]
+
+    _, vjp = jax.vjp(one_device, table0, {"accumulator": slots0})
+    ref_table, ref_slots = vjp(grads)
+    assert not np.allclose(ref_table, table0)  # rows were updated
+    np.testing.assert_allclose(table, ref_table, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        slots["accumulator"], ref_slots["accumulator"], rtol=1e-6, atol=1e-6
+    )
+    measured = jeb.hlo_collective_bytes(step.as_text(), D)
+    assert measured["total"] == D * 8 * (4 + 2 * DIM * 4) + 4

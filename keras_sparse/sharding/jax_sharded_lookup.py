@@ -9,22 +9,27 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
            ``[D, C]`` send buffer (``C`` slots per destination, -1 = empty),
            one ``all_to_all`` delivers them, owners gather from their shard,
            the mirror ``all_to_all`` returns ``[D, C, dim]`` vectors and each id
-           picks its answer. ``C`` is `row_capacity`: ``n`` by default (a slot
-           per local position: can never overflow), or
-           ``ceil(n / D * slack)`` with an ``exchange slack`` (compact: about
-           ``slack / D`` of the bytes); ids are packed into their owner's
-           bucket in local order, and a bucket overflow raises an error when
-           the step runs (never silently drops an id). An input stage may
+           picks its answer. Each device sends each of its DISTINCT ids once
+           (``DEDUP_EXCHANGE``): an id's slot is the rank of its value among
+           the device's distinct ids of that owner, so repeated positions
+           share a slot and read the same answer. ``C`` is `row_capacity`:
+           ``n`` by default (can never overflow), or ``ceil(n / D * slack)``
+           with an ``exchange slack`` (compact: about ``slack / D`` of the
+           bytes; the fill that must fit is the distinct count, so skewed
+           batches overflow far less), and a bucket overflow raises an error
+           when the step runs (never silently drops an id). An input stage may
            compute that packing on the host ahead of the step and pass it as
            ``exchange_slot`` (`exchange_buckets.exchange_slots`, which also
            checks the fill there); the step then skips the packing and the
-           overflow check. Backward: the row
-           gradients travel the same way to the owners, which dedup + sum
-           them and apply the sparse optimizer to their shard
+           overflow check. Backward: each device sums its positions'
+           gradients per slot (one row per distinct id, in local order), the
+           sums travel the same way to the owners, which dedup + sum them
+           over source devices and apply the sparse optimizer to their shard
            (``compute_row_updates``); the updated table and slot shards come
            back as the variables' "gradients" (the variables are
-           ``overwrite_with_gradient``). Duplicates are summed in global batch
-           order (source device major), as on one device.
+           ``overwrite_with_gradient``). An id's gradient is the sum over the
+           global batch as on one device, grouped by source device (float
+           rounding may differ from one device in the last bits).
 ``column`` table laid out ``P(None, axis)``: every device holds ``dim / D``
            columns of every row. Forward: ``all_gather`` of the ids, local
            gather of the column slice for all ids, ``all_to_all`` returns each
@@ -83,6 +88,7 @@ class ShardConfig:
         stochastic=True,
     ):
         self.stochastic = bool(stochastic)
+        self.dedup = DEDUP_EXCHANGE  # traces differ with the setting
         self.apply_update = bool(apply_update)
         self.slack = None if slack is None else float(slack)
         self.mesh = mesh
@@ -103,6 +109,7 @@ class ShardConfig:
             self.apply_update,
             self.slack,
             self.stochastic,
+            self.dedup,
         )
 
     def __hash__(self):
@@ -117,6 +124,7 @@ class ShardConfig:
             and self.apply_update == other.apply_update
             and self.slack == other.slack
             and self.stochastic == other.stochastic
+            and self.dedup == other.dedup
         )
 
 
@@ -154,6 +162,12 @@ def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows, first_row
 
 
 # ------------------------------------------------------------------- row-wise
+# Send each device's distinct ids once (True), or one slot per local position
+# (False: the earlier exchange, kept to compare bytes and times). Read when a
+# step is traced; `exchange_buckets.exchange_slots` must use the same setting.
+DEDUP_EXCHANGE = True
+
+
 def row_capacity(ids_per_device, num_devices, slack=None):
     """Slots per destination in the row exchange buffers.
 
@@ -175,14 +189,15 @@ __all__ = ["ExchangeOverflowError"]  # re-exported: raised by the step
 def _raise_overflow(count, capacity, me):
     if int(count) <= int(capacity):  # pragma: no cover - only called on overflow
         return np.zeros((), np.int32)
-    raise ExchangeOverflowError(overflow_message(count, capacity, me))
+    ids = "distinct ids" if DEDUP_EXCHANGE else "ids"
+    raise ExchangeOverflowError(overflow_message(count, capacity, me, ids=ids))
 
 
-def _check_capacity(axis, pos, valid, capacity):
+def _check_capacity(axis, local_worst, capacity):
     # The worst bucket over all devices (one 4-byte all-reduce), so that every
     # device raises together: a device left alone at the next collective
     # would wait for the others forever.
-    worst = jax.lax.pmax(jnp.max(jnp.where(valid, pos + 1, 0)), axis)
+    worst = jax.lax.pmax(local_worst, axis)
     zero = jax.ShapeDtypeStruct((), jnp.int32)
 
     def fail():
@@ -195,6 +210,28 @@ def _check_capacity(axis, pos, valid, capacity):
     return jax.lax.cond(worst > capacity, fail, lambda: jnp.zeros((), jnp.int32))
 
 
+def _distinct_slots(ids, valid, d, shard_rows):
+    """``(slot [n], fill [D])``: each position's slot is the rank of its id
+    among this device's distinct ids of the same owner (ascending ids);
+    ``fill`` counts the distinct ids per owner. Invalid positions: slot 0."""
+    n = ids.shape[0]
+    end = d * shard_rows  # sorts after every real id
+    key = jnp.where(valid, ids, end)
+    order = jnp.argsort(key, stable=True)
+    srt = key[order]
+    real = srt < end
+    first = jnp.concatenate([jnp.ones((1,), bool), srt[1:] != srt[:-1]]) & real
+    rank = jnp.cumsum(first.astype(jnp.int32)) - 1  # among distinct ids
+    group = jnp.where(real, srt // shard_rows, d)
+    fill = jax.ops.segment_sum(first.astype(jnp.int32), group, num_segments=d + 1)
+    fill = fill[:d]
+    # Sorted ids: an owner's distinct ids are contiguous, after the lower ones.
+    starts = jnp.cumsum(fill) - fill
+    slot_sorted = jnp.where(real, rank - starts[jnp.clip(group, 0, d - 1)], 0)
+    slot = jnp.zeros((n,), jnp.int32).at[order].set(slot_sorted.astype(jnp.int32))
+    return slot, fill
+
+
 def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None):
     """Local half: [n] ids -> (owner [n], slot [n], received ids [D, C]).
 
@@ -203,6 +240,24 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
     """
     n = ids.shape[0]
     owner = jnp.where(valid, ids // shard_rows, -1)
+    if DEDUP_EXCHANGE:
+        guard = None
+        if given_slot is not None:
+            slot = jnp.where(valid, given_slot.astype(owner.dtype), 0)
+        else:
+            slot, fill = _distinct_slots(ids, valid, d, shard_rows)
+            slot = slot.astype(owner.dtype)
+            if capacity < n:
+                guard = _check_capacity(axis, jnp.max(fill), capacity)
+        target = jnp.where(valid & (slot < capacity), owner, d)  # d: dropped
+        # Repeated ids write the same value into their shared slot.
+        send = (
+            jnp.full((d, capacity), -1, ids.dtype)
+            .at[target, slot]
+            .set(ids, mode="drop")
+        )
+        recv = jax.lax.all_to_all(send, axis, 0, 0)  # recv[s] = ids from source s
+        return owner, slot, recv, guard
     if capacity >= n:
         # A slot per local position: nothing can overflow or collide.
         slot = jnp.arange(n, dtype=owner.dtype)
@@ -219,7 +274,8 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
         )
         before = jnp.cumsum(hit, axis=1) - hit  # [D, n]
         slot = jnp.where(valid, before[jnp.clip(owner, 0, d - 1), jnp.arange(n)], 0)
-        guard = _check_capacity(axis, slot, valid, capacity)
+        worst = jnp.max(jnp.where(valid, slot + 1, 0))
+        guard = _check_capacity(axis, worst, capacity)
     if capacity < n:
         target = jnp.where(valid & (slot < capacity), owner, d)  # d: dropped
         send = (
@@ -300,16 +356,18 @@ def _row_bwd(cfg, residuals, cotangents):
     def local(table, slot_vals, owner, slot, recv, grads, iterations):
         shard_rows = table.shape[0]
         n, capacity = owner.shape[0], recv.shape[1]
-        if capacity >= n:
-            dest = jnp.arange(d, dtype=owner.dtype)[:, None, None]
-            send = jnp.where(owner[None, :, None] == dest, grads[None], 0)  # [D,n,dim]
-        else:
+        if DEDUP_EXCHANGE or capacity < n:
+            # Positions sharing a slot (one distinct id) are summed here, in
+            # local order: one gradient row per distinct id leaves the device.
             target = jnp.where((owner >= 0) & (slot < capacity), owner, d)
             send = (
                 jnp.zeros((d, capacity, grads.shape[-1]), grads.dtype)
                 .at[target, slot]
-                .set(grads, mode="drop")
+                .add(grads, mode="drop")
             )
+        else:
+            dest = jnp.arange(d, dtype=owner.dtype)[:, None, None]
+            send = jnp.where(owner[None, :, None] == dest, grads[None], 0)  # [D,n,dim]
         got = jax.lax.all_to_all(send, axis, 0, 0)  # got[s] = grads from s
         me = jax.lax.axis_index(axis)
         recv_valid = recv >= 0
