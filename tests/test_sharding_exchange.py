@@ -94,6 +94,7 @@ def _python_slots(rows, devices, shard_rows, dedup):
 @pytest.mark.parametrize("dedup", [True, False])
 def test_host_exchange_slots_match_a_python_reference(dedup):
     from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
+    from keras_sparse.sharding.exchange_buckets import bucket_fill
     from keras_sparse.sharding.exchange_buckets import exchange_slots
 
     rng = np.random.default_rng(5)
@@ -104,6 +105,8 @@ def test_host_exchange_slots_match_a_python_reference(dedup):
     assert got.shape == rows.shape and got.dtype == np.int32
     np.testing.assert_array_equal(got.reshape(-1), want)
     worst = int(want.max()) + 1
+    fill = bucket_fill(rows, D, ROWS // D, dedup)
+    assert fill.shape == (D, D) and fill.max() == worst
     exchange_slots(rows, D, ROWS // D, capacity=worst, dedup=dedup)  # just fits
     with pytest.raises(ExchangeOverflowError, match="'emb'.*device \\d+ had"):
         exchange_slots(rows, D, ROWS // D, worst - 1, "layer 'emb'", dedup)
@@ -181,12 +184,13 @@ def test_fit_with_slack_and_overflow_error():
 
     y = np.zeros((64, 1), "float32")
     ok = np.arange(64 * 4).reshape(64, 4) % ROWS  # 32 ids/device, 4 per owner
+    # (the 4 slots of slack 1 fit them)
     ref = model(layers()[0])
     init = [np.array(w) for w in ref.get_weights()]
     ref_loss = ref.fit(ok, y, batch_size=64, shuffle=False, verbose=0)
     ref_loss = ref_loss.history["loss"]
     layer = layers()[0]
-    dist = sharding.distribution([layer], devices=D, row_exchange_slack=2.0)
+    dist = sharding.distribution([layer], devices=D, row_exchange_slack=1.0)
     keras.distribution.set_distribution(dist)
     try:
         m = model(layer)
@@ -200,7 +204,8 @@ def test_fit_with_slack_and_overflow_error():
             rtol=1e-5,
             atol=1e-6,
         )
-        skewed = np.zeros((64, 4), "int32")  # every id on shard 0
+        # Every device's ids: the 8 distinct rows of shard 0.
+        skewed = (np.arange(64 * 4).reshape(64, 4) % (ROWS // D)).astype("int32")
         with pytest.raises(Exception, match="row_exchange_slack"):
             # Raised when the step's outputs are read (here: the last loss).
             hist = m.fit(skewed, y, batch_size=64, verbose=0)
@@ -214,6 +219,7 @@ def test_repeated_ids_fit_buffers_sized_on_distinct_ids():
     # device fit the 8 slots of slack 2; one slot per position overflowed.
     from keras_sparse.ops.jax import lookup as single
     from keras_sparse.sharding import jax_exchange_bytes as jeb
+    from keras_sparse.sharding.exchange_buckets import bucket_fill
 
     jax, mesh, opt = _setup()
     ids = np.random.default_rng(2).integers(0, ROWS // D, N)
@@ -237,3 +243,7 @@ def test_repeated_ids_fit_buffers_sized_on_distinct_ids():
     )
     measured = jeb.hlo_collective_bytes(step.as_text(), D)
     assert measured["total"] == D * 8 * (4 + 2 * DIM * 4) + 4
+    fill = bucket_fill(np.where(valid, ids, -1), D, ROWS // D)
+    assert fill.max() == 8 and fill[:, 1:].sum() == 0
+    reported = jeb.exchange_bytes("row", ROWS, DIM, N, D, capacity=fill.max())
+    assert reported["total"] == measured["total"]

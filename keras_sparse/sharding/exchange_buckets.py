@@ -32,7 +32,12 @@ Example:
 
 import numpy as np
 
-__all__ = ["ExchangeOverflowError", "exchange_slots", "overflow_message"]
+__all__ = [
+    "ExchangeOverflowError",
+    "bucket_fill",
+    "exchange_slots",
+    "overflow_message",
+]
 
 
 class ExchangeOverflowError(RuntimeError):
@@ -113,15 +118,21 @@ def exchange_slots(
     return np.where(valid.reshape(-1), rank, 0).astype(np.int32).reshape(rows.shape)
 
 
-def distinct_fill(rows, devices, shard_rows):
-    """``[D, D]`` distinct ids each device sends to each owner."""
+def bucket_fill(rows, devices, shard_rows, dedup=None):
+    """``[D, D]`` int array: the ids device ``p`` sends to owner ``o`` (its
+    distinct ids with ``dedup``; None: `jax_sharded_lookup.DEDUP_EXCHANGE`).
+    Its maximum is the smallest capacity that fits the batch."""
+    if dedup is None:
+        from keras_sparse.sharding.jax_sharded_lookup import DEDUP_EXCHANGE
+
+        dedup = DEDUP_EXCHANGE
     local = np.asarray(rows).reshape(devices, -1)
     valid = local >= 0
-    key = _device_keys(local, valid, devices, shard_rows)
-    distinct = np.unique(key[valid])
-    group = distinct // (devices * shard_rows) * devices + (
-        distinct % (devices * shard_rows) // shard_rows
-    )
+    key = _device_keys(local, valid, devices, shard_rows)[valid]
+    if dedup:
+        key = np.unique(key)
+    span = devices * shard_rows
+    group = key // span * devices + key % span // shard_rows
     return np.bincount(group, minlength=devices * devices).reshape(devices, devices)
 
 
