@@ -186,10 +186,9 @@ def row_capacity(ids_per_device, num_devices, slack=None):
 __all__ = ["ExchangeOverflowError"]  # re-exported: raised by the step
 
 
-def _raise_overflow(count, capacity, me):
+def _raise_overflow(count, capacity, me, ids):
     if int(count) <= int(capacity):  # pragma: no cover - only called on overflow
         return np.zeros((), np.int32)
-    ids = "distinct ids" if DEDUP_EXCHANGE else "ids"
     raise ExchangeOverflowError(overflow_message(count, capacity, me, ids=ids))
 
 
@@ -200,9 +199,15 @@ def _check_capacity(axis, local_worst, capacity):
     worst = jax.lax.pmax(local_worst, axis)
     zero = jax.ShapeDtypeStruct((), jnp.int32)
 
+    ids = "distinct ids" if DEDUP_EXCHANGE else "ids"  # what was counted
+
     def fail():
         return jax.pure_callback(
-            _raise_overflow, zero, worst, capacity, jax.lax.axis_index(axis)
+            functools.partial(_raise_overflow, ids=ids),
+            zero,
+            worst,
+            capacity,
+            jax.lax.axis_index(axis),
         )
 
     # Always 0; the looked-up rows depend on it, so the error surfaces with the
