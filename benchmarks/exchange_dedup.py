@@ -2,11 +2,11 @@
 
 A row-sharded lookup sends each device's ids to their owners in static
 ``[D, C]`` buffers and gets ``[D, C, dim]`` rows back (and sends
-``[D, C, dim]`` gradients in training). Today's exchange
-(``jax_sharded_lookup.DEDUP_EXCHANGE = True``) gives each device's distinct
-ids one slot each and sums their gradients on the sender; the earlier one
-(``False``) gave every local position a slot. Both are run here, in one
-process:
+``[D, C, dim]`` gradients in training). With compact buffers
+(``row_exchange_slack``) today's exchange (``jax_sharded_lookup.
+DEDUP_EXCHANGE = True``) gives each device's distinct ids one slot each and
+sums their gradients on the sender; the earlier one (``False``) gave every
+local position a slot. Both are run here, in one process:
 
 Part 1, bytes (host only): for the workloads of
 ``benchmarks/embedding_scheduling.py`` (user-item: 5 tables; 26-field
@@ -17,10 +17,12 @@ per step of buffers that size (`exchange_bytes(..., capacity=)`), against
 full-size buffers (``row_exchange_slack=None``: the same for both).
 
 Part 2, time: one jitted forward + sparse-update backward of one
-row-sharded table (hashed Zipf(1.05) rows), both exchanges, at full-size
-buffers and at the smallest slack that fits each; the bytes of every
-compiled step are read from its HLO. On CPU the 8 "devices" share the
-cores: the times measure compute and overheads, not a network.
+row-sharded table (hashed Zipf(1.05) rows): full-size buffers (which keep
+a slot per position), both exchanges at the smallest slack that fits one
+slot per position, and the distinct exchange at the smallest slack that
+fits it; the bytes of every compiled step are read from its HLO. On CPU
+the 8 "devices" share the cores: the times measure compute and overheads,
+not a network.
 
     python benchmarks/exchange_dedup.py [--batch 16384] [--steps 8]
 """
@@ -130,19 +132,29 @@ def time_table(num_ids, rows, dim, repeats):
         jax.device_put(rng.normal(size=(num_ids, dim)).astype("f4"), by_row),
     )
     n = num_ids // D
-    runs = []
-    for label, dedup in MODES:
+
+    def fitting_slack(dedup):
         c = int(bucket_fill(ids, D, rows // D, dedup).max())
         slack = c * D / n
         while jsl.row_capacity(n, D, slack) > c:  # float rounding
             slack = math.nextafter(slack, 0)
-        for what, s in (("full buffers", None), ("smallest fitting", slack)):
-            jsl.DEDUP_EXCHANGE = dedup  # read when the step is traced
-            compiled = _step(mesh, opt, s).lower(*args).compile()
-            hlo = jeb.hlo_collective_bytes(compiled.as_text(), D)["total"]
-            jax.block_until_ready(compiled(*args))  # warm-up
-            cap = jsl.row_capacity(n, D, s)
-            runs.append([label, what, s, cap, hlo, compiled])
+        return slack
+
+    old, new = fitting_slack(False), fitting_slack(True)
+    cases = [
+        ("per position", False, "full (the default; both exchanges)", None),
+        ("per position", False, "smallest fitting (per position)", old),
+        ("distinct", True, "smallest fitting (per position)", old),
+        ("distinct", True, "smallest fitting (distinct)", new),
+    ]
+    runs = []
+    for label, dedup, what, s in cases:
+        jsl.DEDUP_EXCHANGE = dedup  # read when the step is traced
+        compiled = _step(mesh, opt, s).lower(*args).compile()
+        hlo = jeb.hlo_collective_bytes(compiled.as_text(), D)["total"]
+        jax.block_until_ready(compiled(*args))  # warm-up
+        cap = jsl.row_capacity(n, D, s)
+        runs.append([label, what, s, cap, hlo, compiled])
     jsl.DEDUP_EXCHANGE = True
     times = [[] for _ in runs]
     for _ in range(repeats):  # interleaved: the machine's load drifts

@@ -66,8 +66,12 @@ def test_compact_matches_full_buffers():
     args = _args(jax, mesh, ids)
     full = _step_fn(jax, mesh, opt, None)(*args)
     compact = _step_fn(jax, mesh, opt, 4.0)(*args)  # 16 of 32 slots
-    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(compact)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rows, *state = jax.tree.leaves(compact)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(full[0]))
+    # Compact buffers sum a device's repeats before sending: same terms,
+    # grouped by device, so the last bits may differ.
+    for a, b in zip(jax.tree.leaves(full[1]), state):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
 def _python_slots(rows, devices, shard_rows, dedup):

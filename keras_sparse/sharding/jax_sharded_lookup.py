@@ -9,27 +9,32 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
            ``[D, C]`` send buffer (``C`` slots per destination, -1 = empty),
            one ``all_to_all`` delivers them, owners gather from their shard,
            the mirror ``all_to_all`` returns ``[D, C, dim]`` vectors and each id
-           picks its answer. Each device sends each of its DISTINCT ids once
-           (``DEDUP_EXCHANGE``): an id's slot is the rank of its value among
-           the device's distinct ids of that owner, so repeated positions
-           share a slot and read the same answer. ``C`` is `row_capacity`:
-           ``n`` by default (can never overflow), or ``ceil(n / D * slack)``
-           with an ``exchange slack`` (compact: about ``slack / D`` of the
-           bytes; the fill that must fit is the distinct count, so skewed
-           batches overflow far less), and a bucket overflow raises an error
-           when the step runs (never silently drops an id). An input stage may
+           picks its answer. ``C`` is `row_capacity`: ``n`` by default (a
+           slot per local position: can never overflow), or
+           ``ceil(n / D * slack)`` with an ``exchange slack`` (compact: about
+           ``slack / D`` of the bytes). Compact buffers carry each device's
+           DISTINCT ids once (``DEDUP_EXCHANGE``): an id's slot is the rank
+           of its value among the device's distinct ids of that owner, so
+           repeated positions share a slot and read the same answer, and the
+           fill that must fit is the distinct count (skewed batches overflow
+           far less). A bucket overflow raises an error when the step runs
+           (never silently drops an id). Full-size buffers move the same
+           bytes either way and keep a slot per position (no sort). An
+           input stage may
            compute that packing on the host ahead of the step and pass it as
            ``exchange_slot`` (`exchange_buckets.exchange_slots`, which also
            checks the fill there); the step then skips the packing and the
-           overflow check. Backward: each device sums its positions'
-           gradients per slot (one row per distinct id, in local order), the
-           sums travel the same way to the owners, which dedup + sum them
-           over source devices and apply the sparse optimizer to their shard
+           overflow check. Backward: the row gradients travel the same way
+           to the owners (compact buffers: each device first sums its
+           positions' gradients per slot, in local order, one row per
+           distinct id), which dedup + sum them over source devices and
+           apply the sparse optimizer to their shard
            (``compute_row_updates``); the updated table and slot shards come
            back as the variables' "gradients" (the variables are
            ``overwrite_with_gradient``). An id's gradient is the sum over the
-           global batch as on one device, grouped by source device (float
-           rounding may differ from one device in the last bits).
+           global batch in batch order (source device major), as on one
+           device; with compact buffers grouped by source device, so float
+           rounding may differ from one device's in the last bits.
 ``column`` table laid out ``P(None, axis)``: every device holds ``dim / D``
            columns of every row. Forward: ``all_gather`` of the ids, local
            gather of the column slice for all ids, ``all_to_all`` returns each
@@ -162,9 +167,10 @@ def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows, first_row
 
 
 # ------------------------------------------------------------------- row-wise
-# Send each device's distinct ids once (True), or one slot per local position
-# (False: the earlier exchange, kept to compare bytes and times). Read when a
-# step is traced; `exchange_buckets.exchange_slots` must use the same setting.
+# Compact buffers send each device's distinct ids once (True), or one slot
+# per local position (False: the earlier exchange, kept to compare bytes and
+# times). Read when a step is traced; `exchange_buckets.exchange_slots` must
+# use the same setting.
 DEDUP_EXCHANGE = True
 
 
@@ -245,24 +251,6 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
     """
     n = ids.shape[0]
     owner = jnp.where(valid, ids // shard_rows, -1)
-    if DEDUP_EXCHANGE:
-        guard = None
-        if given_slot is not None:
-            slot = jnp.where(valid, given_slot.astype(owner.dtype), 0)
-        else:
-            slot, fill = _distinct_slots(ids, valid, d, shard_rows)
-            slot = slot.astype(owner.dtype)
-            if capacity < n:
-                guard = _check_capacity(axis, jnp.max(fill), capacity)
-        target = jnp.where(valid & (slot < capacity), owner, d)  # d: dropped
-        # Repeated ids write the same value into their shared slot.
-        send = (
-            jnp.full((d, capacity), -1, ids.dtype)
-            .at[target, slot]
-            .set(ids, mode="drop")
-        )
-        recv = jax.lax.all_to_all(send, axis, 0, 0)  # recv[s] = ids from source s
-        return owner, slot, recv, guard
     if capacity >= n:
         # A slot per local position: nothing can overflow or collide.
         slot = jnp.arange(n, dtype=owner.dtype)
@@ -272,6 +260,11 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
     elif given_slot is not None:
         slot = jnp.where(valid, given_slot.astype(owner.dtype), 0)
         guard = None
+    elif DEDUP_EXCHANGE:
+        # One slot per distinct id: repeats write the same id into it.
+        slot, fill = _distinct_slots(ids, valid, d, shard_rows)
+        slot = slot.astype(owner.dtype)
+        guard = _check_capacity(axis, jnp.max(fill), capacity)
     else:
         # Pack each destination's ids (in local order) into its C slots.
         hit = (owner[None, :] == jnp.arange(d, dtype=owner.dtype)[:, None]).astype(
@@ -361,7 +354,7 @@ def _row_bwd(cfg, residuals, cotangents):
     def local(table, slot_vals, owner, slot, recv, grads, iterations):
         shard_rows = table.shape[0]
         n, capacity = owner.shape[0], recv.shape[1]
-        if DEDUP_EXCHANGE or capacity < n:
+        if capacity < n:
             # Positions sharing a slot (one distinct id) are summed here, in
             # local order: one gradient row per distinct id leaves the device.
             target = jnp.where((owner >= 0) & (slot < capacity), owner, d)
