@@ -71,7 +71,7 @@ def test_compact_matches_full_buffers():
     # Compact buffers sum a device's repeats before sending: same terms,
     # grouped by device, so the last bits may differ.
     for a, b in zip(jax.tree.leaves(full[1]), state):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
 
 
 def _python_slots(rows, devices, shard_rows, dedup):
@@ -187,8 +187,9 @@ def test_fit_with_slack_and_overflow_error():
         return m
 
     y = np.zeros((64, 1), "float32")
-    ok = np.arange(64 * 4).reshape(64, 4) % ROWS  # 32 ids/device, 4 per owner
-    # (the 4 slots of slack 1 fit them)
+    # 32 ids per device, 4 per owner: the 4 slots of slack 1 fit them.
+    j = np.arange(32)
+    ok = np.tile(j % D * (ROWS // D) + j // D, D).reshape(64, 4)
     ref = model(layers()[0])
     init = [np.array(w) for w in ref.get_weights()]
     ref_loss = ref.fit(ok, y, batch_size=64, shuffle=False, verbose=0)
