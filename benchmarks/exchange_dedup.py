@@ -3,7 +3,7 @@
 A row-sharded lookup sends each device's ids to their owners in static
 ``[D, C]`` buffers and gets ``[D, C, dim]`` rows back (and sends
 ``[D, C, dim]`` gradients in training). With compact buffers
-(``row_exchange_slack``) today's exchange (``jax_sharded_lookup.
+(``row_exchange_slack``) today's exchange (``exchange_buckets.
 DEDUP_EXCHANGE = True``) gives each device's distinct ids one slot each and
 sums their gradients on the sender; the earlier one (``False``) gave every
 local position a slot. Both are run here, in one process:
@@ -49,6 +49,7 @@ from embedding_scheduling import user_item  # noqa: E402
 
 import keras_sparse as ks  # noqa: E402
 from keras_sparse.data import zipf_ids  # noqa: E402
+from keras_sparse.sharding import exchange_buckets as buckets  # noqa: E402
 from keras_sparse.sharding import jax_exchange_bytes as jeb  # noqa: E402
 from keras_sparse.sharding import jax_sharded_lookup as jsl  # noqa: E402
 from keras_sparse.sharding.exchange_buckets import bucket_fill  # noqa: E402
@@ -149,13 +150,13 @@ def time_table(num_ids, rows, dim, repeats):
     ]
     runs = []
     for label, dedup, what, s in cases:
-        jsl.DEDUP_EXCHANGE = dedup  # read when the step is traced
+        buckets.DEDUP_EXCHANGE = dedup  # read when the step is traced
         compiled = _step(mesh, opt, s).lower(*args).compile()
         hlo = jeb.hlo_collective_bytes(compiled.as_text(), D)["total"]
         jax.block_until_ready(compiled(*args))  # warm-up
         cap = jsl.row_capacity(n, D, s)
         runs.append([label, what, s, cap, hlo, compiled])
-    jsl.DEDUP_EXCHANGE = True
+    buckets.DEDUP_EXCHANGE = True
     times = [[] for _ in runs]
     for _ in range(repeats):  # interleaved: the machine's load drifts
         for i, run in enumerate(runs):

@@ -46,8 +46,8 @@ import numpy as np  # noqa: E402
 
 import keras_sparse  # noqa: E402
 from keras_sparse import sharding  # noqa: E402
+from keras_sparse.sharding import exchange_buckets  # noqa: E402
 from keras_sparse.sharding import jax_exchange_bytes  # noqa: E402
-from keras_sparse.sharding import jax_sharded_lookup  # noqa: E402
 
 NUM_TABLES = 26
 DIM = 16
@@ -264,7 +264,7 @@ def main():
     rows = []
     for strategy in args.strategies.split(","):
         for dedup in modes:
-            jax_sharded_lookup.DEDUP_EXCHANGE = dedup  # read when traced
+            exchange_buckets.DEDUP_EXCHANGE = dedup  # read when traced
             label = strategy
             if len(modes) > 1:
                 label += " (distinct ids)" if dedup else " (per position)"

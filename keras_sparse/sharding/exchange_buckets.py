@@ -6,11 +6,11 @@ device's distinct ids to their owners in a ``[D, C]`` buffer: the id at
 local position ``i`` with owner ``o = id // shard_rows`` goes to slot ``s_i``
 of row ``o``, where ``s_i`` is the number of the device's distinct ids of
 owner ``o`` smaller than it (positions with equal ids share the slot). With
-``dedup=False`` (the earlier exchange, `jax_sharded_lookup.DEDUP_EXCHANGE`
-off) ``s_i`` is the number of earlier local ids with the same owner. Inside
-the step that numbering is a sort (or a ``[D, n]`` one-hot cumulative sum),
-and an overflowing bucket is caught by an all-reduce of the worst fill and a
-host callback.
+``dedup=False`` (the earlier exchange, `DEDUP_EXCHANGE` off) ``s_i`` is
+the number of earlier local ids with the same owner. Inside the step that
+numbering is a sort (or a ``[D, n]`` one-hot cumulative sum), and an
+overflowing bucket is caught by an all-reduce of the worst fill and a host
+callback.
 
 `exchange_slots` computes the same numbering from the batch alone, so an
 input stage (`keras_sparse.data.prefetch`) can do it in its worker threads:
@@ -38,6 +38,12 @@ __all__ = [
     "exchange_slots",
     "overflow_message",
 ]
+
+
+# Compact row buffers carry each device's distinct ids once (True), or one
+# slot per local position (False: the earlier exchange, kept to compare bytes
+# and times). The step reads it when traced, the host packing when called.
+DEDUP_EXCHANGE = True
 
 
 class ExchangeOverflowError(RuntimeError):
@@ -72,7 +78,7 @@ def exchange_slots(
         capacity: slots per destination; the fullest bucket must fit.
         name: how errors name the lookup (e.g. the layer).
         dedup: number distinct ids (repeats share a slot); None: the
-            step's setting, `jax_sharded_lookup.DEDUP_EXCHANGE`.
+            step's setting, `DEDUP_EXCHANGE`.
 
     Raises:
         ValueError: the ids do not split evenly over ``devices``.
@@ -87,8 +93,6 @@ def exchange_slots(
     local = rows.reshape(devices, -1)
     valid = local >= 0
     if dedup is None:
-        from keras_sparse.sharding.jax_sharded_lookup import DEDUP_EXCHANGE
-
         dedup = DEDUP_EXCHANGE
     if dedup:
         slots = _distinct_slots(local, valid, devices, shard_rows, capacity, name)
@@ -120,11 +124,9 @@ def exchange_slots(
 
 def bucket_fill(rows, devices, shard_rows, dedup=None):
     """``[D, D]`` int array: the ids device ``p`` sends to owner ``o`` (its
-    distinct ids with ``dedup``; None: `jax_sharded_lookup.DEDUP_EXCHANGE`).
+    distinct ids with ``dedup``; None: `DEDUP_EXCHANGE`).
     Its maximum is the smallest capacity that fits the batch."""
     if dedup is None:
-        from keras_sparse.sharding.jax_sharded_lookup import DEDUP_EXCHANGE
-
         dedup = DEDUP_EXCHANGE
     local = np.asarray(rows).reshape(devices, -1)
     valid = local >= 0

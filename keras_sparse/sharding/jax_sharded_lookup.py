@@ -13,18 +13,17 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
            slot per local position: can never overflow), or
            ``ceil(n / D * slack)`` with an ``exchange slack`` (compact: about
            ``slack / D`` of the bytes). Compact buffers carry each device's
-           DISTINCT ids once (``DEDUP_EXCHANGE``): an id's slot is the rank
-           of its value among the device's distinct ids of that owner, so
-           repeated positions share a slot and read the same answer, and the
-           fill that must fit is the distinct count (skewed batches overflow
-           far less). A bucket overflow raises an error when the step runs
-           (never silently drops an id). Full-size buffers move the same
-           bytes either way and keep a slot per position (no sort). An
-           input stage may
-           compute that packing on the host ahead of the step and pass it as
-           ``exchange_slot`` (`exchange_buckets.exchange_slots`, which also
-           checks the fill there); the step then skips the packing and the
-           overflow check. Backward: the row gradients travel the same way
+           DISTINCT ids once (`exchange_buckets.DEDUP_EXCHANGE`): an id's
+           slot is the rank of its value among the device's distinct ids of
+           that owner, so repeated positions share a slot and read the same
+           answer, and the fill that must fit is the distinct count (skewed
+           batches overflow far less). A bucket overflow raises an error
+           when the step runs (never silently drops an id). Full-size
+           buffers move the same bytes either way and keep a slot per
+           position (no sort). An input stage may compute that packing on
+           the host ahead of the step and pass it as ``exchange_slot``
+           (`exchange_buckets.exchange_slots`, which also checks the fill
+           there); the step then skips the packing and the overflow check. Backward: the row gradients travel the same way
            to the owners (compact buffers: each device first sums its
            positions' gradients per slot, in local order, one row per
            distinct id), which dedup + sum them over source devices and
@@ -66,6 +65,7 @@ from keras_sparse.ops.jax.row_writes import write_rows
 from keras_sparse.ops.row_rounding import to_compute
 from keras_sparse.ops.row_rounding import write_seed
 from keras_sparse.ops.row_updates import compute_row_updates
+from keras_sparse.sharding import exchange_buckets as buckets
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.exchange_buckets import overflow_message
 
@@ -93,7 +93,7 @@ class ShardConfig:
         stochastic=True,
     ):
         self.stochastic = bool(stochastic)
-        self.dedup = DEDUP_EXCHANGE  # traces differ with the setting
+        self.dedup = buckets.DEDUP_EXCHANGE  # traces differ with the setting
         self.apply_update = bool(apply_update)
         self.slack = None if slack is None else float(slack)
         self.mesh = mesh
@@ -167,13 +167,6 @@ def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows, first_row
 
 
 # ------------------------------------------------------------------- row-wise
-# Compact buffers send each device's distinct ids once (True), or one slot
-# per local position (False: the earlier exchange, kept to compare bytes and
-# times). Read when a step is traced; `exchange_buckets.exchange_slots` must
-# use the same setting.
-DEDUP_EXCHANGE = True
-
-
 def row_capacity(ids_per_device, num_devices, slack=None):
     """Slots per destination in the row exchange buffers.
 
@@ -205,7 +198,7 @@ def _check_capacity(axis, local_worst, capacity):
     worst = jax.lax.pmax(local_worst, axis)
     zero = jax.ShapeDtypeStruct((), jnp.int32)
 
-    ids = "distinct ids" if DEDUP_EXCHANGE else "ids"  # what was counted
+    ids = "distinct ids" if buckets.DEDUP_EXCHANGE else "ids"  # what was counted
 
     def fail():
         return jax.pure_callback(
@@ -260,7 +253,7 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
     elif given_slot is not None:
         slot = jnp.where(valid, given_slot.astype(owner.dtype), 0)
         guard = None
-    elif DEDUP_EXCHANGE:
+    elif buckets.DEDUP_EXCHANGE:
         # One slot per distinct id: repeats write the same id into it.
         slot, fill = _distinct_slots(ids, valid, d, shard_rows)
         slot = slot.astype(owner.dtype)

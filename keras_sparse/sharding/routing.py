@@ -262,9 +262,10 @@ def exchange_buckets(layer):
         rows = int(layer.embeddings.shape[0])
     else:
         rows = padded_rows(layer.num_rows, devices)
-    from keras_sparse.sharding.jax_sharded_lookup import DEDUP_EXCHANGE
+    from keras_sparse.sharding import exchange_buckets as buckets
 
-    return ExchangeBuckets(devices, rows // devices, float(slack), DEDUP_EXCHANGE)
+    dedup = buckets.DEDUP_EXCHANGE
+    return ExchangeBuckets(devices, rows // devices, float(slack), dedup)
 
 
 def padded_rows(num_rows, num_devices):
