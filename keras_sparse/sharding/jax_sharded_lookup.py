@@ -23,11 +23,12 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
            position (no sort). An input stage may compute that packing on
            the host ahead of the step and pass it as ``exchange_slot``
            (`exchange_buckets.exchange_slots`, which also checks the fill
-           there); the step then skips the packing and the overflow check. Backward: the row gradients travel the same way
-           to the owners (compact buffers: each device first sums its
-           positions' gradients per slot, in local order, one row per
-           distinct id), which dedup + sum them over source devices and
-           apply the sparse optimizer to their shard
+           there); the step then skips the packing and the overflow check.
+           Backward: the row gradients travel the same way to the owners
+           (compact buffers: each device first sums its positions'
+           gradients per slot, in local order, one row per distinct id),
+           which dedup + sum them over source devices and apply the sparse
+           optimizer to their shard
            (``compute_row_updates``); the updated table and slot shards come
            back as the variables' "gradients" (the variables are
            ``overwrite_with_gradient``). An id's gradient is the sum over the
