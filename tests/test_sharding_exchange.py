@@ -252,3 +252,23 @@ def test_repeated_ids_fit_buffers_sized_on_distinct_ids():
     assert fill.max() == 8 and fill[:, 1:].sum() == 0
     reported = jeb.exchange_bytes("row", ROWS, DIM, N, D, capacity=fill.max())
     assert reported["total"] == measured["total"]
+
+
+@pytest.mark.parametrize("n", [32, 1024])  # pairwise comparison, packed sort
+def test_in_step_distinct_slots_match_the_host_packing(n):
+    import jax.numpy as jnp
+
+    from keras_sparse.sharding import jax_sharded_lookup as jsl
+    from keras_sparse.sharding.exchange_buckets import bucket_fill
+    from keras_sparse.sharding.exchange_buckets import exchange_slots
+
+    rng = np.random.default_rng(n)
+    rows = rng.integers(-1, ROWS, n)
+    rows[::3] = 9  # repeats
+    valid = rows >= 0
+    want = exchange_slots(np.tile(rows, D), D, ROWS // D, n)[:n]
+    slot, fill = jsl._distinct_slots(jnp.asarray(rows), jnp.asarray(valid), D, 8)
+    np.testing.assert_array_equal(np.asarray(slot), want)
+    np.testing.assert_array_equal(
+        np.asarray(fill), bucket_fill(np.tile(rows, D), D, ROWS // D)[0]
+    )

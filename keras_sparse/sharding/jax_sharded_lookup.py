@@ -215,6 +215,27 @@ def _check_capacity(axis, local_worst, capacity):
     return jax.lax.cond(worst > capacity, fail, lambda: jnp.zeros((), jnp.int32))
 
 
+# Up to this many ids per device, `_distinct_slots` compares all pairs
+# (n^2 booleans) instead of sorting: XLA:CPU sorts cost milliseconds even
+# for a few dozen ids.
+_PAIRWISE_IDS = 512
+
+
+def _distinct_slots_pairwise(key, valid, d, shard_rows):
+    n = key.shape[0]
+    same = key[:, None] == key[None, :]  # [n, n]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # j < i
+    first = valid & ~jnp.any(same & earlier, axis=1)
+    owner = key // shard_rows
+    # Distinct ids of my owner smaller than mine.
+    smaller = first[None, :] & (owner[None, :] == owner[:, None])
+    slot = jnp.sum(smaller & (key[None, :] < key[:, None]), axis=1)
+    slot = jnp.where(valid, slot, 0).astype(jnp.int32)
+    group = jnp.where(first, owner, d)
+    fill = jax.ops.segment_sum(first.astype(jnp.int32), group, num_segments=d + 1)
+    return slot, fill[:d]
+
+
 def _distinct_slots(ids, valid, d, shard_rows):
     """``(slot [n], fill [D])``: each position's slot is the rank of its id
     among this device's distinct ids of the same owner (ascending ids);
@@ -222,8 +243,19 @@ def _distinct_slots(ids, valid, d, shard_rows):
     n = ids.shape[0]
     end = d * shard_rows  # sorts after every real id
     key = jnp.where(valid, ids, end)
-    order = jnp.argsort(key, stable=True)
-    srt = key[order]
+    if n <= _PAIRWISE_IDS:
+        return _distinct_slots_pairwise(key, valid, d, shard_rows)
+    bits = max(1, (n - 1).bit_length())
+    if (end + 1) << bits <= 1 << 32:
+        # One single-operand sort of ``id << bits | position`` (XLA:CPU runs
+        # a comparator per comparison: one operand is the cheaper sort).
+        packed = (key.astype(jnp.uint32) << bits) | jnp.arange(n, dtype=jnp.uint32)
+        packed = jnp.sort(packed)
+        order = (packed & ((1 << bits) - 1)).astype(jnp.int32)
+        srt = (packed >> bits).astype(key.dtype)
+    else:
+        order = jnp.argsort(key, stable=True)
+        srt = key[order]
     real = srt < end
     first = jnp.concatenate([jnp.ones((1,), bool), srt[1:] != srt[:-1]]) & real
     rank = jnp.cumsum(first.astype(jnp.int32)) - 1  # among distinct ids
