@@ -22,7 +22,10 @@ rows). Reported per strategy:
 On CPU the "devices" share 2 cores, so step times measure overheads, not
 network; the bytes and memory columns are the portable part.
 
-    python benchmarks/sharding.py [--steps 20] [--batch 512]
+``--dedup both`` runs every strategy with the row exchange sending each
+device's distinct ids once and with one slot per local position.
+
+    python benchmarks/sharding.py [--steps 20] [--batch 512] [--dedup both]
 """
 
 import argparse
@@ -43,6 +46,7 @@ import numpy as np  # noqa: E402
 
 import keras_sparse  # noqa: E402
 from keras_sparse import sharding  # noqa: E402
+from keras_sparse.sharding import exchange_buckets  # noqa: E402
 from keras_sparse.sharding import jax_exchange_bytes  # noqa: E402
 
 NUM_TABLES = 26
@@ -241,7 +245,15 @@ def main():
         help="row_exchange_slack for row-sharded tables (default: full buffers); "
         "the Zipf ids here are frequency-ordered, so they need a large slack",
     )
+    parser.add_argument(
+        "--dedup",
+        choices=("on", "off", "both"),
+        default="on",
+        help="row exchange: each device's distinct ids once (on), one slot per "
+        "position (off, the earlier exchange), or both, one after the other",
+    )
     args = parser.parse_args()
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.dedup]
     rng = np.random.default_rng(0)
     total_rows = sum(ROWS)
     print(
@@ -251,16 +263,28 @@ def main():
     )
     rows = []
     for strategy in args.strategies.split(","):
-        r = run(
-            strategy,
-            args.steps,
-            args.batch,
-            rng,
-            int(args.memory_mib * 2**20),
-            args.row_slack,
-        )
-        rows.append(r)
-        print(f"  done {strategy}: {r['step_ms']:.1f} ms/step", flush=True)
+        for dedup in modes:
+            exchange_buckets.DEDUP_EXCHANGE = dedup  # read when traced
+            label = strategy
+            if len(modes) > 1:
+                label += " (distinct ids)" if dedup else " (per position)"
+            try:
+                r = run(
+                    strategy,
+                    args.steps,
+                    args.batch,
+                    rng,
+                    int(args.memory_mib * 2**20),
+                    args.row_slack,
+                )
+            except Exception as e:
+                if "exchange slots per destination" not in str(e):
+                    raise
+                print(f"  {label}: a bucket overflows", flush=True)
+                continue
+            r["strategy"] = label
+            rows.append(r)
+            print(f"  done {label}: {r['step_ms']:.1f} ms/step", flush=True)
     head = (
         "strategy",
         "tables",
@@ -283,7 +307,7 @@ def main():
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     for line in [head] + body:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
-    auto = [r for r in rows if r["strategy"] == "auto"]
+    auto = [r for r in rows if r["strategy"].startswith("auto")]
     if auto:
         print("\nplanner (auto):")
         print(auto[0]["plan"])

@@ -20,6 +20,7 @@ def exchange_bytes(
     id_bytes=4,
     slack=None,
     reset=False,
+    capacity=None,
 ):
     """Bytes one device hands to collectives per step, from the buffer shapes.
 
@@ -27,8 +28,13 @@ def exchange_bytes(
         num_ids: ids of this table in the global batch (``n = num_ids / D``
             per device).
         slack: the row exchange slack (`row_capacity`); None: full buffers.
+            The bytes are those of the static buffers: they do not depend
+            on the ids (each device's distinct ids fill the slots, see
+            `exchange_buckets.bucket_fill` for the smallest fitting size).
         reset: count the fresh-row reset of a `DistributedHashEmbedding`
             (`sharded_reset`: every training step, row and column only).
+        capacity: row slots per destination, instead of the slack's (e.g.
+            the largest `bucket_fill` of a workload).
 
     Returns:
         dict with ``ids``, ``vectors``, ``grads``, ``reset``, ``total``
@@ -50,7 +56,7 @@ def exchange_bytes(
         share = d - 1 if strategy == "row" else (d - 1) / d
         remote_resets = (d - 1) * gathered + values * share
     if strategy == "row":
-        c = row_capacity(n, d, slack)
+        c = row_capacity(n, d, slack) if capacity is None else min(int(capacity), n)
         ids = d * c * id_bytes  # [D, C] int32 all_to_all
         vectors = d * c * dim * dtype_bytes  # [D, C, dim] all_to_all back
         grads = vectors if training else 0  # [D, C, dim] all_to_all to owners

@@ -9,22 +9,32 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
            ``[D, C]`` send buffer (``C`` slots per destination, -1 = empty),
            one ``all_to_all`` delivers them, owners gather from their shard,
            the mirror ``all_to_all`` returns ``[D, C, dim]`` vectors and each id
-           picks its answer. ``C`` is `row_capacity`: ``n`` by default (a slot
-           per local position: can never overflow), or
+           picks its answer. ``C`` is `row_capacity`: ``n`` by default (a
+           slot per local position: can never overflow), or
            ``ceil(n / D * slack)`` with an ``exchange slack`` (compact: about
-           ``slack / D`` of the bytes); ids are packed into their owner's
-           bucket in local order, and a bucket overflow raises an error when
-           the step runs (never silently drops an id). An input stage may
-           compute that packing on the host ahead of the step and pass it as
-           ``exchange_slot`` (`exchange_buckets.exchange_slots`, which also
-           checks the fill there); the step then skips the packing and the
-           overflow check. Backward: the row
-           gradients travel the same way to the owners, which dedup + sum
-           them and apply the sparse optimizer to their shard
+           ``slack / D`` of the bytes). Compact buffers carry each device's
+           DISTINCT ids once (`exchange_buckets.DEDUP_EXCHANGE`): an id's
+           slot is the rank of its value among the device's distinct ids of
+           that owner, so repeated positions share a slot and read the same
+           answer, and the fill that must fit is the distinct count (skewed
+           batches overflow far less). A bucket overflow raises an error
+           when the step runs (never silently drops an id). Full-size
+           buffers move the same bytes either way and keep a slot per
+           position (no sort). An input stage may compute that packing on
+           the host ahead of the step and pass it as ``exchange_slot``
+           (`exchange_buckets.exchange_slots`, which also checks the fill
+           there); the step then skips the packing and the overflow check.
+           Backward: the row gradients travel the same way to the owners
+           (compact buffers: each device first sums its positions'
+           gradients per slot, in local order, one row per distinct id),
+           which dedup + sum them over source devices and apply the sparse
+           optimizer to their shard
            (``compute_row_updates``); the updated table and slot shards come
            back as the variables' "gradients" (the variables are
-           ``overwrite_with_gradient``). Duplicates are summed in global batch
-           order (source device major), as on one device.
+           ``overwrite_with_gradient``). An id's gradient is the sum over the
+           global batch in batch order (source device major), as on one
+           device; with compact buffers grouped by source device, so float
+           rounding may differ from one device's in the last bits.
 ``column`` table laid out ``P(None, axis)``: every device holds ``dim / D``
            columns of every row. Forward: ``all_gather`` of the ids, local
            gather of the column slice for all ids, ``all_to_all`` returns each
@@ -56,6 +66,7 @@ from keras_sparse.ops.jax.row_writes import write_rows
 from keras_sparse.ops.row_rounding import to_compute
 from keras_sparse.ops.row_rounding import write_seed
 from keras_sparse.ops.row_updates import compute_row_updates
+from keras_sparse.sharding import exchange_buckets as buckets
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.exchange_buckets import overflow_message
 
@@ -83,6 +94,7 @@ class ShardConfig:
         stochastic=True,
     ):
         self.stochastic = bool(stochastic)
+        self.dedup = buckets.DEDUP_EXCHANGE  # traces differ with the setting
         self.apply_update = bool(apply_update)
         self.slack = None if slack is None else float(slack)
         self.mesh = mesh
@@ -103,6 +115,7 @@ class ShardConfig:
             self.apply_update,
             self.slack,
             self.stochastic,
+            self.dedup,
         )
 
     def __hash__(self):
@@ -117,6 +130,7 @@ class ShardConfig:
             and self.apply_update == other.apply_update
             and self.slack == other.slack
             and self.stochastic == other.stochastic
+            and self.dedup == other.dedup
         )
 
 
@@ -172,27 +186,87 @@ def row_capacity(ids_per_device, num_devices, slack=None):
 __all__ = ["ExchangeOverflowError"]  # re-exported: raised by the step
 
 
-def _raise_overflow(count, capacity, me):
+def _raise_overflow(count, capacity, me, ids):
     if int(count) <= int(capacity):  # pragma: no cover - only called on overflow
         return np.zeros((), np.int32)
-    raise ExchangeOverflowError(overflow_message(count, capacity, me))
+    raise ExchangeOverflowError(overflow_message(count, capacity, me, ids=ids))
 
 
-def _check_capacity(axis, pos, valid, capacity):
+def _check_capacity(axis, local_worst, capacity):
     # The worst bucket over all devices (one 4-byte all-reduce), so that every
     # device raises together: a device left alone at the next collective
     # would wait for the others forever.
-    worst = jax.lax.pmax(jnp.max(jnp.where(valid, pos + 1, 0)), axis)
+    worst = jax.lax.pmax(local_worst, axis)
     zero = jax.ShapeDtypeStruct((), jnp.int32)
+
+    ids = "distinct ids" if buckets.DEDUP_EXCHANGE else "ids"  # what was counted
 
     def fail():
         return jax.pure_callback(
-            _raise_overflow, zero, worst, capacity, jax.lax.axis_index(axis)
+            functools.partial(_raise_overflow, ids=ids),
+            zero,
+            worst,
+            capacity,
+            jax.lax.axis_index(axis),
         )
 
     # Always 0; the looked-up rows depend on it, so the error surfaces with the
     # step's outputs (the loss) instead of only with the updated state.
     return jax.lax.cond(worst > capacity, fail, lambda: jnp.zeros((), jnp.int32))
+
+
+# Up to this many ids per device, `_distinct_slots` compares all pairs
+# (n^2 booleans) instead of sorting: XLA:CPU sorts cost milliseconds even
+# for a few dozen ids.
+_PAIRWISE_IDS = 512
+
+
+def _distinct_slots_pairwise(key, valid, d, shard_rows):
+    n = key.shape[0]
+    same = key[:, None] == key[None, :]  # [n, n]
+    earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # j < i
+    first = valid & ~jnp.any(same & earlier, axis=1)
+    owner = key // shard_rows
+    # Distinct ids of my owner smaller than mine.
+    smaller = first[None, :] & (owner[None, :] == owner[:, None])
+    slot = jnp.sum(smaller & (key[None, :] < key[:, None]), axis=1)
+    slot = jnp.where(valid, slot, 0).astype(jnp.int32)
+    group = jnp.where(first, owner, d)
+    fill = jax.ops.segment_sum(first.astype(jnp.int32), group, num_segments=d + 1)
+    return slot, fill[:d]
+
+
+def _distinct_slots(ids, valid, d, shard_rows):
+    """``(slot [n], fill [D])``: each position's slot is the rank of its id
+    among this device's distinct ids of the same owner (ascending ids);
+    ``fill`` counts the distinct ids per owner. Invalid positions: slot 0."""
+    n = ids.shape[0]
+    end = d * shard_rows  # sorts after every real id
+    key = jnp.where(valid, ids, end)
+    if n <= _PAIRWISE_IDS:
+        return _distinct_slots_pairwise(key, valid, d, shard_rows)
+    bits = max(1, (n - 1).bit_length())
+    if (end + 1) << bits <= 1 << 32:
+        # One single-operand sort of ``id << bits | position`` (XLA:CPU runs
+        # a comparator per comparison: one operand is the cheaper sort).
+        packed = (key.astype(jnp.uint32) << bits) | jnp.arange(n, dtype=jnp.uint32)
+        packed = jnp.sort(packed)
+        order = (packed & ((1 << bits) - 1)).astype(jnp.int32)
+        srt = (packed >> bits).astype(key.dtype)
+    else:
+        order = jnp.argsort(key, stable=True)
+        srt = key[order]
+    real = srt < end
+    first = jnp.concatenate([jnp.ones((1,), bool), srt[1:] != srt[:-1]]) & real
+    rank = jnp.cumsum(first.astype(jnp.int32)) - 1  # among distinct ids
+    group = jnp.where(real, srt // shard_rows, d)
+    fill = jax.ops.segment_sum(first.astype(jnp.int32), group, num_segments=d + 1)
+    fill = fill[:d]
+    # Sorted ids: an owner's distinct ids are contiguous, after the lower ones.
+    starts = jnp.cumsum(fill) - fill
+    slot_sorted = jnp.where(real, rank - starts[jnp.clip(group, 0, d - 1)], 0)
+    slot = jnp.zeros((n,), jnp.int32).at[order].set(slot_sorted.astype(jnp.int32))
+    return slot, fill
 
 
 def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None):
@@ -212,6 +286,11 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
     elif given_slot is not None:
         slot = jnp.where(valid, given_slot.astype(owner.dtype), 0)
         guard = None
+    elif buckets.DEDUP_EXCHANGE:
+        # One slot per distinct id: repeats write the same id into it.
+        slot, fill = _distinct_slots(ids, valid, d, shard_rows)
+        slot = slot.astype(owner.dtype)
+        guard = _check_capacity(axis, jnp.max(fill), capacity)
     else:
         # Pack each destination's ids (in local order) into its C slots.
         hit = (owner[None, :] == jnp.arange(d, dtype=owner.dtype)[:, None]).astype(
@@ -219,7 +298,8 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
         )
         before = jnp.cumsum(hit, axis=1) - hit  # [D, n]
         slot = jnp.where(valid, before[jnp.clip(owner, 0, d - 1), jnp.arange(n)], 0)
-        guard = _check_capacity(axis, slot, valid, capacity)
+        worst = jnp.max(jnp.where(valid, slot + 1, 0))
+        guard = _check_capacity(axis, worst, capacity)
     if capacity < n:
         target = jnp.where(valid & (slot < capacity), owner, d)  # d: dropped
         send = (
@@ -300,16 +380,18 @@ def _row_bwd(cfg, residuals, cotangents):
     def local(table, slot_vals, owner, slot, recv, grads, iterations):
         shard_rows = table.shape[0]
         n, capacity = owner.shape[0], recv.shape[1]
-        if capacity >= n:
-            dest = jnp.arange(d, dtype=owner.dtype)[:, None, None]
-            send = jnp.where(owner[None, :, None] == dest, grads[None], 0)  # [D,n,dim]
-        else:
+        if capacity < n:
+            # Positions sharing a slot (one distinct id) are summed here, in
+            # local order: one gradient row per distinct id leaves the device.
             target = jnp.where((owner >= 0) & (slot < capacity), owner, d)
             send = (
                 jnp.zeros((d, capacity, grads.shape[-1]), grads.dtype)
                 .at[target, slot]
-                .set(grads, mode="drop")
+                .add(grads, mode="drop")
             )
+        else:
+            dest = jnp.arange(d, dtype=owner.dtype)[:, None, None]
+            send = jnp.where(owner[None, :, None] == dest, grads[None], 0)  # [D,n,dim]
         got = jax.lax.all_to_all(send, axis, 0, 0)  # got[s] = grads from s
         me = jax.lax.axis_index(axis)
         recv_valid = recv >= 0

@@ -218,12 +218,14 @@ class ExchangeBuckets:
     """How an input stage buckets a row-sharded layer's ids (hashable).
 
     ``devices`` (the batch and the table are split over), ``shard_rows``
-    (rows per device) and ``slack`` (`jax_sharded_lookup.row_capacity`).
+    (rows per device), ``slack`` (`jax_sharded_lookup.row_capacity`) and
+    ``dedup`` (distinct ids share a slot: the step's ``DEDUP_EXCHANGE``).
     """
 
     devices: int
     shard_rows: int
     slack: float
+    dedup: bool = True
 
     def capacity(self, num_ids):
         from keras_sparse.sharding.jax_sharded_lookup import row_capacity
@@ -238,7 +240,12 @@ class ExchangeBuckets:
 
         rows = np.asarray(rows)
         return exchange_slots(
-            rows, self.devices, self.shard_rows, self.capacity(rows.size), name
+            rows,
+            self.devices,
+            self.shard_rows,
+            self.capacity(rows.size),
+            name,
+            self.dedup,
         )
 
 
@@ -257,7 +264,10 @@ def exchange_buckets(layer):
         rows = int(layer.embeddings.shape[0])
     else:
         rows = padded_rows(layer.num_rows, devices)
-    return ExchangeBuckets(devices, rows // devices, float(slack))
+    from keras_sparse.sharding import exchange_buckets as buckets
+
+    dedup = buckets.DEDUP_EXCHANGE
+    return ExchangeBuckets(devices, rows // devices, float(slack), dedup)
 
 
 def padded_rows(num_rows, num_devices):
