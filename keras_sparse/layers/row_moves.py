@@ -72,8 +72,8 @@ def _jax_buffer_hop(host, args):
     except where Keras rematerializes the call."""
     import jax
 
-    from keras_sparse.layers.hash.jax_step_mapping import _rematerializing
     from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
+    from keras_sparse.layers.hash.jax_step_mapping import rematerializing
 
     shapes = [jax.ShapeDtypeStruct(args[1].shape, "bool")]
     shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
@@ -83,9 +83,7 @@ def _jax_buffer_hop(host, args):
         for out, value in zip(outputs, got):
             np.asarray(out)[...] = value
 
-    hop = buffer_callback_or_none()(
-        callback, shapes, has_side_effect=_rematerializing()
-    )
+    hop = buffer_callback_or_none()(callback, shapes, has_side_effect=rematerializing())
     return hop(*args)
 
 
