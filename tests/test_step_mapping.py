@@ -96,7 +96,7 @@ def test_calls_keras_rematerializes_are_seen_when_traced():
 
     class Probe(keras.layers.Layer):
         def call(self, x):
-            seen.append(jax_step_mapping._rematerializing())
+            seen.append(jax_step_mapping.rematerializing())
             return x * 2.0
 
     with keras.RematScope(mode="full"):

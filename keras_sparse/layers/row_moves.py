@@ -4,10 +4,11 @@
 rows as they are (the evicted keys' last values), hands them to the host
 (`keras_sparse.layers.row_tier.RowTier.move`: write-backs, then store
 reads) and writes the rows the store filled into the table and slot
-variables. The host hop is a direct call in eager steps, an ordered
-``io_callback`` in a compiled JAX step and a ``tf.numpy_function`` in a
-TensorFlow graph; only ``n`` rows per step cross it (n: the batch's
-positions), whatever the table's size.
+variables. The host hop is a direct call in eager steps, in a compiled
+JAX step an in-place buffer callback where the caller's mapping uses one
+(one CPU device, one call a step) and an ordered ``io_callback`` elsewhere,
+and a ``tf.numpy_function`` in a TensorFlow graph; only ``n`` rows per step
+cross it (n: the batch's positions), whatever the table's size.
 """
 
 import keras
@@ -72,8 +73,8 @@ def _jax_buffer_hop(host, args):
     except where Keras rematerializes the call."""
     import jax
 
-    from keras_sparse.layers.hash.jax_step_mapping import _rematerializing
     from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
+    from keras_sparse.layers.hash.jax_step_mapping import rematerializing
 
     shapes = [jax.ShapeDtypeStruct(args[1].shape, "bool")]
     shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
@@ -83,9 +84,7 @@ def _jax_buffer_hop(host, args):
         for out, value in zip(outputs, got):
             np.asarray(out)[...] = value
 
-    hop = buffer_callback_or_none()(
-        callback, shapes, has_side_effect=_rematerializing()
-    )
+    hop = buffer_callback_or_none()(callback, shapes, has_side_effect=rematerializing())
     return hop(*args)
 
 

@@ -276,7 +276,7 @@ _IN_REMAT = contextvars.ContextVar("keras_sparse_in_remat", default=False)
 
 def watch_remat():
     """Marks the calls Keras rematerializes (layers built under a
-    ``RematScope``, and everything they call), so that `_rematerializing`
+    ``RematScope``, and everything they call), so that `rematerializing`
     sees them when the step is traced. Installed once, by
     `keras_sparse.layers.jax_full_keys.install`."""
     try:
@@ -304,7 +304,7 @@ def watch_remat():
     Operation.rematerialized_call = rematerialized_call
 
 
-def _rematerializing():
+def rematerializing():
     """True while Keras traces a rematerialized call (its forward pass may
     run again in the backward pass), or inside an active ``RematScope``."""
     if _IN_REMAT.get():
@@ -379,7 +379,7 @@ def rows_in_step(owner, route, keys, use, n, host_rows, gpu_rows, words=False):
     mapper = buffer_callback_or_none()(
         _failing_once(owner, callback),
         result_types,
-        has_side_effect=_rematerializing(),
+        has_side_effect=rematerializing(),
     )
     return mapper(keys, use)
 

@@ -7,6 +7,7 @@ per key, `keras_sparse.layers.hash.keyed_fresh_rows`, or by rank,
 from the row store in read-only calls, and vectors pooled.
 """
 
+import keras
 from keras import ops
 
 from keras_sparse.layers import row_moves
@@ -75,9 +76,34 @@ class RowOutput:
                 fans=(self.num_rows, self.output_dim),
             )
         if self.row_tier is not None:  # rows the store fills are not drawn
-            filled = row_moves.move_rows(self, rows, fresh)
+            filled = row_moves.move_rows(self, rows, fresh, self._moves_route())
             fresh = ops.logical_and(fresh, ops.logical_not(filled))
         return self.lookup_rows(rows, valid, True, reset=(fresh, init), **prepared)
+
+    def _moves_route(self):
+        """The route of the step's row moves: the one the layer's key
+        mapping takes (`jax_step_mapping.choose_route`) where that is the
+        in-place CPU buffer callback, else an ordered ``io_callback``.
+
+        Unordered buffer callbacks keep the moves exact because their
+        order is carried by data. In a step, the moves take the mapping's
+        rows and fresh flags as inputs (so they run after it, whichever
+        route mapped) and the lookup takes the filled rows (so they run
+        before it; they are always consumed, never pruned). Across steps,
+        step t+1 starts from the table and slot variables step t wrote
+        with its filled rows, so step t's moves (write-backs of the keys
+        it evicted, then its fills) finish before step t+1's moves read
+        the store; and the plans they carry out are queued in call order
+        (`RowTier.held` covers a plan whose step has not run yet).
+        ``choose_route`` keeps io_callback where this fails: a layer
+        called more than once a step (its calls must keep their order)
+        and partitioned steps."""
+        if keras.backend.backend() != "jax":
+            return "io_callback"
+        from keras_sparse.layers.hash import jax_step_mapping
+
+        route = jax_step_mapping.choose_route(self)
+        return route if route == "cpu_buffers" else "io_callback"
 
     def _vectors_out(self, rows, valid, fresh, weights, shape, insert, prepared=None):
         """Looks up flat ``rows`` and pools/reshapes them to the output.
