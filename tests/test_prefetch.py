@@ -130,7 +130,7 @@ def test_fit_bit_identical_under_eviction(threads, capacity):
 def test_step_uses_the_stage_segments_and_works_without_them(monkeypatch):
     import sys
 
-    prefetch_module = sys.modules["keras_sparse.data.prefetch"]
+    prefetch_module = sys.modules["keras_sparse.data.prefetch_engine"]
     # The segments serve the sparse route; a step with as many ids as rows
     # would update the whole table without them (`dense_row_updates`).
     monkeypatch.setattr(dense_row_updates, "FORCE_DENSE_ROUTE", False)
