@@ -52,6 +52,32 @@ Scratch& thread_scratch() {
   return scratch;
 }
 
+// The distinct valid ids of a batch into s.unique (their count in *count)
+// and their summed gradient rows into s.summed (ks_distinct_sum_f32). An id
+// outside [0, rows) is an error, returned before any row changes.
+ffi::Error DistinctSum(Ids ids, Flags valid, Rows grads, int64_t rows,
+                       int64_t dim, Scratch& s, int64_t* count) {
+  const int64_t n = ids.element_count();
+  s.wide.resize(n);
+  s.hash.resize(ks_dedup_scratch_entries(n));
+  s.unique.resize(n);
+  s.summed.resize(size_t(n) * size_t(dim));
+  const int32_t* narrow = ids.typed_data();
+  for (int64_t p = 0; p < n; ++p) s.wide[p] = narrow[p];
+  *count = ks_distinct_sum_f32(
+      s.wide.data(), reinterpret_cast<const uint8_t*>(valid.typed_data()), n,
+      rows, grads.typed_data(), 1, dim, s.hash.data(), s.unique.data(),
+      s.summed.data());
+  if (*count < 0) {
+    return ffi::Error::InvalidArgument(
+        "keras_sparse row update: id " + std::to_string(narrow[-1 - *count]) +
+        " at position " + std::to_string(-1 - *count) +
+        " is outside the table's rows [0, " + std::to_string(rows) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+
 ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
                      ffi::RemainingArgs arrays,
                      ffi::RemainingRets outs, int32_t rule) {
@@ -107,23 +133,9 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
   }
   if (n == 0) return ffi::Error::Success();
   Scratch& s = thread_scratch();
-  s.wide.resize(n);
-  s.hash.resize(ks_dedup_scratch_entries(n));
-  s.unique.resize(n);
-  s.summed.resize(size_t(n) * size_t(dim));
-  const int32_t* narrow = ids.typed_data();
-  for (int64_t p = 0; p < n; ++p) s.wide[p] = narrow[p];
-  const int64_t count = ks_distinct_sum_f32(
-      s.wide.data(), reinterpret_cast<const uint8_t*>(valid.typed_data()), n,
-      rows, grads.typed_data(), 1, dim, s.hash.data(), s.unique.data(),
-      s.summed.data());
-  if (count < 0) {
-    // Nothing written: the dedup checks every id before any row changes.
-    return ffi::Error::InvalidArgument(
-        "keras_sparse row update: id " + std::to_string(narrow[-1 - count]) +
-        " at position " + std::to_string(-1 - count) +
-        " is outside the table's rows [0, " + std::to_string(rows) + ")");
-  }
+  int64_t count = 0;
+  ffi::Error summed = DistinctSum(ids, valid, grads, rows, dim, s, &count);
+  if (summed.failure()) return summed;
   const float* k = scalars.typed_data();
   const int64_t* touched = s.unique.data();
   const float* g = s.summed.data();
@@ -224,22 +236,9 @@ ffi::Error RowUpdate16(Ids ids, Flags valid, Rows grads, Scalars scalars,
   }
   if (n == 0) return ffi::Error::Success();
   Scratch& s = thread_scratch();
-  s.wide.resize(n);
-  s.hash.resize(ks_dedup_scratch_entries(n));
-  s.unique.resize(n);
-  s.summed.resize(size_t(n) * size_t(dim));
-  const int32_t* narrow = ids.typed_data();
-  for (int64_t p = 0; p < n; ++p) s.wide[p] = narrow[p];
-  const int64_t count = ks_distinct_sum_f32(
-      s.wide.data(), reinterpret_cast<const uint8_t*>(valid.typed_data()), n,
-      rows, grads.typed_data(), 1, dim, s.hash.data(), s.unique.data(),
-      s.summed.data());
-  if (count < 0) {
-    return ffi::Error::InvalidArgument(
-        "keras_sparse row update: id " + std::to_string(narrow[-1 - count]) +
-        " at position " + std::to_string(-1 - count) +
-        " is outside the table's rows [0, " + std::to_string(rows) + ")");
-  }
+  int64_t count = 0;
+  ffi::Error summed = DistinctSum(ids, valid, grads, rows, dim, s, &count);
+  if (summed.failure()) return summed;
   thread_local Scratch16 t;
   std::vector<float*> compact(wanted);
   size_t total = 0;

@@ -39,6 +39,42 @@ using tensorflow::Tensor;
 using tensorflow::TensorShape;
 using CPUDevice = Eigen::ThreadPoolDevice;
 
+// The distinct valid ids of a batch into ``unique`` (their count in
+// ``*count``) and their summed gradient rows into ``summed``
+// (ks_distinct_sum_f32; scratch sized by the batch, whatever the table's
+// rows: see cpu_rows.c). An id outside [0, rows) is an error, returned
+// before any row changes.
+absl::Status DistinctSum(OpKernelContext* ctx, const std::string& op,
+                         const Tensor& ids, const Tensor& valid,
+                         const Tensor& grads, int64_t rows, int64_t dim,
+                         Tensor* unique, Tensor* summed, int64_t* count) {
+  const int64_t n = ids.NumElements();
+  Tensor scratch, wide_ids;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(
+      tensorflow::DT_INT32, TensorShape({ks_dedup_scratch_entries(n)}),
+      &scratch));
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({n}), &wide_ids));
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({n}), unique));
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensorflow::DT_FLOAT, TensorShape({n, dim}), summed));
+  const int32_t* narrow = ids.flat<int32_t>().data();
+  int64_t* wide = wide_ids.flat<int64_t>().data();
+  for (int64_t p = 0; p < n; ++p) wide[p] = narrow[p];
+  *count = ks_distinct_sum_f32(
+      wide, reinterpret_cast<const uint8_t*>(valid.flat<bool>().data()), n,
+      rows, grads.flat<float>().data(), 1, dim, scratch.flat<int32_t>().data(),
+      unique->flat<int64_t>().data(), summed->flat<float>().data());
+  if (*count < 0) {
+    return absl::InvalidArgumentError(
+        op + ": id " + std::to_string(wide[-1 - *count]) + " at position " +
+        std::to_string(-1 - *count) + " is outside the table's rows [0, " +
+        std::to_string(rows) + ")");
+  }
+  return absl::OkStatus();
+}
+
 REGISTER_OP("KerasSparseRowUpdate")
     .Input("variables: N * resource")
     .Input("ids: int32")
@@ -121,31 +157,11 @@ class KerasSparseRowUpdateOp : public OpKernel {
     }
     if (n == 0) return;
 
-    Tensor scratch, wide_ids, unique, summed;
-    // Sized by the batch, whatever the table's rows (see cpu_rows.c).
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                            tensorflow::DT_INT32,
-                            TensorShape({ks_dedup_scratch_entries(n)}), &scratch));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
-                                           TensorShape({n}), &wide_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
-                                           TensorShape({n}), &unique));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT,
-                                           TensorShape({n, dim}), &summed));
-    const int32_t* narrow = ids.flat<int32_t>().data();
-    int64_t* wide = wide_ids.flat<int64_t>().data();
-    for (int64_t p = 0; p < n; ++p) wide[p] = narrow[p];
-    const int64_t count = ks_distinct_sum_f32(
-        wide, reinterpret_cast<const uint8_t*>(valid.flat<bool>().data()), n,
-        rows_, grads.flat<float>().data(), 1, dim,
-        scratch.flat<int32_t>().data(), unique.flat<int64_t>().data(),
-        summed.flat<float>().data());
-    OP_REQUIRES(ctx, count >= 0,
-                absl::InvalidArgumentError(
-                    "KerasSparseRowUpdate: id " +
-                    std::to_string(wide[-1 - count]) + " at position " +
-                    std::to_string(-1 - count) + " is outside the table's rows [0, " +
-                    std::to_string(rows_) + ")"));
+    Tensor unique, summed;
+    int64_t count = 0;
+    OP_REQUIRES_OK(ctx, DistinctSum(ctx, "KerasSparseRowUpdate", ids, valid,
+                                    grads, rows_, dim, &unique, &summed,
+                                    &count));
     updated->scalar<int64_t>()() = count;
     const float* s = scalars.flat<float>().data();
     const int64_t* rows = unique.flat<int64_t>().data();
@@ -301,31 +317,11 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     }
     if (n == 0) return;
 
-    Tensor scratch, wide_ids, unique, summed, compact, order;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                            tensorflow::DT_INT32,
-                            TensorShape({ks_dedup_scratch_entries(n)}), &scratch));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
-                                           TensorShape({n}), &wide_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_INT64,
-                                           TensorShape({n}), &unique));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_FLOAT,
-                                           TensorShape({n, dim}), &summed));
-    const int32_t* narrow = ids.flat<int32_t>().data();
-    int64_t* wide = wide_ids.flat<int64_t>().data();
-    for (int64_t p = 0; p < n; ++p) wide[p] = narrow[p];
-    const int64_t count = ks_distinct_sum_f32(
-        wide, reinterpret_cast<const uint8_t*>(valid.flat<bool>().data()), n,
-        rows_, grads.flat<float>().data(), 1, dim,
-        scratch.flat<int32_t>().data(), unique.flat<int64_t>().data(),
-        summed.flat<float>().data());
-    OP_REQUIRES(ctx, count >= 0,
-                absl::InvalidArgumentError(
-                    "KerasSparseRowUpdate16: id " +
-                    std::to_string(wide[-1 - count]) + " at position " +
-                    std::to_string(-1 - count) +
-                    " is outside the table's rows [0, " +
-                    std::to_string(rows_) + ")"));
+    Tensor unique, summed, compact, order;
+    int64_t count = 0;
+    OP_REQUIRES_OK(ctx, DistinctSum(ctx, "KerasSparseRowUpdate16", ids, valid,
+                                    grads, rows_, dim, &unique, &summed,
+                                    &count));
     updated->scalar<int64_t>()() = count;
     int64_t total = 0;
     for (int64_t w : widths) total += count * w;

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from keras_sparse.layers.row_storage.move_failures import store_failures
+
 #: Store field of a key's table score (LRU step or LFU count).
 SCORE = "score"
 #: Store field of a key's vector.
@@ -113,18 +115,8 @@ class RowTier:
     # ---------------------------------------------------------------- step
     def move(self, rows, fresh, before):
         """See `_move` (one caller at a time)."""
-        with self.lock:
-            try:
-                return self._move(rows, fresh, before)
-            except (OSError, MemoryError) as e:
-                # The plan is gone and its evicted keys may be half written:
-                # only a checkpoint holds them for sure.
-                raise RuntimeError(
-                    f"Layer '{self.layer_name}': its row store failed while "
-                    f"moving a step's rows ({type(e).__name__}: {e}). Keys "
-                    "this step evicted may be lost: restore the model from a "
-                    "checkpoint."
-                ) from e
+        with self.lock, store_failures(self.layer_name, "Keys"):
+            return self._move(rows, fresh, before)
 
     def _move(self, rows, fresh, before):
         """Carries out the oldest plan in the step that trains its batch.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from keras_sparse.layers.row_storage.move_failures import store_failures
 from keras_sparse.layers.row_tier import VALUES
 
 
@@ -58,18 +59,8 @@ class DenseMoves:
 
     def move(self, rows, fresh, before):
         """See `_move` (one caller at a time)."""
-        with self.lock:
-            try:
-                return self._move(fresh, before)
-            except (OSError, MemoryError) as e:
-                # The plan is gone and its evicted ids may be half written:
-                # only a checkpoint holds them for sure.
-                raise RuntimeError(
-                    f"Layer '{self.layer_name}': its row store failed while "
-                    f"moving a step's rows ({type(e).__name__}: {e}). Rows "
-                    "this step evicted may be lost: restore the model from a "
-                    "checkpoint."
-                ) from e
+        with self.lock, store_failures(self.layer_name, "Rows"):
+            return self._move(fresh, before)
 
     def _move(self, fresh, before):
         """Carries out the oldest plan in the step that trains its batch.
