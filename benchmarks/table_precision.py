@@ -38,6 +38,7 @@ noise; ``--timing`` times the variants' steps in turns instead (rounds of
 """
 
 import argparse
+import functools
 import importlib.util
 import os
 import pathlib
@@ -81,6 +82,7 @@ QUICK = dict(
 )  # fmt: skip
 
 
+@functools.cache
 def load_dlrm():
     spec = importlib.util.spec_from_file_location(
         "dlrm_example", ROOT / "examples" / "dlrm.py"
@@ -88,17 +90,6 @@ def load_dlrm():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-class EpochTimer(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
 
 
 def route(variant):
@@ -125,7 +116,7 @@ def table_bytes(model):
 
 
 def fit_timed(model, x, y, epochs, batch):
-    timer = EpochTimer()
+    timer = load_dlrm().EpochTimer()
     model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=[timer], verbose=0)
     steps = -(-len(y) // batch)
     timed = timer.seconds[1:] or timer.seconds
