@@ -51,7 +51,7 @@ import trace_summary  # noqa: E402
 import keras_sparse.table  # noqa: E402
 from keras_sparse.data import criteo_like  # noqa: E402
 from keras_sparse.layers import AllToAllDenseEmbedding  # noqa: E402
-from keras_sparse.layers import jax_full_keys  # noqa: E402
+from keras_sparse.layers import jax_key_queue  # noqa: E402
 from keras_sparse.layers.hash import jax_group_mapping  # noqa: E402
 from keras_sparse.layers.hash import jax_step_mapping  # noqa: E402
 from keras_sparse.layers.hash.embedding import DistributedHashEmbedding  # noqa: E402
@@ -77,7 +77,7 @@ def instrument():
     for name in ("_gpu_rows", "_table_rows"):
         fn = getattr(DistributedHashEmbedding, name)
         setattr(DistributedHashEmbedding, name, timed(name, fn))
-    jax_full_keys.restore = timed("restore", jax_full_keys.restore)
+    jax_key_queue.restore = timed("restore", jax_key_queue.restore)
     for name in ("_gpu_rows", "_restore_together"):
         fn = getattr(jax_group_mapping, name)
         setattr(jax_group_mapping, name, timed(f"group{name}", fn))

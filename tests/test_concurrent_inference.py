@@ -59,10 +59,10 @@ def test_a_direct_call_leaves_the_trainers_key_queue_alone():
     """The full keys a running ``fit`` queued for its next steps stay queued
     while another thread calls the model directly (JAX without x64 keeps
     them; other backends queue nothing)."""
-    from keras_sparse.layers import jax_full_keys
+    from keras_sparse.layers import jax_key_queue
 
     model, hashed, batches = _served_model()
     queued = np.arange(3 * 64, dtype=np.int64) + 2**33
-    jax_full_keys.key_queue(hashed).append(queued)
+    jax_key_queue.key_queue(hashed).append(queued)
     _outputs(model, batches[0])
-    assert jax_full_keys.key_queue(hashed).head() is queued
+    assert jax_key_queue.key_queue(hashed).head() is queued

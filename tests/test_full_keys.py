@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers import jax_key_queue
 from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
 from tests.conftest import backend
 
@@ -33,7 +34,7 @@ def _functional(layer):
 
 
 def _queued(layer):
-    return len(jax_full_keys.key_queue(layer))
+    return len(jax_key_queue.key_queue(layer))
 
 
 def test_on_batch_methods_keep_high_bits():
@@ -110,10 +111,10 @@ def test_unknown_feed_raises_for_wide_keys_and_works_for_narrow_ones():
 def test_mismatched_queue_is_an_error_not_a_silent_collision():
     layer = _layer()
     layer(np.array([[1, 2]]), training=True)  # build
-    jax_full_keys.key_queue(layer).append(np.array([5 + HIGH, 6], np.int64))
-    with pytest.raises(jax_full_keys.KeyMismatchError, match=layer.name):
-        jax_full_keys.restore(layer, np.array([1, 2], np.int64))
-    jax_full_keys.key_queue(layer).clear()
+    jax_key_queue.key_queue(layer).append(np.array([5 + HIGH, 6], np.int64))
+    with pytest.raises(jax_key_queue.KeyMismatchError, match=layer.name):
+        jax_key_queue.restore(layer, np.array([1, 2], np.int64))
+    jax_key_queue.key_queue(layer).clear()
 
 
 @pytest.mark.parametrize(
@@ -136,7 +137,7 @@ def test_queues_the_keys_of_the_input_feeding_the_layer(inputs, data):
     assert _queued(layer) == 1
     step_keys = x.reshape(-1).astype(np.int32).astype(np.int64)  # as truncated
     np.testing.assert_array_equal(
-        jax_full_keys.restore(layer, step_keys), x.reshape(-1)
+        jax_key_queue.restore(layer, step_keys), x.reshape(-1)
     )
 
 
@@ -191,17 +192,16 @@ def test_a_layer_queue_keeps_a_bounded_number_of_batches():
     """A hash layer pruned from the compiled step (its rows reach no result)
     never takes its queued full keys: the queue drops its oldest batches
     beyond `MAX_QUEUED_BATCHES` instead of growing for the whole fit."""
-    from keras_sparse.layers import jax_full_keys
 
     class Field:
         name = "pruned"
 
     field = Field()
-    queue = jax_full_keys.key_queue(field)
+    queue = jax_key_queue.key_queue(field)
     batches = [
-        np.full(4, i, np.int64) for i in range(jax_full_keys.MAX_QUEUED_BATCHES + 9)
+        np.full(4, i, np.int64) for i in range(jax_key_queue.MAX_QUEUED_BATCHES + 9)
     ]
     for batch in batches:
         queue.append(batch)
-    assert len(queue) == jax_full_keys.MAX_QUEUED_BATCHES
+    assert len(queue) == jax_key_queue.MAX_QUEUED_BATCHES
     assert queue.head() is batches[9]

@@ -225,7 +225,7 @@ def test_fields_restore_their_full_keys_together_or_one_by_one():
     oldest queued batch in one check when all match; otherwise each field
     finds its own batch (an entry queued ahead of it stays); fields with
     nothing queued keep the step's keys. NumPy stands in for CuPy."""
-    from keras_sparse.layers import jax_full_keys
+    from keras_sparse.layers import jax_key_queue
     from keras_sparse.layers.hash import jax_group_mapping
 
     class Field:
@@ -239,22 +239,22 @@ def test_fields_restore_their_full_keys_together_or_one_by_one():
     ahead = np.array([(1 << 35) + 8, 4], np.int64)
     bounds = [(0, 2), (2, 5)]
     a, b = Field(), Field()
-    jax_full_keys.key_queue(a).append(ka)
-    jax_full_keys.key_queue(b).append(kb)
+    jax_key_queue.key_queue(a).append(ka)
+    jax_key_queue.key_queue(b).append(kb)
     got = jax_group_mapping._restore_together([a, b], bounds, low(ka, kb), np)
     np.testing.assert_array_equal(got, np.concatenate([ka, kb]))
-    assert len(jax_full_keys.key_queue(a)) == len(jax_full_keys.key_queue(b)) == 0
+    assert len(jax_key_queue.key_queue(a)) == len(jax_key_queue.key_queue(b)) == 0
 
-    jax_full_keys.key_queue(a).append(ahead)  # another iterator's batch first
-    jax_full_keys.key_queue(a).append(ka)
-    jax_full_keys.key_queue(b).append(kb)
+    jax_key_queue.key_queue(a).append(ahead)  # another iterator's batch first
+    jax_key_queue.key_queue(a).append(ka)
+    jax_key_queue.key_queue(b).append(kb)
     got = jax_group_mapping._restore_together([a, b], bounds, low(ka, kb), np)
     np.testing.assert_array_equal(got, np.concatenate([ka, kb]))
-    assert jax_full_keys.key_queue(a).head() is ahead
-    assert len(jax_full_keys.key_queue(b)) == 0
+    assert jax_key_queue.key_queue(a).head() is ahead
+    assert len(jax_key_queue.key_queue(b)) == 0
 
     c = Field()  # nothing queued (x64 mode, or keys that fit in 32 bits)
-    jax_full_keys.key_queue(b).append(kb)
+    jax_key_queue.key_queue(b).append(kb)
     got = jax_group_mapping._restore_together([c, b], bounds, low(ka[:2], kb), np)
     np.testing.assert_array_equal(got, np.concatenate([low(ka), kb]))
     assert got.dtype == np.int64
@@ -263,10 +263,10 @@ def test_fields_restore_their_full_keys_together_or_one_by_one():
     # their bits as int64; one check restores both fields.
     ua = np.array([2**64 - 5, 3], np.uint64)
     ub = np.array([(1 << 63) + 9, 11, 2**40], np.uint64)
-    jax_full_keys.key_queue(a).clear()
-    jax_full_keys.key_queue(a).append(ua.view(np.int64))
-    jax_full_keys.key_queue(b).append(ub.view(np.int64))
+    jax_key_queue.key_queue(a).clear()
+    jax_key_queue.key_queue(a).append(ua.view(np.int64))
+    jax_key_queue.key_queue(b).append(ub.view(np.int64))
     step = np.concatenate([ua, ub]).astype(np.uint32)
     got = jax_group_mapping._restore_together([a, b], bounds, step, np)
     np.testing.assert_array_equal(got, np.concatenate([ua, ub]).view(np.int64))
-    assert len(jax_full_keys.key_queue(a)) == len(jax_full_keys.key_queue(b)) == 0
+    assert len(jax_key_queue.key_queue(a)) == len(jax_key_queue.key_queue(b)) == 0

@@ -113,13 +113,13 @@ class JaxMeshPlacement:
         """The `KeyMapper` of a key-sharded hash layer: `MappedKeys`
         ``(rows, fresh, init)`` of its traced flat ``keys`` (see
         `jax_key_mapping.map_keys`)."""
-        from keras_sparse.layers import jax_full_keys
+        from keras_sparse.layers import jax_key_queue
         from keras_sparse.layers.hash.jax_step_mapping import step_failures
         from keras_sparse.sharding import jax_key_mapping
 
         routing = jax_key_mapping.KeyRouting(
             layer.table,
-            functools.partial(jax_full_keys.restore_part, layer),
+            functools.partial(jax_key_queue.restore_part, layer),
             self.mesh,
             self.axis,
             self.slack,

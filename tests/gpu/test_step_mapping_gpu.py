@@ -16,7 +16,7 @@ cp = require_cuda_and_jax()
 
 import keras  # noqa: E402
 
-from keras_sparse.layers import jax_full_keys  # noqa: E402
+from keras_sparse.layers import jax_key_queue  # noqa: E402
 from keras_sparse.layers.hash import jax_step_mapping  # noqa: E402
 from keras_sparse.layers.hash.embedding import DistributedHashEmbedding  # noqa: E402
 
@@ -117,14 +117,14 @@ def test_gpu_buffer_route_keeps_wide_keys_apart_without_host_copies(
     cpu = fit("cpu")
     # The step's keys reach the full-key check as device arrays.
     checked = []
-    restore = jax_full_keys.restore
+    restore = jax_key_queue.restore
 
     def restore_on_device(layer, keys, xp=np):
         checked.append(isinstance(keys, cp.ndarray) and xp is cp)
         return restore(layer, keys, xp)
 
     _forbid_host_mapping(monkeypatch)
-    monkeypatch.setattr(jax_full_keys, "restore", restore_on_device)
+    monkeypatch.setattr(jax_key_queue, "restore", restore_on_device)
     gpu = fit("gpu")
     assert checked and all(checked)
     assert gpu[2]["evictions"] > 0 and gpu[2] == cpu[2]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers import jax_key_queue
 from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.ops.key_hash import step_words
@@ -64,13 +64,13 @@ def _restore_together(layers, bounds, keys, cp):
     written. When each field's oldest queued batch is this step's (the usual
     order), all fields take one copy to the device and one host read of the
     check, instead of two syncs per field; otherwise each field finds its
-    batch itself (`jax_full_keys.restore`, which skips batches queued ahead,
+    batch itself (`jax_key_queue.restore`, which skips batches queued ahead,
     e.g. for validation).
     """
-    queued = [i for i, layer in enumerate(layers) if jax_full_keys.has_queued(layer)]
+    queued = [i for i, layer in enumerate(layers) if jax_key_queue.has_queued(layer)]
     if not queued:
         return _as_int64(keys, cp, copy=False)
-    queues = [jax_full_keys.key_queue(layers[i]) for i in queued]
+    queues = [jax_key_queue.key_queue(layers[i]) for i in queued]
     heads = [q.head() for q in queues]
     spans = [bounds[i] for i in queued]
     every = len(queued) == len(layers)
@@ -94,7 +94,7 @@ def _restore_together(layers, bounds, keys, cp):
             return flat
     flat = _as_int64(keys, cp)
     for i, (a, b) in zip(queued, spans):
-        flat[a:b] = jax_full_keys.restore(layers[i], flat[a:b], cp)
+        flat[a:b] = jax_key_queue.restore(layers[i], flat[a:b], cp)
     return flat
 
 

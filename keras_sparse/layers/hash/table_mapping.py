@@ -11,7 +11,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_sparse.layers import jax_full_keys
+from keras_sparse.layers import jax_key_queue
 from keras_sparse.layers import row_tier
 from keras_sparse.layers.hash import key_mapping
 from keras_sparse.layers.hash import table_users
@@ -238,8 +238,8 @@ class TableMapping:
         from keras_sparse.table.keys import to_cupy_keys
 
         flat, _ = to_cupy_keys(keys)  # zero-copy for CUDA tensors
-        if jax_full_keys.has_queued(self):
-            flat = jax_full_keys.restore(self, flat, cp)
+        if jax_key_queue.has_queued(self):
+            flat = jax_key_queue.restore(self, flat, cp)
         use = cp.asarray(use).reshape(-1).astype(bool, copy=False)
         if out is not None and len(out) == 3:  # the keys' high words too
             out[2][...] = (flat.astype(cp.int64, copy=False) >> 32).astype(cp.int32)
@@ -259,7 +259,7 @@ class TableMapping:
         `keras_sparse.layers.jax_full_keys`); other keys pass through."""
         if keras.backend.backend() != "jax" or _string_kind(keys):
             return keys
-        return jax_full_keys.restore(self, _host_keys(keys))
+        return jax_key_queue.restore(self, _host_keys(keys))
 
     def _map_keys(self, keys, use, insert, inference=False):
         """Flat `MappedKeys` of ``keys``, wherever the mapping runs now
