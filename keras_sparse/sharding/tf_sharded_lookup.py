@@ -12,8 +12,9 @@ inside the backward pass (a ``tf.custom_gradient`` on the layer's anchor, as
 TensorFlow's ``all_to_all`` hangs on logical CPU devices under
 MirroredStrategy, so the exchanges are all-gathers (``ReplicaContext
 .all_gather``; replicas may hold different batch sizes). Per step, with
-``n`` ids per replica, ``T = D * n`` ids in all, ``dim`` float32 columns,
-each replica receives (its own part included):
+``n`` ids per replica, ``T`` the ids exchanged in all (``D * n``, or the
+replicas' distinct ids, see below), ``dim`` float32 columns, each replica
+receives (its own part included):
 
 * row, forward: the ids (``4 T`` bytes) and the batch sizes (``4 D``);
   each replica gathers the rows it owns for every id, compacted, and an
@@ -25,18 +26,17 @@ each replica receives (its own part included):
   forward's. Row: each replica updates the ids it owns (local row
   ``id - d*B``); column: every id, on its own columns of the gradients.
 
-A replicated ("data") table needs no forward exchange and ``4 T (dim + 1)``
+A replicated ("data") table needs no forward exchange and ``4 D n (dim + 1)``
 bytes backward (`keras_sparse.ops.tensorflow.replicas`). An all-to-all would bring
 each sharded exchange down to about ``4 n dim``; it is not used here.
 
 Each replica exchanges its DISTINCT ids once (while
-`exchange_buckets.DEDUP_EXCHANGE` is on, the default): ``T`` above counts
-the replicas' distinct ids (the all-gathers take any size, so nothing can
-overflow), repeated positions read their id's row, and their gradients are
-summed on the replica before the all-gather: an id's gradient is the sum
-over the global batch grouped by replica, so float rounding may differ from
-one device's in the last bits (the sharded results equal one device's
-within 1e-5).
+`exchange_buckets.DEDUP_EXCHANGE` is on, the default; the all-gathers take
+any size, so nothing can overflow): repeated positions read their id's
+row, and their gradients are summed on the replica before the all-gather:
+an id's gradient is the sum over the global batch grouped by replica, so
+float rounding may differ from one device's in the last bits (the sharded
+results equal one device's within 1e-5).
 """
 
 import tensorflow as tf
