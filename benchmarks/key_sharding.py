@@ -47,7 +47,8 @@ Reported per variant:
 - samples/s: ``model.train_on_batch`` over ``--steps`` batches per round,
   variants interleaved round-robin for ``--rounds`` rounds after a warm-up
   (compiles, fills the tables), median per variant; the loss is read after
-  every call (a host sync);
+  every call (a host sync); and the process CPU time per step, median
+  over the rounds (less disturbed by other processes on a shared machine);
 - keys held (all fields) and the last round's last loss, as sanity checks
   (key sharding draws fresh rows per key, so losses differ slightly).
 
@@ -73,7 +74,11 @@ row-sharded lookup's exchange buffers of "row" / "data": the step raises
 ``ExchangeOverflowError`` (reported in the table), or, on virtual CPU
 devices, XLA may abort the whole process at a collective's 40 s timeout.
 Under key sharding the slack sizes the key exchange only (distinct keys,
-spread by hash); its row lookup keeps full-size buffers.
+spread by hash); its row lookup reuses that exchange's packing (each
+device's distinct keys' rows once, in the key exchange's slots per
+destination). ``key-positions`` is the same layer with
+``exchange_buckets.DEDUP_EXCHANGE`` off while its step is traced: the
+earlier row lookup with full-size buffers (a slot per position).
 
     python benchmarks/key_sharding.py [--batch 2048] [--steps 4] [--rounds 5]
         [--fields 4] [--bag 4] [--slack S] [--png out.png]
@@ -102,10 +107,11 @@ import numpy as np  # noqa: E402
 import keras_sparse as ks  # noqa: E402
 from keras_sparse import sharding  # noqa: E402
 from keras_sparse.data import zipf_ids  # noqa: E402
+from keras_sparse.sharding import exchange_buckets as buckets  # noqa: E402
 from keras_sparse.sharding import jax_exchange_bytes as jsl  # noqa: E402
 
 D, DIM, CAPACITY, VOCAB, ZIPF = 8, 16, 1 << 16, 1_000_000, 1.2
-VARIANTS = ("key", "row", "data")
+VARIANTS = ("key", "key-positions", "row", "data")
 # JAX's io_callback puts each operand on CPU device 0 before calling Python;
 # the CPU client copies arrays of this size or more asynchronously, on the
 # thread pool that also runs the 8 virtual devices' step. With every device
@@ -316,9 +322,12 @@ def run(args):
     batches = make_data(args.batch, args.steps, args.fields, args.bag)
     variants = {}
     for s in VARIANTS:
-        model, layers, dist = build(s, args.fields, args.bag, args.slack)
+        strategy = s.split("-")[0]
+        model, layers, dist = build(strategy, args.fields, args.bag, args.slack)
         keras.distribution.set_distribution(dist)
-        v = dict(model=model, layers=layers, dist=dist, sps=[], skip=None)
+        # Read when the step is traced (the HLO and the warm-up's compile).
+        buckets.DEDUP_EXCHANGE = s != "key-positions"
+        v = dict(model=model, layers=layers, dist=dist, sps=[], cpu=[], skip=None)
         variants[s] = v
         try:
             v["hlo"] = compiled_hlo(model, dist, *batches[0])
@@ -343,16 +352,18 @@ def run(args):
             print(f"  warmed up {s}: {warm:.1f} s", file=sys.stderr, flush=True)
         finally:
             keras.distribution.set_distribution(None)
+            buckets.DEDUP_EXCHANGE = True
     n = args.batch * args.steps
     live = [v for v in variants.values() if v["skip"] is None]
     for _ in range(args.rounds):
         for v in live:
             keras.distribution.set_distribution(v["dist"])
             try:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for x, y in batches:
                     v["loss"] = float(v["model"].train_on_batch(x, y))
                 v["sps"].append(n / (time.perf_counter() - t0))
+                v["cpu"].append((time.process_time() - c0) / len(batches))
             finally:
                 keras.distribution.set_distribution(None)
     rows = []
@@ -364,6 +375,7 @@ def run(args):
                 strategy=s, low=low, high=high, static=static, to_host=to_host,
                 from_host=from_host, largest=largest, skip=v["skip"],
                 sps=statistics.median(v["sps"]) if v["sps"] else None,
+                cpu=statistics.median(v["cpu"]) if v["cpu"] else None,
                 all_sps=v["sps"], loss=v.get("loss"),
                 keys=sum(int(lay.table.size) for lay in v["layers"]),
             )
@@ -438,6 +450,7 @@ def main():
                 "from host callback B/step",
                 "largest callback operand",
                 "samples/s (median)",
+                "process CPU ms/step (median)",
                 "keys held",
                 "last loss",
             ],
@@ -455,6 +468,7 @@ def main():
                     fmt(r["from_host"]),
                     fmt(r["largest"]),
                     speed(r),
+                    "-" if r["cpu"] is None else f"{1e3 * r['cpu']:.0f}",
                     f"{r['keys']:,}",
                     "-" if r["loss"] is None else f"{r['loss']:.4f}",
                 )
@@ -496,7 +510,7 @@ def main():
                     ratio(by["key"]["to_host"], by[o]["to_host"]),
                     ratio(by["key"]["sps"], by[o]["sps"]),
                 )
-                for o in ("row", "data")
+                for o in ("key-positions", "row", "data")
             ],
         )
     )

@@ -259,6 +259,47 @@ def test_planner_prefers_key_sharding_for_hash_layers_across_processes():
     assert plan.strategy("hashed") == "key", plan["hashed"].reason
 
 
+def test_row_exchange_sends_distinct_keys_in_compact_buffers(monkeypatch):
+    """With a slack the row lookup reuses the key exchange's packing: each
+    device's distinct rows once per owner, in ``key_capacity`` slots (6 of
+    the 12 positions per device here), their gradients summed on the
+    sender; training and inference still equal one device's key by key."""
+    from keras_sparse.sharding import jax_key_mapping
+    from keras_sparse.sharding import jax_sharded_lookup
+
+    real, seen = jax_sharded_lookup._row_forward, []
+
+    def spy(mesh, axis, table, ids, valid, slack, given_slot, outputs, capacity=None):
+        seen.append((capacity, given_slot is not None, ids.shape[0]))
+        return real(mesh, axis, table, ids, valid, slack, given_slot, outputs, capacity)
+
+    monkeypatch.setattr(jax_sharded_lookup, "_row_forward", spy)
+    x, y = _data()
+    x, y = x[0][: 2 * BATCH], y[: 2 * BATCH]  # 2 steps
+
+    def train(devices, slack):
+        layer = _layer()
+        dist = sharding.distribution([layer], devices=devices, row_exchange_slack=slack)
+        keras.distribution.set_distribution(dist)
+        try:
+            model = _model(layer)
+            losses = fit_losses(model, x, y, BATCH)
+            return losses, _by_key(layer), model.predict(x[:BATCH], verbose=0)
+        finally:
+            keras.distribution.set_distribution(None)
+
+    ref_losses, ref, ref_out = train(1, None)
+    assert all(cap is None or cap >= ids for cap, _, ids in seen), seen  # full
+    seen.clear()
+    losses, got, out = train(8, 4)
+    n = BATCH * BAG // 8
+    c = jax_key_mapping.key_capacity(n, 8, 4)
+    assert c < n and seen and set(seen) == {(c, True, BATCH * BAG)}, seen
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    _assert_same_records(got, ref, atol=1e-5)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)  # inference: same slots
+
+
 def test_exchange_overflow_raises_before_tables_change():
     layer = _layer()
     dist = sharding.distribution([layer], devices=8, row_exchange_slack=0.01)

@@ -217,7 +217,26 @@ def _run_cases(replicas, references, tmp):
         out["to_one_device_placement"] = repr(to_one.get_layer("column_adam").placement)
         out["to_one_device_predict"] = _predict_gap(to_one, model)
     out["errors"] = _refusals(strategy, replicas)
+    out["exchanged"] = _exchanged(strategy)
     return out
+
+
+def _exchanged(strategy):
+    """Ids the row exchange all-gathers for 6 positions per replica with
+    3 distinct values (one invalid position)."""
+    import tensorflow as tf
+
+    from keras_sparse.sharding.tf_sharded_lookup import Exchange
+
+    @tf.function
+    def step():
+        context = tf.distribute.get_replica_context()
+        ids = tf.constant([5, 5, 1, 5, 2, 1]) + context.replica_id_in_sync_group
+        valid = tf.constant([True, True, True, True, False, True])
+        return tf.shape(Exchange(context, ids, valid).all_ids)[0]
+
+    sizes = strategy.experimental_local_results(strategy.run(step))
+    return [int(size) for size in sizes]
 
 
 def _main():
@@ -279,6 +298,14 @@ def test_fit_matches_one_device(replicas, what):
     Keras then scales each replica's mean loss by 1 / replicas, which one
     device trains with the matching sample weights."""
     assert _results(replicas)[what] <= TOL
+
+
+@REPLICAS
+def test_each_replica_exchanges_its_distinct_ids_once(replicas):
+    """5, 5, 1, 5, (invalid), 1 travel as 5, 1 and one invalid marker, not
+    as 6 ids (the fit above repeats id 5 in every sample and matches one
+    device)."""
+    assert _results(replicas)["exchanged"] == [3 * replicas] * replicas
 
 
 @REPLICAS

@@ -151,6 +151,7 @@ def _run_case(case, rank, world, out, group=None):
         _train(model, ddp, x, y, rank, world, 1)
     result = {f"{key}:{k}": v for k, v in _state(model).items()}
     result[f"{key}:exchanges"] = np.array(len(calls))
+    result[f"{key}:floats"] = np.array(sum(calls))
     result[f"{key}:shape"] = np.array(model.get_layer("emb").embeddings.shape)
     result[f"{key}:pred"] = _predict(model, rank, world)
     # Every process saves (the tables are all-gathered); each group of 2
@@ -174,9 +175,10 @@ class _counted_exchanges:
 
         self.calls, self.real = [], dist.all_to_all_single
 
-        def counted(*args, **kwargs):
-            self.calls.append(1)
-            return self.real(*args, **kwargs)
+        def counted(out, sent, *args, **kwargs):
+            # Rows and gradients are the float exchanges: their elements.
+            self.calls.append(sent.numel() if sent.is_floating_point() else 0)
+            return self.real(out, sent, *args, **kwargs)
 
         dist.all_to_all_single = counted
         return self.calls
@@ -418,7 +420,8 @@ def _reference_exchanges(world, case):
     part, capacity, total = -(-ROWS // world), 0, 0
     for start in range(0, samples, BATCH):
         b = _bounds(start, min(start + BATCH, samples), world)
-        ids = [x[b[r] : b[r + 1]].ravel() for r in range(world)]
+        # Each process sends its distinct ids once.
+        ids = [np.unique(x[b[r] : b[r + 1]]) for r in range(world)]
         if strategy == "row":
             blocks = [np.bincount(i // part, minlength=world) for i in ids]
             need = max(int(c.max()) for c in blocks)
@@ -441,6 +444,32 @@ def test_a_step_exchanges_ids_with_their_counts_in_one_collective(runs, world, c
     assert want < 4 * steps  # what a separate exchange of counts would take
     for result, _ in ranks:
         assert int(result[f"{key}:exchanges"]) == want
+
+
+def _distinct_per_step(world, samples):
+    """Each step's distinct ids of every process, summed over processes."""
+    x, _ = _data(samples)
+    total = 0
+    for start in range(0, samples, BATCH):
+        b = _bounds(start, min(start + BATCH, samples), world)
+        total += sum(len(np.unique(x[b[r] : b[r + 1]])) for r in range(world))
+    return total
+
+
+@pytest.mark.parametrize("world,case", _all_cases())
+def test_each_process_exchanges_its_distinct_ids_once(runs, world, case):
+    """Rows back and gradients out carry one ``dim``-wide row per distinct
+    id of each process (id 5 repeats in every sample), summed over a
+    group: row sharding's owners serve the ids whole, column sharding's
+    every process serves its ``dim / D`` columns of every id."""
+    ranks, _, _ = runs
+    key = f"{case[0]}-{case[1]}-{world}"
+    want = 2 * DIM * _distinct_per_step(world, case[2])
+    per_position = 2 * DIM * case[2] * 3
+    assert want < per_position
+    for group in _groups(world):
+        got = sum(int(ranks[r][0][f"{key}:floats"]) for r in group)
+        assert got == want, (got, want, per_position)
 
 
 @pytest.mark.parametrize("capacity", [0, 2, 3, 9])

@@ -52,7 +52,10 @@ def distribution(
             buffers, which can never overflow. With a slack, a step where one
             device has more ids for one owner than that raises an error when
             it runs (ids are never dropped); 2 to 4 suits ids spread over the
-            shards, skewed id ranges need more.
+            shards, skewed id ranges need more. Key-sharded hash layers:
+            it sizes the key exchange (`jax_key_mapping.key_capacity`),
+            whose slots their row lookup reuses (default: a bound that only
+            keys built to collide exceed).
 
     Returns:
         A ``ModelParallel`` distribution; pass it to

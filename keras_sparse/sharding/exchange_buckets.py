@@ -43,6 +43,9 @@ __all__ = [
 # Compact row buffers carry each device's distinct ids once (True), or one
 # slot per local position (False: the earlier exchange, kept to compare bytes
 # and times). The step reads it when traced, the host packing when called.
+# The same setting makes the TF and PyTorch sharded lookups exchange each
+# replica's / process's distinct ids and JAX key-sharded row lookups reuse
+# the key exchange's packing (read at each call / trace).
 DEDUP_EXCHANGE = True
 
 

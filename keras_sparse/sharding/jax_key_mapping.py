@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
 from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.layers.hash.key_mapper import UndoCollector
+from keras_sparse.sharding import exchange_buckets as buckets
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
 from keras_sparse.sharding.jax_sharded_lookup import _smap
 from keras_sparse.table.keys import to_host
@@ -246,7 +247,10 @@ def map_keys(routing, keys, use, insert, draw=None):
     unused), fresh at one position per newly assigned row, and ``init`` the
     ``[N, dim]`` values of fresh rows when ``draw=(fn, seed)`` is given
     (``fn(fresh, words, seed)``, run on each device for its own positions),
-    else None."""
+    else None. With `exchange_buckets.DEDUP_EXCHANGE` also
+    ``exchange_slot`` (int32 ``[N]``): each position's slot among its
+    device's distinct keys of the key's owner (below `key_capacity`), the
+    row lookup's packing (`jax_placement.lookup_capacity`)."""
     mesh, axis = routing.mesh, routing.axis
     d = mesh.shape[axis]
     total = keys.shape[0]
@@ -347,17 +351,23 @@ def map_keys(routing, keys, use, insert, draw=None):
         # The rows depend on the guard, so an error surfaces with the step.
         pos_rows = jnp.where(sent, at[:, 0], -1) + guard
         pos_fresh = sent & first & (at[:, 1] == 1)
+        # The slot among this device's distinct keys of the owner (``slot``
+        # is ``owner * C + j``): the row exchange reuses the packing.
+        out = (pos_rows, pos_fresh, jnp.where(sent, slot % c, 0))
         if draw is None:
-            return pos_rows, pos_fresh
+            return out
         pos_words = words.reshape(d * c, 2)[jnp.clip(slot, 0, d * c - 1)]
         pos_words = jnp.where(sent[:, None], pos_words, 0)
-        return pos_rows, pos_fresh, draw[0](pos_fresh, pos_words, seed)
+        return out + (draw[0](pos_fresh, pos_words, seed),)
 
     seed = jnp.zeros((2,), jnp.uint32)
     if draw is not None and draw[1] is not None:
         seed = draw[1]
-    outputs = (P(axis),) * (2 if draw is None else 3)
+    outputs = (P(axis),) * (3 if draw is None else 4)
     mapped = _smap(local, mesh, (P(axis), P(axis), P()), outputs)(keys, use, seed)
     return MappedKeys(
-        mapped[0], mapped[1], init=mapped[2] if draw is not None else None
+        mapped[0],
+        mapped[1],
+        init=mapped[3] if draw is not None else None,
+        exchange_slot=mapped[2] if buckets.DEDUP_EXCHANGE else None,
     )

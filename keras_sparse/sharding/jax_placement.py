@@ -22,10 +22,25 @@ def lookup_strategy(strategy):
 
 def lookup_slack(strategy, slack):
     """Exchange slack of the row lookup. Key sharding's slack sizes its key
-    exchange (distinct keys, spread by hash); its row lookup sends every
-    position, and a hot key's positions all go to one owner, so it keeps
-    full-size buffers."""
+    exchange (distinct keys, spread by hash); its row lookup uses that
+    exchange's buffers (`lookup_capacity`) or else full-size ones (a hot
+    key's positions all go to one owner)."""
     return None if strategy == "key" else slack
+
+
+def lookup_capacity(strategy, slack, num_ids, devices, exchange_slot):
+    """Row slots per destination of a key-sharded layer's row lookup, or
+    None (the slack's). Its key exchange (`jax_key_mapping.map_keys`) gave
+    each device's distinct keys of an owner at most `key_capacity` slots
+    and each position its key's ``exchange_slot``; a key's row lives on the
+    key's owner, so the row exchange sends each distinct row once in the
+    same slots (repeated keys share one, their gradients summed on the
+    sender)."""
+    if strategy != "key" or exchange_slot is None:
+        return None
+    from keras_sparse.sharding.jax_key_mapping import key_capacity
+
+    return key_capacity(int(num_ids) // devices, devices, slack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +88,7 @@ class JaxMeshPlacement:
             exchange_slot=batch.exchange_slot,
             with_state=True,
             stochastic=state.stochastic_rounding,
+            capacity=self._capacity(batch),
         )
         jax_lookup.pass_on(table_var, table, slot_vars, slots)
         return rows
@@ -141,4 +157,11 @@ class JaxMeshPlacement:
             batch.valid,
             lookup_slack(self.strategy, self.slack),
             batch.exchange_slot,
+            self._capacity(batch),
         )
+
+    def _capacity(self, batch):
+        return lookup_capacity(
+            self.strategy, self.slack, batch.ids.shape[0], self.devices,
+            batch.exchange_slot,
+        )  # fmt: skip

@@ -92,8 +92,10 @@ class ShardConfig:
         apply_update=True,
         slack=None,
         stochastic=True,
+        capacity=None,
     ):
         self.stochastic = bool(stochastic)
+        self.capacity = None if capacity is None else int(capacity)
         self.dedup = buckets.DEDUP_EXCHANGE  # traces differ with the setting
         self.apply_update = bool(apply_update)
         self.slack = None if slack is None else float(slack)
@@ -116,6 +118,7 @@ class ShardConfig:
             self.slack,
             self.stochastic,
             self.dedup,
+            self.capacity,
         )
 
     def __hash__(self):
@@ -131,6 +134,7 @@ class ShardConfig:
             and self.slack == other.slack
             and self.stochastic == other.stochastic
             and self.dedup == other.dedup
+            and self.capacity == other.capacity
         )
 
 
@@ -329,12 +333,19 @@ def _row_forward_local(axis, d, table, ids, valid, capacity, given_slot=None):
     return to_compute(rows), owner, slot, recv
 
 
-def _row_forward(mesh, axis, table, ids, valid, slack, given_slot, outputs):
-    """Runs `_row_forward_local` on every device; its first ``outputs`` results."""
+def _row_forward(
+    mesh, axis, table, ids, valid, slack, given_slot, outputs, capacity=None
+):
+    """Runs `_row_forward_local` on every device; its first ``outputs`` results.
+    ``capacity``: slots per destination instead of the slack's (with
+    ``given_slot``, which must fit it)."""
     d = mesh.shape[axis]
     _check_divisible("table rows", table.shape[0], d)
     _check_divisible("number of ids", ids.shape[0], d)
-    capacity = row_capacity(ids.shape[0] // d, d, slack)
+    n = ids.shape[0] // d
+    if capacity is None:
+        capacity = row_capacity(n, d, slack)
+    capacity = max(1, min(int(capacity), n))
     args, specs = (table, ids, valid), (P(axis, None), P(axis), P(axis))
     if given_slot is not None:
         args, specs = args + (given_slot,), specs + (P(axis),)
@@ -345,15 +356,21 @@ def _row_forward(mesh, axis, table, ids, valid, slack, given_slot, outputs):
     return _smap(local, mesh, specs, (P(axis),) * outputs)(*args)
 
 
-def row_gather(mesh, axis, table, ids, valid, slack=None, exchange_slot=None):
+def row_gather(
+    mesh, axis, table, ids, valid, slack=None, exchange_slot=None, capacity=None
+):
     """Row-sharded gather, differentiable by JAX (dense table gradient)."""
-    return _row_forward(mesh, axis, table, ids, valid, slack, exchange_slot, 1)[0]
+    return _row_forward(
+        mesh, axis, table, ids, valid, slack, exchange_slot, 1, capacity
+    )[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _row_lookup(cfg, table, slots, ids, valid, iterations, exchange_slot):
     """``(rows, table, slots)``; the state passed on as in `jax_lookup._lookup`."""
-    rows = row_gather(cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot)
+    rows = row_gather(
+        cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot, cfg.capacity
+    )
     return rows, table, slots
 
 
@@ -362,8 +379,9 @@ def _row_fwd(cfg, table, slots, ids, valid, iterations, exchange_slot):
         (table, slots, ids, valid, iterations, exchange_slot)
     )
     rows, owner, slot, recv = _row_forward(
-        cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot, 4
-    )
+        cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot, 4,
+        cfg.capacity,
+    )  # fmt: skip
     return (rows, table, slots), (table, slots, owner, slot, recv, iterations)
 
 
@@ -551,6 +569,7 @@ def sharded_lookup_with_sparse_update(
     exchange_slot=None,
     with_state=False,
     stochastic=True,
+    capacity=None,
 ):
     """Lookup whose backward applies the sparse optimizer on the owning shards.
 
@@ -560,11 +579,15 @@ def sharded_lookup_with_sparse_update(
     for a later call of the layer in the step (`jax_lookup.pass_on`).
     ``slack`` sizes the row exchange buffers (`row_capacity`);
     ``exchange_slot`` (row only, with a slack): each id's slot in its
-    owner's buffer, from `exchange_buckets.exchange_slots`.
+    owner's buffer, from `exchange_buckets.exchange_slots`. ``capacity``:
+    the row buffers' slots per destination instead of the slack's (with an
+    ``exchange_slot`` that fits them: a key-sharded layer's key exchange,
+    `jax_key_mapping.map_keys`).
     """
     cfg = ShardConfig(
-        mesh, axis, optimizer, constraint, apply_update, slack, stochastic
-    )
+        mesh, axis, optimizer, constraint, apply_update, slack, stochastic,
+        capacity,
+    )  # fmt: skip
     args = (
         table,
         dict(slots),
@@ -596,14 +619,15 @@ def _slot_or_none(exchange_slot):
 
 
 def sharded_gather(
-    strategy, mesh, axis, table, ids, valid, slack=None, exchange_slot=None
-):
+    strategy, mesh, axis, table, ids, valid, slack=None, exchange_slot=None,
+    capacity=None,
+):  # fmt: skip
     """Forward-only / dense-gradient sharded gather."""
     ids = jnp.asarray(ids, jnp.int32)
     valid = jnp.asarray(valid, bool)
     if strategy == "row":
         slot = _slot_or_none(exchange_slot)
-        return row_gather(mesh, axis, table, ids, valid, slack, slot)
+        return row_gather(mesh, axis, table, ids, valid, slack, slot, capacity)
     if strategy == "column":
         return column_gather(mesh, axis, table, ids, valid)
     raise NotImplementedError(f"sharded gather for strategy {strategy!r}")

@@ -12,8 +12,9 @@ inside the backward pass (a ``tf.custom_gradient`` on the layer's anchor, as
 TensorFlow's ``all_to_all`` hangs on logical CPU devices under
 MirroredStrategy, so the exchanges are all-gathers (``ReplicaContext
 .all_gather``; replicas may hold different batch sizes). Per step, with
-``n`` ids per replica, ``T = D * n`` ids in all, ``dim`` float32 columns,
-each replica receives (its own part included):
+``n`` ids per replica, ``T`` the ids exchanged in all (``D * n``, or the
+replicas' distinct ids, see below), ``dim`` float32 columns, each replica
+receives (its own part included):
 
 * row, forward: the ids (``4 T`` bytes) and the batch sizes (``4 D``);
   each replica gathers the rows it owns for every id, compacted, and an
@@ -25,15 +26,24 @@ each replica receives (its own part included):
   forward's. Row: each replica updates the ids it owns (local row
   ``id - d*B``); column: every id, on its own columns of the gradients.
 
-A replicated ("data") table needs no forward exchange and ``4 T (dim + 1)``
+A replicated ("data") table needs no forward exchange and ``4 D n (dim + 1)``
 bytes backward (`keras_sparse.ops.tensorflow.replicas`). An all-to-all would bring
 each sharded exchange down to about ``4 n dim``; it is not used here.
+
+Each replica exchanges its DISTINCT ids once (while
+`exchange_buckets.DEDUP_EXCHANGE` is on, the default; the all-gathers take
+any size, so nothing can overflow): repeated positions read their id's
+row, and their gradients are summed on the replica before the all-gather:
+an id's gradient is the sum over the global batch grouped by replica, so
+float rounding may differ from one device's in the last bits (the sharded
+results equal one device's within 1e-5).
 """
 
 import tensorflow as tf
 
 from keras_sparse.ops.row_rounding import to_compute
 from keras_sparse.ops.tensorflow import row_updates as tf_row_updates
+from keras_sparse.sharding import exchange_buckets as buckets
 
 
 def replica_id(context):
@@ -49,16 +59,30 @@ class Exchange:
         self.context = context
         self.devices = context.num_replicas_in_sync
         self.me = replica_id(context)
-        self.size = tf.shape(ids)[0]
         marked = tf.where(valid, ids, -tf.ones_like(ids))
+        self.inverse = None  # position -> its distinct id (dedup only)
+        if buckets.DEDUP_EXCHANGE:
+            marked, self.inverse = tf.unique(marked)
+        self.size = tf.shape(marked)[0]
         # -1 marks an invalid position in the gathered ids.
         self.all_ids = context.all_gather(marked, axis=0)
         sizes = context.all_gather(self.size[None], axis=0)
         self.start = tf.reduce_sum(sizes[: self.me])
 
     def mine(self, rows):
-        """This replica's positions of ``rows`` (one per gathered id)."""
+        """This replica's part of ``rows`` (one per gathered id)."""
         return rows[self.start : self.start + self.size]
+
+    def spread(self, rows):
+        """One row per exchanged id -> one per local position."""
+        return rows if self.inverse is None else tf.gather(rows, self.inverse)
+
+    def combine(self, grads):
+        """One gradient per local position -> one per exchanged id (summed
+        in local order)."""
+        if self.inverse is None:
+            return grads
+        return tf.math.unsorted_segment_sum(grads, self.inverse, self.size)
 
 
 def row_forward(exchange, table, shard_rows):
@@ -93,14 +117,15 @@ def forward(kind, exchange, table, shard_rows):
         else column_forward(exchange, table)
     )
     valid = exchange.mine(exchange.all_ids) >= 0
-    return to_compute(tf.where(valid[:, None], rows, tf.zeros((), rows.dtype)))
+    rows = tf.where(valid[:, None], rows, tf.zeros((), rows.dtype))
+    return to_compute(exchange.spread(rows))
 
 
 def owned_update(kind, exchange, grads, shard_rows, columns):
     """``(ids, valid, grads)`` of the global batch this replica's part
     applies: local row numbers and, for columns, its own columns."""
     ids = exchange.all_ids
-    all_grads = exchange.context.all_gather(grads, axis=0)
+    all_grads = exchange.context.all_gather(exchange.combine(grads), axis=0)
     if kind == "row":
         first = exchange.me * shard_rows
         valid = (ids >= first) & (ids < first + shard_rows)

@@ -33,13 +33,20 @@ quarter above the largest block of the placement's previous call; every
 process derives it from the same headers): a call with a larger block sends
 the rest in a second ``all_to_all_single`` (the first call always does).
 
-The owners receive the ids and gradients in source-rank order, each
-source's in local order: the global batch order of one process on the
-concatenated batches, so duplicates are summed in the same order. The
-gradients are divided by ``D``, as DDP averages dense gradients.
+Each process exchanges its DISTINCT ids once (while
+`exchange_buckets.DEDUP_EXCHANGE` is on, the default): repeated positions
+read their id's row, and their gradients are summed on the process (in
+local order) before they travel. The owners receive the ids and gradients
+in source-rank order: an id's gradient is the sum over the global batch
+grouped by process, so float rounding may differ from one process's in the
+last bits (the sharded results equal one process's within 1e-5; with the
+setting off every position travels and duplicates are summed in the global
+batch order). The gradients are divided by ``D``, as DDP averages dense
+gradients.
 
 Bytes one process hands to the collectives per step, for ``n`` local ids
-(ids as 4 bytes while ``D * B`` fits int32, else 8; 4-byte floats, ``dim``
+(``n`` counts the distinct ids with `DEDUP_EXCHANGE`; ids as 4 bytes while
+``D * B`` fits int32, else 8; 4-byte floats, ``dim``
 the full width, ``C`` the capacity: about ``1.25 n / D`` for ids spread
 over the row parts, ``n`` for column; about ``(D - 1) / D`` of it leaves
 the process when ids spread over the parts):
@@ -67,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from keras_sparse.ops.torch import lookup as torch_lookup
+from keras_sparse.sharding import exchange_buckets as buckets
 
 # Header words of each per-peer id block: the ids in the block, the
 # sender's valid ids, the sender's largest block.
@@ -142,6 +150,13 @@ class Route:
         """Fills ``self`` with this call's exchange; returns the ids (local
         to this process's part) whose rows this process serves."""
         d = self.d
+        self.inverse = None  # position -> its distinct id (dedup only)
+        if buckets.DEDUP_EXCHANGE:
+            ids, self.inverse = torch.unique(
+                torch.where(valid, ids, -1), return_inverse=True
+            )
+            valid = ids >= 0
+        self.n = ids.shape[0]  # ids exchanged
         if self.strategy == "row":
             owner = torch.where(valid, ids // self.part, d)
             self.order = torch.argsort(owner, stable=True)
@@ -176,8 +191,13 @@ class Route:
         keep = torch.arange(ids.shape[1], device=ids.device)[None, :] < recv[:, None]
         return ids[keep].long()
 
-    def rows(self, served, n):
-        """``[n, dim]`` rows of this call's ids from the ``served`` rows."""
+    def rows(self, served):
+        """``[n, dim]`` rows of this call's positions from the ``served``
+        rows."""
+        rows = self._rows(served, self.n)
+        return rows if self.inverse is None else rows.index_select(0, self.inverse)
+
+    def _rows(self, served, n):
         back = _exchange(served, self.recv, self.send, self.group)
         if self.strategy == "row":
             # Position of each id in the owner-sorted order; the invalid
@@ -194,6 +214,9 @@ class Route:
 
     def grads(self, upstream):
         """The gradients of the served ids, in the order they were served."""
+        if self.inverse is not None:  # one row per exchanged id
+            summed = upstream.new_zeros((self.n,) + tuple(upstream.shape[1:]))
+            upstream = summed.index_add_(0, self.inverse, upstream)
         if self.strategy == "row":
             sent = upstream.index_select(0, self.order[: sum(self.send)])
             return _exchange(sent, self.send, self.recv, self.group)
@@ -217,7 +240,7 @@ class _ShardedLookup(torch.autograd.Function):
         served, ok, rows = _serve(route, table, ids, valid)
         ctx.route, ctx.context = route, context
         ctx.save_for_backward(anchor, served, ok)
-        return route.rows(rows, ids.shape[0])
+        return route.rows(rows)
 
     @staticmethod
     def backward(ctx, upstream):
@@ -244,7 +267,7 @@ def gather(route, table_var, ids, valid):
     """``[n, dim]`` rows, no update (inference)."""
     with torch.no_grad():
         _, _, rows = _serve(route, table_var.value, ids, valid)
-        return route.rows(rows, ids.shape[0])
+        return route.rows(rows)
 
 
 def all_parts(part, group, axis):

@@ -73,6 +73,8 @@ class KeyCalls:
             # Read-only calls read evicted keys from the store.
             rows = ops.where(use, rows, -2)  # padding is never looked up
             extra = {"stored": row_moves.read_stored(self, keys, rows)}
+        if mapped.exchange_slot is not None:  # key sharding's packing
+            extra = {**(extra or {}), "exchange_slot": mapped.exchange_slot}
         return self._vectors_out(rows, valid, fresh, weights, shape, insert, extra)
 
     def _call_keys(self, inputs, weights):

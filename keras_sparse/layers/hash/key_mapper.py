@@ -36,7 +36,10 @@ class MappedKeys(NamedTuple):
     - ``keys``, ``evicted_keys``, ``evicted_rows``, ``evicted_scores``:
       host (NumPy) results of a training table call: its flat int64 keys,
       and the keys it evicted with the rows they left and their table
-      scores (LRU step or LFU count) then.
+      scores (LRU step or LFU count) then;
+    - ``exchange_slot``: int32 ``[n]``, each position's slot in a
+      key-sharded row exchange (JAX key sharding: the key exchange's
+      packing of each device's distinct keys, reused by the row lookup).
     """
 
     rows: object
@@ -47,6 +50,7 @@ class MappedKeys(NamedTuple):
     evicted_keys: object = None
     evicted_rows: object = None
     evicted_scores: object = None
+    exchange_slot: object = None
 
     @classmethod
     def of_table_call(cls, keys, rows, fresh, undo_record=None):
