@@ -38,6 +38,17 @@ def store_config(spec):
     return row_stores.serialize(spec)
 
 
+#: Backends whose key-sharded hash layers take a store (one per shard).
+KEY_SHARDED_STORES = ("jax", "tensorflow")
+#: Where a hash layer's store works under a distribution (errors say it).
+SUPPORTED = (
+    "A store works with JAX sharding='data' (one host table) and "
+    "sharding='key' (a store per table shard), and with TensorFlow "
+    "sharding='key' under a MirroredStrategy of one process (a store per "
+    "replica's table shard); PyTorch processes take no store."
+)
+
+
 def check_attachable(layer):
     """Raises ValueError (naming the layer) when ``layer`` cannot have a row
     store; run before the layer builds, so a refused build leaves it unbuilt
@@ -52,15 +63,15 @@ def check_attachable(layer):
             f"received table_device={layer.table_device!r}."
         )
     key_sharded = getattr(layer.table, "num_shards", None) is not None
-    if layer.placement is not None or (
-        key_sharded and keras.backend.backend() != "jax"
-    ):
+    backend = keras.backend.backend()
+    # Placements whose owners move their shard's rows (TensorFlow key
+    # sharding) take a store; JAX key sharding moves them in the layer.
+    movers = layer.placement is None or getattr(layer.placement, "moves_rows", False)
+    if not movers or (key_sharded and backend not in KEY_SHARDED_STORES):
         raise ValueError(
-            f"{where} is not available for a layer the "
-            f"{keras.backend.backend()} distribution shards (sharding="
-            f"{layer.sharding!r}): there use no store or one replica. On JAX "
-            "a store works with sharding='data' (one host table) and "
-            "sharding='key' (a store per table shard)."
+            f"{where} is not available for a layer the {backend} "
+            f"distribution shards (sharding={layer.sharding!r}): there use no "
+            f"store or one replica. {SUPPORTED}"
         )
     init = layer.embeddings_initializer
     if has_seed(init) and not per_key(init):
@@ -79,7 +90,7 @@ def check_attachable(layer):
             f"{where} with sharding='key' needs every table shard in this "
             f"process; it holds shards {list(table.local)} of "
             f"{table.num_shards} (a run of several processes). Use no store "
-            "there, or one process."
+            f"there, or one process. {SUPPORTED}"
         )
 
 
