@@ -88,6 +88,10 @@ RESET_ON_OWNERS = _ResetOnOwners()
 class TorchKeyPlacement(TorchShardedPlacement):
     """A key-sharded hash layer's placement across ``devices`` processes."""
 
+    # With a row store each owner moves its shard's rows itself (while
+    # mapping keys): the layer's own moves of global rows are skipped.
+    moves_rows = True
+
     def __init__(self, group, devices, rank, name, num_rows, dim):
         super().__init__("key", group, devices, rank, name, num_rows, dim)
 
@@ -135,6 +139,14 @@ class TorchKeyPlacement(TorchShardedPlacement):
                 self, layer, keys, use, insert, draw if insert else None
             )
         return MappedKeys(rows, fresh, init=RESET_ON_OWNERS if insert else None)
+
+    def read_stored(self, layer, keys, rows):
+        """The stored vectors of a read-only call's keys without a row, read
+        from their owners' stores (`torch_key_mapping.read_stored`)."""
+        from keras_sparse.sharding import torch_key_mapping
+
+        with self._collective("store read"):
+            return torch_key_mapping.read_stored(self, layer, keys, rows)
 
     # -------------------------------------------------------------- lookups
     def lookup(self, state: TableState, batch: LookupBatch):

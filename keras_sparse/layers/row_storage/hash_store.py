@@ -39,13 +39,14 @@ def store_config(spec):
 
 
 #: Backends whose key-sharded hash layers take a store (one per shard).
-KEY_SHARDED_STORES = ("jax", "tensorflow")
+KEY_SHARDED_STORES = ("jax", "tensorflow", "torch")
 #: Where a hash layer's store works under a distribution (errors say it).
 SUPPORTED = (
     "A store works with JAX sharding='data' (one host table) and "
-    "sharding='key' (a store per table shard), and with TensorFlow "
+    "sharding='key' (a store per table shard), with TensorFlow "
     "sharding='key' under a MirroredStrategy of one process (a store per "
-    "replica's table shard); PyTorch processes take no store."
+    "replica's table shard) and with PyTorch sharding='key' across "
+    "torch.distributed processes (a store per process's table shard)."
 )
 
 
@@ -84,8 +85,14 @@ def check_attachable(layer):
         )
     row_tier.check_not_shared(layer, layer.table)
     table = layer.table
-    if key_sharded and len(table.local) < table.num_shards:
-        # A step's moves run in one host callback over the whole batch.
+    if (
+        key_sharded
+        and len(table.local) < table.num_shards
+        and not (backend == "torch" and len(table.local) == 1)
+    ):
+        # JAX moves a step's rows in one host callback over the whole
+        # batch and TensorFlow reads a call's stored keys in this process;
+        # PyTorch owners move and read their own shard's rows.
         raise ValueError(
             f"{where} with sharding='key' needs every table shard in this "
             f"process; it holds shards {list(table.local)} of "
