@@ -25,6 +25,14 @@ first): rows, admission counts, scores and evictions match it key by key.
 Every shard is called in every training step (maybe with no keys), so the
 shards' LRU clocks advance together.
 
+With a row store (``store=``) each shard's table is a cache over a store
+of its own (`keras_sparse.layers.row_tier_shards`): the owner's table call
+records the shard's moves, and before it re-initializes its fresh rows the
+owner carries them out on its part (`_move_owned`: evicted keys written
+back from their rows, rows whose keys the store holds filled from it), so
+a key's vector, slots and score come back when it is seen again. Every
+shard is in this process, so read-only calls read the stores on the host.
+
 Under MultiWorkerMirroredStrategy each worker holds the shards of its own
 replicas (``table.local``) and the all-gathers span the workers; saves and
 `export` gather every worker's records (`gathered_records`, a collective),

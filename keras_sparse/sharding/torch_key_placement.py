@@ -10,6 +10,12 @@ slots (``B = shard_rows``). `TorchKeyPlacement` is the layer's
 `KeyMapper` (`keras_sparse.sharding.torch_key_mapping`). Checkpoints gather
 every process's records (`gathered_records`), so every process saves
 together and a file loads on any process count.
+
+With a row store (``store=``) each process's shard is a cache over a store
+of its own: the owner moves its shard's rows while it maps the keys
+(`torch_key_mapping.reset_on_owner`), read-only calls ask the owners'
+stores for keys without a row (`read_stored`), and checkpoints gather the
+stored rows with the records.
 """
 
 import contextlib

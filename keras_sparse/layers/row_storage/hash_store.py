@@ -38,8 +38,6 @@ def store_config(spec):
     return row_stores.serialize(spec)
 
 
-#: Backends whose key-sharded hash layers take a store (one per shard).
-KEY_SHARDED_STORES = ("jax", "tensorflow", "torch")
 #: Where a hash layer's store works under a distribution (errors say it).
 SUPPORTED = (
     "A store works with JAX sharding='data' (one host table) and "
@@ -65,10 +63,11 @@ def check_attachable(layer):
         )
     key_sharded = getattr(layer.table, "num_shards", None) is not None
     backend = keras.backend.backend()
-    # Placements whose owners move their shard's rows (TensorFlow key
-    # sharding) take a store; JAX key sharding moves them in the layer.
+    # Placements whose owners move their shard's rows (TensorFlow and
+    # PyTorch key sharding) take a store; JAX key sharding has no placement
+    # (its moves run in the layer's step). Other placements take none.
     movers = layer.placement is None or getattr(layer.placement, "moves_rows", False)
-    if not movers or (key_sharded and backend not in KEY_SHARDED_STORES):
+    if not movers:
         raise ValueError(
             f"{where} is not available for a layer the {backend} "
             f"distribution shards (sharding={layer.sharding!r}): there use no "
@@ -94,8 +93,8 @@ def check_attachable(layer):
         # batch and TensorFlow reads a call's stored keys in this process;
         # PyTorch owners move and read their own shard's rows.
         raise ValueError(
-            f"{where} with sharding='key' needs every table shard in this "
-            f"process; it holds shards {list(table.local)} of "
+            f"{where} with sharding='key' on {backend} needs every table "
+            f"shard in this process; it holds shards {list(table.local)} of "
             f"{table.num_shards} (a run of several processes). Use no store "
             f"there, or one process. {SUPPORTED}"
         )
