@@ -139,6 +139,8 @@ def _run_rank(rank, port, out):
             for s in ("evictions", "fills", "write_backs", "overflows")
         }
         result.update(_records(model))
+        for name in LAYERS:  # this process's keys: its table's and store's
+            result[f"export/{name}"] = np.sort(model.get_layer(name).export()["keys"])
         result["pred"] = _predict(model, rank, WORLD)
         path = os.path.join(out, "sharded.keras")
         model.save(path)  # every process: the records are gathered
@@ -222,6 +224,18 @@ def test_training_equals_one_process_holding_every_key(runs):
     ranks, want, _, _ = runs
     for result in ranks:
         _assert_records(result, want)
+
+
+def test_each_process_exports_its_shards_table_and_store_keys(runs):
+    from keras_sparse.table import owner_of
+
+    ranks, want, _, _ = runs
+    for name in LAYERS:
+        keys = [r[f"export/{name}"] for r in ranks]
+        for rank, mine in enumerate(keys):
+            assert (owner_of(mine, WORLD) == rank).all()
+        got = np.sort(np.concatenate(keys))
+        np.testing.assert_array_equal(got, want[f"{name}/record_keys"])
 
 
 def test_predictions_read_evicted_keys_from_their_owners_stores(runs):
