@@ -196,4 +196,4 @@ def test_cached_dense_tables_are_refused_under_the_strategy():
         message = results[key]
         assert name in message and "`cache_rows`" in message, message
         assert "MirroredStrategy over 2 replicas" in message, message
-        assert "TensorFlow sharding='key'" in message, message
+        assert "sharding='key' on every backend" in message, message

@@ -107,8 +107,8 @@ ONE_DEVICE_ONLY = (
     "A table with `cache_rows` trains on one JAX or TensorFlow device, or "
     "in PyTorch processes that train independent tables (no DDP, "
     "ALLOW_LOCAL_UPDATES); under sharding, use a DistributedHashEmbedding "
-    "with `store=` (JAX sharding='data' or 'key', TensorFlow "
-    "sharding='key') or drop `cache_rows`."
+    "with `store=` (sharding='key' on every backend, also sharding='data' "
+    "on JAX) or drop `cache_rows`."
 )
 
 
