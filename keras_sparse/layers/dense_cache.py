@@ -67,6 +67,7 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
+from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.row_storage import cache_store
 from keras_sparse.layers.row_storage.cache_state import CacheState
 from keras_sparse.layers.row_storage.dense_slots import DenseSlots
@@ -144,6 +145,8 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         flat = ops.reshape(ids, (-1,))
         use = ops.reshape(use, (-1,))
         insert = bool(training) and self.trainable
+        if insert:  # a layer built on one device, trained on several
+            cache_checks.check_one_device(self.owner_name)
         slots, fill = self._map(flat, use, insert)
         if insert:
             row_moves.move_rows(self, slots, fill, self._route())

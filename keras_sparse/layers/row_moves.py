@@ -137,6 +137,11 @@ def read_stored(layer, keys, rows):
     key without a row in the table (``rows`` -1) is held by the layer's
     store, and ``[n, dim]`` its stored vector there (zeros elsewhere). The
     store is only read: inference never moves rows."""
+    # Placements whose keys live on other processes read their owners'
+    # stores themselves (PyTorch key sharding).
+    owners = getattr(getattr(layer, "placement", None), "read_stored", None)
+    if owners is not None:
+        return owners(layer, keys, rows)
     tier = layer.row_tier
     flat = ops.reshape(keys, (-1,))
     dtype = layer.embeddings.dtype

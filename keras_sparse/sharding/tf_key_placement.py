@@ -25,6 +25,14 @@ first): rows, admission counts, scores and evictions match it key by key.
 Every shard is called in every training step (maybe with no keys), so the
 shards' LRU clocks advance together.
 
+With a row store (``store=``) each shard's table is a cache over a store
+of its own (`keras_sparse.layers.row_tier_shards`): the owner's table call
+records the shard's moves, and before it re-initializes its fresh rows the
+owner carries them out on its part (`_move_owned`: evicted keys written
+back from their rows, rows whose keys the store holds filled from it), so
+a key's vector, slots and score come back when it is seen again. Every
+shard is in this process, so read-only calls read the stores on the host.
+
 Under MultiWorkerMirroredStrategy each worker holds the shards of its own
 replicas (``table.local``) and the all-gathers span the workers; saves and
 `export` gather every worker's records (`gathered_records`, a collective),
@@ -46,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_sparse.layers.hash.key_mapper import MappedKeys
+from keras_sparse.layers.hash.key_mapper import UndoCollector
 from keras_sparse.layers.hash.keyed_fresh_rows import has_seed
 from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 from keras_sparse.ops.key_hash import words_of_keys
@@ -53,6 +62,7 @@ from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.ops.tensorflow import workers as tf_workers
 from keras_sparse.ops.tensorflow.lookup import reset_rows
+from keras_sparse.ops.tensorflow.row_writes import write_rows
 from keras_sparse.sharding.gathered_records import merge_records
 from keras_sparse.sharding.tf_placement import TfShardedPlacement
 from keras_sparse.sharding.tf_sharded_lookup import replica_id
@@ -122,6 +132,9 @@ class TfKeyPlacement:
     `TfShardedPlacement`); `map_keys` maps keys on their owners' shards."""
 
     strategy = "key"
+    # With a row store each owner moves its shard's rows itself (in
+    # `_reset_owned`): the layer's own moves of global rows are skipped.
+    moves_rows = True
 
     def __init__(self, devices, distribute, layer_name):
         self.devices = int(devices)
@@ -205,6 +218,9 @@ class TfKeyPlacement:
         state = {"table": self.rows.local(layer.embeddings, context)}
         state.update({n: self.rows.local(v, context) for n, v in layer.slots.items()})
         local = tf.where(fresh, rows - me * int(state["table"].shape[0]), 0)
+        if layer.row_tier is not None:  # rows the shard's store fills
+            filled = _move_owned(layer.row_tier.shard(me), state, local, fresh)
+            fresh = tf.logical_and(fresh, tf.logical_not(filled))
         reset_rows(state, layer.sparse_optimizer, local, fresh, values)
         return tf.group([tf.identity(state["table"][:1])])
 
@@ -259,6 +275,36 @@ def _read_held(layer, keys, use):
     return rows
 
 
+def _move_owned(tier, state, local, fresh):
+    """The shard's row moves on its owner, before the fresh rows are
+    reset: `keras_sparse.layers.row_tier.RowTier.move` of this replica's
+    ``local`` rows (its shard's keys evicted by this step's call are
+    written back from their rows, then rows whose keys the store holds are
+    filled: values and slots). Returns the bool mask of the filled
+    positions (the others are for the caller to initialize)."""
+    names = list(state)
+    before = [tf.gather(state[name], local) for name in names]
+
+    def host(rows, step_fresh, *values):
+        filled, fills = tier.move(rows, step_fresh, dict(zip(names, values)))
+        return (filled,) + tuple(fills[name] for name in names)
+
+    out = tf.numpy_function(
+        host,
+        [local, fresh] + before,
+        [tf.bool] + [b.dtype for b in before],
+        stateful=True,
+        name="key_sharded_row_moves",
+    )
+    filled, fills = out[0], out[1:]
+    filled.set_shape(fresh.shape)
+    rows = tf.boolean_mask(local, filled)
+    for name, value, like in zip(names, fills, before):
+        value.set_shape(like.shape)
+        write_rows(state[name], rows, tf.boolean_mask(value, filled))
+    return filled
+
+
 def _owner_call(layer, me, devices, keys, use, insert):
     """Host half on replica ``me``: one call of its shard with the used
     keys it owns, in global batch order. Returns ``(rows, fresh, owner)``
@@ -271,14 +317,21 @@ def _owner_call(layer, me, devices, keys, use, insert):
     table = layer.table.shard(me)
     rows = np.full(keys.shape, -1, np.int32)
     fresh = np.zeros(keys.shape, bool)
+    tier = None if layer.row_tier is None else layer.row_tier.shard(me)
     try:
         if insert:
-            res, new = table.lookup_or_insert_fresh(keys[at])
+            # With a store, the call's evicted keys go down to it.
+            undo = None if tier is None else UndoCollector()
+            res, new = table.lookup_or_insert_fresh(keys[at], undo=undo)
             got, new = to_host(res.rows), to_host(new).astype(bool)
             # A key at several positions is fresh at its first one only.
             new_at = np.flatnonzero(new)
             _, first = np.unique(got[new_at], return_index=True)
             fresh[at[new_at[first]]] = True
+            if tier is not None:  # the moves the owner's step carries out
+                tier.record(
+                    MappedKeys.of_table_call(keys[at], got, fresh[at], undo.record)
+                )
         else:  # a read (inference, a frozen layer): not counted in stats()
             got = to_host(table.lookup(keys[at], count=False))
     except (ValueError, RuntimeError) as e:  # TableFullError is one

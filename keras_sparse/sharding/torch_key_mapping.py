@@ -29,6 +29,8 @@ n dim``, and ``4 n dim`` gradients in training; see `torch_sharded_lookup`).
 import numpy as np
 import torch
 
+from keras_sparse.layers.hash.key_mapper import MappedKeys
+from keras_sparse.layers.hash.key_mapper import UndoCollector
 from keras_sparse.sharding.torch_sharded_lookup import _counts
 from keras_sparse.sharding.torch_sharded_lookup import _exchange
 from keras_sparse.table.keys import to_host
@@ -64,9 +66,12 @@ def route(full, use, d):
     return uniq[sent], counts[sent], np.bincount(owner, minlength=d), where, first
 
 
-def owner_rows(shard, keys, counts, insert):
+def owner_rows(shard, keys, counts, insert, row_tier=None):
     """Owner half: ``(local rows [m] int64, fresh [m] bool)`` of the received
-    distinct-per-source ``keys`` (source major) and multiplicities."""
+    distinct-per-source ``keys`` (source major) and multiplicities.
+    ``row_tier``: the shard's `keras_sparse.layers.row_tier.RowTier`, which
+    records a training call's row moves (its evicted keys go down to the
+    shard's store)."""
     fresh = np.zeros(len(keys), bool)
     repeated = np.repeat(keys, counts)
     starts = np.cumsum(counts) - counts
@@ -74,20 +79,30 @@ def owner_rows(shard, keys, counts, insert):
         # A read (inference, a frozen layer): not counted in stats().
         rows = to_host(shard.lookup(repeated, count=False))
         return rows[starts].astype(np.int64), fresh
-    res, new = shard.lookup_or_insert_fresh(repeated)
+    undo = None if row_tier is None else UndoCollector()
+    res, new = shard.lookup_or_insert_fresh(repeated, undo=undo)
     rows = to_host(res.rows)[starts].astype(np.int64)
     # A key sent by several processes is fresh once: at its first entry.
     _, once = np.unique(keys, return_index=True)
     fresh[once] = to_host(new)[starts][once]
+    if row_tier is not None:
+        row_tier.record(MappedKeys.of_table_call(keys, rows, fresh, undo.record))
     return rows, fresh
 
 
-def reset_on_owner(layer, part, keys, rows, fresh, draw):
+def reset_on_owner(layer, part, keys, rows, fresh, draw, row_tier=None):
     """Writes the first vectors of the ``fresh`` received keys (drawn per key
     by ``draw=(fn, seed)``) to their local ``rows`` of this process's part,
-    and their slots to initial values."""
+    and their slots to initial values. With the shard's ``row_tier``, its
+    moves come first: the keys this call evicted are written back from
+    their rows, and rows whose keys the store holds are filled from it
+    (values and slots) instead."""
     from keras_sparse.ops.torch import lookup as torch_lookup
 
+    state = {"table": part}
+    state.update({name: var.value for name, var in layer.slots.items()})
+    if row_tier is not None:
+        fresh = fresh & ~_move_on_owner(row_tier, state, rows, fresh)
     if draw is None or not fresh.any():
         return
     at = np.flatnonzero(fresh)
@@ -95,10 +110,26 @@ def reset_on_owner(layer, part, keys, rows, fresh, draw):
     words = torch.as_tensor(key_words(keys[at]), device=device)
     mask = torch.ones(len(at), dtype=torch.bool, device=device)
     values = draw[0](mask, words, draw[1])
-    state = {"table": part}
-    state.update({name: var.value for name, var in layer.slots.items()})
     ids = torch.as_tensor(rows[at], device=device)
     torch_lookup.reset_rows(state, layer.sparse_optimizer, ids, mask, values)
+
+
+def _move_on_owner(tier, state, rows, fresh):
+    """`RowTier.move` of the owner's local ``rows``: writes the filled
+    rows' values and slots into ``state``; returns the filled mask."""
+    safe = torch.as_tensor(np.where(fresh, rows, 0))
+    with torch.no_grad():
+        before = {
+            name: value[safe.to(value.device)].cpu().numpy()
+            for name, value in state.items()
+        }
+        filled, fills = tier.move(rows, fresh, before)
+        if filled.any():
+            at = np.flatnonzero(filled)
+            for name, value in state.items():
+                ids = torch.as_tensor(rows[at], device=value.device)
+                value[ids] = torch.as_tensor(fills[name][at], device=value.device)
+    return filled
 
 
 def _link_device(group):
@@ -130,11 +161,14 @@ def map_keys(placement, layer, keys, use, insert, draw):
     got = _exchange(pairs, send, recv, group).cpu().numpy()
     got_keys, got_counts = got[:, 0].copy(), got[:, 1].copy()
     table = layer.table
+    tier = None if layer.row_tier is None else layer.row_tier.shard(me)
     with table._lock, table.on_device(me):
-        local, fresh = owner_rows(table.shard(me), got_keys, got_counts, insert)
+        local, fresh = owner_rows(
+            table.shard(me), got_keys, got_counts, insert, tier if insert else None
+        )
         if insert:
             part = layer.embeddings.value
-            reset_on_owner(layer, part, got_keys, local, fresh, draw)
+            reset_on_owner(layer, part, got_keys, local, fresh, draw, tier)
     shard_rows = table.shard_rows
     code = np.where(local >= 0, (local + me * shard_rows + 1) * 2 + fresh, 0)
     back = _exchange(torch.as_tensor(code).to(link), recv, send, group)
@@ -150,3 +184,39 @@ def map_keys(placement, layer, keys, use, insert, draw):
         torch.as_tensor(rows.astype(np.int32), device=device),
         torch.as_tensor(fresh_at, device=device),
     )
+
+
+def read_stored(placement, layer, keys, rows):
+    """``(found bool [n], values [n, dim])`` torch tensors of a read-only
+    call: where a key without a row (``rows`` -1) is held by its owner's
+    store, and its stored vector. Each distinct such key goes to its owner,
+    which reads its shard's store and sends the vector back; every process
+    of ``placement.group`` must call it together."""
+    from keras_sparse.layers.hash.host_keys import host_array
+    from keras_sparse.layers.hash.host_keys import host_keys
+
+    group, d, me = placement.group, placement.devices, placement.rank
+    full = host_keys(keys)
+    step_rows = host_array(rows).reshape(-1)
+    sent, _, per_owner, where, _ = route(full, step_rows == -1, d)
+    link = _link_device(group)
+    send = per_owner.tolist()
+    recv = _counts(send, group, link)
+    got = _exchange(torch.as_tensor(sent).to(link), send, recv, group)
+    got = got.cpu().numpy()
+    dtype = np.dtype(str(layer.embeddings.dtype).split(".")[-1])
+    hit, values = layer.row_tier.shard(me).read_missing(
+        got, np.full(got.shape[0], -1), dtype
+    )
+    answer = np.concatenate([hit[:, None].astype(dtype), values], axis=1)
+    back = _exchange(torch.as_tensor(answer).to(link), recv, send, group)
+    back = back.cpu().numpy()
+    n = full.shape[0]
+    found = np.zeros(n, bool)
+    out = np.zeros((n, layer.output_dim), dtype)
+    used = where >= 0
+    found[used] = back[where[used], 0] > 0
+    out[used] = back[where[used], 1:]
+    device = getattr(keys, "device", None)
+    device = device if isinstance(device, torch.device) else torch.device("cpu")
+    return torch.as_tensor(found, device=device), torch.as_tensor(out, device=device)

@@ -10,6 +10,12 @@ slots (``B = shard_rows``). `TorchKeyPlacement` is the layer's
 `KeyMapper` (`keras_sparse.sharding.torch_key_mapping`). Checkpoints gather
 every process's records (`gathered_records`), so every process saves
 together and a file loads on any process count.
+
+With a row store (``store=``) each process's shard is a cache over a store
+of its own: the owner moves its shard's rows while it maps the keys
+(`torch_key_mapping.reset_on_owner`), read-only calls ask the owners'
+stores for keys without a row (`read_stored`), and checkpoints gather the
+stored rows with the records.
 """
 
 import contextlib
@@ -88,6 +94,10 @@ RESET_ON_OWNERS = _ResetOnOwners()
 class TorchKeyPlacement(TorchShardedPlacement):
     """A key-sharded hash layer's placement across ``devices`` processes."""
 
+    # With a row store each owner moves its shard's rows itself (while
+    # mapping keys): the layer's own moves of global rows are skipped.
+    moves_rows = True
+
     def __init__(self, group, devices, rank, name, num_rows, dim):
         super().__init__("key", group, devices, rank, name, num_rows, dim)
 
@@ -135,6 +145,14 @@ class TorchKeyPlacement(TorchShardedPlacement):
                 self, layer, keys, use, insert, draw if insert else None
             )
         return MappedKeys(rows, fresh, init=RESET_ON_OWNERS if insert else None)
+
+    def read_stored(self, layer, keys, rows):
+        """The stored vectors of a read-only call's keys without a row, read
+        from their owners' stores (`torch_key_mapping.read_stored`)."""
+        from keras_sparse.sharding import torch_key_mapping
+
+        with self._collective("store read"):
+            return torch_key_mapping.read_stored(self, layer, keys, rows)
 
     # -------------------------------------------------------------- lookups
     def lookup(self, state: TableState, batch: LookupBatch):

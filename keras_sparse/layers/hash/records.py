@@ -424,8 +424,10 @@ class HashRecords:
         trained = self._trained_table()
         tier = getattr(self, "row_tier", None)
         # A model save writes the store's rows to its asset files, chunked
-        # (`save_assets`); elsewhere they go with the records, in memory.
-        in_assets = tier is not None and store_assets.expected()
+        # (`save_assets`); elsewhere, and where each process holds its own
+        # shards' stores (gathered with the records), they go with the
+        # records, in memory.
+        in_assets = tier is not None and store_assets.expected() and not self._partial()
         with tracker(n, title, _SAVE_STAGES) as progress:
             records = self._records_out(True, progress, trained, not in_assets)
             table_keys = records["keys"]
@@ -448,11 +450,17 @@ class HashRecords:
         if in_assets:
             store[_IN_ASSETS] = np.int64(tier.stored_size(table_keys))
 
+    def _partial(self):
+        """Whether this process holds only some of the table's shards (its
+        checkpoints gather the other processes' records)."""
+        local = getattr(self.table, "local", None)
+        return local is not None and len(local) < self.table.num_shards
+
     def save_assets(self, dir_path):
         """Writes the row store's rows (if any) into the asset folder
         ``dir_path``, chunk by chunk (`keras_sparse.layers.store_assets`)."""
         tier = getattr(self, "row_tier", None)
-        if tier is None or not store_assets.expected():
+        if tier is None or not store_assets.expected() or self._partial():
             return
         store = tier.store
         # Keys with a row are in the weights; their stored copies are stale.

@@ -75,7 +75,11 @@ class RowOutput:
                 self.seed_generator,
                 fans=(self.num_rows, self.output_dim),
             )
-        if self.row_tier is not None:  # rows the store fills are not drawn
+        # Rows the store fills are not drawn. Key-sharded placements whose
+        # owners move their shards' rows in the mapping have done so.
+        if self.row_tier is not None and not getattr(
+            self.placement, "moves_rows", False
+        ):
             filled = row_moves.move_rows(self, rows, fresh, self._moves_route())
             fresh = ops.logical_and(fresh, ops.logical_not(filled))
         return self.lookup_rows(rows, valid, True, reset=(fresh, init), **prepared)

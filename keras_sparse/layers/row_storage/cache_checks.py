@@ -100,13 +100,59 @@ def check_initializer(where, initializer):
     )
 
 
+#: What a table with ``cache_rows`` supports under distributions (errors
+#: say it; `keras_sparse.layers.row_storage.hash_store` lists the hash
+#: layers' combinations).
+ONE_DEVICE_ONLY = (
+    "A table with `cache_rows` trains on one JAX or TensorFlow device, or "
+    "in PyTorch processes that train independent tables (no DDP, "
+    "ALLOW_LOCAL_UPDATES); under sharding, use a DistributedHashEmbedding "
+    "with `store=` (sharding='key' on every backend, also sharding='data' "
+    "on JAX) or drop `cache_rows`."
+)
+
+
 def check_one_device(name):
-    """Refuses a Keras distribution over several devices (JAX)."""
+    """Refuses several devices: a Keras distribution (JAX), a tf.distribute
+    strategy of several replicas (their mirrored copies of the cache would
+    each move rows on their own), torch.distributed processes that update
+    their tables together (each process's cache maps ids to its own rows,
+    so the gathered updates would land on the wrong rows)."""
+    where = _several_devices()
+    if where is not None:
+        raise ValueError(
+            f"Layer '{name}': `cache_rows` is not available under {where} yet "
+            f"(`sharding`): build and train the layer on one device. "
+            f"{ONE_DEVICE_ONLY}"
+        )
+
+
+def _several_devices():
+    """Where the layer would run on several devices (words for errors), or
+    None on one."""
     dist = keras.distribution.distribution()
     devices = getattr(getattr(dist, "device_mesh", None), "devices", None)
     if devices is not None and np.size(devices) > 1:
-        raise ValueError(
-            f"Layer '{name}': `cache_rows` is not available under a "
-            f"distribution over {np.size(devices)} devices yet (`sharding`): "
-            "build and train the layer on one device."
-        )
+        return f"a distribution over {np.size(devices)} devices"
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy():
+            strategy = tf.distribute.get_strategy()
+            if strategy.num_replicas_in_sync > 1:
+                return (
+                    f"{type(strategy).__name__} over "
+                    f"{strategy.num_replicas_in_sync} replicas"
+                )
+    elif backend == "torch":
+        import torch.distributed as torch_dist
+
+        from keras_sparse.ops.torch import distributed as torch_distributed
+
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            world = torch_dist.get_world_size()
+            local = torch_distributed.ALLOW_LOCAL_UPDATES
+            if world > 1 and (not local or torch_distributed.active_ddp()):
+                return f"torch.distributed with {world} processes"
+    return None

@@ -38,6 +38,16 @@ def store_config(spec):
     return row_stores.serialize(spec)
 
 
+#: Where a hash layer's store works under a distribution (errors say it).
+SUPPORTED = (
+    "A store works with JAX sharding='data' (one host table) and "
+    "sharding='key' (a store per table shard), with TensorFlow "
+    "sharding='key' under a MirroredStrategy of one process (a store per "
+    "replica's table shard) and with PyTorch sharding='key' across "
+    "torch.distributed processes (a store per process's table shard)."
+)
+
+
 def check_attachable(layer):
     """Raises ValueError (naming the layer) when ``layer`` cannot have a row
     store; run before the layer builds, so a refused build leaves it unbuilt
@@ -52,15 +62,16 @@ def check_attachable(layer):
             f"received table_device={layer.table_device!r}."
         )
     key_sharded = getattr(layer.table, "num_shards", None) is not None
-    if layer.placement is not None or (
-        key_sharded and keras.backend.backend() != "jax"
-    ):
+    backend = keras.backend.backend()
+    # Placements whose owners move their shard's rows (TensorFlow and
+    # PyTorch key sharding) take a store; JAX key sharding has no placement
+    # (its moves run in the layer's step). Other placements take none.
+    movers = layer.placement is None or getattr(layer.placement, "moves_rows", False)
+    if not movers:
         raise ValueError(
-            f"{where} is not available for a layer the "
-            f"{keras.backend.backend()} distribution shards (sharding="
-            f"{layer.sharding!r}): there use no store or one replica. On JAX "
-            "a store works with sharding='data' (one host table) and "
-            "sharding='key' (a store per table shard)."
+            f"{where} is not available for a layer the {backend} "
+            f"distribution shards (sharding={layer.sharding!r}): there use no "
+            f"store or one replica. {SUPPORTED}"
         )
     init = layer.embeddings_initializer
     if has_seed(init) and not per_key(init):
@@ -73,13 +84,19 @@ def check_attachable(layer):
         )
     row_tier.check_not_shared(layer, layer.table)
     table = layer.table
-    if key_sharded and len(table.local) < table.num_shards:
-        # A step's moves run in one host callback over the whole batch.
+    if (
+        key_sharded
+        and len(table.local) < table.num_shards
+        and not (backend == "torch" and len(table.local) == 1)
+    ):
+        # JAX moves a step's rows in one host callback over the whole
+        # batch and TensorFlow reads a call's stored keys in this process;
+        # PyTorch owners move and read their own shard's rows.
         raise ValueError(
-            f"{where} with sharding='key' needs every table shard in this "
-            f"process; it holds shards {list(table.local)} of "
+            f"{where} with sharding='key' on {backend} needs every table "
+            f"shard in this process; it holds shards {list(table.local)} of "
             f"{table.num_shards} (a run of several processes). Use no store "
-            "there, or one process."
+            f"there, or one process. {SUPPORTED}"
         )
 
 
