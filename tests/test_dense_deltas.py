@@ -29,10 +29,10 @@ def _assert_same(got, want):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def _dense(name="user", **kwargs):
+def _dense(name="user", rows=VOCAB, **kwargs):
     args = dict(combiner="sum", optimizer="adagrad", track_changes=True, name=name)
     args.update(kwargs)
-    return ks.AllToAllDenseEmbedding(VOCAB, DIM, **args)
+    return ks.AllToAllDenseEmbedding(rows, DIM, **args)
 
 
 def _model(layer):
@@ -187,3 +187,30 @@ def test_collection_deltas_per_table_with_a_row_store(tmp_path):
     delta = coll.export(since_step=10, tables=["item", "user"])
     assert delta["item"]["keys"].tolist() == [2, 9]
     assert len(delta["user"]["keys"]) == 0 and sorted(delta) == ["item", "user"]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX sharding")
+def test_row_sharded_table_on_eight_devices():
+    """A row-sharded table (61 rows, padded to 64 over 8 devices): each
+    delta holds the ids its steps looked up, unpadded, and the chain
+    rebuilds the table."""
+    from keras_sparse import sharding
+
+    ids, y = _data(7, seed=3)
+    ids %= 61
+    layer = _dense(rows=61, sharding="row")
+    keras.distribution.set_distribution(sharding.distribution([layer], devices=8))
+    try:
+        model = _model(layer)
+        assert layer.embeddings.shape == (64, DIM)
+        _fit(model, ids, y, 0, 4)
+        chain = [layer.export(since_step=-1)]
+        _fit(model, ids, y, 4, 7)
+        chain.append(layer.export(since_step=4))
+        full = layer.export()
+    finally:
+        keras.distribution.set_distribution(None)
+    assert chain[0]["values"].shape == (61, DIM)
+    seen = set(ids[4 * BATCH : 7 * BATCH].ravel().tolist())
+    assert set(chain[1]["keys"].tolist()) == seen
+    _assert_same(ks.apply_delta(*chain), full)
