@@ -128,6 +128,13 @@ def test_tracking_needs_a_sparse_optimizer():
         ks.EmbeddingCollection(
             {"a": ks.TableConfig(8, 2)}, track_changes=True, name="coll"
         )
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        layer = _dense("mirrored")
+        with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+            with pytest.raises(ValueError, match="'mirrored'.*several tensorflow"):
+                layer.build()
 
 
 def _collection():
@@ -190,27 +197,46 @@ def test_collection_deltas_per_table_with_a_row_store(tmp_path):
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX sharding")
-def test_row_sharded_table_on_eight_devices():
-    """A row-sharded table (61 rows, padded to 64 over 8 devices): each
-    delta holds the ids its steps looked up, unpadded, and the chain
-    rebuilds the table."""
+def test_sharded_tables_on_eight_devices():
+    """A row-sharded layer (61 rows, padded to 64 over 8 devices) and a
+    collection's table-wise and row-sharded tables: each delta holds the
+    ids its steps looked up, unpadded, and each chain rebuilds its table."""
     from keras_sparse import sharding
 
-    ids, y = _data(7, seed=3)
-    ids %= 61
-    layer = _dense(rows=61, sharding="row")
-    keras.distribution.set_distribution(sharding.distribution([layer], devices=8))
+    layer = _dense("solo", rows=61, sharding="row")
+    tables = {
+        "a": ks.TableConfig(40, DIM, combiner="sum", sharding="table"),
+        "b": ks.TableConfig(30, DIM, sharding="table"),
+        "c": ks.TableConfig(61, DIM, combiner="sum", sharding="row"),
+    }
+    coll = ks.EmbeddingCollection(
+        tables, optimizer="adagrad", track_changes=True, name="features"
+    )
+    shapes = {"d": (BAG,), "a": (BAG,), "b": (), "c": (2,)}
+    rng = np.random.default_rng(3)
+    rows = {"d": 61, "a": 40, "b": 30, "c": 61}
+    x = {n: rng.integers(0, rows[n], (7 * BATCH,) + s) for n, s in shapes.items()}
+    x = {n: v.astype("int32") for n, v in x.items()}
+    y = rng.normal(size=(7 * BATCH, 1)).astype("float32")
+    keras.distribution.set_distribution(sharding.distribution([layer, coll], 8))
     try:
-        model = _model(layer)
+        inputs = {n: keras.Input(s, dtype="int32", name=n) for n, s in shapes.items()}
+        out = coll({n: inputs[n] for n in tables})
+        out["d"] = layer(inputs["d"])
+        joined = keras.layers.Concatenate()([out[n] for n in shapes])
+        model = keras.Model(inputs, keras.layers.Dense(1)(joined))
+        model.compile(keras.optimizers.SGD(0.1), "mse")
         assert layer.embeddings.shape == (64, DIM)
-        _fit(model, ids, y, 0, 4)
-        chain = [layer.export(since_step=-1)]
-        _fit(model, ids, y, 4, 7)
-        chain.append(layer.export(since_step=4))
-        full = layer.export()
+        _fit(model, x, y, 0, 4)
+        chain = [dict(coll.export(), d=layer.export())]
+        _fit(model, x, y, 4, 7)
+        chain.append(dict(coll.export(since_step=4), d=layer.export(since_step=4)))
+        full = dict(coll.export(), d=layer.export())
     finally:
         keras.distribution.set_distribution(None)
-    assert chain[0]["values"].shape == (61, DIM)
-    seen = set(ids[4 * BATCH : 7 * BATCH].ravel().tolist())
-    assert set(chain[1]["keys"].tolist()) == seen
-    _assert_same(ks.apply_delta(*chain), full)
+    applied = ks.apply_delta(*chain)
+    for name in shapes:
+        assert chain[0][name]["values"].shape == (rows[name], DIM)
+        seen = set(x[name][4 * BATCH : 7 * BATCH].ravel().tolist())
+        assert set(chain[1][name]["keys"].tolist()) == seen, name
+        _assert_same(applied[name], full[name])
