@@ -128,6 +128,11 @@ def test_tracking_needs_a_sparse_optimizer():
         ks.EmbeddingCollection(
             {"a": ks.TableConfig(8, 2)}, track_changes=True, name="coll"
         )
+    quantized = _dense("frozen")
+    quantized(np.array([[1, 2, 3]]))
+    quantized.quantize("int8")
+    with pytest.raises(ValueError, match="'frozen'.*quantized"):
+        quantized.export(since_step=-1)
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 

@@ -74,6 +74,7 @@ def export(layer, since_step, tables):
         raise dense_deltas.not_tracked(layer.name)
     if not layer.built:
         layer.build()
+    dense_deltas.check_trainable(layer.name, bool(layer._stack_quantized))
     names = list(layer.tables) if tables is None else list(tables)
     unknown = [n for n in names if n not in layer.tables]
     if unknown:

@@ -44,6 +44,16 @@ def not_tracked(layer_name):
     )
 
 
+def check_trainable(layer_name, quantized):
+    """A quantized (frozen) table has no steps to export from."""
+    if quantized:
+        raise ValueError(
+            f"Layer '{layer_name}': `export(since_step=...)` needs the float "
+            "table; this layer is quantized (frozen, its training state "
+            "dropped). Export the deltas before `quantize`."
+        )
+
+
 def delta(name, since_step, step, steps, arrays):
     """The delta of one table: ``arrays`` (``{"values"|slot: [rows, ...]}``
     NumPy) at the rows whose ``steps`` are after ``since_step``."""

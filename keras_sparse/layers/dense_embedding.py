@@ -378,6 +378,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             raise dense_deltas.not_tracked(self.name)
         if not self.built:
             self.build()
+        dense_deltas.check_trainable(self.name, self.quantization_mode)
         step = self._step()
         since = dense_deltas.checked_since(self.name, since_step, step)
         steps = row_changes.host_steps(self._changes())
