@@ -108,6 +108,13 @@ def test_set_weights_and_loads_mark_rows_and_carry_steps(tmp_path):
     fresh_model.load_weights(path)
     for since in (-1, 1, 3):
         _assert_same(fresh.export(since_step=since), layer.export(since_step=since))
+    store = {}
+    layer.save_own_variables(store)
+    store["change_steps"] = store["change_steps"][:5]
+    store["0"] = store["0"] + 1.0  # would show, were anything loaded
+    with pytest.raises(ValueError, match=r"'user'.*change_steps.*\(64,\)"):
+        fresh.load_own_variables(store)
+    _assert_same(fresh.export(), layer.export())  # nothing was loaded
     # Weights without steps, into a layer of other values: every row is
     # marked after the layer's step.
     other = _dense("other")

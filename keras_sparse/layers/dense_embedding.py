@@ -602,6 +602,12 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         saved = None
         if self.track_changes and row_changes.SAVED in set(store.keys()):
             saved = np.asarray(store[row_changes.SAVED], np.int64)
+            if saved.shape != (self.input_dim,):
+                raise ValueError(
+                    f"Layer '{self.name}': the saved `{row_changes.SAVED}` must "
+                    f"hold one step per row, shape ({self.input_dim},); "
+                    f"received {saved.shape}. Nothing was loaded."
+                )
         self._written(lambda: self._load_variables(store), saved)
 
     def _load_variables(self, store):
