@@ -58,18 +58,23 @@ def _fit(model, x, y, lo, hi, **kwargs):
 
 
 @pytest.mark.parametrize("store", [None, "host"], ids=["variables", "row_store"])
-def test_dense_deltas_applied_in_order_reproduce_the_table(store):
+def test_dense_deltas_applied_in_order_reproduce_the_table(store, tmp_path):
     """full(4) + delta(4, 7) + delta(7, 10) == full(10), values and Adagrad
     slots; each delta holds exactly the ids its steps looked up."""
     kwargs = {} if store is None else dict(cache_rows=32, store=store)
     layer = _dense(**kwargs)
     model = _model(layer)
     ids, y = _data(10)
+    folder = os.path.join(tmp_path, "deltas")
+    callback = ks.callbacks.DeltaExport(folder, every_n_steps=3, layers=["user"])
     chain = []
     for lo, hi in ((0, 4), (4, 7), (7, 10)):
-        _fit(model, ids, y, lo, hi)
+        _fit(model, ids, y, lo, hi, callbacks=[callback])
         chain.append(layer.export(since_step=-1 if lo == 0 else lo))
         assert int(chain[-1]["step"]) == hi
+    # Files at steps 0 (full), 3, 4, 7, 10: atomic, chained by the callback.
+    assert len(os.listdir(folder)) == 5
+    _assert_same(ks.callbacks.DeltaExport.read(folder, "user"), layer.export())
     assert len(chain[0]["keys"]) == VOCAB  # every row
     for delta, (lo, hi) in zip(chain[1:], ((4, 7), (7, 10))):
         seen = set(ids[lo * BATCH : hi * BATCH].ravel().tolist())
@@ -86,6 +91,11 @@ def test_dense_deltas_applied_in_order_reproduce_the_table(store):
         ks.apply_delta(chain[0], chain[2])
     with pytest.raises(ValueError, match="dtype"):
         ks.apply_delta(chain[0], dict(chain[1], dtype=np.str_("float16")))
+    with pytest.raises(ValueError, match="layer 'item'.*layer 'user'"):
+        ks.apply_delta(chain[0], dict(chain[1], layer=np.str_("item")))
+    missing = ks.callbacks.DeltaExport(folder, every_n_steps=3, layers=["nope"])
+    with pytest.raises(ValueError, match="'nope'.*tracked: \\['user'\\]"):
+        _fit(model, ids, y, 0, 1, callbacks=[missing])
 
 
 def test_set_weights_and_loads_mark_rows_and_carry_steps(tmp_path):
@@ -177,7 +187,7 @@ def test_collection_deltas_per_table_with_a_row_store(tmp_path):
     rebuild it; `DeltaExport` writes a chain per table in the collection's
     folder, and `set_table` marks the rows it changed."""
     coll, model, x, y = _collection()
-    callback = ks.callbacks.DeltaExport(tmp_path, every_n_steps=3)
+    callback = ks.callbacks.DeltaExport(tmp_path, every_n_steps=3, layers=["features"])
     chain = []
     for lo, hi in ((0, 4), (4, 7), (7, 10)):
         kwargs = {"callbacks": [callback]} if lo == 0 else {}
