@@ -150,6 +150,10 @@ def test_tracking_needs_a_sparse_optimizer():
     quantized.quantize("int8")
     with pytest.raises(ValueError, match="'frozen'.*quantized"):
         quantized.export(since_step=-1)
+    store = {}
+    quantized.save_own_variables(store)  # Keras's quantized entries only
+    assert "change_steps" not in store
+    quantized.set_weights(quantized.get_weights())
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 

@@ -121,8 +121,8 @@ def saved(layer, store):
 def written(layer, write, saved_steps=None):
     """Runs ``write()`` (a load or `set_table`) and marks the rows it
     changed (`row_changes.after_write`), per stack and cached table."""
-    if not layer.track_changes or not layer.built:
-        return write()
+    if not layer.track_changes or not layer.built or layer._stack_quantized:
+        return write()  # untracked, or quantized (frozen: writes refused)
     saved_steps = saved_steps or {}
     before, now = {n: table_arrays(layer, n) for n in layer.tables}, step(layer)
     out = write()

@@ -387,7 +387,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     def _written(self, write, saved_steps=None):
         """Runs ``write()`` (a set or load of the whole table); with
         tracking, marks the rows it changed (`row_changes.after_write`)."""
-        if not self.track_changes:
+        if self._changes() is None or self.quantization_mode:  # none, or frozen
             return write()
         before, step = self._table_arrays(), self._step()
         out = write()
@@ -569,7 +569,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     def save_own_variables(self, store):
         if not self.built:
             return
-        if self.track_changes:
+        if self._changes() is not None and not self._keras_state():
             store[row_changes.SAVED] = row_changes.host_steps(self._changes())
         if self.row_cache is not None:
             from keras_sparse.layers import store_assets
