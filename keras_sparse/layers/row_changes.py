@@ -99,6 +99,12 @@ def check_placement(layer_name):
         import tensorflow as tf
 
         spread = spread or tf.distribute.has_strategy()
+    if backend == "torch":  # processes, before DDP wraps the model
+        import torch.distributed as dist
+
+        spread = spread or (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
     if spread:
         raise ValueError(
             f"Layer '{layer_name}': `track_changes=True` is not available "
