@@ -14,7 +14,8 @@ Public API:
     HashEmbeddingCollection: several DistributedHashEmbedding fields whose
         tables are called together (one table call per training step).
     apply_delta: apply delta exports (``export(since_step=s)`` of a hash
-        layer with ``track_changes=True``) in order to older records.
+        layer, an AllToAllDenseEmbedding or an EmbeddingCollection with
+        ``track_changes=True``) in order to older records.
     callbacks: ``callbacks.DeltaExport``, delta checkpoints written during
         ``fit``.
     HashTable: int64 key -> row map with eviction and admission (GPU or CPU);

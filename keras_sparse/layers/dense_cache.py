@@ -65,6 +65,7 @@ from keras import ops
 
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import inputs as input_forms
+from keras_sparse.layers import row_changes
 from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.row_storage import cache_checks
@@ -99,6 +100,7 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         owner=None,
         regularizer=None,
         constraint=None,
+        track_changes=False,
     ):
         super().__init__(
             int(cache_rows),
@@ -123,6 +125,7 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         self.store_initializer = initializer
         self.slot_map = DenseSlots(label, input_dim, cache_rows)
         self.row_tier = None
+        self.track_changes = bool(track_changes)
         # The layer calling this one (a weak reference: not a sublayer).
         self._owner = None if owner is None else weakref.ref(owner)
 
@@ -130,6 +133,8 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         if self.built:
             return
         self.embeddings = self._build_table()
+        if self.track_changes:  # per id of the whole table, not per slot
+            row_changes.add(self, self.input_dim)
         self.row_tier = cache_store.open_store(self)
         self.built = True
 
@@ -150,6 +155,10 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         slots, fill = self._map(flat, use, insert)
         if insert:
             row_moves.move_rows(self, slots, fill, self._route())
+            changes = row_changes.of(self)
+            if changes is not None:  # the ids this step changes, not slots
+                step = ops.convert_to_tensor(self.sparse_iterations) + 1
+                row_changes.mark(changes, flat, use, step)
             vectors = self.lookup_rows(slots, use, training)
             valid = use
         else:

@@ -5,11 +5,13 @@ import numpy as np
 from keras import ops
 
 from keras_sparse.backend_utils import is_tf_ragged
+from keras_sparse.layers import dense_deltas
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers import quantized_rows
+from keras_sparse.layers import row_changes
 from keras_sparse.layers.arguments import check_known
 from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_storage import cache as cached_rows
@@ -68,6 +70,7 @@ _OWN_ARGUMENTS = (
     "sharding",
     "cache_rows",
     "store",
+    "track_changes",
     *STORAGE_ARGUMENTS,
     "input_length",  # deprecated by Keras, which warns and drops it
 )
@@ -135,6 +138,12 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             slots round stochastically (default) or to nearest.
         slot_dtype: the optimizer slots' storage dtype, as ``table_dtype``
             (None: float32 under the default policy).
+        track_changes: keep each row's step of last change (an int32 per
+            row, written inside each training step at the batch's ids), so
+            that ``export(since_step=s)`` returns the rows changed after
+            step ``s`` (see `keras_sparse.layers.dense_deltas`). Needs a
+            sparse ``optimizer``; not under several TensorFlow replicas or
+            torch processes.
 
     Call arguments:
         inputs: integer ids of any rank, a JAX BCOO or (TensorFlow) a
@@ -172,12 +181,15 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         table_dtype=None,
         stochastic_rounding=True,
         slot_dtype=None,
+        track_changes=False,
         **kwargs,
     ):
         name = kwargs.get("name") or "embedding"
         check_known(name, "AllToAllDenseEmbedding", kwargs, _OWN_ARGUMENTS)
         _check_positive_int(name, "input_dim", input_dim)
         _check_positive_int(name, "output_dim", output_dim)
+        track_changes = row_changes.check_flag(name, track_changes)
+        row_changes.check_sparse(name, track_changes, optimizer)
         store_spec = None
         if cache_rows is not None or store is not None:
             store_spec = cache_checks.check_arguments(
@@ -217,6 +229,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         self.cache_rows = None if cache_rows is None else int(cache_rows)
         self.store = store_spec
         self.row_cache = None
+        self.track_changes = track_changes
         if store_spec is not None:
             cache_checks.check_initializer(
                 f"Layer '{self.name}'", self.embeddings_initializer
@@ -237,6 +250,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
                 name=f"{self.name}_cache",
                 store_name=self.name,
                 owner=self,
+                track_changes=track_changes,
             )
             # Host callbacks: no XLA in TensorFlow graphs, eager torch steps.
             self.supports_jit = keras.backend.backend() == "jax"
@@ -277,6 +291,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     def build(self, input_shape=None):
         if self.built:
             return
+        if self.track_changes:
+            row_changes.check_placement(self.name)
         if self.row_cache is not None:
             cached_rows.build(self.row_cache, input_shape)
             self.built = True
@@ -285,6 +301,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             keras.layers.Embedding.build(self, input_shape)
             return
         self._embeddings = self._build_table()
+        if self.track_changes:
+            row_changes.add(self, self.input_dim)
         self.built = True
         if self.lora_rank:
             # As keras.layers.Embedding.build: the rank alone (so lora_alpha
@@ -326,6 +344,57 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if not self.built:
             self.build()
         self.row_cache.flush_store()
+
+    # ---------------------------------------------------------------- deltas
+    def _changes(self):
+        """The table's `row_changes.ChangeSteps` (None without tracking)."""
+        holder = self if self.row_cache is None else self.row_cache
+        return row_changes.of(holder)
+
+    def _step(self):
+        holder = self if self.row_cache is None else self.row_cache
+        counter = holder.sparse_iterations
+        return int(ops.convert_to_numpy(counter))
+
+    def _table_arrays(self):
+        """``{"values"|slot name: [input_dim, ...]}`` of the whole table."""
+        if self.row_cache is not None:
+            return self.row_cache.full_table()
+        hooks = placement.provider()
+        named = self._named_variables()
+        out = {"values": np.asarray(hooks.unpadded_value(self, named["0"]))}
+        for name, slot in self.slots.items():
+            out[name] = np.asarray(hooks.unpadded_value(self, slot))
+        return out
+
+    def export(self, since_step=-1):
+        """The rows changed after step ``since_step`` (-1: every row) as a
+        delta: ``keys`` (row ids), ``values``, the optimizer slots by name
+        and what describes it (``layer``, ``since_step``, ``step``,
+        ``dtype``); `keras_sparse.apply_delta` applies deltas in order
+        (see `keras_sparse.layers.dense_deltas`). Needs
+        ``track_changes=True``."""
+        if not self.track_changes:
+            raise dense_deltas.not_tracked(self.name)
+        if not self.built:
+            self.build()
+        dense_deltas.check_trainable(self.name, self.quantization_mode)
+        step = self._step()
+        since = dense_deltas.checked_since(self.name, since_step, step)
+        steps = row_changes.host_steps(self._changes())
+        return dense_deltas.delta(self.name, since, step, steps, self._table_arrays())
+
+    def _written(self, write, saved_steps=None):
+        """Runs ``write()`` (a set or load of the whole table); with
+        tracking, marks the rows it changed (`row_changes.after_write`)."""
+        if self._changes() is None or self.quantization_mode:  # none, or frozen
+            return write()
+        before, step = self._table_arrays(), self._step()
+        out = write()
+        after = self._table_arrays()
+        changed = row_changes.changed_rows(list(before.values()), list(after.values()))
+        row_changes.after_write(self._changes(), changed, step, saved_steps)
+        return out
 
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
@@ -401,6 +470,11 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
 
     def _embed(self, inputs, weights, training):
         ids, weights, valid = self._ids(inputs, weights)
+        changes = row_changes.of(self)
+        if changes is not None and training and self.trainable:
+            # The step's number once taken (the counter moves in the lookup).
+            step = ops.convert_to_tensor(self.sparse_iterations) + 1
+            row_changes.mark(changes, ids, valid, step)
         if self.combiner is not None and weights is None:
             sums = self.bag_sums(ids, valid, training)
             if sums is not None:
@@ -468,10 +542,15 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         return [table[f] for f in self._cache_entries().values()] + [iterations]
 
     def set_weights(self, weights):
+        if self.row_cache is not None and not self.built:
+            self.build()
+        if not self.built:
+            return self._set_weights(weights)
+        return self._written(lambda: self._set_weights(weights))
+
+    def _set_weights(self, weights):
         if self.row_cache is None:
             return super().set_weights(weights)
-        if not self.built:
-            self.build()
         fields = list(self._cache_entries().values())
         shapes = [(self.input_dim, int(v.shape[1])) for v in self._cache_vars()]
         weights = list(weights)
@@ -490,6 +569,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
     def save_own_variables(self, store):
         if not self.built:
             return
+        if self._changes() is not None and not self._keras_state():
+            store[row_changes.SAVED] = row_changes.host_steps(self._changes())
         if self.row_cache is not None:
             from keras_sparse.layers import store_assets
 
@@ -518,6 +599,18 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if self._keras_state():
             keras.layers.Embedding.load_own_variables(self, store)
             return
+        saved = None
+        if self.track_changes and row_changes.SAVED in set(store.keys()):
+            saved = np.asarray(store[row_changes.SAVED], np.int64)
+            if saved.shape != (self.input_dim,):
+                raise ValueError(
+                    f"Layer '{self.name}': the saved `{row_changes.SAVED}` must "
+                    f"hold one step per row, shape ({self.input_dim},); "
+                    f"received {saved.shape}. Nothing was loaded."
+                )
+        self._written(lambda: self._load_variables(store), saved)
+
+    def _load_variables(self, store):
         if self.row_cache is not None:
             self._load_cached(store)
             return
@@ -597,6 +690,8 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             config.update(
                 {"cache_rows": self.cache_rows, "store": serialize(self.store)}
             )
+        if self.track_changes:
+            config["track_changes"] = True
         return config
 
 

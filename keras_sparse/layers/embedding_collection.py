@@ -19,12 +19,14 @@ from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse import store as row_stores
 from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import atomic_save
+from keras_sparse.layers import collection_deltas
 from keras_sparse.layers import collection_quantization
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
 from keras_sparse.layers import quantized_rows
+from keras_sparse.layers import row_changes
 from keras_sparse.layers import store_assets
 from keras_sparse.layers.arguments import ArgumentError
 from keras_sparse.layers.arguments import check_fields
@@ -306,6 +308,11 @@ class EmbeddingCollection(keras.layers.Layer):
             model's optimizer; then only the "data" strategy can be used).
         sharding: default strategy of the tables whose own ``sharding`` is
             "auto".
+        track_changes: keep each row's step of last change in every table
+            (an int32 per row, written inside each training step), so that
+            ``export(since_step=s)`` returns each table's rows changed after
+            step ``s`` (see `keras_sparse.layers.collection_deltas`). Needs
+            the sparse ``optimizer``.
 
     Call arguments:
         inputs: ``{name: ids}`` with exactly the collection's table names;
@@ -357,14 +364,18 @@ class EmbeddingCollection(keras.layers.Layer):
     #: A fixed vocabulary per table (see `SparseEmbeddingBase`).
     keras_sparse_kind = "fixed"
 
-    def __init__(self, tables, optimizer=None, sharding="auto", **kwargs):
+    def __init__(
+        self, tables, optimizer=None, sharding="auto", track_changes=False, **kwargs
+    ):
         check_known(
             kwargs.get("name") or "embedding_collection",
             type(self).__name__,
             kwargs,
-            ("tables", "optimizer", "sharding"),
+            ("tables", "optimizer", "sharding", "track_changes"),
         )
         super().__init__(**kwargs)
+        self.track_changes = row_changes.check_flag(self.name, track_changes)
+        row_changes.check_sparse(self.name, self.track_changes, optimizer)
         if not isinstance(tables, dict) or not tables:
             raise ValueError(
                 f"Layer '{self.name}': `tables` must be a non-empty dict of "
@@ -445,6 +456,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 name=f"{self.name}_{name}_cache",
                 store_name=f"{self.name}/{name}",
                 owner=self,
+                track_changes=self.track_changes,
             )
         return caches
 
@@ -535,6 +547,8 @@ class EmbeddingCollection(keras.layers.Layer):
             # One counter (and off JAX one anchor) for every stack: each
             # lookup's backward still runs.
             row_variables.add_step_counter(self)
+        if self.track_changes:
+            collection_deltas.build(self)
         self.built = True
 
     # ---------------------------------------------------------------- call
@@ -593,6 +607,12 @@ class EmbeddingCollection(keras.layers.Layer):
                 config.input_dim,
                 config.combiner,
             )
+        if self.track_changes and training and self.trainable:
+            # Before the counter moves (`sparse_step`): the step's number is
+            # the counter plus one.
+            counter = ops.convert_to_tensor(self.sparse_iterations)
+            for stack in self.stacks:
+                collection_deltas.mark(self, stack, prepared, counter)
         iterations = None if self._stack_quantized else sparse_step(self, training)
         for stack in self.stacks:
             sums = self._bag_sums(stack, prepared, training, iterations)
@@ -785,7 +805,18 @@ class EmbeddingCollection(keras.layers.Layer):
         """Assigns table ``name``'s rows (``[input_dim, output_dim]``)."""
         if name in self.table_caches and not self.built:
             self.build()  # its store is opened at build
-        self._assign_tables({name: {"embeddings": value}})
+        collection_deltas.written(
+            self, lambda: self._assign_tables({name: {"embeddings": value}})
+        )
+
+    def export(self, since_step=-1, tables=None):
+        """``{table: delta}``: each table's rows changed after step
+        ``since_step`` (-1: every row), as
+        `AllToAllDenseEmbedding.export` gives them, each named
+        ``"<collection>/<table>"`` (``tables``: a subset of the names).
+        Needs ``track_changes=True``; `keras_sparse.apply_delta` applies
+        them table by table."""
+        return collection_deltas.export(self, since_step, tables)
 
     def save_own_variables(self, store):
         if self._stack_quantized:
@@ -811,11 +842,17 @@ class EmbeddingCollection(keras.layers.Layer):
                 store[f"{name}:{entry}"] = table[field]
         if self.uses_sparse_update:
             store["sparse_iterations"] = self.sparse_iterations.numpy()
+        if self.track_changes:
+            collection_deltas.save(self, store)
 
     def load_own_variables(self, store):
         if self._stack_quantized:
             collection_quantization.load(self, store)
             return
+        saved = collection_deltas.saved(self, store) if self.track_changes else None
+        collection_deltas.written(self, lambda: self._load_tables(store), saved)
+
+    def _load_tables(self, store):
         in_assets = self._tables_in_assets(store)
         # Every entry the layer needs, or nothing is loaded (as Keras refuses
         # a file with missing variables).
@@ -946,6 +983,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 "sharding": self.sharding,
             }
         )
+        if self.track_changes:
+            config["track_changes"] = True
         return config
 
 
