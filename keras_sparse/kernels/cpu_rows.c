@@ -300,5 +300,48 @@ void ks_rowwise_adagrad_rows_f32(float *table, float *acc, const int64_t *rows,
   }
 }
 
+/* The passes above by rule code, as the JAX call and the TensorFlow ops
+ * name them (keras_sparse.ops.optimizer_rules: 0 SGD, 1 Adagrad, 2 Adam,
+ * 3 row-wise Adagrad, 4 Ftrl), so that the float32 and 16-bit handlers of
+ * both run one list of rules. */
+#define KS_RULES 5
+
+/* Arrays (the table, then its slots) that `rule` updates; -1 if unknown. */
+int ks_rule_arrays(int rule) {
+  static const int arrays[KS_RULES] = {1, 2, 3, 2, 3};
+  return rule >= 0 && rule < KS_RULES ? arrays[rule] : -1;
+}
+
+/* Float scalars that `rule` takes per step; -1 if unknown. */
+int ks_rule_scalars(int rule) {
+  static const int scalars[KS_RULES] = {1, 2, 4, 2, 5};
+  return rule >= 0 && rule < KS_RULES ? scalars[rule] : -1;
+}
+
+/* Runs `rule`'s pass on arrays[0..ks_rule_arrays(rule)) with scalars k. */
+void ks_rule_rows_f32(int rule, float *const *a, const int64_t *rows,
+                      const float *g, int64_t count, int64_t dim,
+                      const float *k) {
+  switch (rule) {
+    case 0:
+      ks_sgd_rows_f32(a[0], rows, g, count, dim, k[0]);
+      break;
+    case 1:
+      ks_adagrad_rows_f32(a[0], a[1], rows, g, count, dim, k[0], k[1]);
+      break;
+    case 2:
+      ks_adam_rows_f32(a[0], a[1], a[2], rows, g, count, dim, k[0], k[1], k[2],
+                       k[3]);
+      break;
+    case 3:
+      ks_rowwise_adagrad_rows_f32(a[0], a[1], rows, g, count, dim, k[0], k[1]);
+      break;
+    case 4:
+      ks_ftrl_rows_f32(a[0], a[1], a[2], rows, g, count, dim, k[0], k[1], k[2],
+                       k[3], k[4]);
+      break;
+  }
+}
+
 /* 16-bit tables: widening and rounding rows around the passes above. */
 #include "cpu_rounding.c"

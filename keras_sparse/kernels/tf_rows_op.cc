@@ -75,6 +75,16 @@ absl::Status DistinctSum(OpKernelContext* ctx, const std::string& op,
   return absl::OkStatus();
 }
 
+// cpu_rows.c's code of a rule attribute (the op's attribute list names
+// the same rules, in the same order).
+int RuleCode(const std::string& rule) {
+  static const char* const names[KS_RULES] = {"sgd", "adagrad", "adam",
+                                              "rowwise_adagrad", "ftrl"};
+  for (int i = 0; i < KS_RULES; ++i)
+    if (rule == names[i]) return i;
+  return -1;
+}
+
 REGISTER_OP("KerasSparseRowUpdate")
     .Input("variables: N * resource")
     .Input("ids: int32")
@@ -96,8 +106,8 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
-    const int wanted =
-        rule_ == "ftrl" ? 3 : rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
+    code_ = RuleCode(rule_);
+    const int wanted = ks_rule_arrays(code_);
     OP_REQUIRES(ctx, n_vars_ == wanted,
                 absl::InvalidArgumentError("KerasSparseRowUpdate: rule " +
                                            rule_ + " takes " +
@@ -120,9 +130,7 @@ class KerasSparseRowUpdateOp : public OpKernel {
             "[n, dim] do not fit: " + ids.shape().DebugString() + ", " +
             valid.shape().DebugString() + ", " + grads.shape().DebugString()));
     const int64_t dim = grads.dim_size(1);
-    const size_t n_scalars =
-        rule_ == "ftrl" ? 5 : rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
-    OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
+    OP_REQUIRES(ctx, scalars.NumElements() == ks_rule_scalars(code_),
                 absl::InvalidArgumentError("KerasSparseRowUpdate: scalars"));
 
     // The number of distinct rows updated: an output, so that callers see
@@ -163,28 +171,15 @@ class KerasSparseRowUpdateOp : public OpKernel {
                                     grads, rows_, dim, &unique, &summed,
                                     &count));
     updated->scalar<int64_t>()() = count;
-    const float* s = scalars.flat<float>().data();
-    const int64_t* rows = unique.flat<int64_t>().data();
-    const float* g = summed.flat<float>().data();
-    if (rule_ == "sgd") {
-      ks_sgd_rows_f32(arrays[0], rows, g, count, dim, s[0]);
-    } else if (rule_ == "adagrad") {
-      ks_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0], s[1]);
-    } else if (rule_ == "ftrl") {
-      ks_ftrl_rows_f32(arrays[0], arrays[1], arrays[2], rows, g, count, dim,
-                       s[0], s[1], s[2], s[3], s[4]);
-    } else if (rule_ == "rowwise_adagrad") {
-      ks_rowwise_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0],
-                                  s[1]);
-    } else {
-      ks_adam_rows_f32(arrays[0], arrays[1], arrays[2], rows, g, count, dim,
-                       s[0], s[1], s[2], s[3]);
-    }
+    ks_rule_rows_f32(code_, arrays.data(), unique.flat<int64_t>().data(),
+                     summed.flat<float>().data(), count, dim,
+                     scalars.flat<float>().data());
   }
 
  private:
   int n_vars_;
   std::string rule_;
+  int code_;
   int64_t first_;
   int64_t rows_;
 };
@@ -206,7 +201,7 @@ REGISTER_OP("KerasSparseRowUpdate16")
     .Input("scalars: float")
     .Input("seeds: int32")
     .Attr("N: int >= 1")
-    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad'}")
+    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad', 'ftrl'}")
     .Attr("first: int >= 0")
     .Attr("rows: int >= 1")
     .Attr("stochastic: bool")
@@ -241,7 +236,8 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("stochastic", &stochastic_));
-    const int wanted = rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
+    code_ = RuleCode(rule_);
+    const int wanted = ks_rule_arrays(code_);
     OP_REQUIRES(ctx, n_vars_ == wanted,
                 absl::InvalidArgumentError("KerasSparseRowUpdate16: rule " +
                                            rule_ + " takes " +
@@ -265,8 +261,7 @@ class KerasSparseRowUpdate16Op : public OpKernel {
             "KerasSparseRowUpdate16: ids [n] (n <= 2**30), valid [n], grads "
             "[n, dim] and seeds [N] do not fit"));
     const int64_t dim = grads.dim_size(1);
-    const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
-    OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
+    OP_REQUIRES(ctx, scalars.NumElements() == ks_rule_scalars(code_),
                 absl::InvalidArgumentError("KerasSparseRowUpdate16: scalars"));
     Tensor* updated = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &updated));
@@ -339,18 +334,8 @@ class KerasSparseRowUpdate16Op : public OpKernel {
       ks_widen_rows(arrays[i], kinds[i], rows, count, widths[i], next);
       next += count * widths[i];
     }
-    const float* s = scalars.flat<float>().data();
-    const float* g = summed.flat<float>().data();
-    if (rule_ == "sgd") {
-      ks_sgd_rows_f32(c[0], o, g, count, dim, s[0]);
-    } else if (rule_ == "adagrad") {
-      ks_adagrad_rows_f32(c[0], c[1], o, g, count, dim, s[0], s[1]);
-    } else if (rule_ == "rowwise_adagrad") {
-      ks_rowwise_adagrad_rows_f32(c[0], c[1], o, g, count, dim, s[0], s[1]);
-    } else {
-      ks_adam_rows_f32(c[0], c[1], c[2], o, g, count, dim, s[0], s[1], s[2],
-                       s[3]);
-    }
+    ks_rule_rows_f32(code_, c.data(), o, summed.flat<float>().data(), count,
+                     dim, scalars.flat<float>().data());
     const int32_t* seed = seeds.flat<int32_t>().data();
     for (int i = 0; i < n_vars_; ++i) {
       ks_narrow_rows(arrays[i], kinds[i], rows, c[i], count, widths[i],
@@ -361,6 +346,7 @@ class KerasSparseRowUpdate16Op : public OpKernel {
  private:
   int n_vars_;
   std::string rule_;
+  int code_;
   int64_t first_;
   int64_t rows_;
   bool stochastic_;

@@ -24,6 +24,7 @@ differently (tests/test_tf_native_rows.py).
 import tensorflow as tf
 
 from keras_sparse.ops import native_build
+from keras_sparse.ops import optimizer_rules
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
 from keras_sparse.ops.row_rounding import array_seed
@@ -121,7 +122,7 @@ def fused_update(
         return library().keras_sparse_row_update(
             *args, rule=rule, first=int(first), rows=int(rows)
         )
-    if rule not in SIXTEEN_BIT_RULES:
+    if rule not in optimizer_rules.SIXTEEN_BIT_RULES:
         return None
     stochastic = bool(stochastic) and iterations is not None
     names = ["table", *slot_names]
@@ -134,8 +135,6 @@ def fused_update(
     )  # fmt: skip
 
 
-#: Rules whose op also serves bfloat16 and float16 tables and slots.
-SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
 _STORAGE = (tf.float32, tf.bfloat16, tf.float16)
 
 
