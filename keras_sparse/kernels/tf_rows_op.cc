@@ -42,12 +42,14 @@ using CPUDevice = Eigen::ThreadPoolDevice;
 // The distinct valid ids of a batch into ``unique`` (their count in
 // ``*count``) and their summed gradient rows into ``summed``
 // (ks_distinct_sum_f32; scratch sized by the batch, whatever the table's
-// rows: see cpu_rows.c). An id outside [0, rows) is an error, returned
-// before any row changes.
+// rows: see cpu_rows.c). Position p takes gradient row p / bag (a bag's
+// pooled gradient, with no copy per position). An id outside [0, rows) is
+// an error, returned before any row changes.
 absl::Status DistinctSum(OpKernelContext* ctx, const std::string& op,
                          const Tensor& ids, const Tensor& valid,
-                         const Tensor& grads, int64_t rows, int64_t dim,
-                         Tensor* unique, Tensor* summed, int64_t* count) {
+                         const Tensor& grads, int64_t bag, int64_t rows,
+                         int64_t dim, Tensor* unique, Tensor* summed,
+                         int64_t* count) {
   const int64_t n = ids.NumElements();
   Tensor scratch, wide_ids;
   TF_RETURN_IF_ERROR(ctx->allocate_temp(
@@ -64,7 +66,7 @@ absl::Status DistinctSum(OpKernelContext* ctx, const std::string& op,
   for (int64_t p = 0; p < n; ++p) wide[p] = narrow[p];
   *count = ks_distinct_sum_f32(
       wide, reinterpret_cast<const uint8_t*>(valid.flat<bool>().data()), n,
-      rows, grads.flat<float>().data(), 1, dim, scratch.flat<int32_t>().data(),
+      rows, grads.flat<float>().data(), bag, dim, scratch.flat<int32_t>().data(),
       unique->flat<int64_t>().data(), summed->flat<float>().data());
   if (*count < 0) {
     return absl::InvalidArgumentError(
@@ -95,6 +97,7 @@ REGISTER_OP("KerasSparseRowUpdate")
     .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad', 'ftrl'}")
     .Attr("first: int >= 0")
     .Attr("rows: int >= 1")
+    .Attr("bag: int >= 1 = 1")
     .Output("updated: int64")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::ScalarShape);
@@ -106,6 +109,7 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag", &bag_));
     code_ = RuleCode(rule_);
     const int wanted = ks_rule_arrays(code_);
     OP_REQUIRES(ctx, n_vars_ == wanted,
@@ -124,10 +128,10 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES(
         ctx,
         ids.dims() == 1 && valid.shape() == ids.shape() && grads.dims() == 2 &&
-            grads.dim_size(0) == n && n <= (int64_t{1} << 30),
+            grads.dim_size(0) * bag_ == n && n <= (int64_t{1} << 30),
         absl::InvalidArgumentError(
             "KerasSparseRowUpdate: ids [n] (n <= 2**30), valid [n] and grads "
-            "[n, dim] do not fit: " + ids.shape().DebugString() + ", " +
+            "[n / bag, dim] do not fit: " + ids.shape().DebugString() + ", " +
             valid.shape().DebugString() + ", " + grads.shape().DebugString()));
     const int64_t dim = grads.dim_size(1);
     OP_REQUIRES(ctx, scalars.NumElements() == ks_rule_scalars(code_),
@@ -168,7 +172,7 @@ class KerasSparseRowUpdateOp : public OpKernel {
     Tensor unique, summed;
     int64_t count = 0;
     OP_REQUIRES_OK(ctx, DistinctSum(ctx, "KerasSparseRowUpdate", ids, valid,
-                                    grads, rows_, dim, &unique, &summed,
+                                    grads, bag_, rows_, dim, &unique, &summed,
                                     &count));
     updated->scalar<int64_t>()() = count;
     ks_rule_rows_f32(code_, arrays.data(), unique.flat<int64_t>().data(),
@@ -182,6 +186,7 @@ class KerasSparseRowUpdateOp : public OpKernel {
   int code_;
   int64_t first_;
   int64_t rows_;
+  int64_t bag_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("KerasSparseRowUpdate").Device(DEVICE_CPU),
@@ -204,6 +209,7 @@ REGISTER_OP("KerasSparseRowUpdate16")
     .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad', 'ftrl'}")
     .Attr("first: int >= 0")
     .Attr("rows: int >= 1")
+    .Attr("bag: int >= 1 = 1")
     .Attr("stochastic: bool")
     .Output("updated: int64")
     .SetIsStateful()
@@ -235,6 +241,7 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag", &bag_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("stochastic", &stochastic_));
     code_ = RuleCode(rule_);
     const int wanted = ks_rule_arrays(code_);
@@ -255,11 +262,11 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     OP_REQUIRES(
         ctx,
         ids.dims() == 1 && valid.shape() == ids.shape() && grads.dims() == 2 &&
-            grads.dim_size(0) == n && n <= (int64_t{1} << 30) &&
+            grads.dim_size(0) * bag_ == n && n <= (int64_t{1} << 30) &&
             seeds.NumElements() == n_vars_,
         absl::InvalidArgumentError(
             "KerasSparseRowUpdate16: ids [n] (n <= 2**30), valid [n], grads "
-            "[n, dim] and seeds [N] do not fit"));
+            "[n / bag, dim] and seeds [N] do not fit"));
     const int64_t dim = grads.dim_size(1);
     OP_REQUIRES(ctx, scalars.NumElements() == ks_rule_scalars(code_),
                 absl::InvalidArgumentError("KerasSparseRowUpdate16: scalars"));
@@ -315,7 +322,7 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     Tensor unique, summed, compact, order;
     int64_t count = 0;
     OP_REQUIRES_OK(ctx, DistinctSum(ctx, "KerasSparseRowUpdate16", ids, valid,
-                                    grads, rows_, dim, &unique, &summed,
+                                    grads, bag_, rows_, dim, &unique, &summed,
                                     &count));
     updated->scalar<int64_t>()() = count;
     int64_t total = 0;
@@ -349,6 +356,7 @@ class KerasSparseRowUpdate16Op : public OpKernel {
   int code_;
   int64_t first_;
   int64_t rows_;
+  int64_t bag_;
   bool stochastic_;
 };
 

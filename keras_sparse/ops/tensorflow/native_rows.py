@@ -86,13 +86,15 @@ def status():
 
 def fused_update(
     state, optimizer, ids, valid, grads, iterations, first, rows, constraint,
-    stochastic=True,
+    stochastic=True, bag=1,
 ):  # fmt: skip
     """The update of rows ``[first, first + rows)`` of ``state``
     (``{"table": tf.Variable, slot: tf.Variable}``) from ``ids`` (int32,
-    relative to ``first``), ``valid`` and per-position ``grads``, as one
-    op. Returns its output, the number of rows updated (eagerly: after
-    the update); or None, having run nothing, where the optimizer, the
+    relative to ``first``), ``valid`` and ``grads``, as one op: position
+    ``p`` takes gradient row ``p // bag`` (``bag=1``: per-position
+    gradients; a bag's size: the bags' pooled gradients, ``[n / bag,
+    dim]``). Returns its output, the number of rows updated (eagerly:
+    after the update); or None, having run nothing, where the optimizer, the
     constraint, the dtypes or the build do not suit it, and the caller
     runs the graph route. An id outside ``[0, rows)`` raises, changing
     no row. bfloat16 and float16 variables take the 16-bit op, which
@@ -120,7 +122,7 @@ def fused_update(
     )  # fmt: skip
     if all(v.dtype == tf.float32 for v in variables):
         return library().keras_sparse_row_update(
-            *args, rule=rule, first=int(first), rows=int(rows)
+            *args, rule=rule, first=int(first), rows=int(rows), bag=int(bag)
         )
     if rule not in optimizer_rules.SIXTEEN_BIT_RULES:
         return None
@@ -130,7 +132,7 @@ def fused_update(
         [array_seed(iterations if stochastic else 0, name) for name in names]
     )
     return library().keras_sparse_row_update16(
-        *args, seeds, rule=rule, first=int(first), rows=int(rows),
+        *args, seeds, rule=rule, first=int(first), rows=int(rows), bag=int(bag),
         stochastic=stochastic,
     )  # fmt: skip
 
