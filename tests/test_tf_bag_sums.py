@@ -47,6 +47,29 @@ def test_the_op_reads_a_bags_gradient_at_each_of_its_positions(name, table_dtype
         )  # fmt: skip
 
 
+def test_gathered_sums_add_as_tensorflows_reduce_sum():
+    """The fused gather-and-sum equals tf.reduce_sum of the gathered bags to
+    the bit (signs of zeros too) for every bag it serves, on the installed
+    TensorFlow; padded positions add nothing; bad ids raise."""
+    tf, tf_native_rows = models.tf_op()
+    rng = np.random.default_rng(0)
+    for dim in (1, 3, 16):
+        scale = np.exp(rng.normal(size=(50, 1)) * 5)
+        table = tf.Variable((rng.normal(size=(50, dim)) * scale).astype("f4"))
+        for bag in range(1, tf_native_rows.GATHER_SUMS_MAX_BAG + 1):
+            ids = rng.integers(0, 50, 23 * bag).astype("i4")
+            valid = rng.random(23 * bag) > 0.2
+            got = tf_native_rows.gather_sums(table, ids, valid, bag).numpy()
+            rows = tf.where(valid[:, None], tf.gather(table, ids), 0.0)
+            want = tf.reduce_sum(tf.reshape(rows, [-1, bag, dim]), 1).numpy()
+            np.testing.assert_array_equal(got, want)
+            assert np.array_equal(np.signbit(got), np.signbit(want))
+    big = tf_native_rows.GATHER_SUMS_MAX_BAG + 1
+    assert tf_native_rows.gather_sums(table, ids[:big], valid[:big], big) is None
+    with pytest.raises(tf.errors.InvalidArgumentError, match="id 50 at position 1"):
+        tf_native_rows.gather_sums(table, [3, 50], [True, True], 2)
+
+
 def _train(form, bags):
     """Trains a small model (sum, mean, masked, constrained and 16-bit-slot
     tables; 3 ids per bag) for 6 steps in a compiled step; its weights."""

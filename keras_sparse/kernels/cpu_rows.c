@@ -159,6 +159,29 @@ void ks_gather_rows_f32(const float *table, const int32_t *ids,
   }
 }
 
+/* dst[b][:] = the sum of table[ids[p]][:] over the valid positions p of
+ * bag b (positions b * bag .. b * bag + bag - 1), for lo <= b < hi (ids
+ * checked by ks_first_outside): 0 plus the rows in position order, which
+ * is how TensorFlow's reduce_sum adds a small bag (a skipped position adds
+ * nothing: a sum that starts at +0 is never -0, so adding +0 changes no
+ * bit). Rows ahead are prefetched as in ks_gather_rows_f32. */
+void ks_gather_sums_f32(const float *table, const int32_t *ids,
+                        const uint8_t *valid, int64_t bag, int64_t lo,
+                        int64_t hi, int64_t dim, float *dst) {
+  const int64_t end = hi * bag;
+  for (int64_t b = lo; b < hi; ++b) {
+    float *out = dst + b * dim;
+    for (int64_t j = 0; j < dim; ++j) out[j] = 0.0f;
+    for (int64_t p = b * bag; p < (b + 1) * bag; ++p) {
+      if (p + KS_AHEAD < end && valid[p + KS_AHEAD])
+        __builtin_prefetch(table + (int64_t)ids[p + KS_AHEAD] * dim, 0);
+      if (!valid[p]) continue;
+      const float *row = table + (int64_t)ids[p] * dim;
+      for (int64_t j = 0; j < dim; ++j) out[j] += row[j];
+    }
+  }
+}
+
 /* The optimizer updates below change rows[i] of the table and its slots in
  * place from grads[i] (summed gradients, one row per distinct row), for
  * i < count, rows distinct and in range. Each is the arithmetic of the

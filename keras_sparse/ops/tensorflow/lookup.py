@@ -270,10 +270,13 @@ def bag_sums_with_sparse_update(
     def sums_with_update(anchor):
         parts = []
         for ids, valid, bag in flat:
-            rows = tf_native_rows.gather_rows(table, ids, valid)
-            if rows is None:
-                rows = gather_valid(table, ids, valid)
-            parts.append(tf.reduce_sum(tf.reshape(rows, [-1, bag, dim]), axis=1))
+            sums = tf_native_rows.gather_sums(table, ids, valid, bag)
+            if sums is None:
+                rows = tf_native_rows.gather_rows(table, ids, valid)
+                if rows is None:
+                    rows = gather_valid(table, ids, valid)
+                sums = tf.reduce_sum(tf.reshape(rows, [-1, bag, dim]), axis=1)
+            parts.append(sums)
         out = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
 
         def grad(upstream):

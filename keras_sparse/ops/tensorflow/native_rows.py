@@ -154,3 +154,28 @@ def gather_rows(table, ids, valid):
         table.handle, tf.cast(ids, tf.int32), tf.cast(valid, tf.bool),
         dim=int(table.shape[1]),
     )  # fmt: skip
+
+
+#: Bags up to this size are summed by `gather_sums` in position order,
+#: which is the order in which TensorFlow's reduce_sum adds so few rows
+#: (tests/test_tf_bag_sums.py checks it against the installed TensorFlow);
+#: larger bags it may add in another order.
+GATHER_SUMS_MAX_BAG = 7
+
+
+def gather_sums(table, ids, valid, bag):
+    """``[n / bag, dim]``: each bag's valid rows of ``table`` summed (the
+    bags ``bag`` consecutive positions of ``ids``), as one prefetching op,
+    equal to ``tf.reduce_sum`` of `gather_rows`' bags to the bit; or None
+    where the switch, the bag, the dtype, the device or the build do not
+    suit it. An id outside the table raises ``InvalidArgumentError``."""
+    if not PREFETCH_GATHER or not 1 <= bag <= GATHER_SUMS_MAX_BAG:
+        return None
+    if table.dtype != tf.float32 or len(table.shape) != 2:
+        return None
+    if not _usable_variable(table) or library() is None:
+        return None
+    return library().keras_sparse_gather_sums(
+        table.handle, tf.cast(ids, tf.int32), tf.cast(valid, tf.bool),
+        dim=int(table.shape[1]), bag=int(bag),
+    )  # fmt: skip
