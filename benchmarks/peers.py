@@ -386,7 +386,9 @@ def parent(args):
                     print(
                         f"  round {k + 1} {variant} rows={sizes}: median "
                         + ", ".join(f"{s['median_ms']:.1f}" for s in per_size)
-                        + f" ms/step, peak RSS {out['peak_rss_mib']:.0f} MiB, "
+                        + " ms/step (CPU "
+                        + ", ".join(f"{s.get('cpu_ms', 0):.1f}" for s in per_size)
+                        + f"), peak RSS {out['peak_rss_mib']:.0f} MiB, "
                         "warm-up " + ", ".join(f"{s['warm_s']:.1f}" for s in per_size)
                         + " s",
                         flush=True,

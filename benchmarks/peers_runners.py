@@ -273,17 +273,23 @@ def child(args):
         warm_s.append(time.perf_counter() - t0)
         runs.append(run)
     gaps = [[] for _ in runs]
+    cpu_s = [0.0 for _ in runs]  # process CPU time (all threads) of the steps
     epochs = args.epochs if len(runs) > 1 else 1
     per = args.steps // epochs
     for e in range(epochs):
         lo = args.warmup + e * (per + 1)  # per + 1 batch ends: per gaps
         order = range(len(runs)) if e % 2 == 0 else reversed(range(len(runs)))
         for i in order:
+            c0 = time.process_time()
             gaps[i] += runs[i](lo, lo + per + 1)
+            cpu_s[i] += time.process_time() - c0
     sizes = {}
-    for rows, g, w in zip(args.rows, gaps, warm_s):
+    for rows, g, w, c in zip(args.rows, gaps, warm_s, cpu_s):
         ms = [1e3 * x for x in g]
-        sizes[rows] = dict(ms=ms, median_ms=statistics.median(ms), warm_s=w)
+        # CPU time per step: less disturbed by other processes than wall time.
+        cpu_ms = 1e3 * c / (epochs * (per + 1))
+        sizes[rows] = dict(ms=ms, median_ms=statistics.median(ms), warm_s=w,
+                           cpu_ms=cpu_ms)  # fmt: skip
     result = dict(
         variant=args.variant, sizes=sizes, peak_rss_mib=peak_rss_mib(),
         versions=versions,

@@ -282,8 +282,8 @@ def record_use(monkeypatch, module, name):
     real = getattr(module, name)
     used = []
 
-    def wrapper(*args):
-        result = real(*args)
+    def wrapper(*args, **kwargs):
+        result = real(*args, **kwargs)
         used.append(result is not None and result is not False)
         return result
 

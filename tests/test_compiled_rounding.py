@@ -9,6 +9,7 @@ import pytest
 from keras import ops
 
 from keras_sparse.ops import native_rows
+from keras_sparse.ops import optimizer_rules
 from keras_sparse.ops import row_rounding
 from tests import optimizer_models as models
 from tests import rounding_models
@@ -59,9 +60,12 @@ def test_written_bits_equal_the_python_rounding(dtype):
 DTYPES = [("bfloat16", "float32"), ("float32", "float16"), ("float16", "bfloat16")]
 
 
-def _compiled_update(opt, state, ids, valid, grads, step, first, rows, stochastic):
+def _compiled_update(
+    opt, state, ids, valid, grads, step, first, rows, stochastic, expect_ran=True
+):
     """The backend's compiled update of ``state`` (NumPy arrays in their
-    dtypes) in place of rows ``[first, first + rows)``; asserts it ran."""
+    dtypes) in place of rows ``[first, first + rows)``; asserts it ran (or,
+    with ``expect_ran=False``, that it declined, returning None)."""
     backend = keras.backend.backend()
     if backend == "torch":
         import torch
@@ -73,11 +77,12 @@ def _compiled_update(opt, state, ids, valid, grads, step, first, rows, stochasti
         summed = np.zeros((len(unique), grads.shape[1]), np.float32)
         for p in np.flatnonzero(valid):  # in position order, as the dedup
             summed[list(unique).index(first + ids[p])] += grads[p]
-        assert native_optimizers.fused_update(
+        ran = native_optimizers.fused_update(
             _library(), opt, tensors, unique, summed,
             torch.tensor(step), None, stochastic,
         )  # fmt: skip
-        return {k: _to_numpy(v) for k, v in tensors.items()}
+        assert ran is expect_ran
+        return {k: _to_numpy(v) for k, v in tensors.items()} if ran else None
     if backend == "jax":
         from keras_sparse.ops.jax import native_rows as jax_native_rows
 
@@ -86,7 +91,9 @@ def _compiled_update(opt, state, ids, valid, grads, step, first, rows, stochasti
             pytest.skip(f"JAX custom call unavailable: {jax_native_rows.status()}")
         slots = [arrays[k] for k in state if k != "table"]
         found = jax_native_rows.fused_rule(opt, None, arrays["table"], slots)
-        assert found is not None
+        assert (found is not None) is expect_ran
+        if found is None:
+            return None
         out = jax_native_rows.fused_update(
             arrays, opt, ids, valid, grads, step, *found, stochastic
         )
@@ -103,8 +110,8 @@ def _compiled_update(opt, state, ids, valid, grads, step, first, rows, stochasti
         tf.constant(grads), tf.constant(step, tf.int64), first, rows, None,
         stochastic,
     )  # fmt: skip
-    assert ran is not None
-    return {k: v.numpy() for k, v in variables.items()}
+    assert (ran is not None) is expect_ran
+    return {k: v.numpy() for k, v in variables.items()} if ran is not None else None
 
 
 def _to_torch(array):
@@ -123,15 +130,48 @@ def _to_numpy(tensor):
     return tensor.view(torch.int16).numpy().view(NUMPY[str(tensor.dtype)[6:]])
 
 
+#: The optimizers of the 16-bit compiled update, by their model's name.
+SIXTEEN_BIT = ("sgd", "adagrad", "adam", "rowwise_adagrad", "ftrl")
+
+
 def test_compiled_update_of_16_bit_arrays_equals_the_numpy_model():
     _library()
-    for name in models.TRAINED:  # one test: each costs a session reset
-        _check_update(name)
+    assert set(SIXTEEN_BIT) == optimizer_rules.SIXTEEN_BIT_RULES
+    for i, name in enumerate(SIXTEEN_BIT):  # one test: each costs a reset
+        _check_update(name, DTYPES[i % len(DTYPES)])
+    # Ftrl (two slots, a row from a difference of near values) on a
+    # bfloat16 table too.
+    _check_update("ftrl", DTYPES[0])
 
 
-def _check_update(name):
+def test_the_routes_and_the_status_read_one_list_of_16_bit_rules(monkeypatch):
+    """Narrowing `optimizer_rules.SIXTEEN_BIT_RULES` alone sends Ftrl's
+    16-bit arrays off the backend's compiled route (it declines, writing
+    nothing) and `compiled_cpu_helpers` says so, while float32 stays."""
+    import keras_sparse as ks
+
+    _library()
+    rules = optimizer_rules.SIXTEEN_BIT_RULES - {"ftrl"}
+    monkeypatch.setattr(optimizer_rules, "SIXTEEN_BIT_RULES", rules)
+    opt = models.optimizer("ftrl")
+    rng = np.random.default_rng(4)
+    table, slots = models.random_state(opt, rng, 24, 5)
+    state = {"table": table.astype(ml_dtypes.bfloat16), **slots}
+    ids, valid, grads = models.random_batch(rng, 18, 40, 5)
+    first = 0 if keras.backend.backend() == "jax" else 6
+    got = _compiled_update(opt, state, ids, valid, grads, 5, first, 18, True, False)
+    assert got is None
+    wide = {"table": table, **slots}
+    assert _compiled_update(opt, wide, ids, valid, grads, 5, first, 18, True)
+    text = ks.compiled_cpu_helpers()
+    if text.startswith("on"):
+        assert "the ops route updates the 16-bit tables of Ftrl" in text
+        assert "with SGD, Adagrad, Adam, RowWiseAdagrad;" in text
+
+
+def _check_update(name, dtype_pair):
     opt = models.optimizer(name)
-    table_dtype, slot_dtype = DTYPES[models.TRAINED.index(name) % len(DTYPES)]
+    table_dtype, slot_dtype = dtype_pair
     dtypes = {"table": table_dtype, **{s.name: slot_dtype for s in opt.slot_specs()}}
     # A JAX table is updated whole (first row 0); the others a row range.
     first = 0 if keras.backend.backend() == "jax" else 6

@@ -159,6 +159,29 @@ void ks_gather_rows_f32(const float *table, const int32_t *ids,
   }
 }
 
+/* dst[b][:] = the sum of table[ids[p]][:] over the valid positions p of
+ * bag b (positions b * bag .. b * bag + bag - 1), for lo <= b < hi (ids
+ * checked by ks_first_outside): 0 plus the rows in position order, which
+ * is how TensorFlow's reduce_sum adds a small bag (a skipped position adds
+ * nothing: a sum that starts at +0 is never -0, so adding +0 changes no
+ * bit). Rows ahead are prefetched as in ks_gather_rows_f32. */
+void ks_gather_sums_f32(const float *table, const int32_t *ids,
+                        const uint8_t *valid, int64_t bag, int64_t lo,
+                        int64_t hi, int64_t dim, float *dst) {
+  const int64_t end = hi * bag;
+  for (int64_t b = lo; b < hi; ++b) {
+    float *out = dst + b * dim;
+    for (int64_t j = 0; j < dim; ++j) out[j] = 0.0f;
+    for (int64_t p = b * bag; p < (b + 1) * bag; ++p) {
+      if (p + KS_AHEAD < end && valid[p + KS_AHEAD])
+        __builtin_prefetch(table + (int64_t)ids[p + KS_AHEAD] * dim, 0);
+      if (!valid[p]) continue;
+      const float *row = table + (int64_t)ids[p] * dim;
+      for (int64_t j = 0; j < dim; ++j) out[j] += row[j];
+    }
+  }
+}
+
 /* The optimizer updates below change rows[i] of the table and its slots in
  * place from grads[i] (summed gradients, one row per distinct row), for
  * i < count, rows distinct and in range. Each is the arithmetic of the
@@ -297,6 +320,49 @@ void ks_rowwise_adagrad_rows_f32(float *table, float *acc, const int64_t *rows,
     acc[rows[i]] = sum;
     const float root = __builtin_sqrtf(sum + eps);
     for (int64_t j = 0; j < dim; ++j) row[j] = row[j] - lr * g[j] / root;
+  }
+}
+
+/* The passes above by rule code, as the JAX call and the TensorFlow ops
+ * name them (keras_sparse.ops.optimizer_rules: 0 SGD, 1 Adagrad, 2 Adam,
+ * 3 row-wise Adagrad, 4 Ftrl), so that the float32 and 16-bit handlers of
+ * both run one list of rules. */
+#define KS_RULES 5
+
+/* Arrays (the table, then its slots) that `rule` updates; -1 if unknown. */
+int ks_rule_arrays(int rule) {
+  static const int arrays[KS_RULES] = {1, 2, 3, 2, 3};
+  return rule >= 0 && rule < KS_RULES ? arrays[rule] : -1;
+}
+
+/* Float scalars that `rule` takes per step; -1 if unknown. */
+int ks_rule_scalars(int rule) {
+  static const int scalars[KS_RULES] = {1, 2, 4, 2, 5};
+  return rule >= 0 && rule < KS_RULES ? scalars[rule] : -1;
+}
+
+/* Runs `rule`'s pass on arrays[0..ks_rule_arrays(rule)) with scalars k. */
+void ks_rule_rows_f32(int rule, float *const *a, const int64_t *rows,
+                      const float *g, int64_t count, int64_t dim,
+                      const float *k) {
+  switch (rule) {
+    case 0:
+      ks_sgd_rows_f32(a[0], rows, g, count, dim, k[0]);
+      break;
+    case 1:
+      ks_adagrad_rows_f32(a[0], a[1], rows, g, count, dim, k[0], k[1]);
+      break;
+    case 2:
+      ks_adam_rows_f32(a[0], a[1], a[2], rows, g, count, dim, k[0], k[1], k[2],
+                       k[3]);
+      break;
+    case 3:
+      ks_rowwise_adagrad_rows_f32(a[0], a[1], rows, g, count, dim, k[0], k[1]);
+      break;
+    case 4:
+      ks_ftrl_rows_f32(a[0], a[1], a[2], rows, g, count, dim, k[0], k[1], k[2],
+                       k[3], k[4]);
+      break;
   }
 }
 

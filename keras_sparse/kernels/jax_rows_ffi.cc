@@ -82,11 +82,10 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
                      ffi::RemainingArgs arrays,
                      ffi::RemainingRets outs, int32_t rule) {
   const int64_t n = ids.element_count();
-  // Rules: 0 SGD, 1 Adagrad, 2 Adam, 3 row-wise Adagrad (its accumulator
-  // [rows, 1]), 4 Ftrl.
-  const int wanted = rule == 4 ? 3
-      : rule == 0 ? 1 : rule == 1 || rule == 3 ? 2 : rule == 2 ? 3 : -1;
-  const int64_t n_scalars = rule == 4 ? 5 : rule == 0 ? 1 : rule == 2 ? 4 : 2;
+  // Rules: cpu_rows.c's codes (3, row-wise Adagrad: its accumulator
+  // [rows, 1]).
+  const int wanted = ks_rule_arrays(rule);
+  const int64_t n_scalars = ks_rule_scalars(rule);
   if (wanted < 0 || int64_t(arrays.size()) != wanted ||
       int64_t(outs.size()) != wanted ||
       int64_t(scalars.element_count()) != n_scalars) {
@@ -136,23 +135,8 @@ ffi::Error RowUpdate(Ids ids, Flags valid, Rows grads, Scalars scalars,
   int64_t count = 0;
   ffi::Error summed = DistinctSum(ids, valid, grads, rows, dim, s, &count);
   if (summed.failure()) return summed;
-  const float* k = scalars.typed_data();
-  const int64_t* touched = s.unique.data();
-  const float* g = s.summed.data();
-  if (rule == 0) {
-    ks_sgd_rows_f32(data[0], touched, g, count, dim, k[0]);
-  } else if (rule == 1) {
-    ks_adagrad_rows_f32(data[0], data[1], touched, g, count, dim, k[0], k[1]);
-  } else if (rule == 4) {
-    ks_ftrl_rows_f32(data[0], data[1], data[2], touched, g, count, dim, k[0],
-                     k[1], k[2], k[3], k[4]);
-  } else if (rule == 3) {
-    ks_rowwise_adagrad_rows_f32(data[0], data[1], touched, g, count, dim, k[0],
-                                k[1]);
-  } else {
-    ks_adam_rows_f32(data[0], data[1], data[2], touched, g, count, dim, k[0],
-                     k[1], k[2], k[3]);
-  }
+  ks_rule_rows_f32(rule, data.data(), s.unique.data(), s.summed.data(), count,
+                   dim, scalars.typed_data());
   // Kept for the next call unless one unusually large batch grew it.
   if (s.summed.capacity() * sizeof(float) > kKeptScratchBytes) s = Scratch();
   return ffi::Error::Success();
@@ -181,9 +165,8 @@ ffi::Error RowUpdate16(Ids ids, Flags valid, Rows grads, Scalars scalars,
                        ffi::RemainingArgs arrays, ffi::RemainingRets outs,
                        int32_t rule, int32_t stochastic) {
   const int64_t n = ids.element_count();
-  const int wanted =
-      rule == 0 ? 1 : rule == 1 || rule == 3 ? 2 : rule == 2 ? 3 : -1;
-  const int64_t n_scalars = rule == 0 ? 1 : rule == 2 ? 4 : 2;
+  const int wanted = ks_rule_arrays(rule);
+  const int64_t n_scalars = ks_rule_scalars(rule);
   if (wanted < 0 || int64_t(arrays.size()) != wanted ||
       int64_t(outs.size()) != wanted ||
       int64_t(scalars.element_count()) != n_scalars ||
@@ -252,20 +235,8 @@ ffi::Error RowUpdate16(Ids ids, Flags valid, Rows grads, Scalars scalars,
     ks_widen_rows(data[i], kinds[i], s.unique.data(), count, widths[i], next);
     next += count * widths[i];
   }
-  const float* k = scalars.typed_data();
-  const int64_t* order = t.order.data();
-  const float* g = s.summed.data();
-  float** c = compact.data();
-  if (rule == 0) {
-    ks_sgd_rows_f32(c[0], order, g, count, dim, k[0]);
-  } else if (rule == 1) {
-    ks_adagrad_rows_f32(c[0], c[1], order, g, count, dim, k[0], k[1]);
-  } else if (rule == 3) {
-    ks_rowwise_adagrad_rows_f32(c[0], c[1], order, g, count, dim, k[0], k[1]);
-  } else {
-    ks_adam_rows_f32(c[0], c[1], c[2], order, g, count, dim, k[0], k[1], k[2],
-                     k[3]);
-  }
+  ks_rule_rows_f32(rule, compact.data(), t.order.data(), s.summed.data(),
+                   count, dim, scalars.typed_data());
   for (int i = 0; i < wanted; ++i) {
     ks_narrow_rows(data[i], kinds[i], s.unique.data(), compact[i], count,
                    widths[i], stochastic, seeds.typed_data()[i], 0);

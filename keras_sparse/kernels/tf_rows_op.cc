@@ -42,12 +42,14 @@ using CPUDevice = Eigen::ThreadPoolDevice;
 // The distinct valid ids of a batch into ``unique`` (their count in
 // ``*count``) and their summed gradient rows into ``summed``
 // (ks_distinct_sum_f32; scratch sized by the batch, whatever the table's
-// rows: see cpu_rows.c). An id outside [0, rows) is an error, returned
-// before any row changes.
+// rows: see cpu_rows.c). Position p takes gradient row p / bag (a bag's
+// pooled gradient, with no copy per position). An id outside [0, rows) is
+// an error, returned before any row changes.
 absl::Status DistinctSum(OpKernelContext* ctx, const std::string& op,
                          const Tensor& ids, const Tensor& valid,
-                         const Tensor& grads, int64_t rows, int64_t dim,
-                         Tensor* unique, Tensor* summed, int64_t* count) {
+                         const Tensor& grads, int64_t bag, int64_t rows,
+                         int64_t dim, Tensor* unique, Tensor* summed,
+                         int64_t* count) {
   const int64_t n = ids.NumElements();
   Tensor scratch, wide_ids;
   TF_RETURN_IF_ERROR(ctx->allocate_temp(
@@ -64,7 +66,7 @@ absl::Status DistinctSum(OpKernelContext* ctx, const std::string& op,
   for (int64_t p = 0; p < n; ++p) wide[p] = narrow[p];
   *count = ks_distinct_sum_f32(
       wide, reinterpret_cast<const uint8_t*>(valid.flat<bool>().data()), n,
-      rows, grads.flat<float>().data(), 1, dim, scratch.flat<int32_t>().data(),
+      rows, grads.flat<float>().data(), bag, dim, scratch.flat<int32_t>().data(),
       unique->flat<int64_t>().data(), summed->flat<float>().data());
   if (*count < 0) {
     return absl::InvalidArgumentError(
@@ -73,6 +75,16 @@ absl::Status DistinctSum(OpKernelContext* ctx, const std::string& op,
         std::to_string(rows) + ")");
   }
   return absl::OkStatus();
+}
+
+// cpu_rows.c's code of a rule attribute (the op's attribute list names
+// the same rules, in the same order).
+int RuleCode(const std::string& rule) {
+  static const char* const names[KS_RULES] = {"sgd", "adagrad", "adam",
+                                              "rowwise_adagrad", "ftrl"};
+  for (int i = 0; i < KS_RULES; ++i)
+    if (rule == names[i]) return i;
+  return -1;
 }
 
 REGISTER_OP("KerasSparseRowUpdate")
@@ -85,6 +97,7 @@ REGISTER_OP("KerasSparseRowUpdate")
     .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad', 'ftrl'}")
     .Attr("first: int >= 0")
     .Attr("rows: int >= 1")
+    .Attr("bag: int >= 1 = 1")
     .Output("updated: int64")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::ScalarShape);
@@ -96,8 +109,9 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
-    const int wanted =
-        rule_ == "ftrl" ? 3 : rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag", &bag_));
+    code_ = RuleCode(rule_);
+    const int wanted = ks_rule_arrays(code_);
     OP_REQUIRES(ctx, n_vars_ == wanted,
                 absl::InvalidArgumentError("KerasSparseRowUpdate: rule " +
                                            rule_ + " takes " +
@@ -114,15 +128,13 @@ class KerasSparseRowUpdateOp : public OpKernel {
     OP_REQUIRES(
         ctx,
         ids.dims() == 1 && valid.shape() == ids.shape() && grads.dims() == 2 &&
-            grads.dim_size(0) == n && n <= (int64_t{1} << 30),
+            grads.dim_size(0) * bag_ == n && n <= (int64_t{1} << 30),
         absl::InvalidArgumentError(
             "KerasSparseRowUpdate: ids [n] (n <= 2**30), valid [n] and grads "
-            "[n, dim] do not fit: " + ids.shape().DebugString() + ", " +
+            "[n / bag, dim] do not fit: " + ids.shape().DebugString() + ", " +
             valid.shape().DebugString() + ", " + grads.shape().DebugString()));
     const int64_t dim = grads.dim_size(1);
-    const size_t n_scalars =
-        rule_ == "ftrl" ? 5 : rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
-    OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
+    OP_REQUIRES(ctx, scalars.NumElements() == ks_rule_scalars(code_),
                 absl::InvalidArgumentError("KerasSparseRowUpdate: scalars"));
 
     // The number of distinct rows updated: an output, so that callers see
@@ -160,33 +172,21 @@ class KerasSparseRowUpdateOp : public OpKernel {
     Tensor unique, summed;
     int64_t count = 0;
     OP_REQUIRES_OK(ctx, DistinctSum(ctx, "KerasSparseRowUpdate", ids, valid,
-                                    grads, rows_, dim, &unique, &summed,
+                                    grads, bag_, rows_, dim, &unique, &summed,
                                     &count));
     updated->scalar<int64_t>()() = count;
-    const float* s = scalars.flat<float>().data();
-    const int64_t* rows = unique.flat<int64_t>().data();
-    const float* g = summed.flat<float>().data();
-    if (rule_ == "sgd") {
-      ks_sgd_rows_f32(arrays[0], rows, g, count, dim, s[0]);
-    } else if (rule_ == "adagrad") {
-      ks_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0], s[1]);
-    } else if (rule_ == "ftrl") {
-      ks_ftrl_rows_f32(arrays[0], arrays[1], arrays[2], rows, g, count, dim,
-                       s[0], s[1], s[2], s[3], s[4]);
-    } else if (rule_ == "rowwise_adagrad") {
-      ks_rowwise_adagrad_rows_f32(arrays[0], arrays[1], rows, g, count, dim, s[0],
-                                  s[1]);
-    } else {
-      ks_adam_rows_f32(arrays[0], arrays[1], arrays[2], rows, g, count, dim,
-                       s[0], s[1], s[2], s[3]);
-    }
+    ks_rule_rows_f32(code_, arrays.data(), unique.flat<int64_t>().data(),
+                     summed.flat<float>().data(), count, dim,
+                     scalars.flat<float>().data());
   }
 
  private:
   int n_vars_;
   std::string rule_;
+  int code_;
   int64_t first_;
   int64_t rows_;
+  int64_t bag_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("KerasSparseRowUpdate").Device(DEVICE_CPU),
@@ -206,9 +206,10 @@ REGISTER_OP("KerasSparseRowUpdate16")
     .Input("scalars: float")
     .Input("seeds: int32")
     .Attr("N: int >= 1")
-    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad'}")
+    .Attr("rule: {'sgd', 'adagrad', 'adam', 'rowwise_adagrad', 'ftrl'}")
     .Attr("first: int >= 0")
     .Attr("rows: int >= 1")
+    .Attr("bag: int >= 1 = 1")
     .Attr("stochastic: bool")
     .Output("updated: int64")
     .SetIsStateful()
@@ -240,8 +241,10 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("first", &first_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag", &bag_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("stochastic", &stochastic_));
-    const int wanted = rule_ == "sgd" ? 1 : rule_ == "adam" ? 3 : 2;
+    code_ = RuleCode(rule_);
+    const int wanted = ks_rule_arrays(code_);
     OP_REQUIRES(ctx, n_vars_ == wanted,
                 absl::InvalidArgumentError("KerasSparseRowUpdate16: rule " +
                                            rule_ + " takes " +
@@ -259,14 +262,13 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     OP_REQUIRES(
         ctx,
         ids.dims() == 1 && valid.shape() == ids.shape() && grads.dims() == 2 &&
-            grads.dim_size(0) == n && n <= (int64_t{1} << 30) &&
+            grads.dim_size(0) * bag_ == n && n <= (int64_t{1} << 30) &&
             seeds.NumElements() == n_vars_,
         absl::InvalidArgumentError(
             "KerasSparseRowUpdate16: ids [n] (n <= 2**30), valid [n], grads "
-            "[n, dim] and seeds [N] do not fit"));
+            "[n / bag, dim] and seeds [N] do not fit"));
     const int64_t dim = grads.dim_size(1);
-    const size_t n_scalars = rule_ == "sgd" ? 1 : rule_ == "adam" ? 4 : 2;
-    OP_REQUIRES(ctx, scalars.NumElements() == int64_t(n_scalars),
+    OP_REQUIRES(ctx, scalars.NumElements() == ks_rule_scalars(code_),
                 absl::InvalidArgumentError("KerasSparseRowUpdate16: scalars"));
     Tensor* updated = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &updated));
@@ -320,7 +322,7 @@ class KerasSparseRowUpdate16Op : public OpKernel {
     Tensor unique, summed, compact, order;
     int64_t count = 0;
     OP_REQUIRES_OK(ctx, DistinctSum(ctx, "KerasSparseRowUpdate16", ids, valid,
-                                    grads, rows_, dim, &unique, &summed,
+                                    grads, bag_, rows_, dim, &unique, &summed,
                                     &count));
     updated->scalar<int64_t>()() = count;
     int64_t total = 0;
@@ -339,18 +341,8 @@ class KerasSparseRowUpdate16Op : public OpKernel {
       ks_widen_rows(arrays[i], kinds[i], rows, count, widths[i], next);
       next += count * widths[i];
     }
-    const float* s = scalars.flat<float>().data();
-    const float* g = summed.flat<float>().data();
-    if (rule_ == "sgd") {
-      ks_sgd_rows_f32(c[0], o, g, count, dim, s[0]);
-    } else if (rule_ == "adagrad") {
-      ks_adagrad_rows_f32(c[0], c[1], o, g, count, dim, s[0], s[1]);
-    } else if (rule_ == "rowwise_adagrad") {
-      ks_rowwise_adagrad_rows_f32(c[0], c[1], o, g, count, dim, s[0], s[1]);
-    } else {
-      ks_adam_rows_f32(c[0], c[1], c[2], o, g, count, dim, s[0], s[1], s[2],
-                       s[3]);
-    }
+    ks_rule_rows_f32(code_, c.data(), o, summed.flat<float>().data(), count,
+                     dim, scalars.flat<float>().data());
     const int32_t* seed = seeds.flat<int32_t>().data();
     for (int i = 0; i < n_vars_; ++i) {
       ks_narrow_rows(arrays[i], kinds[i], rows, c[i], count, widths[i],
@@ -361,8 +353,10 @@ class KerasSparseRowUpdate16Op : public OpKernel {
  private:
   int n_vars_;
   std::string rule_;
+  int code_;
   int64_t first_;
   int64_t rows_;
+  int64_t bag_;
   bool stochastic_;
 };
 
@@ -456,5 +450,102 @@ class KerasSparseGatherRowsOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("KerasSparseGatherRows").Device(DEVICE_CPU),
                         KerasSparseGatherRowsOp);
+
+// out[b] = the sum of the valid rows of bag b (positions b * bag ..
+// b * bag + bag - 1): the gather and the sum of a pooled bag in one pass
+// (ks_gather_sums_f32), writing [n / bag, dim] where a gather writes
+// [n, dim] for reduce_sum to read again.
+REGISTER_OP("KerasSparseGatherSums")
+    .Input("table: resource")
+    .Input("ids: int32")
+    .Input("valid: bool")
+    .Attr("dim: int >= 1")
+    .Attr("bag: int >= 1")
+    .Output("sums: float")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t dim, bag;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      TF_RETURN_IF_ERROR(c->GetAttr("bag", &bag));
+      tensorflow::shape_inference::ShapeHandle ids;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+      TF_RETURN_IF_ERROR(c->Merge(ids, c->input(2), &ids));
+      tensorflow::shape_inference::DimensionHandle bags;
+      TF_RETURN_IF_ERROR(c->Divide(c->Dim(ids, 0), bag, true, &bags));
+      c->set_output(0, c->Matrix(bags, dim));
+      return absl::OkStatus();
+    });
+
+class KerasSparseGatherSumsOp : public OpKernel {
+ public:
+  explicit KerasSparseGatherSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag", &bag_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(1);
+    const Tensor& valid = ctx->input(2);
+    OP_REQUIRES(ctx,
+                ids.dims() == 1 && valid.shape() == ids.shape() &&
+                    ids.NumElements() % bag_ == 0,
+                absl::InvalidArgumentError(
+                    "KerasSparseGatherSums: ids [n] and valid [n], n a "
+                    "multiple of bag " + std::to_string(bag_) + ", do not "
+                    "fit: " + ids.shape().DebugString() + ", " +
+                    valid.shape().DebugString()));
+    const int64_t n = ids.NumElements();
+    tensorflow::core::RefCountPtr<tensorflow::Var> var;
+    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
+                            ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+    {
+      tensorflow::tf_shared_lock lock(*var->mu());
+      const Tensor& table = *var->tensor();
+      OP_REQUIRES(ctx,
+                  table.dtype() == tensorflow::DT_FLOAT && table.dims() == 2 &&
+                      table.dim_size(1) == dim_,
+                  absl::InvalidArgumentError(
+                      "KerasSparseGatherSums: the table " +
+                      table.shape().DebugString() +
+                      " is not float32 of width " + std::to_string(dim_)));
+    }
+    OP_REQUIRES_OK(ctx, tensorflow::EnsureSparseVariableAccess<CPUDevice, float>(
+                            ctx, var.get()));
+    tensorflow::tf_shared_lock lock(*var->mu());
+    const Tensor& table = *var->tensor();
+    OP_REQUIRES(ctx, table.dims() == 2 && table.dim_size(1) == dim_,
+                absl::InvalidArgumentError("KerasSparseGatherSums: the table "
+                                           "changed shape"));
+    const int64_t num_rows = table.dim_size(0);
+    const int32_t* id = ids.flat<int32_t>().data();
+    const uint8_t* ok = reinterpret_cast<const uint8_t*>(valid.flat<bool>().data());
+    const int64_t bad = ks_first_outside(id, ok, n, num_rows);
+    OP_REQUIRES(ctx, bad < 0,
+                absl::InvalidArgumentError(
+                    "KerasSparseGatherSums: id " + std::to_string(id[bad]) +
+                    " at position " + std::to_string(bad) +
+                    " is outside the table's rows [0, " +
+                    std::to_string(num_rows) + ")"));
+    const int64_t bags = n / bag_;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx,
+                   ctx->allocate_output(0, TensorShape({bags, dim_}), &out));
+    const float* src = table.flat<float>().data();
+    float* dst = out->flat<float>().data();
+    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+    // A row costs a cache miss (~100 ns) more than its sum.
+    tensorflow::Shard(workers.num_threads, workers.workers, bags,
+                      bag_ * (300 + dim_), [&](int64_t lo, int64_t hi) {
+                        ks_gather_sums_f32(src, id, ok, bag_, lo, hi, dim_,
+                                           dst);
+                      });
+  }
+
+ private:
+  int64_t dim_;
+  int64_t bag_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("KerasSparseGatherSums").Device(DEVICE_CPU),
+                        KerasSparseGatherSumsOp);
 
 }  // namespace

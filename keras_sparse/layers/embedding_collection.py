@@ -17,7 +17,6 @@ from keras import ops
 
 from keras_sparse import optimizers as sparse_optimizers
 from keras_sparse import store as row_stores
-from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import atomic_save
 from keras_sparse.layers import collection_deltas
 from keras_sparse.layers import collection_quantization
@@ -35,6 +34,7 @@ from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.row_storage import variables as row_variables
 from keras_sparse.layers.sparse_embedding_base import _dtype_argument
+from keras_sparse.layers.sparse_embedding_base import bag_sums_traced
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.sparse_embedding_base import combine_rows
 from keras_sparse.layers.sparse_embedding_base import lookup_flat_rows
@@ -644,7 +644,10 @@ class EmbeddingCollection(keras.layers.Layer):
             or not (self.uses_sparse_update and self.trainable and bool(training))
             or any(self.tables[n].combiner is None for n in names)
             or any(prepared[n][1] is not None for n in names)  # weights
-            or any(is_symbolic(prepared[n][0]) for n in names)
+            or not all(
+                bag_sums_traced(module, prepared[n][0], [self.tables[n].combiner])
+                for n in names
+            )
             or placement.provider().route_stack(stack) is not None
         ):
             return None
@@ -660,6 +663,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 (stack.offsets[n], stack.offsets[n] + self.tables[n].input_dim)
                 for n in names
             ],
+            valids=[prepared[n][2] for n in names],
         )
         cuts = np.cumsum([x.shape[0] for x in ids])[:-1].tolist()
         return dict(zip(names, ops.split(sums, cuts) if cuts else [sums]))

@@ -201,7 +201,8 @@ class SparseEmbeddingBase(keras.layers.Layer):
 
         Where the backend fuses the gather and the sum of a bag and the
         sparse update runs (PyTorch on a CPU: ``embedding_bag``; every id
-        valid, one process, no row regularizer, no sharding), this is one
+        valid, one process, no row regularizer, no sharding; TensorFlow on
+        a CPU, also in a traced step with the sum combiner), this is one
         operation instead of `lookup_rows` and `combine`, and the backward
         pass never expands the bags' gradients to their positions. None
         where that route does not apply.
@@ -211,7 +212,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             not hasattr(module, "bag_sums_with_sparse_update")
             or not (self.uses_sparse_update and self.trainable and bool(training))
             or self.embeddings_regularizer is not None
-            or is_symbolic(ids)
+            or not bag_sums_traced(module, ids, [self.combiner])
             or placement.provider().route(self) is not None
             or not module.bag_sums_apply(self.embeddings, [ids], [valid])
         ):
@@ -220,6 +221,7 @@ class SparseEmbeddingBase(keras.layers.Layer):
             table_state(self, self.embeddings, self.slots),
             [ids],
             sparse_step(self, training),
+            valids=[valid],
         )
 
     def combine(self, rows, weights, valid):
@@ -279,6 +281,15 @@ def combine_rows(rows, weights, valid, combiner):
         return pooling.pool_unweighted(rows, valid, combiner)
     weights = ops.where(valid, ops.cast(weights, rows.dtype), 0)
     return pooling.pool(rows, weights, combiner)
+
+
+def bag_sums_traced(module, ids, combiners):
+    """Whether the backend's fused bags may serve ``ids``: eager ones (its
+    ``bag_sums_apply`` may read every id on the host), or traced ones where
+    it serves all ``combiners`` without a host check (its
+    ``TRACED_BAG_COMBINERS``; none: PyTorch's needs every id valid)."""
+    traced = getattr(module, "TRACED_BAG_COMBINERS", ())
+    return not is_symbolic(ids) or all(c in traced for c in combiners)
 
 
 def sparse_step(layer, training):

@@ -30,6 +30,7 @@ benchmarks compare the two).
 
 import numpy as np
 
+from keras_sparse.ops import optimizer_rules
 from keras_sparse.ops.native_rows import KINDS
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
@@ -77,7 +78,7 @@ def fused_update(
     ):
         return False
     sixteen_bit = any(d != "float32" for d in dtypes)
-    if sixteen_bit and rule not in SIXTEEN_BIT_RULES:
+    if sixteen_bit and rule not in optimizer_rules.SIXTEEN_BIT_RULES:
         return False
     # The torch route's float32 scalars, read here (free on a CPU) and
     # passed on as the same float32 values.
@@ -100,10 +101,6 @@ def fused_update(
         # that saved the table must still see it changed.
         tensor[:0].zero_()
     return True
-
-
-#: Rules whose compiled pass also serves 16-bit tables and slots.
-SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
 
 
 def _bits(tensor):

@@ -21,6 +21,7 @@ import numpy as np
 
 from keras_sparse.ops import native_build
 from keras_sparse.ops.optimizer_rules import compiled_optimizers
+from keras_sparse.ops.optimizer_rules import sixteen_bit_optimizers
 from keras_sparse.ops.optimizer_rules import slot_width
 
 SOURCE = "cpu_rows.c"
@@ -270,8 +271,10 @@ def compiled_cpu_helpers():
     ``slot_dtype``): 16-bit rows are updated in float32 and written back
     rounded as the backends' own operations round them
     (`keras_sparse.ops.row_rounding`: stochastically, or to nearest with
-    ``stochastic_rounding=False``), to the bit. Ftrl serves float32 only:
-    its 16-bit tables take the backend's own operations, as the text says.
+    ``stochastic_rounding=False``), to the bit; the text names the
+    optimizers it serves so (`optimizer_rules.SIXTEEN_BIT_RULES`: every
+    compiled one), the others' 16-bit tables take the backend's own
+    operations.
 
     Example:
 
@@ -282,16 +285,22 @@ def compiled_cpu_helpers():
     text = _backend_status()
     if text.startswith("on"):
         text += f"; optimizers: {', '.join(compiled_optimizers())}"
-        text += f"; {SIXTEEN_BIT_ROUTE}"
+        text += f"; {sixteen_bit_route()}"
     return text
 
 
-#: What `compiled_cpu_helpers` says of 16-bit tables.
-SIXTEEN_BIT_ROUTE = (
-    "float32, bfloat16 and float16 tables and slots: 16-bit rows round "
-    "stochastically (or to nearest), as the ops route rounds them; Ftrl's "
-    "16-bit tables take the ops route"
-)
+def sixteen_bit_route():
+    """What `compiled_cpu_helpers` says of 16-bit tables."""
+    served = sixteen_bit_optimizers()
+    text = (
+        "float32, bfloat16 and float16 tables and slots: 16-bit rows round "
+        "stochastically (or to nearest), as the ops route rounds them, with "
+        f"{', '.join(served)}"
+    )
+    others = [name for name in compiled_optimizers() if name not in served]
+    if others:
+        text += f"; the ops route updates the 16-bit tables of {', '.join(others)}"
+    return text
 
 
 def _backend_status():

@@ -16,8 +16,15 @@ _RULES = {SGD: ("sgd", ()), Adagrad: ("adagrad", ("accumulator",)),
           Adam: ("adam", ("momentum", "velocity")),
           RowWiseAdagrad: ("rowwise_adagrad", ("accumulator",)),
           Ftrl: ("ftrl", ("accumulator", "linear"))}  # fmt: skip
+#: The rules' codes in the compiled kernels (cpu_rows.c's ks_rule_rows_f32).
+RULE_CODES = {"sgd": 0, "adagrad": 1, "adam": 2, "rowwise_adagrad": 3, "ftrl": 4}
 #: Rules whose slots hold one value per row (``[rows, 1]``), not per element.
 ROW_WISE_RULES = frozenset({"rowwise_adagrad"})
+#: Rules whose compiled update also serves bfloat16 and float16 tables and
+#: slots (rows widened to float32, updated, written back rounded). The one
+#: list the three compiled routes and `ks.compiled_cpu_helpers` read (as
+#: this module's attribute, at each update).
+SIXTEEN_BIT_RULES = frozenset(rule for rule, _ in _RULES.values())
 
 
 def rule_of(optimizer):
@@ -28,6 +35,13 @@ def rule_of(optimizer):
 def compiled_optimizers():
     """The names of the optimizer classes the compiled updates run."""
     return [cls.__name__ for cls in _RULES]
+
+
+def sixteen_bit_optimizers():
+    """The names of the optimizer classes whose compiled update serves
+    16-bit tables and slots (`SIXTEEN_BIT_RULES`)."""
+    served = SIXTEEN_BIT_RULES  # read now: tests narrow it
+    return [cls.__name__ for cls, (rule, _) in _RULES.items() if rule in served]
 
 
 def slot_width(rule, dim):

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_sparse.ops import native_build
+from keras_sparse.ops import optimizer_rules
+from keras_sparse.ops.optimizer_rules import RULE_CODES
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
 from keras_sparse.ops.row_rounding import array_seed
@@ -46,12 +48,8 @@ FUSED_OPTIMIZERS = True
 #: gather). True/False force it (tests, benchmarks).
 PREFETCH_GATHER = None
 PREFETCH_MIN_BYTES = 16 << 20
-_RULE_CODES = {"sgd": 0, "adagrad": 1, "adam": 2, "rowwise_adagrad": 3, "ftrl": 4}
 _UPDATE_TARGET = "keras_sparse_row_update"
 _UPDATE_16_TARGET = "keras_sparse_row_update_16"
-#: Rules whose call also serves bfloat16 and float16 tables and slots
-#: (`jax_rows_ffi.cc`'s RowUpdate16 runs these passes of cpu_rows.c).
-SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
 _STORAGE = ("float32", "bfloat16", "float16")
 _GATHER_TARGET = "keras_sparse_gather_rows"
 
@@ -136,7 +134,8 @@ def fused_rule(optimizer, constraint, table, slots=()):
     dtypes = [_dtype_name(a) for a in (table, *slots)]
     if any(d not in _STORAGE for d in dtypes) or len(table.shape) != 2:
         return None
-    if any(d != "float32" for d in dtypes) and found[0] not in SIXTEEN_BIT_RULES:
+    sixteen_bit = any(d != "float32" for d in dtypes)
+    if sixteen_bit and found[0] not in optimizer_rules.SIXTEEN_BIT_RULES:
         return None
     if not _on_local_cpu(table) or library() is None:
         return None
@@ -186,7 +185,7 @@ def fused_update(
             input_output_aliases={5 + i: i for i in range(len(arrays))},
             vmap_method="sequential",
         )(
-            *inputs[:4], seeds, *arrays, rule=np.int32(_RULE_CODES[rule]),
+            *inputs[:4], seeds, *arrays, rule=np.int32(RULE_CODES[rule]),
             stochastic=np.int32(bool(stochastic)),
         )  # fmt: skip
         return dict(zip(names, updated))
@@ -196,7 +195,7 @@ def fused_update(
         [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
         input_output_aliases={first_array + i: i for i in range(len(arrays))},
         vmap_method="sequential",
-    )(*inputs, rule=np.int32(_RULE_CODES[rule]))
+    )(*inputs, rule=np.int32(RULE_CODES[rule]))
     return dict(zip(names, updated))
 
 

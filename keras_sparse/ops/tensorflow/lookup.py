@@ -204,3 +204,105 @@ def lookup(state: TableState, batch: LookupBatch):
         return out, grad
 
     return gather_with_update(tf.convert_to_tensor(_tf_variable(state.anchor_var)))
+
+
+#: Read when a step is traced: False sends pooled bags down `lookup` and
+#: the layer's combiner (the benchmarks and tests compare the two).
+BAG_SUMS = True
+#: Combiners whose bags `bag_sums_with_sparse_update` serves in a traced
+#: step, where no host check can see every id valid: it pools the valid
+#: rows only, which a sum of the bag equals; a mean would divide by the
+#: bag's size, not its count of valid ids.
+TRACED_BAG_COMBINERS = ("sum",)
+
+
+def bag_sums_apply(table_var, bags, valids):
+    """Whether `bag_sums_with_sparse_update` serves a call: bags of ids
+    (``[batch, bag]`` each, the bag's size known) of a float32 table of this
+    process's CPU, one replica, outside XLA; eagerly, every id valid (a
+    traced step: see `TRACED_BAG_COMBINERS`)."""
+    table = _tf_variable(table_var)
+    if not BAG_SUMS or table.dtype != tf.float32 or len(table.shape) != 2:
+        return False
+    if not tf_native_rows.local_cpu(table.device) or tf_row_updates.in_xla():
+        return False
+    if (
+        tf.distribute.has_strategy()
+        and tf_replicas.replica_context(table_var, None) is not None
+    ):
+        return False
+    if any(len(b.shape) != 2 or not b.shape[1] for b in bags):
+        return False
+    return not tf.executing_eagerly() or all(
+        bool(tf.reduce_all(tf.cast(v, tf.bool))) for v in valids
+    )
+
+
+def bag_sums_with_sparse_update(
+    state: TableState, bags, iterations, row_ranges=None, valids=None
+):
+    """``[sum of batch_t, dim]``: the sums of each bag's valid rows, bag
+    after bag.
+
+    ``bags``: ``[batch_t, bag_t]`` ids (``valids``: where valid; None: all),
+    one per table of a stack (``row_ranges``, its tables' rows; None: one
+    table, the whole variable) with the table's first row added. The rows
+    are gathered and summed as `lookup` and the sum combiner do, to the
+    bit; the backward pass updates each table's touched rows from the
+    bags' pooled gradient (`tf_native_rows.fused_update` with ``bag``),
+    never expanding it to one row per position (a tile and a select per
+    table, the larger part of a step on the CPU).
+    """
+    variables = {"table": _tf_variable(state.table_var)}
+    variables.update({n: _tf_variable(v) for n, v in state.slot_vars.items()})
+    table = variables["table"]
+    num_rows, dim = int(table.shape[0]), int(table.shape[1])
+    ranges = row_ranges or [(0, num_rows)]
+    bags = [tf.cast(b, tf.int32) for b in bags]
+    if valids is None:
+        valids = [tf.ones_like(b, tf.bool) for b in bags]
+    flat = [
+        (tf.reshape(b, [-1]), tf.reshape(tf.cast(v, tf.bool), [-1]), int(b.shape[1]))
+        for b, v in zip(bags, valids)
+    ]
+
+    @tf.custom_gradient
+    def sums_with_update(anchor):
+        parts = []
+        for ids, valid, bag in flat:
+            sums = tf_native_rows.gather_sums(table, ids, valid, bag)
+            if sums is None:
+                rows = tf_native_rows.gather_rows(table, ids, valid)
+                if rows is None:
+                    rows = gather_valid(table, ids, valid)
+                sums = tf.reduce_sum(tf.reshape(rows, [-1, bag, dim]), axis=1)
+            parts.append(sums)
+        out = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+        def grad(upstream):
+            upstream = tf.convert_to_tensor(upstream)
+            sizes = [tf.shape(ids)[0] // bag for ids, _, bag in flat]
+            grads = tf.split(upstream, sizes) if len(flat) > 1 else [upstream]
+            writes = []
+            for (ids, valid, bag), g, (first, end) in zip(flat, grads, ranges):
+                fused = tf_native_rows.fused_update(
+                    variables, state.optimizer, ids - first, valid, g, iterations,
+                    first, end - first, state.constraint, state.stochastic_rounding,
+                    bag=bag,
+                )  # fmt: skip
+                writes += [fused] if fused is not None else (
+                    tf_row_updates.apply_row_updates(
+                        variables, state.optimizer, ids, valid,
+                        tf.repeat(g, bag, axis=0), iterations, num_rows,
+                        state.constraint, None, state.stochastic_rounding,
+                    )
+                )  # fmt: skip
+            with tf.control_dependencies(writes):
+                probe = tf.reduce_sum(tf.gather(table, tf.zeros((1,), tf.int32)))
+            return tf.math.multiply_no_nan(
+                tf.cast(probe, anchor.dtype), tf.zeros_like(anchor)
+            )
+
+        return out, grad
+
+    return sums_with_update(tf.convert_to_tensor(_tf_variable(state.anchor_var)))

@@ -24,6 +24,7 @@ differently (tests/test_tf_native_rows.py).
 import tensorflow as tf
 
 from keras_sparse.ops import native_build
+from keras_sparse.ops import optimizer_rules
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.optimizer_rules import rule_scalars
 from keras_sparse.ops.row_rounding import array_seed
@@ -85,13 +86,15 @@ def status():
 
 def fused_update(
     state, optimizer, ids, valid, grads, iterations, first, rows, constraint,
-    stochastic=True,
+    stochastic=True, bag=1,
 ):  # fmt: skip
     """The update of rows ``[first, first + rows)`` of ``state``
     (``{"table": tf.Variable, slot: tf.Variable}``) from ``ids`` (int32,
-    relative to ``first``), ``valid`` and per-position ``grads``, as one
-    op. Returns its output, the number of rows updated (eagerly: after
-    the update); or None, having run nothing, where the optimizer, the
+    relative to ``first``), ``valid`` and ``grads``, as one op: position
+    ``p`` takes gradient row ``p // bag`` (``bag=1``: per-position
+    gradients; a bag's size: the bags' pooled gradients, ``[n / bag,
+    dim]``). Returns its output, the number of rows updated (eagerly:
+    after the update); or None, having run nothing, where the optimizer, the
     constraint, the dtypes or the build do not suit it, and the caller
     runs the graph route. An id outside ``[0, rows)`` raises, changing
     no row. bfloat16 and float16 variables take the 16-bit op, which
@@ -119,9 +122,9 @@ def fused_update(
     )  # fmt: skip
     if all(v.dtype == tf.float32 for v in variables):
         return library().keras_sparse_row_update(
-            *args, rule=rule, first=int(first), rows=int(rows)
+            *args, rule=rule, first=int(first), rows=int(rows), bag=int(bag)
         )
-    if rule not in SIXTEEN_BIT_RULES:
+    if rule not in optimizer_rules.SIXTEEN_BIT_RULES:
         return None
     stochastic = bool(stochastic) and iterations is not None
     names = ["table", *slot_names]
@@ -129,13 +132,11 @@ def fused_update(
         [array_seed(iterations if stochastic else 0, name) for name in names]
     )
     return library().keras_sparse_row_update16(
-        *args, seeds, rule=rule, first=int(first), rows=int(rows),
+        *args, seeds, rule=rule, first=int(first), rows=int(rows), bag=int(bag),
         stochastic=stochastic,
     )  # fmt: skip
 
 
-#: Rules whose op also serves bfloat16 and float16 tables and slots.
-SIXTEEN_BIT_RULES = frozenset({"sgd", "adagrad", "adam", "rowwise_adagrad"})
 _STORAGE = (tf.float32, tf.bfloat16, tf.float16)
 
 
@@ -152,4 +153,29 @@ def gather_rows(table, ids, valid):
     return library().keras_sparse_gather_rows(
         table.handle, tf.cast(ids, tf.int32), tf.cast(valid, tf.bool),
         dim=int(table.shape[1]),
+    )  # fmt: skip
+
+
+#: Bags up to this size are summed by `gather_sums` in position order,
+#: which is the order in which TensorFlow's reduce_sum adds so few rows
+#: (tests/test_tf_bag_sums.py checks it against the installed TensorFlow);
+#: larger bags it may add in another order.
+GATHER_SUMS_MAX_BAG = 7
+
+
+def gather_sums(table, ids, valid, bag):
+    """``[n / bag, dim]``: each bag's valid rows of ``table`` summed (the
+    bags ``bag`` consecutive positions of ``ids``), as one prefetching op,
+    equal to ``tf.reduce_sum`` of `gather_rows`' bags to the bit; or None
+    where the switch, the bag, the dtype, the device or the build do not
+    suit it. An id outside the table raises ``InvalidArgumentError``."""
+    if not PREFETCH_GATHER or not 1 <= bag <= GATHER_SUMS_MAX_BAG:
+        return None
+    if table.dtype != tf.float32 or len(table.shape) != 2:
+        return None
+    if not _usable_variable(table) or library() is None:
+        return None
+    return library().keras_sparse_gather_sums(
+        table.handle, tf.cast(ids, tf.int32), tf.cast(valid, tf.bool),
+        dim=int(table.shape[1]), bag=int(bag),
     )  # fmt: skip

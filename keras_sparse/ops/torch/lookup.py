@@ -348,10 +348,13 @@ def bag_sums_apply(table_var, bags, valids):
 
 
 @torch.compiler.disable
-def bag_sums_with_sparse_update(state: TableState, bags, iterations, row_ranges=None):
+def bag_sums_with_sparse_update(
+    state: TableState, bags, iterations, row_ranges=None, valids=None
+):
     """``[sum of batch_t, dim]``: the sums of each bag's rows, bag after bag.
 
-    ``bags``: ``[batch_t, bag_t]`` ids, all valid, one per table of a stack
+    ``bags``: ``[batch_t, bag_t]`` ids, all valid (``valids`` unread:
+    `bag_sums_apply` checked them), one per table of a stack
     (``row_ranges``, its tables' rows; None: one table, the whole variable)
     with the table's first row added. One fused gather-and-sum,
     ``embedding_bag``; its backward pass applies ``state.optimizer`` to the
