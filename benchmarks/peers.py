@@ -7,7 +7,9 @@ vectors concatenated into a Dense(64)-ReLU-Dense(1) head, binary
 cross-entropy on logits, batch 4096, Adagrad with learning rate 0.01 on the
 embeddings and on the head. Reported: the median ms per training step over
 ``--steps`` steps after ``--warmup`` untimed ones (all rounds pooled), the
-child's peak RSS, and the ratio to TorchRec's median at the same table size.
+median process CPU time per step (``time.process_time``: on a busy machine
+less disturbed than the wall clock), the child's peak RSS, and the ratios
+to TorchRec's medians at the same table size.
 
 Variants (each run in its own process; this script with ``--variant NAME
 --rows R`` builds, warms up, times and prints one JSON line):
@@ -190,7 +192,10 @@ from peers_runners import ZIPF_A  # noqa: E402
 from peers_runners import child  # noqa: E402
 
 KS_VARIANTS = [n for n in VARIANTS if n.startswith("ks-")]
-HEADERS = ("variant", "rows", "median ms/step", "vs torchrec", "peak RSS MiB")
+HEADERS = (
+    "variant", "rows", "median ms/step", "vs torchrec", "CPU ms/step",
+    "CPU vs torchrec", "peak RSS MiB",
+)  # fmt: skip
 
 
 def markdown(headers, rows):
@@ -396,6 +401,7 @@ def parent(args):
         if outs and key not in errors:
             summary[key] = dict(
                 median=statistics.median(ms for o in outs for ms in o["ms"]),
+                cpu=statistics.median(ms for o in outs for ms in o["cpu_ms"]),
                 rounds=[o["median_ms"] for o in outs],
                 rss=max(o["peak_rss_mib"] for o in outs),
             )
@@ -407,17 +413,23 @@ def parent(args):
             s = summary.get((variant, rows))
             if s is None:
                 why = "skipped" if real_variant in skipped else "failed"
-                table.append((variant, f"{rows:.0e}", why, "-", "-"))
+                table.append((variant, f"{rows:.0e}", why, "-", "-", "-", "-"))
                 continue
             ratio = f"{s['median'] / base['median']:.2f}x" if base else "-"
+            cpu_ratio = f"{s['cpu'] / base['cpu']:.2f}x" if base else "-"
             if base and peer != optimizer:
                 ratio += f" (its {peer})"
+                cpu_ratio += f" (its {peer})"
             table.append(
-                (variant, f"{rows:.0e}", f"{s['median']:.1f}", ratio, f"{s['rss']:.0f}")
-            )
+                (variant, f"{rows:.0e}", f"{s['median']:.1f}", ratio,
+                 f"{s['cpu']:.1f}", cpu_ratio, f"{s['rss']:.0f}")
+            )  # fmt: skip
     print()
     print(markdown(HEADERS, table))
-    print("\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower)")
+    print(
+        "\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower. "
+        "CPU: the process's CPU time per step, time.process_time)"
+    )
     if args.together:
         print("(peak RSS: of the process that held both sizes)")
     if len(args.optimizers) > 1:
