@@ -181,6 +181,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "benchmarks" / "out"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+# A ``--baseline`` child: keras_sparse from that checkout, all else from here.
+if os.environ.get(BASELINE_ENV := "PEERS_KERAS_SPARSE_ROOT"):
+    sys.path.insert(0, os.environ[BASELINE_ENV])
 
 from peers_runners import BAG  # noqa: E402
 from peers_runners import DEFAULT_ALLOCATOR  # noqa: E402
@@ -192,6 +195,8 @@ from peers_runners import ZIPF_A  # noqa: E402
 from peers_runners import child  # noqa: E402
 
 KS_VARIANTS = [n for n in VARIANTS if n.startswith("ks-")]
+#: The label suffix of a ks variant run with ``--baseline``'s keras_sparse.
+BASELINE = "@baseline"
 HEADERS = (
     "variant", "rows", "median ms/step", "vs torchrec", "CPU ms/step",
     "CPU vs torchrec", "peak RSS MiB",
@@ -261,16 +266,23 @@ def run_list(args, variants):
             entry = (label(args, variant, optimizer), variant, optimizer)
             if entry not in runs:
                 runs.append(entry)
+            if args.baseline and VARIANTS[variant][0] is not None:
+                base = label(args, variant + BASELINE, optimizer)
+                runs.append((base, variant, optimizer))
     return runs
 
 
-def run_child(args, variant, optimizer, rows, data):
+def run_child(args, variant, optimizer, rows, data, baseline=False):
     """Runs one child for ``variant`` with ``optimizer`` on its tables at
-    the table sizes ``rows`` (data files ``data``, one per size): its JSON
-    result, or None and why."""
+    the table sizes ``rows`` (data files ``data``, one per size), with
+    keras_sparse from ``--baseline`` if ``baseline``: its JSON result, or
+    None and why."""
     backend = VARIANTS[variant][0]
     python = args.torchrec_python if backend is None else sys.executable
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env.pop(BASELINE_ENV, None)
+    if baseline:
+        env[BASELINE_ENV] = str(args.baseline.resolve())
     if backend:
         env["KERAS_BACKEND"] = backend
     # PyTorch's allocator puts large allocations on 2 MiB pages with it.
@@ -372,8 +384,9 @@ def parent(args):
                         continue
                     sizes = "+".join(f"{r:.0e}" for r in group)
                     out, error = run_child(
-                        args, real_variant, optimizer, group, [data[r] for r in group]
-                    )
+                        args, real_variant, optimizer, group,
+                        [data[r] for r in group], BASELINE in variant,
+                    )  # fmt: skip
                     if error:
                         errors.update({(variant, r): error for r in group})
                         print(f"  round {k + 1} {variant} rows={sizes}: {error}")
@@ -538,6 +551,12 @@ def main(argv=None):
         "--torch-threads", type=int,
         help="torch intra-op threads for torchrec and ks-torch-* (default: "
         "torch's, one per core)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline", type=pathlib.Path,
+        help="another checkout of this repository (e.g. `git archive REV | "
+        "tar -x -C DIR`): each ks variant also runs with its keras_sparse, "
+        f"labelled VARIANT{BASELINE}, in the same interleaved rounds",
     )  # fmt: skip
     parser.add_argument("--out", type=pathlib.Path, default=OUT_DIR,
                         help="folder for peers.png")  # fmt: skip
