@@ -139,6 +139,14 @@ and ~390 ms (ks-torch-layers) with torch's default 2 threads, 8-13 ms and
         --variants ks-jax-layers,ks-tf-layers,ks-torch-layers
     python benchmarks/peers.py --together --variants torchrec,ks-tf-layers \\
         --torchrec-python <torchrec-venv>/bin/python   # growth 1e5 -> 1e6
+    git archive <rev> | tar -x -C <old-checkout>
+    python benchmarks/peers.py --variants ks-torch-layers --rows 1e5 \\
+        --baseline <old-checkout>   # old and new keras_sparse, same rounds
+
+With ``--baseline DIR`` every ks variant also runs as ``VARIANT@baseline``,
+importing keras_sparse from ``DIR`` (everything else, this script and its
+children's code included, from this checkout), interleaved with the others
+in each round.
 
 Writes a markdown table to stdout and a bar chart to
 ``<--out>/peers.png`` (default benchmarks/out).
