@@ -265,8 +265,9 @@ class _SparseBagSums(torch.autograd.Function):
         context = ctx.context
         with torch.no_grad():
             update = bag_updates.prepare(context, bags, upstream)
+            if update is not None:
+                _run_parts(update)
         if update is not None:
-            _run_parts(update)
             return (torch.zeros_like(anchor), None) + (None,) * len(bags)
         ranges = context["row_ranges"] or [(0, context["state"]["table"].shape[0])]
         with torch.no_grad():
