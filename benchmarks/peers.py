@@ -7,7 +7,9 @@ vectors concatenated into a Dense(64)-ReLU-Dense(1) head, binary
 cross-entropy on logits, batch 4096, Adagrad with learning rate 0.01 on the
 embeddings and on the head. Reported: the median ms per training step over
 ``--steps`` steps after ``--warmup`` untimed ones (all rounds pooled), the
-child's peak RSS, and the ratio to TorchRec's median at the same table size.
+median process CPU time per step (``time.process_time``: on a busy machine
+less disturbed than the wall clock), the child's peak RSS, and the ratios
+to TorchRec's medians at the same table size.
 
 Variants (each run in its own process; this script with ``--variant NAME
 --rows R`` builds, warms up, times and prints one JSON line):
@@ -137,6 +139,14 @@ and ~390 ms (ks-torch-layers) with torch's default 2 threads, 8-13 ms and
         --variants ks-jax-layers,ks-tf-layers,ks-torch-layers
     python benchmarks/peers.py --together --variants torchrec,ks-tf-layers \\
         --torchrec-python <torchrec-venv>/bin/python   # growth 1e5 -> 1e6
+    git archive <rev> | tar -x -C <old-checkout>
+    python benchmarks/peers.py --variants ks-torch-layers --rows 1e5 \\
+        --baseline <old-checkout>   # old and new keras_sparse, same rounds
+
+With ``--baseline DIR`` every ks variant also runs as ``VARIANT@baseline``,
+importing keras_sparse from ``DIR`` (everything else, this script and its
+children's code included, from this checkout), interleaved with the others
+in each round.
 
 Writes a markdown table to stdout and a bar chart to
 ``<--out>/peers.png`` (default benchmarks/out).
@@ -179,6 +189,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "benchmarks" / "out"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+# A ``--baseline`` child: keras_sparse from that checkout, all else from here.
+if os.environ.get(BASELINE_ENV := "PEERS_KERAS_SPARSE_ROOT"):
+    sys.path.insert(0, os.environ[BASELINE_ENV])
 
 from peers_runners import BAG  # noqa: E402
 from peers_runners import DEFAULT_ALLOCATOR  # noqa: E402
@@ -190,7 +203,12 @@ from peers_runners import ZIPF_A  # noqa: E402
 from peers_runners import child  # noqa: E402
 
 KS_VARIANTS = [n for n in VARIANTS if n.startswith("ks-")]
-HEADERS = ("variant", "rows", "median ms/step", "vs torchrec", "peak RSS MiB")
+#: The label suffix of a ks variant run with ``--baseline``'s keras_sparse.
+BASELINE = "@baseline"
+HEADERS = (
+    "variant", "rows", "median ms/step", "vs torchrec", "CPU ms/step",
+    "CPU vs torchrec", "peak RSS MiB",
+)  # fmt: skip
 
 
 def markdown(headers, rows):
@@ -256,16 +274,23 @@ def run_list(args, variants):
             entry = (label(args, variant, optimizer), variant, optimizer)
             if entry not in runs:
                 runs.append(entry)
+            if args.baseline and VARIANTS[variant][0] is not None:
+                base = label(args, variant + BASELINE, optimizer)
+                runs.append((base, variant, optimizer))
     return runs
 
 
-def run_child(args, variant, optimizer, rows, data):
+def run_child(args, variant, optimizer, rows, data, baseline=False):
     """Runs one child for ``variant`` with ``optimizer`` on its tables at
-    the table sizes ``rows`` (data files ``data``, one per size): its JSON
-    result, or None and why."""
+    the table sizes ``rows`` (data files ``data``, one per size), with
+    keras_sparse from ``--baseline`` if ``baseline``: its JSON result, or
+    None and why."""
     backend = VARIANTS[variant][0]
     python = args.torchrec_python if backend is None else sys.executable
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env.pop(BASELINE_ENV, None)
+    if baseline:
+        env[BASELINE_ENV] = str(args.baseline.resolve())
     if backend:
         env["KERAS_BACKEND"] = backend
     # PyTorch's allocator puts large allocations on 2 MiB pages with it.
@@ -367,8 +392,9 @@ def parent(args):
                         continue
                     sizes = "+".join(f"{r:.0e}" for r in group)
                     out, error = run_child(
-                        args, real_variant, optimizer, group, [data[r] for r in group]
-                    )
+                        args, real_variant, optimizer, group,
+                        [data[r] for r in group], BASELINE in variant,
+                    )  # fmt: skip
                     if error:
                         errors.update({(variant, r): error for r in group})
                         print(f"  round {k + 1} {variant} rows={sizes}: {error}")
@@ -387,7 +413,7 @@ def parent(args):
                         f"  round {k + 1} {variant} rows={sizes}: median "
                         + ", ".join(f"{s['median_ms']:.1f}" for s in per_size)
                         + " ms/step (CPU "
-                        + ", ".join(f"{s.get('cpu_ms', 0):.1f}" for s in per_size)
+                        + ", ".join(f"{s['median_cpu_ms']:.1f}" for s in per_size)
                         + f"), peak RSS {out['peak_rss_mib']:.0f} MiB, "
                         "warm-up " + ", ".join(f"{s['warm_s']:.1f}" for s in per_size)
                         + " s",
@@ -398,6 +424,7 @@ def parent(args):
         if outs and key not in errors:
             summary[key] = dict(
                 median=statistics.median(ms for o in outs for ms in o["ms"]),
+                cpu=statistics.median(ms for o in outs for ms in o["cpu_ms"]),
                 rounds=[o["median_ms"] for o in outs],
                 rss=max(o["peak_rss_mib"] for o in outs),
             )
@@ -409,17 +436,23 @@ def parent(args):
             s = summary.get((variant, rows))
             if s is None:
                 why = "skipped" if real_variant in skipped else "failed"
-                table.append((variant, f"{rows:.0e}", why, "-", "-"))
+                table.append((variant, f"{rows:.0e}", why, "-", "-", "-", "-"))
                 continue
             ratio = f"{s['median'] / base['median']:.2f}x" if base else "-"
+            cpu_ratio = f"{s['cpu'] / base['cpu']:.2f}x" if base else "-"
             if base and peer != optimizer:
                 ratio += f" (its {peer})"
+                cpu_ratio += f" (its {peer})"
             table.append(
-                (variant, f"{rows:.0e}", f"{s['median']:.1f}", ratio, f"{s['rss']:.0f}")
-            )
+                (variant, f"{rows:.0e}", f"{s['median']:.1f}", ratio,
+                 f"{s['cpu']:.1f}", cpu_ratio, f"{s['rss']:.0f}")
+            )  # fmt: skip
     print()
     print(markdown(HEADERS, table))
-    print("\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower)")
+    print(
+        "\n(vs torchrec: this variant's ms/step / torchrec's; > 1 is slower. "
+        "CPU: the process's CPU time per step, time.process_time)"
+    )
     if args.together:
         print("(peak RSS: of the process that held both sizes)")
     if len(args.optimizers) > 1:
@@ -528,6 +561,12 @@ def main(argv=None):
         "--torch-threads", type=int,
         help="torch intra-op threads for torchrec and ks-torch-* (default: "
         "torch's, one per core)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline", type=pathlib.Path,
+        help="another checkout of this repository (e.g. `git archive REV | "
+        "tar -x -C DIR`): each ks variant also runs with its keras_sparse, "
+        f"labelled VARIANT{BASELINE}, in the same interleaved rounds",
     )  # fmt: skip
     parser.add_argument("--out", type=pathlib.Path, default=OUT_DIR,
                         help="folder for peers.png")  # fmt: skip

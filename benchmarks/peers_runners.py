@@ -152,7 +152,8 @@ def _keras_setup(args):
 
 def keras_runner(args, rows, data):
     """``run(lo, hi)``: fits batches ``lo..hi`` of the data at ``data`` on
-    the variant's model of ``rows`` per table; the gaps between batch ends."""
+    the variant's model of ``rows`` per table; the gaps between batch ends
+    and their process CPU times."""
     import numpy as np
     from step_timer import StepTimer
 
@@ -166,7 +167,7 @@ def keras_runner(args, rows, data):
         feed = {n: np.ascontiguousarray(ids[lo:hi, t]) for t, n in enumerate(names)}
         timer = StepTimer()
         model.fit(feed, labels[lo:hi], callbacks=[timer], **fit)
-        return timer.gaps
+        return timer.gaps, timer.cpu_gaps
 
     return run
 
@@ -241,16 +242,17 @@ def torchrec_runner(args, rows, data):
     before = weight[hot].clone()
 
     def run(lo, hi):
-        gaps, last = [], None
+        gaps, cpu_gaps, last, last_cpu = [], [], None, None
         for values, y in batches[lo:hi]:
             step(values, y)
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), time.process_time()
             if last is not None:
                 gaps.append(now - last)
-            last = now
+                cpu_gaps.append(cpu - last_cpu)
+            last, last_cpu = now, cpu
         # The fused update happened (a no-op step would time nothing).
         assert not torch.equal(before, weight[hot]), "the fused update left the tables"
-        return gaps
+        return gaps, cpu_gaps
 
     return run
 
@@ -273,23 +275,23 @@ def child(args):
         warm_s.append(time.perf_counter() - t0)
         runs.append(run)
     gaps = [[] for _ in runs]
-    cpu_s = [0.0 for _ in runs]  # process CPU time (all threads) of the steps
+    cpu_gaps = [[] for _ in runs]
     epochs = args.epochs if len(runs) > 1 else 1
     per = args.steps // epochs
     for e in range(epochs):
         lo = args.warmup + e * (per + 1)  # per + 1 batch ends: per gaps
         order = range(len(runs)) if e % 2 == 0 else reversed(range(len(runs)))
         for i in order:
-            c0 = time.process_time()
-            gaps[i] += runs[i](lo, lo + per + 1)
-            cpu_s[i] += time.process_time() - c0
+            wall, cpu = runs[i](lo, lo + per + 1)
+            gaps[i] += wall
+            cpu_gaps[i] += cpu
     sizes = {}
-    for rows, g, w, c in zip(args.rows, gaps, warm_s, cpu_s):
-        ms = [1e3 * x for x in g]
-        # CPU time per step: less disturbed by other processes than wall time.
-        cpu_ms = 1e3 * c / (epochs * (per + 1))
-        sizes[rows] = dict(ms=ms, median_ms=statistics.median(ms), warm_s=w,
-                           cpu_ms=cpu_ms)  # fmt: skip
+    for rows, g, c, w in zip(args.rows, gaps, cpu_gaps, warm_s):
+        ms, cpu_ms = [1e3 * x for x in g], [1e3 * x for x in c]
+        sizes[rows] = dict(
+            ms=ms, median_ms=statistics.median(ms), cpu_ms=cpu_ms,
+            median_cpu_ms=statistics.median(cpu_ms), warm_s=w,
+        )  # fmt: skip
     result = dict(
         variant=args.variant, sizes=sizes, peak_rss_mib=peak_rss_mib(),
         versions=versions,

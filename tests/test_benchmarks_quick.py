@@ -42,11 +42,13 @@ def test_peers_quick_prints_positive_step_times(tmp_path):
     # torch's OpenMP pool slows down many times when oversubscribed.
     args = ["benchmarks/peers.py", "--quick", "--torch-threads", "1",
             "--variants", ",".join(variants), "--out", str(tmp_path)]  # fmt: skip
-    rows = _table_rows(args, variants, 5)
-    for name, (_, table_rows, ms, ratio, rss) in rows.items():
+    rows = _table_rows(args, variants, 7)
+    for name, (_, table_rows, ms, ratio, cpu, cpu_ratio, rss) in rows.items():
         assert table_rows == "1e+04", (name, table_rows)
         assert re.fullmatch(r"\d+\.\d", ms) and float(ms) > 0, (name, ms)
-        assert ratio == "-", (name, ratio)  # no torchrec in the quick run
+        assert re.fullmatch(r"\d+\.\d", cpu) and float(cpu) > 0, (name, cpu)
+        # no torchrec in the quick run
+        assert ratio == cpu_ratio == "-", (name, ratio, cpu_ratio)
         assert float(rss) > 0, (name, rss)
     assert (tmp_path / "peers.png").stat().st_size > 0
 
@@ -71,7 +73,7 @@ def test_peers_together_prints_the_growth_of_each_process(tmp_path):
     medians, growth = {}, None
     for line in done.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells[0] == variant and len(cells) == 5:
+        if cells[0] == variant and len(cells) == 7:
             medians[cells[1]] = float(cells[2])
         elif cells[0] == variant and len(cells) == 3:
             growth, per_process = cells[1], cells[2]

@@ -97,9 +97,22 @@ def test_several_steps_with_duplicates(name, monkeypatch):
 
 
 def _spy_on_fused(monkeypatch):
-    """Records, per update, whether it took the compiled optimizer pass."""
+    """Records, per update, whether it took the compiled optimizer pass
+    (`fused_update`, or a bag route's sweep of compiled calls)."""
     _, native_optimizers, _ = _modules()
-    return models.record_use(monkeypatch, native_optimizers, "fused_update")
+    from keras_sparse.ops.torch import bag_updates
+
+    used = models.record_use(monkeypatch, native_optimizers, "fused_update")
+    real = bag_updates.prepare
+
+    def prepare(*args):
+        update = real(*args)
+        if update is not None:  # else fused_update records the update
+            used.append(True)
+        return update
+
+    monkeypatch.setattr(bag_updates, "prepare", prepare)
+    return used
 
 
 def test_subclasses_constraints_and_other_optimizers_take_the_torch_route(
@@ -143,10 +156,8 @@ def test_a_stacks_tables_update_side_by_side_to_the_same_bits(monkeypatch):
     if torch.get_num_threads() < 2:
         pytest.skip("one torch thread: the tables update one after another")
     ran = []
-    real = torch_lookup._update_rows_no_grad
-    monkeypatch.setattr(
-        torch_lookup, "_update_rows_no_grad", lambda *job: ran.append(1) or real(*job)
-    )
+    real = torch_lookup._pool
+    monkeypatch.setattr(torch_lookup, "_pool", lambda n: ran.append(1) or real(n))
     side_by_side = models.train("collection", "adagrad")
     assert ran  # the pool ran the tables
     monkeypatch.setattr(torch_lookup, "PARALLEL_TABLES", False)

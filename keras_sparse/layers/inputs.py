@@ -107,9 +107,10 @@ def check_host_ids(layer_name, ids, high):
 
 
 def check_range_eagerly(layer_name, ids, present, low, high):
-    """Raises ValueError on the first id outside ``[low, high)`` (eager only)."""
+    """Raises ValueError on the first id outside ``[low, high)`` (eager only);
+    True where it checked (every id in range), False where symbolic."""
     if not isinstance(ids, np.ndarray) and is_symbolic(ids):
-        return
+        return False
     values = ops.convert_to_numpy(ids)
     bad = (values < low) | (values >= high)
     if present is not None:
@@ -121,6 +122,7 @@ def check_range_eagerly(layer_name, ids, present, low, high):
             f"are in [{low}, {high}) (input_dim={high}). "
             f"{int(bad.sum())} id(s) out of range in this batch."
         )
+    return True
 
 
 def cast_float_ids(layer_name, ids):
@@ -172,10 +174,13 @@ def fixed_vocabulary_ids(
         ids = ops.expand_dims(ids, -1)
         weights = None if weights is None else ops.expand_dims(weights, -1)
         present = None if present is None else ops.expand_dims(present, -1)
-    check_range_eagerly(layer_name, ids, present, 0, input_dim)
-    valid = ops.logical_and(ids >= 0, ids < input_dim)
-    if not in_range:
-        valid = ops.ones_like(valid)
+    checked = check_range_eagerly(layer_name, ids, present, 0, input_dim)
+    if not in_range or (checked and present is None):
+        # Every id was just found in range (or counts as valid): one op
+        # instead of two comparisons and their `and`, per table and step.
+        valid = ops.ones_like(ids, dtype="bool")
+    else:
+        valid = ops.logical_and(ids >= 0, ids < input_dim)
     if present is not None:
         valid = ops.logical_and(valid, present)
     if combiner is not None and mask_zero:

@@ -19,6 +19,7 @@ from keras_sparse.ops.lookup_batch import LookupBatch
 from keras_sparse.ops.lookup_batch import TableState
 from keras_sparse.ops.optimizer_rules import rule_of
 from keras_sparse.ops.row_updates import TableBlocks
+from keras_sparse.ops.torch import bag_updates
 from keras_sparse.ops.torch import distributed as torch_distributed
 from keras_sparse.ops.torch.row_updates import apply_row_updates
 from keras_sparse.ops.torch.row_updates import compiled_route
@@ -141,7 +142,26 @@ def _update_tables(jobs):
 
 def update_workers(jobs):
     """Threads that update ``jobs`` tables side by side (1: one by one)."""
-    return max(1, min(jobs, torch.get_num_threads(), available_cpus()))
+    most = min(jobs, torch.get_num_threads())
+    # available_cpus reads the cgroup's files: not for one table or thread.
+    return max(1, most if most < 2 else min(most, available_cpus()))
+
+
+def _run_parts(update):
+    """Runs a `bag_updates.BagUpdate`: its tables side by side on `_pool`'s
+    threads where `_update_tables` would run them so (its C calls release
+    the GIL and touch no torch state), else in one call."""
+    workers = update_workers(len(update.tables)) if PARALLEL_TABLES else 1
+    parts = update.parts(workers)
+    if len(parts) < 2:
+        for part in parts:
+            update.run(part)
+    else:
+        futures = [_pool(workers).submit(update.run, part) for part in parts]
+        concurrent.futures.wait(futures)
+        for future in futures:
+            future.result()
+    update.finish()
 
 
 def _all_compiled(job):
@@ -243,6 +263,12 @@ class _SparseBagSums(torch.autograd.Function):
     def backward(ctx, upstream):
         anchor, *bags = ctx.saved_tensors
         context = ctx.context
+        with torch.no_grad():
+            update = bag_updates.prepare(context, bags, upstream)
+            if update is not None:
+                _run_parts(update)
+        if update is not None:
+            return (torch.zeros_like(anchor), None) + (None,) * len(bags)
         ranges = context["row_ranges"] or [(0, context["state"]["table"].shape[0])]
         with torch.no_grad():
             start, jobs = 0, []
