@@ -67,6 +67,7 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
+from keras_sparse.layers.row_storage import cache_hop
 from keras_sparse.layers.row_storage import cache_store
 from keras_sparse.layers.row_storage.cache_state import CacheState
 from keras_sparse.layers.row_storage.dense_slots import DenseSlots
@@ -144,12 +145,17 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         flat = ops.reshape(ids, (-1,))
         use = ops.reshape(use, (-1,))
         insert = bool(training) and self.trainable
-        slots, fill = self._map(flat, use, insert)
-        if insert:
+        if insert and self._one_hop(flat):
+            slots = cache_hop.map_and_move(self, flat, use, int(flat.shape[0]))
+            vectors = self.lookup_rows(slots, use, training)
+            valid = use
+        elif insert:
+            slots, fill = self._map(flat, use, insert)
             row_moves.move_rows(self, slots, fill, self._route())
             vectors = self.lookup_rows(slots, use, training)
             valid = use
         else:
+            slots, _ = self._map(flat, use, insert)
             cached = slots >= 0
             vectors = self.lookup_rows(slots, cached, training)
             # Ids the cache does not hold: read from the store (-2: unused).
@@ -160,6 +166,15 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))
         return ops.cast(out, self.compute_dtype)
+
+    def _one_hop(self, flat):
+        """Whether a compiled JAX training step maps and moves in one host
+        hop (`cache_hop`)."""
+        if not is_symbolic(flat) or keras.backend.backend() != "jax":
+            return False
+        if None in tuple(flat.shape):
+            return False
+        return cache_hop.applies(self, self._route())
 
     def _map(self, flat, use, insert):
         """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``

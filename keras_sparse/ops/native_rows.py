@@ -272,6 +272,9 @@ def compiled_cpu_helpers():
     (`keras_sparse.ops.row_rounding`: stochastically, or to nearest with
     ``stochastic_rounding=False``), to the bit. Ftrl serves float32 only:
     its 16-bit tables take the backend's own operations, as the text says.
+    The text ends with what the host side of tables with ``cache_rows``
+    runs: ``"; cache_rows map and moves: compiled (<library path>)"`` or
+    ``"...: NumPy (<reason>)"`` (`keras_sparse.ops.native_cache`).
 
     Example:
 
@@ -283,7 +286,15 @@ def compiled_cpu_helpers():
     if text.startswith("on"):
         text += f"; optimizers: {', '.join(compiled_optimizers())}"
         text += f"; {SIXTEEN_BIT_ROUTE}"
-    return text
+    return text + "; " + _cache_status()
+
+
+def _cache_status():
+    from keras_sparse.ops import native_cache
+
+    state, _, where = native_cache.status().partition(": ")
+    kind = "compiled" if state == "on" else "NumPy"
+    return f"cache_rows map and moves: {kind} ({where})"
 
 
 #: What `compiled_cpu_helpers` says of 16-bit tables.
