@@ -203,3 +203,48 @@ def _row_file_flags(folder):
                 flags[current] = line.split()[1:]
                 current = None
     return flags
+
+
+def _fit(compiled, ids, target):
+    import keras
+
+    import keras_sparse as ks
+
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((2,), dtype="int32")
+    layer = ks.AllToAllDenseEmbedding(
+        VOCAB, 4, combiner="sum", optimizer=ks.optimizers.Adagrad(0.1),
+        cache_rows=CACHE, store="host", name="ids",
+    )  # fmt: skip
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(layer(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    layer.row_cache.slot_map.native = compiled
+    model.fit(ids, target, batch_size=8, shuffle=False, verbose=0)
+    return layer
+
+
+def test_a_training_step_maps_and_moves_in_one_call_where_it_can(monkeypatch):
+    """JAX (a compiled one-device CPU step) and PyTorch (eager, CPU) map and
+    move in one compiled call on the variables themselves, TensorFlow in
+    two hops; every route trains as the NumPy map's two hops, to the bit."""
+    import keras
+
+    calls = []
+    one_call = DenseMoves.assign_and_move
+
+    def counted(self, *args):
+        calls.append(1)
+        return one_call(self, *args)
+
+    monkeypatch.setattr(DenseMoves, "assign_and_move", counted)
+    rng = np.random.default_rng(2)
+    ids = (rng.zipf(1.2, (96, 2)) * 7919 % VOCAB).astype("int32")
+    target = rng.normal(size=(96, 1)).astype("float32")
+    fast = _fit(True, ids, target)
+    want = 12 if keras.backend.backend() in ("jax", "torch") else 0
+    assert len(calls) == want
+    slow = _fit(False, ids, target)
+    assert len(calls) == want  # the NumPy map: two hops
+    assert fast.stats() == slow.stats() and fast.stats()["write_backs"] > 50
+    for a, b in zip(fast.get_weights(), slow.get_weights()):
+        np.testing.assert_array_equal(a, b)

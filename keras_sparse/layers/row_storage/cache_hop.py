@@ -1,4 +1,4 @@
-"""One host hop per training step for a table with ``cache_rows`` on JAX.
+"""One host hop per training step for a table with ``cache_rows``.
 
 On a one-device CPU step (`keras_sparse.layers.dense_cache.CacheRows._route`
 "cpu_buffers") whose map runs compiled and whose store has row arrays
@@ -9,6 +9,9 @@ over the variables' own memory) and, in one compiled call
 victims' rows (values and optimizer slots, as the previous step left them)
 to the store and copies the new ids' stored rows into their cache rows.
 The step then looks up and updates the rows it returned as any table.
+
+An eager PyTorch step on CPU does the same on the variables' memory
+(`map_and_move_torch`).
 
 Against the two hops of the general route (the mapping, then the moves
 through gathered copies of the rows and a scatter of the fills back), this
@@ -22,8 +25,16 @@ from keras_sparse.layers.hash import jax_step_mapping
 
 
 def applies(cache, route):
-    """Whether ``cache``'s training steps take the one hop (see the module)."""
-    if route != "cpu_buffers" or cache.slot_map.compiled() is None:
+    """Whether ``cache``'s training steps take the one hop (see the module):
+    ``route`` "cpu_buffers" (JAX) or "torch_cpu"."""
+    if route not in ("cpu_buffers", "torch_cpu"):
+        return False
+    if cache.slot_map.compiled() is None:
+        return False
+    if route == "torch_cpu" and any(
+        var.value.device.type != "cpu" or not var.value.is_contiguous()
+        for var in _variables(cache).values()
+    ):
         return False
     shapes = {
         name: (np.dtype(str(var.dtype).split(".")[-1]), int(var.shape[1]))
@@ -64,6 +75,23 @@ def map_and_move(cache, flat, use, n):
     for name, value in zip(names, new):
         variables[name].assign(value)
     return slots
+
+
+def map_and_move_torch(cache, flat, use):
+    """`map_and_move` of an eager PyTorch step: the moves write the CPU
+    variables' memory in place (outside autograd, before the lookup reads
+    it, as the two-hop route's row writes do)."""
+    import torch
+
+    arrays = {
+        name: var.value.detach().numpy() for name, var in _variables(cache).items()
+    }
+    ids = flat.detach().cpu().numpy()
+    slots = np.empty(ids.shape[0], np.int32)
+    cache.row_tier.assign_and_move(
+        cache.slot_map, ids, use.detach().cpu().numpy(), slots, arrays
+    )
+    return torch.from_numpy(slots).to(flat.device)
 
 
 def _variables(cache):
