@@ -17,6 +17,9 @@
 #define KS_CACHE_NO_ROOM (-2)
 #define KS_CACHE_NO_MEMORY (-3)
 
+/* Moves ahead whose rows are prefetched. */
+#define KS_CACHE_AHEAD 16
+
 /* Entries of the state array of ks_cache_assign. */
 enum { KS_HAND, KS_CALLS, KS_HITS, KS_MISSES, KS_EVICTIONS, KS_INFO, KS_INFO2 };
 
@@ -159,7 +162,13 @@ void ks_cache_move_rows(int64_t m, const int64_t *victims,
     size_t width = (size_t)row_bytes[f];
     char *rows = cache[f], *stored = store[f];
     for (int64_t k = 0; k < m; ++k) {
-      if (k + 8 < m) __builtin_prefetch(stored + fill_ids[k + 8] * width);
+      if (k + KS_CACHE_AHEAD < m) { /* random rows: ask for them early */
+        int64_t next = k + KS_CACHE_AHEAD;
+        __builtin_prefetch(stored + fill_ids[next] * width);
+        __builtin_prefetch(rows + victims[next] * width, 1);
+        if (evicted[next] >= 0)
+          __builtin_prefetch(stored + evicted[next] * width, 1);
+      }
       char *row = rows + victims[k] * width;
       if (evicted[k] >= 0) memcpy(stored + evicted[k] * width, row, width);
       memcpy(row, stored + fill_ids[k] * width, width);
