@@ -34,7 +34,9 @@ store's initialization for ``host``/``disk``).
 
 The table prints the median samples/s of each variant and its ratio to
 ``whole``, the share of key lookups the device table served (hits), the
-rows moved per step (fills + write-backs) and their bytes, and peak RSS.
+rows moved per step (fills + write-backs) and their bytes, the process's
+CPU time per timed step (every thread; less disturbed by other load than
+wall time), and peak RSS.
 Compare ratios from one run only.
 """
 
@@ -153,9 +155,9 @@ def _child(args, memory):
     stats = layer.stats if args.variant != "whole" or args.layer == "hash" else None
     before = stats() if stats else {}
     io_before = io_bytes()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     model.fit(keys[warm:], target[warm:], batch_size=args.batch, verbose=0)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     io_after = io_bytes()
     after = stats() if stats else {}
     steps = (n - warm) // args.batch
@@ -177,6 +179,7 @@ def _child(args, memory):
         "store_size": after.get("store_size", 0),
         "init_s": init_s,
         "train_s": seconds,
+        "cpu_ms_per_step": cpu * 1e3 / steps,
         "reopen_s": None,
     }
     if args.reopen and args.variant == "disk":
@@ -288,7 +291,9 @@ def main():
         f"{args.warm_steps} warm repeat={args.repeat}"
     )
     base = statistics.median(r["samples_s"] for r in results[variants[0]])
-    header = "variant  samples/s  ratio   hits   rows moved/step  bytes/step"
+    header = (
+        "variant  samples/s  ratio  cpu ms/step   hits   rows moved/step  bytes/step"
+    )
     header += "  disk rd/step  peak RSS MB  anon MB  file MB  init s  reopen s"
     print(header)
     for variant in variants:
@@ -297,7 +302,9 @@ def main():
         last = rows[-1]
         reopened = last["reopen_s"]
         print(
-            f"{variant:7s}  {rate:9.0f}  {rate / base:5.2f}x  {last['hits']:5.1%}"
+            f"{variant:7s}  {rate:9.0f}  {rate / base:5.2f}x"
+            f"  {statistics.median(r['cpu_ms_per_step'] for r in rows):11.3f}"
+            f"  {last['hits']:5.1%}"
             f"  {last['moved_per_step']:15.0f}  {last['moved_bytes_per_step']:10.0f}"
             f"  {last['disk_read_per_step']:12.0f}"
             f"  {max(r['peak_rss_mb'] for r in rows):11.0f}"

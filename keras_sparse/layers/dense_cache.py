@@ -10,26 +10,39 @@ does the same; both get their `CacheRows` from
 
 Design: a dedicated cache for a fixed vocabulary, no hash table. Its host
 map (`keras_sparse.layers.row_storage.dense_slots`) is direct: an int32
-slot per id and an id per slot, so a step maps its ids with a few
-vectorized NumPy passes over the batch; CLOCK picks the victims, never a
-slot the batch uses. A training step runs three parts:
+slot per id and an id per slot; CLOCK picks the victims, never a slot the
+batch uses. A training step runs three parts:
 
 - the mapping, on the host: ids -> slots, the slots given to new ids
-  flagged and their victims recorded as a plan;
-- the moves (`keras_sparse.layers.row_storage.dense_moves`), through the
-  in-step glue the hash layer's store uses too
-  (`keras_sparse.layers.row_moves.move_rows`): each victim's row (values
-  and slots, read from the variables before this step's fills) is written
-  to the store, then the new ids' rows are read from the store into their
-  slots;
+  flagged and their victims recorded;
+- the moves: each victim's row (values and optimizer slots, as the
+  previous step left them) is written to the store, then the new ids'
+  rows are read from the store into their slots;
 - the layer's ordinary sparse lookup and update (`SparseEmbeddingBase`) on
   the ``[C, dim]`` variables, at the slots.
 
-The two host parts are direct calls in eager steps, ``tf.numpy_function``s
-in a TensorFlow graph, and in a compiled JAX step in-place buffer callbacks
-where the step runs on one CPU device and calls the owner once (no host
-copies, and JAX keeps its fast dispatch: an ordered ``io_callback`` costs
-milliseconds a step), ordered ``io_callback``s otherwise (`CacheRows._route`).
+The host parts run compiled (`keras_sparse/kernels/cpu_cache.c` through
+`keras_sparse.ops.native_cache`: a few passes over the batch and a row
+copy per move), else as vectorized NumPy passes that compute the same
+slots and victims; ``ks.compiled_cpu_helpers()`` says which. How they
+reach the step:
+
+- one host hop (`keras_sparse.layers.row_storage.cache_hop`) where the
+  step's variables can be written in place: a compiled JAX step on one
+  CPU device that calls the owner once (`CacheRows._route`
+  "cpu_buffers"), whose in-place buffer callback gets the variables'
+  buffers and maps the ids and moves the rows in one compiled call,
+  directly between those buffers and the store's row arrays; and an
+  eager PyTorch step on CPU, the same on the variables' memory. No host
+  copies, no scatter, and JAX keeps its fast dispatch.
+- two hops elsewhere (TensorFlow, JAX under a distribution, a layer
+  called twice a step, eager JAX and TensorFlow): the mapping records a
+  plan (`keras_sparse.layers.row_storage.dense_moves`) that the moves
+  carry out through the in-step glue the hash layer's store uses too
+  (`keras_sparse.layers.row_moves.move_rows`), on rows gathered from the
+  variables and scattered back; direct calls in eager steps,
+  ``tf.numpy_function``s in a TensorFlow graph, ordered ``io_callback``s
+  in a JAX step.
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the
@@ -69,6 +82,7 @@ from keras_sparse.layers import row_changes
 from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.row_storage import cache_checks
+from keras_sparse.layers.row_storage import cache_hop
 from keras_sparse.layers.row_storage import cache_store
 from keras_sparse.layers.row_storage.cache_state import CacheState
 from keras_sparse.layers.row_storage.dense_slots import DenseSlots
@@ -152,9 +166,15 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         insert = bool(training) and self.trainable
         if insert:  # a layer built on one device, trained on several
             cache_checks.check_one_device(self.owner_name)
-        slots, fill = self._map(flat, use, insert)
+        one_hop = insert and self._one_hop(flat)
         if insert:
-            row_moves.move_rows(self, slots, fill, self._route())
+            if one_hop == "torch_cpu":
+                slots = cache_hop.map_and_move_torch(self, flat, use)
+            elif one_hop:
+                slots = cache_hop.map_and_move(self, flat, use, int(flat.shape[0]))
+            else:
+                slots, fill = self._map(flat, use, insert)
+                row_moves.move_rows(self, slots, fill, self._route())
             changes = row_changes.of(self)
             if changes is not None:  # the ids this step changes, not slots
                 step = ops.convert_to_tensor(self.sparse_iterations) + 1
@@ -162,6 +182,7 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             vectors = self.lookup_rows(slots, use, training)
             valid = use
         else:
+            slots, _ = self._map(flat, use, insert)
             cached = slots >= 0
             vectors = self.lookup_rows(slots, cached, training)
             # Ids the cache does not hold: read from the store (-2: unused).
@@ -172,6 +193,23 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         vectors = ops.reshape(vectors, shape + (self.output_dim,))
         out = self.combine(vectors, weights, ops.reshape(valid, shape))
         return ops.cast(out, self.compute_dtype)
+
+    def _one_hop(self, flat):
+        """The route of a training step that maps and moves in one host hop
+        (`cache_hop`): "cpu_buffers" (a compiled JAX step), "torch_cpu"
+        (an eager PyTorch step on CPU), or None (two hops)."""
+        backend = keras.backend.backend()
+        if backend == "torch":
+            if _in_shape_inference():
+                return None
+            route = "torch_cpu"
+            return route if cache_hop.applies(self, route) else None
+        if not is_symbolic(flat) or backend != "jax":
+            return None
+        if None in tuple(flat.shape):
+            return None
+        route = self._route()
+        return route if cache_hop.applies(self, route) else None
 
     def _map(self, flat, use, insert):
         """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``

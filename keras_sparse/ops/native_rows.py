@@ -356,7 +356,9 @@ def compiled_cpu_helpers():
     ``stochastic_rounding=False``), to the bit; the text names the
     optimizers it serves so (`optimizer_rules.SIXTEEN_BIT_RULES`: every
     compiled one), the others' 16-bit tables take the backend's own
-    operations.
+    operations. The text ends with what the host side of tables with
+    ``cache_rows`` runs: ``"; cache_rows map and moves: compiled (<library
+    path>)"`` or ``"...: NumPy (<reason>)"`` (`keras_sparse.ops.native_cache`).
 
     Example:
 
@@ -368,7 +370,15 @@ def compiled_cpu_helpers():
     if text.startswith("on"):
         text += f"; optimizers: {', '.join(compiled_optimizers())}"
         text += f"; {sixteen_bit_route()}"
-    return text
+    return text + "; " + _cache_status()
+
+
+def _cache_status():
+    from keras_sparse.ops import native_cache
+
+    state, _, where = native_cache.status().partition(": ")
+    kind = "compiled" if state == "on" else "NumPy"
+    return f"cache_rows map and moves: {kind} ({where})"
 
 
 def sixteen_bit_route():

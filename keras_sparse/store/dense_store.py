@@ -84,6 +84,22 @@ class DenseStore(StoreBase):
         self._counts["hits"] += ids.size
         return np.ones(ids.size, bool), self._rows.gather(ids, names)
 
+    def row_arrays(self):
+        """``{field: [>= num_rows, width] array}``, row ``i`` being id
+        ``i``'s, in place (host memory or the file's map), for a caller
+        that moves rows itself and reports them (`count_moves`); None
+        where the rows are not one array per field."""
+        self._check_open()
+        return self._rows.row_arrays()
+
+    def count_moves(self, reads: int, writes: int):
+        """Counts ``reads`` and ``writes`` of rows made in `row_arrays`."""
+        self._counts["reads"] += reads
+        self._counts["hits"] += reads
+        self._counts["writes"] += writes
+        if writes:
+            self._version += 1
+
     def contains(self, keys):
         ids, _ = self._ids(keys, "contains")
         return np.ones(ids.size, bool)

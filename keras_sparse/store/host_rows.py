@@ -82,6 +82,13 @@ class HostRows:
     def will_read(self, first: int, end: int):
         """Nothing to prepare: the rows are in memory."""
 
+    def row_arrays(self):
+        """``{field: array}`` whose row ``i`` is slot ``i``, where each field
+        is one block; else None."""
+        if any(len(blocks) != 1 for blocks in self.blocks.values()):
+            return None
+        return {name: blocks[0] for name, blocks in self.blocks.items()}
+
     def gather(self, slots, names=None):
         """``{field: rows of slots}``, of the fields ``names`` (default all)."""
         groups = self._groups(slots)

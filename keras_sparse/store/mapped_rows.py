@@ -64,6 +64,10 @@ class MappedRows:
                 (end - first) * f.row_bytes,
             )
 
+    def row_arrays(self):
+        """``{field: map}``: row ``i`` is slot ``i``."""
+        return dict(self.maps)
+
     @property
     def nbytes(self) -> int:
         return sum(self.capacity * f.row_bytes for f in self.fields)

@@ -271,6 +271,9 @@ def _failing_once(layer, callback):
     return guarded
 
 
+# For the callbacks of other layers' tables (a table with `cache_rows`).
+final_on_failure = _failing_once
+
 _IN_REMAT = contextvars.ContextVar("keras_sparse_in_remat", default=False)
 
 

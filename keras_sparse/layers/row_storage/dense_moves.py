@@ -12,6 +12,11 @@ are not those of the oldest plan raises instead of moving the wrong rows.
 
 A dense store holds every id, so a fill never misses and leaves the id's
 stored row in place (the id's write-back overwrites it).
+
+Where the step reaches the cache variables' buffers in place and the store
+has its rows as one array per field (`in_place`), `assign_and_move` maps
+the batch and carries out its moves in the same call, compiled
+(`DenseSlots.assign_and_move`): no plan is queued.
 """
 
 import threading
@@ -56,6 +61,37 @@ class DenseMoves:
         plan = DensePlan(at, np.asarray(ids)[at].astype(np.int64), evicted)
         with self.lock:
             self.plans.append(plan)
+
+    def in_place(self, cache):
+        """Whether `assign_and_move` serves ``cache`` ``{"table" | slot
+        name: (dtype, width)}`` of the cache variables: the map runs
+        compiled and the store has row arrays of the same dtypes and
+        widths."""
+        arrays = getattr(self.store, "row_arrays", lambda: None)()
+        if arrays is None:
+            return False
+        for name, (dtype, width) in cache.items():
+            array = arrays.get(VALUES if name == "table" else name)
+            if array is None or array.dtype != np.dtype(dtype):
+                return False
+            if array.ndim != 2 or array.shape[1] != width:
+                return False
+        return True
+
+    def assign_and_move(self, slot_map, ids, use, slots, cache):
+        """Maps training ids into int32 ``slots`` and moves their rows at
+        once: ``cache`` the cache's row arrays ``{"table" | slot name}``,
+        written in place (see the module)."""
+        with self.lock:
+            names = ["table"] + list(self.slot_names)
+            arrays = self.store.row_arrays()
+            store = [arrays[VALUES if name == "table" else name] for name in names]
+            cached = [cache[name] for name in names]
+            with store_failures(self.layer_name, "Rows"):
+                fills, backs = slot_map.assign_and_move(ids, use, slots, cached, store)
+            self.store.count_moves(fills, backs)
+            self.counts["fills"] += fills
+            self.counts["write_backs"] += backs
 
     def move(self, rows, fresh, before):
         """See `_move` (one caller at a time)."""

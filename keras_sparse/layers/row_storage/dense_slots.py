@@ -16,11 +16,13 @@ its slot is reused, so any victim keeps training exact.
 
 import numpy as np
 
+from keras_sparse.ops import native_cache
+
 
 class DenseSlots:
     """The id <-> cache row map of one table (see the module)."""
 
-    def __init__(self, label, input_dim, cache_rows):
+    def __init__(self, label, input_dim, cache_rows, native=True):
         # Errors read "Layer '{label}': ...".
         self.label = label
         self.input_dim = int(input_dim)
@@ -34,6 +36,11 @@ class DenseSlots:
         self.hand = 0
         self.calls = 0
         self.counts = {"hits": 0, "misses": 0, "evictions": 0}
+        self.native = native
+
+    def compiled(self):
+        """The compiled helpers `assign` uses, or None (NumPy passes)."""
+        return native_cache.library() if self.native else None
 
     @property
     def size(self):
@@ -60,10 +67,13 @@ class DenseSlots:
         if not ids.size or (ids.min() >= 0 and ids.max() < self.input_dim):
             return
         bad = (ids < 0) | (ids >= self.input_dim)
+        self._out_of_range(int(ids[bad][0]), int(bad.sum()))
+
+    def _out_of_range(self, first, count):
         raise ValueError(
-            f"Layer '{self.label}': id {int(ids[bad][0])} is out of range; "
+            f"Layer '{self.label}': id {first} is out of range; "
             f"valid ids are in [0, {self.input_dim}) (input_dim="
-            f"{self.input_dim}). {int(bad.sum())} id(s) out of range in "
+            f"{self.input_dim}). {count} id(s) out of range in "
             "this batch; the cache and its store were not changed."
         )
 
@@ -90,6 +100,12 @@ class DenseSlots:
         """
         ids = np.asarray(ids).reshape(-1)
         use = np.asarray(use, bool).reshape(-1)
+        lib = self.compiled()
+        if lib is not None:
+            n = ids.shape[0]
+            slots, fill = np.empty(n, np.int32), np.empty(n, bool)
+            count, scratch = self._assign_compiled(lib, ids, use, slots, fill)
+            return slots, fill, scratch[3][:count].copy()
         n = ids.shape[0]
         every = bool(use.all())
         at = None if every else np.flatnonzero(use)
@@ -131,18 +147,70 @@ class DenseSlots:
         slots[slice(None) if every else at] = found
         return slots, fill, evicted
 
+    def assign_and_move(self, ids, use, slots, cache, store):
+        """`assign` of a training batch, writing its int32 ``slots`` [n],
+        and its moves carried out at once: each victim's row of every
+        array of ``cache`` (the cache's row arrays, values then optimizer
+        slots) written to the same array of ``store`` (the dense store's
+        row arrays, row = id) at the evicted id, then the new id's stored
+        row copied into it. Returns ``(fills, write_backs)``. Compiled
+        only (`compiled` is not None)."""
+        lib = self.compiled()
+        ids = np.asarray(ids).reshape(-1)
+        count, (_, fill_ids, victims, evicted) = self._assign_compiled(
+            lib, ids, np.asarray(use, bool).reshape(-1), slots, None
+        )
+        if count:
+            lib.move_rows(count, victims, evicted, fill_ids, cache, store)
+        return count, int(np.count_nonzero(evicted[:count] >= 0))
+
+    def _assign_compiled(self, lib, ids, use, slots, fill):
+        """``(count, (fill_pos, fill_ids, victims, evicted))`` of
+        `NativeCache.assign` on this map; raises as `assign` does."""
+        if ids.dtype not in (np.int32, np.int64) or not ids.flags.c_contiguous:
+            ids = np.ascontiguousarray(ids, np.int64)
+        every = bool(use.all())
+        use = None if every else np.ascontiguousarray(use)
+        n = ids.shape[0]
+        scratch = tuple(np.empty(n, np.int64) for _ in range(4))
+        counts = self.counts
+        state = np.array(
+            [self.hand, self.calls, counts["hits"], counts["misses"],
+             counts["evictions"], 0, 0], np.int64,
+        )  # fmt: skip
+        maps = (self.slot_of_id, self.id_of_slot, self.referenced, self.used_in)
+        count = lib.assign(ids, use, self.input_dim, maps, state, slots, fill, scratch)
+        if count == native_cache.OUT_OF_RANGE:
+            self._out_of_range(
+                int(state[native_cache.INFO]), int(state[native_cache.INFO2])
+            )
+        if count == native_cache.NO_ROOM:
+            positions = n if use is None else int(np.count_nonzero(use))
+            self._no_room(int(state[native_cache.INFO]), positions)
+        if count < 0:
+            raise MemoryError(f"Layer '{self.label}': no memory to map the batch")
+        self.hand = int(state[native_cache.HAND])
+        self.calls = int(state[native_cache.CALLS])
+        counts["hits"] = int(state[native_cache.HITS])
+        counts["misses"] = int(state[native_cache.MISSES])
+        counts["evictions"] = int(state[native_cache.EVICTIONS])
+        return int(count), scratch
+
     def _check_room(self, count, used, positions):
         """Raises unless ``count`` slots are left besides the batch's hits
         (slots ``used``), before anything changes."""
         free = self.capacity - np.unique(used).size
         if count > free:
-            raise RuntimeError(
-                f"Layer '{self.label}': {count - free} id(s) of this batch "
-                f"found no cache row: its {positions} ids hold more distinct "
-                f"ids than cache_rows={self.capacity}. Use a larger "
-                "`cache_rows` or a smaller batch; the cache and its store "
-                "were not changed."
-            )
+            self._no_room(count - free, positions)
+
+    def _no_room(self, short, positions):
+        raise RuntimeError(
+            f"Layer '{self.label}': {short} id(s) of this batch "
+            f"found no cache row: its {positions} ids hold more distinct "
+            f"ids than cache_rows={self.capacity}. Use a larger "
+            "`cache_rows` or a smaller batch; the cache and its store "
+            "were not changed."
+        )
 
     def _victims(self, count):
         """``count`` slots the batch does not use, by the CLOCK sweep (room
