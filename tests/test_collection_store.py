@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import keras_sparse as ks
-from keras_sparse.layers import embedding_collection
+from keras_sparse.layers import collection_state
 from keras_sparse.layers import store_assets
 from keras_sparse.store import chunk_files
 from tests import row_store_models as shared
@@ -190,7 +190,7 @@ def test_files_with_the_tables_in_the_weights_still_load(tmp_path, monkeypatch):
     path = tmp_path / "old.keras"
     with monkeypatch.context() as m:  # the caches stream, the collection not
         old = types.SimpleNamespace(expected=lambda: False)
-        m.setattr(embedding_collection, "store_assets", old)
+        m.setattr(collection_state, "store_assets", old)
         model.save(path)
     assert _collection_weights(path)["a:embeddings"].shape == (3000, DIM)
     assert _asset_tables(path) == {"cache_rows": 3000, "cache_rows_1": 2000}

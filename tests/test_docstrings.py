@@ -11,6 +11,7 @@ MODULES = [
     "keras_sparse.layers.embedding_collection",
     "keras_sparse.layers.hash.embedding",
     "keras_sparse.layers.inputs",
+    "keras_sparse.layers.table_config",
     "keras_sparse.layers.hash.serving_map",
     "keras_sparse.layers.hash.tf_string_hash",
     "keras_sparse.data.remote_cache",
