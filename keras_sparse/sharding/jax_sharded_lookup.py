@@ -9,8 +9,8 @@ inside ``jax.shard_map`` over one mesh axis of size ``D``:
            ``[D, C]`` send buffer (``C`` slots per destination, -1 = empty),
            one ``all_to_all`` delivers them, owners gather from their shard,
            the mirror ``all_to_all`` returns ``[D, C, dim]`` vectors and each id
-           picks its answer. ``C`` is `row_capacity`: ``n`` by default (a
-           slot per local position: can never overflow), or
+           picks its answer. ``C`` is `jax_row_buffers.row_capacity`: ``n``
+           by default (a slot per local position: can never overflow), or
            ``ceil(n / D * slack)`` with an ``exchange slack`` (compact: about
            ``slack / D`` of the bytes). Compact buffers carry each device's
            DISTINCT ids once (`exchange_buckets.DEDUP_EXCHANGE`): an id's
@@ -96,7 +96,7 @@ def sharded_lookup_with_sparse_update(
     their updated values (for ``overwrite_with_gradient`` variables).
     ``with_state``: returns ``(rows, table, slots)``, the state passed on
     for a later call of the layer in the step (`jax_lookup.pass_on`).
-    ``slack`` sizes the row exchange buffers (`row_capacity`);
+    ``slack`` sizes the row exchange buffers (`jax_row_buffers.row_capacity`);
     ``exchange_slot`` (row only, with a slack): each id's slot in its
     owner's buffer, from `exchange_buckets.exchange_slots`. ``capacity``:
     the row buffers' slots per destination instead of the slack's (with an
