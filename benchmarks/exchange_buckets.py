@@ -48,6 +48,7 @@ import keras_sparse as ks  # noqa: E402
 from keras_sparse import sharding  # noqa: E402
 from keras_sparse.data import prefetch  # noqa: E402
 from keras_sparse.data import zipf_ids  # noqa: E402
+from keras_sparse.sharding import jax_row_buffers as jrb  # noqa: E402
 from keras_sparse.sharding import jax_sharded_lookup as jsl  # noqa: E402
 from keras_sparse.sharding.exchange_buckets import exchange_slots  # noqa: E402
 
@@ -110,7 +111,7 @@ def lookup_alone(num_ids, rows, slacks, repeats):
     )
     out = []
     for slack in slacks:
-        capacity = jsl.row_capacity(num_ids // D, D, slack)
+        capacity = jrb.row_capacity(num_ids // D, D, slack)
         t0 = time.perf_counter()
         for _ in range(repeats):
             host = exchange_slots(ids, D, rows // D, capacity)

@@ -51,6 +51,7 @@ import keras_sparse as ks  # noqa: E402
 from keras_sparse.data import zipf_ids  # noqa: E402
 from keras_sparse.sharding import exchange_buckets as buckets  # noqa: E402
 from keras_sparse.sharding import jax_exchange_bytes as jeb  # noqa: E402
+from keras_sparse.sharding import jax_row_buffers as jrb  # noqa: E402
 from keras_sparse.sharding import jax_sharded_lookup as jsl  # noqa: E402
 from keras_sparse.sharding.exchange_buckets import bucket_fill  # noqa: E402
 
@@ -137,7 +138,7 @@ def time_table(num_ids, rows, dim, repeats):
     def fitting_slack(dedup):
         c = int(bucket_fill(ids, D, rows // D, dedup).max())
         slack = c * D / n
-        while jsl.row_capacity(n, D, slack) > c:  # float rounding
+        while jrb.row_capacity(n, D, slack) > c:  # float rounding
             slack = math.nextafter(slack, 0)
         return slack
 
@@ -154,7 +155,7 @@ def time_table(num_ids, rows, dim, repeats):
         compiled = _step(mesh, opt, s).lower(*args).compile()
         hlo = jeb.hlo_collective_bytes(compiled.as_text(), D)["total"]
         jax.block_until_ready(compiled(*args))  # warm-up
-        cap = jsl.row_capacity(n, D, s)
+        cap = jrb.row_capacity(n, D, s)
         runs.append([label, what, s, cap, hlo, compiled])
     buckets.DEDUP_EXCHANGE = True
     times = [[] for _ in runs]

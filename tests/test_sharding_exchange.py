@@ -120,7 +120,7 @@ def test_host_exchange_slots_match_a_python_reference(dedup):
 
 def test_step_takes_host_slots_without_the_in_step_check():
     from keras_sparse.sharding import jax_exchange_bytes as jeb
-    from keras_sparse.sharding import jax_sharded_lookup as jsl
+    from keras_sparse.sharding import jax_row_buffers as jrb
     from keras_sparse.sharding.exchange_buckets import exchange_slots
 
     jax, mesh, opt = _setup()
@@ -128,7 +128,7 @@ def test_step_takes_host_slots_without_the_in_step_check():
     ids[::5] = 9
     args = _args(jax, mesh, ids)
     rows = np.where(np.asarray(args[3]), ids, -1)
-    slots = exchange_slots(rows, D, ROWS // D, jsl.row_capacity(N // D, D, 4.0))
+    slots = exchange_slots(rows, D, ROWS // D, jrb.row_capacity(N // D, D, 4.0))
     put = jax.device_put(
         slots, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model"))
     )
@@ -155,7 +155,7 @@ def test_overflow_raises_instead_of_dropping():
 @pytest.mark.parametrize("slack", [None, 1.5, 4.0])
 def test_reported_bytes_match_compiled_collectives(slack):
     from keras_sparse.sharding import jax_exchange_bytes as jeb
-    from keras_sparse.sharding import jax_sharded_lookup as jsl
+    from keras_sparse.sharding import jax_row_buffers as jrb
 
     jax, mesh, opt = _setup()
     args = _args(jax, mesh, np.zeros(N, "int64"))
@@ -163,7 +163,7 @@ def test_reported_bytes_match_compiled_collectives(slack):
     measured = jeb.hlo_collective_bytes(hlo, D)
     reported = jeb.exchange_bytes("row", ROWS, DIM, N, D, slack=slack)
     assert measured["total"] == reported["total"], (measured, reported)
-    c = jsl.row_capacity(N // D, D, slack)
+    c = jrb.row_capacity(N // D, D, slack)
     assert c == {None: 32, 1.5: 6, 4.0: 16}[slack]
     check = 4 if c < N // D else 0  # the overflow check's pmax
     assert reported["total"] == D * c * (4 + 2 * DIM * 4) + check
@@ -258,7 +258,7 @@ def test_repeated_ids_fit_buffers_sized_on_distinct_ids():
 def test_in_step_distinct_slots_match_the_host_packing(n):
     import jax.numpy as jnp
 
-    from keras_sparse.sharding import jax_sharded_lookup as jsl
+    from keras_sparse.sharding import jax_row_buffers as jrb
     from keras_sparse.sharding.exchange_buckets import bucket_fill
     from keras_sparse.sharding.exchange_buckets import exchange_slots
 
@@ -267,7 +267,7 @@ def test_in_step_distinct_slots_match_the_host_packing(n):
     rows[::3] = 9  # repeats
     valid = rows >= 0
     want = exchange_slots(np.tile(rows, D), D, ROWS // D, n)[:n]
-    slot, fill = jsl._distinct_slots(jnp.asarray(rows), jnp.asarray(valid), D, 8)
+    slot, fill = jrb._distinct_slots(jnp.asarray(rows), jnp.asarray(valid), D, 8)
     np.testing.assert_array_equal(np.asarray(slot), want)
     np.testing.assert_array_equal(
         np.asarray(fill), bucket_fill(np.tile(rows, D), D, ROWS // D)[0]

@@ -265,15 +265,15 @@ def test_row_exchange_sends_distinct_keys_in_compact_buffers(monkeypatch):
     the 12 positions per device here), their gradients summed on the
     sender; training and inference still equal one device's key by key."""
     from keras_sparse.sharding import jax_key_mapping
-    from keras_sparse.sharding import jax_sharded_lookup
+    from keras_sparse.sharding import jax_row_lookup
 
-    real, seen = jax_sharded_lookup._row_forward, []
+    real, seen = jax_row_lookup._row_forward, []
 
     def spy(mesh, axis, table, ids, valid, slack, given_slot, outputs, capacity=None):
         seen.append((capacity, given_slot is not None, ids.shape[0]))
         return real(mesh, axis, table, ids, valid, slack, given_slot, outputs, capacity)
 
-    monkeypatch.setattr(jax_sharded_lookup, "_row_forward", spy)
+    monkeypatch.setattr(jax_row_lookup, "_row_forward", spy)
     x, y = _data()
     x, y = x[0][: 2 * BATCH], y[: 2 * BATCH]  # 2 steps
 

@@ -1,7 +1,7 @@
 """Bucketing a row-sharded table's ids by owner shard, on the host.
 
 A row-sharded lookup with compact exchange buffers (a
-``row_exchange_slack``, see `jax_sharded_lookup.row_capacity`) sends each
+``row_exchange_slack``, see `jax_row_buffers.row_capacity`) sends each
 device's distinct ids to their owners in a ``[D, C]`` buffer: the id at
 local position ``i`` with owner ``o = id // shard_rows`` goes to slot ``s_i``
 of row ``o``, where ``s_i`` is the number of the device's distinct ids of

@@ -5,8 +5,8 @@ step's HLO (`hlo_collective_bytes`) to check them.
 
 import re
 
+from keras_sparse.sharding.jax_row_buffers import row_capacity
 from keras_sparse.sharding.jax_sharded_lookup import ROUTED_STRATEGIES
-from keras_sparse.sharding.jax_sharded_lookup import row_capacity
 
 
 def exchange_bytes(

@@ -51,7 +51,7 @@ from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.layers.hash.key_mapper import UndoCollector
 from keras_sparse.sharding import exchange_buckets as buckets
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
-from keras_sparse.sharding.jax_sharded_lookup import _smap
+from keras_sparse.sharding.jax_shard_common import _smap
 from keras_sparse.table.keys import to_host
 from keras_sparse.table.sharded_table import key_words
 from keras_sparse.table.sharded_table import keys_of_words

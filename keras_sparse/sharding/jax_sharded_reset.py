@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from keras_sparse.ops.jax.row_writes import write_rows
-from keras_sparse.sharding.jax_sharded_lookup import _check_divisible
-from keras_sparse.sharding.jax_sharded_lookup import _smap
+from keras_sparse.sharding.jax_shard_common import _check_divisible
+from keras_sparse.sharding.jax_shard_common import _smap
 
 
 class ResetConfig:

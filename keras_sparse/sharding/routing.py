@@ -218,7 +218,7 @@ class ExchangeBuckets:
     """How an input stage buckets a row-sharded layer's ids (hashable).
 
     ``devices`` (the batch and the table are split over), ``shard_rows``
-    (rows per device), ``slack`` (`jax_sharded_lookup.row_capacity`) and
+    (rows per device), ``slack`` (`jax_row_buffers.row_capacity`) and
     ``dedup`` (distinct ids share a slot: the step's ``DEDUP_EXCHANGE``).
     """
 
@@ -228,7 +228,7 @@ class ExchangeBuckets:
     dedup: bool = True
 
     def capacity(self, num_ids):
-        from keras_sparse.sharding.jax_sharded_lookup import row_capacity
+        from keras_sparse.sharding.jax_row_buffers import row_capacity
 
         return row_capacity(num_ids // self.devices, self.devices, self.slack)
 
