@@ -135,7 +135,7 @@ class Journal:
 class Lookahead:
     """``layer.stage_lookahead``: ``(layer, trained steps) -> undo records`` of
     the calls its table got for batches not trained yet (see
-    `keras_sparse.layers.hash.records`). Holds its engine and the model the
+    `keras_sparse.layers.hash.record_export`). Holds its engine and the model the
     stage feeds weakly."""
 
     def __init__(self, engine, model=None):

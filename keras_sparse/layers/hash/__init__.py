@@ -6,9 +6,11 @@ fixed-capacity device table through a hash table (`keras_sparse.table`).
 `table_mapping` (keys to rows through the table), `key_calls` (a call
 given keys), `row_output` (rows to vectors, fresh rows drawn),
 `stage_feed` (a call given an input stage's codes, and the stage's hold),
-`records` (exports, imports, checkpoints); `ttl_state` checks and saves
-its time to live, `trained_rows` reads rows as of the last trained step
-while a stage runs ahead. The helpers, one concept each:
+`records` (exports, imports, checkpoints: `record_export`,
+`record_import`, `record_saving`, `record_loading`, `record_store`);
+`ttl_state` checks and saves its time to live, `trained_rows` reads rows
+as of the last trained step while a stage runs ahead. The helpers, one
+concept each:
 
 * key mapping: `key_mapper` (the one interface of every route,
   `KeyMapper`, and its result `MappedKeys`), `key_mapping` (the routes),
@@ -17,6 +19,6 @@ while a stage runs ahead. The helpers, one concept each:
   `tf_string_hash`, `table_users`;
 * rows a call admits: `fresh_rows`, `keyed_fresh_rows`;
 * what the input stage hands over: `prepared_inputs`;
-* checkpoints and serving: `records`, `record_placement`, `serving_map`,
-  `serving_export`, `serving_hooks`.
+* checkpoints and serving: `records`, `record_placement`,
+  `record_progress`, `serving_map`, `serving_export`, `serving_hooks`.
 """
