@@ -1,7 +1,10 @@
 """Constructor arguments in the user's terms: unknown names get the close
-valid ones, missing required ones say what they mean."""
+valid ones, missing required ones say what they mean, sizes must be
+positive integers."""
 
 import difflib
+
+import numpy as np
 
 #: Keyword arguments every Keras layer takes (`keras.layers.Layer`).
 KERAS_LAYER_ARGS = (
@@ -87,3 +90,17 @@ def check_choice(layer_name, name, value, choices):
         f"Layer '{layer_name}': unknown `{name}`={value!r}{hint}. Valid choices "
         f"are {', '.join(repr(c) for c in choices)}."
     )
+
+
+def check_positive_int(where, name, value):
+    """Raises ValueError unless ``value`` is a positive integer (a bool is
+    not); ``where`` opens the message (e.g. ``"Layer 'name'"``)."""
+    if (
+        not isinstance(value, (int, np.integer))
+        or isinstance(value, bool)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{where}: `{name}` must be a positive integer. Received: "
+            f"{name}={value!r} (of type {type(value).__name__})."
+        )

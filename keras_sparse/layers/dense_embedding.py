@@ -1,79 +1,29 @@
-"""AllToAllDenseEmbedding: a drop-in for keras.layers.Embedding."""
+"""AllToAllDenseEmbedding: a drop-in for keras.layers.Embedding.
+
+The layer class: construction, build, lookups and the cache's methods.
+Its argument checks are in `keras_sparse.layers.dense_embedding_arguments`,
+its weights and saves in `keras_sparse.layers.dense_embedding_saves`, its
+change tracking and delta exports in
+`keras_sparse.layers.dense_embedding_deltas`, LoRA and int8/int4 tables in
+`keras_sparse.layers.dense_embedding_quantization`.
+"""
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_sparse.backend_utils import is_tf_ragged
-from keras_sparse.layers import dense_deltas
+from keras_sparse.layers import dense_embedding_arguments as arguments
+from keras_sparse.layers import dense_embedding_deltas as deltas
+from keras_sparse.layers import dense_embedding_quantization as quantization
+from keras_sparse.layers import dense_embedding_saves as saves
 from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
-from keras_sparse.layers import placement
 from keras_sparse.layers import pooling
-from keras_sparse.layers import quantized_rows
 from keras_sparse.layers import row_changes
-from keras_sparse.layers.arguments import check_known
-from keras_sparse.layers.record_checks import checked_step_count
 from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
-from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
 from keras_sparse.layers.table_storage import TableStorage
-
-
-def _check_positive_int(layer_name, name, value):
-    if (
-        not isinstance(value, (int, np.integer))
-        or isinstance(value, bool)
-        or value <= 0
-    ):
-        raise ValueError(
-            f"Layer '{layer_name}': `{name}` must be a positive integer. "
-            f"Received: {name}={value!r} (of type {type(value).__name__})."
-        )
-
-
-def _refuse_with_sparse_optimizer(layer_name, argument, value, error=ValueError):
-    raise error(
-        f"Layer '{layer_name}': `{argument}`={value!r} needs optimizer=None. "
-        "LoRA and quantized tables are Keras Embedding features whose "
-        "variables the model's optimizer trains (or nothing trains); a "
-        "sparse optimizer updates the table's rows itself. Pass "
-        "optimizer=None, or drop the argument."
-    )
-
-
-def _quantized_policy(dtype):
-    """Whether ``dtype`` (a layer's ``dtype`` argument) is int8/int4."""
-    if dtype is None:
-        return False
-    try:
-        mode = keras.dtype_policies.get(dtype).quantization_mode
-    except (ValueError, TypeError):
-        return False
-    return mode in quantized_rows.MODES
-
-
-_OWN_ARGUMENTS = (
-    "input_dim",
-    "output_dim",
-    "embeddings_initializer",
-    "embeddings_regularizer",
-    "embeddings_constraint",
-    "mask_zero",
-    "weights",
-    "lora_rank",
-    "lora_alpha",
-    "quantization_config",
-    "combiner",
-    "optimizer",
-    "sharding",
-    "cache_rows",
-    "store",
-    "track_changes",
-    *STORAGE_ARGUMENTS,
-    "input_length",  # deprecated by Keras, which warns and drops it
-)
 
 
 @keras.saving.register_keras_serializable(package="keras_sparse")
@@ -185,28 +135,20 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         **kwargs,
     ):
         name = kwargs.get("name") or "embedding"
-        check_known(name, "AllToAllDenseEmbedding", kwargs, _OWN_ARGUMENTS)
-        _check_positive_int(name, "input_dim", input_dim)
-        _check_positive_int(name, "output_dim", output_dim)
-        track_changes = row_changes.check_flag(name, track_changes)
-        row_changes.check_sparse(name, track_changes, optimizer)
-        store_spec = None
-        if cache_rows is not None or store is not None:
-            store_spec = cache_checks.check_arguments(
-                f"Layer '{name}'", input_dim, cache_rows, store, optimizer, sharding,
-                mask_zero=mask_zero, lora_rank=lora_rank,
-                quantization_config=quantization_config,
-            )  # fmt: skip
-        if optimizer is not None:
-            # A quantized layer's config (a save of `quantize()`'s result)
-            # holds the config it was quantized with.
-            quantized = _quantized_policy(kwargs.get("dtype"))
-            for arg, value in (
-                ("lora_rank", lora_rank),
-                ("quantization_config", None if quantized else quantization_config),
-            ):
-                if value is not None:
-                    _refuse_with_sparse_optimizer(name, arg, value)
+        track_changes, store_spec = arguments.checked(
+            name,
+            kwargs,
+            input_dim,
+            output_dim,
+            mask_zero=mask_zero,
+            lora_rank=lora_rank,
+            quantization_config=quantization_config,
+            optimizer=optimizer,
+            sharding=sharding,
+            cache_rows=cache_rows,
+            store=store,
+            track_changes=track_changes,
+        )
         keras.layers.Embedding.__init__(
             self,
             int(input_dim),
@@ -224,7 +166,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         storage.check_no_store(name, store_spec, "cache_rows")
         self._init_sparse(combiner, optimizer, sharding, storage)
         if self.quantization_mode and store_spec is not None:
-            _refuse_with_sparse_optimizer(self.name, "dtype", self.dtype_policy.name)
+            quantization.refuse_with_sparse_optimizer(
+                self.name, "dtype", self.dtype_policy.name
+            )
         self.num_rows = self.input_dim
         self.cache_rows = None if cache_rows is None else int(cache_rows)
         self.store = store_spec
@@ -258,34 +202,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         # the trainer hook refuses those beyond int32 before the step.
         jax_full_keys.install()
         if weights is not None:
-            self._set_initial_weights(weights)
-
-    def _set_initial_weights(self, weights):
-        self.build()
-        if isinstance(weights, (list, tuple)) and len(weights) == 1:
-            weights = weights[0]
-        weights = np.asarray(weights)
-        if weights.shape != (self.input_dim, self.output_dim):
-            raise ValueError(
-                f"Layer '{self.name}': `weights` must have shape "
-                f"{(self.input_dim, self.output_dim)}; received {weights.shape}."
-            )
-        if self.row_cache is not None:  # the store's values; slots unchanged
-            table = self.row_cache.full_table()
-            table["values"] = weights
-            self.row_cache.write_table(table)
-            return
-        if self.quantization_mode:
-            raise ValueError(
-                f"Layer '{self.name}': `weights` cannot initialize a quantized "
-                "table; build the float layer, set its weights, then quantize."
-            )
-        # Padded to the variable's rows when a distribution pads the table
-        # (or cut to this device's part).
-        hooks = placement.provider()
-        hooks.assign_value(
-            self, self._embeddings, hooks.padded_value(self, self._embeddings, weights)
-        )
+            saves.set_initial_weights(self, weights)
 
     # ----------------------------------------------------------------- build
     def build(self, input_shape=None):
@@ -356,17 +273,6 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         counter = holder.sparse_iterations
         return int(ops.convert_to_numpy(counter))
 
-    def _table_arrays(self):
-        """``{"values"|slot name: [input_dim, ...]}`` of the whole table."""
-        if self.row_cache is not None:
-            return self.row_cache.full_table()
-        hooks = placement.provider()
-        named = self._named_variables()
-        out = {"values": np.asarray(hooks.unpadded_value(self, named["0"]))}
-        for name, slot in self.slots.items():
-            out[name] = np.asarray(hooks.unpadded_value(self, slot))
-        return out
-
     def export(self, since_step=-1):
         """The rows changed after step ``since_step`` (-1: every row) as a
         delta: ``keys`` (row ids), ``values``, the optimizer slots by name
@@ -374,67 +280,20 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         ``dtype``); `keras_sparse.apply_delta` applies deltas in order
         (see `keras_sparse.layers.dense_deltas`). Needs
         ``track_changes=True``."""
-        if not self.track_changes:
-            raise dense_deltas.not_tracked(self.name)
-        if not self.built:
-            self.build()
-        dense_deltas.check_trainable(self.name, self.quantization_mode)
-        step = self._step()
-        since = dense_deltas.checked_since(self.name, since_step, step)
-        steps = row_changes.host_steps(self._changes())
-        return dense_deltas.delta(self.name, since, step, steps, self._table_arrays())
+        return deltas.export(self, since_step)
 
-    def _written(self, write, saved_steps=None):
-        """Runs ``write()`` (a set or load of the whole table); with
-        tracking, marks the rows it changed (`row_changes.after_write`)."""
-        if self._changes() is None or self.quantization_mode:  # none, or frozen
-            return write()
-        before, step = self._table_arrays(), self._step()
-        out = write()
-        after = self._table_arrays()
-        changed = row_changes.changed_rows(list(before.values()), list(after.values()))
-        row_changes.after_write(self._changes(), changed, step, saved_steps)
-        return out
-
+    # ------------------------------------------------------ LoRA, quantization
     def enable_lora(
         self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"
     ):
-        if self.uses_sparse_update:
-            _refuse_with_sparse_optimizer(self.name, "lora_rank", rank)
-        keras.layers.Embedding.enable_lora(
-            self, rank, lora_alpha, a_initializer, b_initializer
-        )
+        quantization.enable_lora(self, rank, lora_alpha, a_initializer, b_initializer)
 
     def quantize(self, mode=None, type_check=True, config=None):
         # As Keras does for its own subclasses: a subclass of this layer may
         # have state the quantized variables would not cover.
         if type_check and type(self) is not Embedding:
             raise self._not_implemented_error(self.quantize)
-        quantized_rows.check_mode(self.name, mode)
-        sharded = self.placement is not None or placement.provider().route(self)
-        if self.row_cache is not None or sharded:
-            # NotImplementedError: Model.quantize skips such layers.
-            raise NotImplementedError(
-                f"Layer '{self.name}': `quantize` needs a table held whole in "
-                "the layer's variables; this one is cached over a store "
-                "(`cache_rows`) or sharded. Quantize a copy built without "
-                "them (set_weights moves the table)."
-            )
-        training_state = [self._embeddings, *self.slots.values()]
-        keras.layers.Embedding.quantize(self, mode, type_check=False, config=config)
-        if self.uses_sparse_update:
-            # The frozen table needs no optimizer state (as Keras drops the
-            # float table): slots, scratch, step counter and anchor go.
-            quantized_rows.untrack(self, training_state[1:])
-            scratches = getattr(self, "_dedup_scratch_by_table", {})
-            name = scratches.pop(training_state[0].path, None)
-            if name is not None:
-                self._tracker.untrack(getattr(self, f"_dedup_scratch_{name}"))
-            self.slots = {}
-            for name in ("sparse_iterations", "sparse_anchor"):
-                if getattr(self, name, None) is not None:
-                    delattr(self, name)  # untracks the variable
-            self.sparse_anchor = None
+        quantization.quantize(self, mode, config)
 
     # ------------------------------------------------------------------ call
     def __call__(self, inputs, *args, **kwargs):
@@ -486,20 +345,7 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
 
     def quantized_call(self, inputs, weights=None, training=None):
         """Keras's int8/int4 lookups, with combiners and per-id weights."""
-        if training and self.trainable and self.uses_sparse_update:
-            raise quantized_rows.training_error(self.name, "a sparse update")
-        keras_call = keras.layers.Embedding.quantized_call
-        if (
-            self.combiner is None
-            and weights is None
-            and not input_forms.is_ragged_or_sparse(inputs)
-        ):
-            return keras_call(self, inputs, training=training)
-        ids, weights, valid = self._ids(inputs, weights)
-        safe = ops.where(valid, ids, ops.zeros_like(ids))
-        rows = keras_call(self, safe, training=training)
-        rows = ops.where(ops.expand_dims(valid, -1), rows, ops.zeros_like(rows))
-        return ops.cast(self.combine(rows, weights, valid), self.compute_dtype)
+        return quantization.quantized_call(self, inputs, weights, training)
 
     def compute_mask(self, inputs, mask=None):
         if not self.mask_zero or self.combiner is not None:
@@ -512,10 +358,6 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         return keras.KerasTensor(shape, dtype=self.compute_dtype, ragged=ragged)
 
     # ----------------------------------------------------------------- state
-    def _keras_state(self):
-        """True where Keras's own save/load applies (quantized or LoRA)."""
-        return bool(self.quantization_mode) or self.lora_enabled
-
     def _named_variables(self):
         # The table under Keras's key "0", so weight files move both ways
         # between this layer and keras.layers.Embedding.
@@ -525,161 +367,28 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
             named["sparse_iterations"] = self.sparse_iterations
         return named
 
-    def _cache_entries(self):
-        """``{file entry: full-table field}`` of a layer with ``cache_rows``
-        (the entries of the same layer without a cache)."""
-        entries = {"0": "values"}
-        entries.update({f"slot_{k}": k for k in self.row_cache.slots})
-        return entries
-
     def get_weights(self):
         if self.row_cache is None:
             return super().get_weights()
-        if not self.built:
-            self.build()
-        table = self.row_cache.full_table()
-        iterations = ops.convert_to_numpy(self.row_cache.sparse_iterations)
-        return [table[f] for f in self._cache_entries().values()] + [iterations]
+        return saves.cached_weights(self)
 
     def set_weights(self, weights):
         if self.row_cache is not None and not self.built:
             self.build()
         if not self.built:
             return self._set_weights(weights)
-        return self._written(lambda: self._set_weights(weights))
+        return deltas.written(self, lambda: self._set_weights(weights))
 
     def _set_weights(self, weights):
         if self.row_cache is None:
             return super().set_weights(weights)
-        fields = list(self._cache_entries().values())
-        shapes = [(self.input_dim, int(v.shape[1])) for v in self._cache_vars()]
-        weights = list(weights)
-        got = [tuple(np.shape(w)) for w in weights]
-        if got != shapes + [()]:
-            raise ValueError(
-                f"Layer '{self.name}': set_weights() takes the whole table as "
-                f"get_weights() gives it ({fields} then the step count): "
-                f"shapes {shapes + [()]}; received {got}. Nothing was set."
-            )
-        self.row_cache.write_table(dict(zip(fields, weights)), weights[-1])
-
-    def _cache_vars(self):
-        return [self.row_cache.embeddings, *self.row_cache.slots.values()]
+        saves.set_cached_weights(self, weights)
 
     def save_own_variables(self, store):
-        if not self.built:
-            return
-        if self._changes() is not None and not self._keras_state():
-            store[row_changes.SAVED] = row_changes.host_steps(self._changes())
-        if self.row_cache is not None:
-            from keras_sparse.layers import store_assets
-
-            if store_assets.expected():  # the table goes in the row cache's assets
-                store[_TABLE_IN_ASSETS] = np.int64(self.input_dim)
-                store["sparse_iterations"] = ops.convert_to_numpy(
-                    self.row_cache.sparse_iterations
-                )
-                return
-            # The whole table under the entries of a layer without a cache.
-            table = self.row_cache.full_table()
-            for entry, field in self._cache_entries().items():
-                store[entry] = table[field]
-            store["sparse_iterations"] = ops.convert_to_numpy(
-                self.row_cache.sparse_iterations
-            )
-            return
-        if self._keras_state():
-            keras.layers.Embedding.save_own_variables(self, store)
-            return
-        # Unpadded arrays (sharding hook), so checkpoints load on any mesh.
-        for name, variable in self._named_variables().items():
-            store[name] = placement.provider().unpadded_value(self, variable)
+        saves.save_own_variables(self, store)
 
     def load_own_variables(self, store):
-        if self._keras_state():
-            keras.layers.Embedding.load_own_variables(self, store)
-            return
-        saved = None
-        if self.track_changes and row_changes.SAVED in set(store.keys()):
-            saved = np.asarray(store[row_changes.SAVED], np.int64)
-            if saved.shape != (self.input_dim,):
-                raise ValueError(
-                    f"Layer '{self.name}': the saved `{row_changes.SAVED}` must "
-                    f"hold one step per row, shape ({self.input_dim},); "
-                    f"received {saved.shape}. Nothing was loaded."
-                )
-        self._written(lambda: self._load_variables(store), saved)
-
-    def _load_variables(self, store):
-        if self.row_cache is not None:
-            self._load_cached(store)
-            return
-        named = self._named_variables()
-        if not len(store.keys()):
-            store = _store_of_version_0_1(store)
-        keys = set(store.keys())
-        if "0" not in keys and "embeddings" in keys:  # files of keras_sparse 0.1
-            named["embeddings"] = named.pop("0")
-        missing = [name for name in named if name not in keys]
-        if missing:
-            raise ValueError(
-                f"Layer '{self.name}': the saved state has no {missing} "
-                f"(it holds {sorted(keys)}); nothing was loaded. A table saved "
-                "without a sparse optimizer cannot restore one's slots: "
-                "build the layer as it was saved, load, then change it."
-            )
-        values = {}
-        hooks = placement.provider()
-        for name, variable in named.items():
-            value = np.asarray(hooks.padded_value(self, variable, store[name]))
-            expected = tuple(hooks.loaded_shape(self, variable))
-            if value.shape != expected:
-                raise ValueError(
-                    f"Layer '{self.name}': saved '{name}' has shape "
-                    f"{value.shape}, the layer's variable {expected}"
-                    "; nothing was loaded."
-                )
-            if name == "sparse_iterations":
-                value = checked_step_count(self.name, value, variable)
-            values[name] = value
-        for name, variable in named.items():
-            hooks.assign_value(self, variable, values[name])
-
-    def _load_cached(self, store):
-        entries = self._cache_entries()
-        keys = set(store.keys())
-        if _TABLE_IN_ASSETS in keys:
-            from keras_sparse.layers import store_assets
-
-            if not store_assets.expected():
-                raise store_assets.missing_assets_error(self.name, self.input_dim)
-            value = checked_step_count(
-                self.name,
-                np.asarray(store["sparse_iterations"]),
-                self.row_cache.sparse_iterations,
-            )
-            self.row_cache.sparse_iterations.assign(value)
-            # The row cache's `load_assets` (called next) brings the table.
-            self.row_cache.table_in_assets = self.input_dim
-            return
-        missing = [e for e in [*entries, "sparse_iterations"] if e not in keys]
-        if missing:
-            raise ValueError(
-                f"Layer '{self.name}': the saved state has no {missing} "
-                f"(it holds {sorted(keys)}); nothing was loaded."
-            )
-        arrays = {}
-        for (entry, field), var in zip(entries.items(), self._cache_vars()):
-            value = store[entry]
-            want = (self.input_dim, int(var.shape[1]))
-            if tuple(value.shape) != want:
-                raise ValueError(
-                    f"Layer '{self.name}': saved '{entry}' has shape "
-                    f"{tuple(value.shape)}, the layer's table {want}; nothing "
-                    "was loaded."
-                )
-            arrays[field] = value
-        self.row_cache.write_table(arrays, store["sparse_iterations"])
+        saves.load_own_variables(self, store)
 
     def get_config(self):
         config = super().get_config()
@@ -693,32 +402,6 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         if self.track_changes:
             config["track_changes"] = True
         return config
-
-
-#: Weights entry of a model save whose table is in the row cache's assets.
-_TABLE_IN_ASSETS = "table_in_assets"
-
-
-def _store_of_version_0_1(store):
-    """The layer's entry in a Keras file of keras_sparse 0.1, else ``store``.
-
-    That version's class was named ``AllToAllDenseEmbedding``, so Keras files
-    placed its weights at ``.../all_to_all_dense_embedding[_N]`` where they
-    now place them at ``.../embedding[_N]`` (the N-th drop-in of a container
-    in both; a model mixing it with keras.layers.Embedding numbers them
-    together now). Keras's H5 store can be pointed at another path.
-    """
-    path = getattr(store, "_h5_entry_path", None)
-    if not path or not callable(getattr(store, "get", None)):
-        return store
-    head, _, last = path.rpartition("/")
-    if not last.startswith("embedding"):
-        return store
-    legacy = f"{head}/all_to_all_dense_{last}" if head else f"all_to_all_dense_{last}"
-    try:
-        return store.get(legacy)
-    except (ValueError, KeyError, OSError):
-        return store
 
 
 # The public name. The class itself is named ``Embedding`` because Keras
