@@ -3,27 +3,15 @@ tables given to a collection (a `TableConfig` or a dict of its arguments)
 and the caches of its tables with ``cache_rows``."""
 
 import keras
-import numpy as np
 
 from keras_sparse import store as row_stores
 from keras_sparse.layers import pooling
 from keras_sparse.layers.arguments import check_fields
+from keras_sparse.layers.arguments import check_positive_int
 from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.sparse_embedding_base import check_sharding
 from keras_sparse.layers.table_storage import ARGUMENTS as STORAGE_ARGUMENTS
 from keras_sparse.layers.table_storage import TableStorage
-
-
-def _check_positive_int(where, name, value):
-    if (
-        not isinstance(value, (int, np.integer))
-        or isinstance(value, bool)
-        or value <= 0
-    ):
-        raise ValueError(
-            f"{where}: `{name}` must be a positive integer. Received: "
-            f"{name}={value!r} (of type {type(value).__name__})."
-        )
 
 
 class TableConfig:
@@ -85,8 +73,8 @@ class TableConfig:
             where, table_dtype, stochastic_rounding, slot_dtype, where=where
         )
         self.storage.check_no_store(where, cache_rows, "cache_rows")
-        _check_positive_int(where, "input_dim", input_dim)
-        _check_positive_int(where, "output_dim", output_dim)
+        check_positive_int(where, "input_dim", input_dim)
+        check_positive_int(where, "output_dim", output_dim)
         pooling.check_combiner(where, combiner)
         check_sharding(where, sharding)
         self.input_dim = int(input_dim)

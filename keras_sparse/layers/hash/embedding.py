@@ -8,6 +8,7 @@ from keras_sparse.layers import placement
 from keras_sparse.layers.arguments import check_choice
 from keras_sparse.layers.arguments import check_given
 from keras_sparse.layers.arguments import check_known
+from keras_sparse.layers.arguments import check_positive_int
 from keras_sparse.layers.hash import deltas
 from keras_sparse.layers.hash import serving_hooks
 from keras_sparse.layers.hash import serving_map
@@ -271,15 +272,7 @@ class DistributedHashEmbedding(
             name, cls_name, "capacity", capacity, "rows of the hash table", kwargs
         )
         for arg, value in (("output_dim", output_dim), ("capacity", capacity)):
-            if (
-                not isinstance(value, (int, np.integer))
-                or isinstance(value, bool)
-                or value <= 0
-            ):
-                raise ValueError(
-                    f"Layer '{name}': `{arg}` must be a positive integer. "
-                    f"Received: {arg}={value!r} (of type {type(value).__name__})."
-                )
+            check_positive_int(f"Layer '{name}'", arg, value)
         if (
             not isinstance(admit_after, (int, np.integer))
             or isinstance(admit_after, bool)
