@@ -363,6 +363,46 @@ class KerasSparseRowUpdate16Op : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("KerasSparseRowUpdate16").Device(DEVICE_CPU),
                         KerasSparseRowUpdate16Op);
 
+// Runs body(table, id, ok) with the float32 [rows, dim] table of resource
+// input 0 under a shared lock (a sparse read, as TensorFlow's own
+// ResourceGather), after checking the table's dtype and width and that
+// every valid id is one of its rows; errors name ``op``.
+template <typename Body>
+void ks_read_table(OpKernelContext* ctx, const std::string& op, int64_t dim,
+                   const Tensor& ids, const Tensor& valid, Body body) {
+  const int64_t n = ids.NumElements();
+  tensorflow::core::RefCountPtr<tensorflow::Var> var;
+  OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
+                          ctx, tensorflow::HandleFromInput(ctx, 0), &var));
+  {
+    // Checked before EnsureSparseVariableAccess, which copies as float.
+    tensorflow::tf_shared_lock lock(*var->mu());
+    const Tensor& table = *var->tensor();
+    OP_REQUIRES(ctx,
+                table.dtype() == tensorflow::DT_FLOAT && table.dims() == 2 &&
+                    table.dim_size(1) == dim,
+                absl::InvalidArgumentError(
+                    op + ": the table " + table.shape().DebugString() +
+                    " is not float32 of width " + std::to_string(dim)));
+  }
+  OP_REQUIRES_OK(ctx, tensorflow::EnsureSparseVariableAccess<CPUDevice, float>(
+                          ctx, var.get()));
+  tensorflow::tf_shared_lock lock(*var->mu());
+  const Tensor& table = *var->tensor();
+  OP_REQUIRES(ctx, table.dims() == 2 && table.dim_size(1) == dim,
+              absl::InvalidArgumentError(op + ": the table changed shape"));
+  const int64_t num_rows = table.dim_size(0);
+  const int32_t* id = ids.flat<int32_t>().data();
+  const uint8_t* ok = reinterpret_cast<const uint8_t*>(valid.flat<bool>().data());
+  const int64_t bad = ks_first_outside(id, ok, n, num_rows);
+  OP_REQUIRES(ctx, bad < 0,
+              absl::InvalidArgumentError(
+                  op + ": id " + std::to_string(id[bad]) + " at position " +
+                  std::to_string(bad) + " is outside the table's rows [0, " +
+                  std::to_string(num_rows) + ")"));
+  body(table, id, ok);
+}
+
 // rows[p] = table[ids[p]] where valid[p], else zeros. A lookup's rows are
 // random accesses into a table far larger than the caches; TensorFlow's
 // gather copies them one after another, each waiting for its miss. Here the
@@ -399,49 +439,20 @@ class KerasSparseGatherRowsOp : public OpKernel {
                     ids.shape().DebugString() + ", " +
                     valid.shape().DebugString()));
     const int64_t n = ids.NumElements();
-    tensorflow::core::RefCountPtr<tensorflow::Var> var;
-    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
-                            ctx, tensorflow::HandleFromInput(ctx, 0), &var));
-    {
-      // Checked before EnsureSparseVariableAccess, which copies as float.
-      tensorflow::tf_shared_lock lock(*var->mu());
-      const Tensor& table = *var->tensor();
-      OP_REQUIRES(ctx,
-                  table.dtype() == tensorflow::DT_FLOAT && table.dims() == 2 &&
-                      table.dim_size(1) == dim_,
-                  absl::InvalidArgumentError(
-                      "KerasSparseGatherRows: the table " +
-                      table.shape().DebugString() +
-                      " is not float32 of width " + std::to_string(dim_)));
-    }
-    // As TensorFlow's own ResourceGather: a sparse read under a shared lock.
-    OP_REQUIRES_OK(ctx, tensorflow::EnsureSparseVariableAccess<CPUDevice, float>(
-                            ctx, var.get()));
-    tensorflow::tf_shared_lock lock(*var->mu());
-    const Tensor& table = *var->tensor();
-    OP_REQUIRES(ctx, table.dims() == 2 && table.dim_size(1) == dim_,
-                absl::InvalidArgumentError("KerasSparseGatherRows: the table "
-                                           "changed shape"));
-    const int64_t num_rows = table.dim_size(0);
-    const int32_t* id = ids.flat<int32_t>().data();
-    const uint8_t* ok = reinterpret_cast<const uint8_t*>(valid.flat<bool>().data());
-    const int64_t bad = ks_first_outside(id, ok, n, num_rows);
-    OP_REQUIRES(ctx, bad < 0,
-                absl::InvalidArgumentError(
-                    "KerasSparseGatherRows: id " + std::to_string(id[bad]) +
-                    " at position " + std::to_string(bad) +
-                    " is outside the table's rows [0, " +
-                    std::to_string(num_rows) + ")"));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out));
-    const float* src = table.flat<float>().data();
-    float* dst = out->flat<float>().data();
-    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
-    // A row costs a cache miss (~100 ns) more than its copy.
-    tensorflow::Shard(workers.num_threads, workers.workers, n, 300 + dim_,
-                      [&](int64_t lo, int64_t hi) {
-                        ks_gather_rows_f32(src, id, ok, lo, hi, dim_, dst);
-                      });
+    ks_read_table(ctx, "KerasSparseGatherRows", dim_, ids, valid,
+                  [&](const Tensor& table, const int32_t* id,
+                      const uint8_t* ok) {
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out));
+      const float* src = table.flat<float>().data();
+      float* dst = out->flat<float>().data();
+      const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+      // A row costs a cache miss (~100 ns) more than its copy.
+      tensorflow::Shard(workers.num_threads, workers.workers, n, 300 + dim_,
+                        [&](int64_t lo, int64_t hi) {
+                          ks_gather_rows_f32(src, id, ok, lo, hi, dim_, dst);
+                        });
+                  });
   }
 
  private:
@@ -494,50 +505,23 @@ class KerasSparseGatherSumsOp : public OpKernel {
                     "fit: " + ids.shape().DebugString() + ", " +
                     valid.shape().DebugString()));
     const int64_t n = ids.NumElements();
-    tensorflow::core::RefCountPtr<tensorflow::Var> var;
-    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
-                            ctx, tensorflow::HandleFromInput(ctx, 0), &var));
-    {
-      tensorflow::tf_shared_lock lock(*var->mu());
-      const Tensor& table = *var->tensor();
-      OP_REQUIRES(ctx,
-                  table.dtype() == tensorflow::DT_FLOAT && table.dims() == 2 &&
-                      table.dim_size(1) == dim_,
-                  absl::InvalidArgumentError(
-                      "KerasSparseGatherSums: the table " +
-                      table.shape().DebugString() +
-                      " is not float32 of width " + std::to_string(dim_)));
-    }
-    OP_REQUIRES_OK(ctx, tensorflow::EnsureSparseVariableAccess<CPUDevice, float>(
-                            ctx, var.get()));
-    tensorflow::tf_shared_lock lock(*var->mu());
-    const Tensor& table = *var->tensor();
-    OP_REQUIRES(ctx, table.dims() == 2 && table.dim_size(1) == dim_,
-                absl::InvalidArgumentError("KerasSparseGatherSums: the table "
-                                           "changed shape"));
-    const int64_t num_rows = table.dim_size(0);
-    const int32_t* id = ids.flat<int32_t>().data();
-    const uint8_t* ok = reinterpret_cast<const uint8_t*>(valid.flat<bool>().data());
-    const int64_t bad = ks_first_outside(id, ok, n, num_rows);
-    OP_REQUIRES(ctx, bad < 0,
-                absl::InvalidArgumentError(
-                    "KerasSparseGatherSums: id " + std::to_string(id[bad]) +
-                    " at position " + std::to_string(bad) +
-                    " is outside the table's rows [0, " +
-                    std::to_string(num_rows) + ")"));
-    const int64_t bags = n / bag_;
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx,
-                   ctx->allocate_output(0, TensorShape({bags, dim_}), &out));
-    const float* src = table.flat<float>().data();
-    float* dst = out->flat<float>().data();
-    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
-    // A row costs a cache miss (~100 ns) more than its sum.
-    tensorflow::Shard(workers.num_threads, workers.workers, bags,
-                      bag_ * (300 + dim_), [&](int64_t lo, int64_t hi) {
-                        ks_gather_sums_f32(src, id, ok, bag_, lo, hi, dim_,
-                                           dst);
-                      });
+    ks_read_table(ctx, "KerasSparseGatherSums", dim_, ids, valid,
+                  [&](const Tensor& table, const int32_t* id,
+                      const uint8_t* ok) {
+      const int64_t bags = n / bag_;
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx,
+                     ctx->allocate_output(0, TensorShape({bags, dim_}), &out));
+      const float* src = table.flat<float>().data();
+      float* dst = out->flat<float>().data();
+      const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+      // A row costs a cache miss (~100 ns) more than its sum.
+      tensorflow::Shard(workers.num_threads, workers.workers, bags,
+                        bag_ * (300 + dim_), [&](int64_t lo, int64_t hi) {
+                          ks_gather_sums_f32(src, id, ok, bag_, lo, hi, dim_,
+                                             dst);
+                        });
+                  });
   }
 
  private:
