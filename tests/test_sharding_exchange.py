@@ -267,7 +267,7 @@ def test_in_step_distinct_slots_match_the_host_packing(n):
     rows[::3] = 9  # repeats
     valid = rows >= 0
     want = exchange_slots(np.tile(rows, D), D, ROWS // D, n)[:n]
-    slot, fill = jrb._distinct_slots(jnp.asarray(rows), jnp.asarray(valid), D, 8)
+    slot, fill = jrb.distinct_slots(jnp.asarray(rows), jnp.asarray(valid), D, 8)
     np.testing.assert_array_equal(np.asarray(slot), want)
     np.testing.assert_array_equal(
         np.asarray(fill), bucket_fill(np.tile(rows, D), D, ROWS // D)[0]

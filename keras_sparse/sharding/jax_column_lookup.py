@@ -16,9 +16,9 @@ from keras_sparse.ops.jax.lookup import chained_state
 from keras_sparse.ops.jax.lookup import instantiate
 from keras_sparse.ops.jax.lookup import primal_values
 from keras_sparse.ops.row_rounding import to_compute
-from keras_sparse.sharding.jax_shard_common import _apply_update
-from keras_sparse.sharding.jax_shard_common import _check_divisible
-from keras_sparse.sharding.jax_shard_common import _smap
+from keras_sparse.sharding.jax_shard_common import check_divisible
+from keras_sparse.sharding.jax_shard_common import smap
+from keras_sparse.sharding.jax_shard_common import update_owned_rows
 
 
 def _column_forward_local(axis, d, table, ids, valid):
@@ -35,19 +35,19 @@ def _column_forward_local(axis, d, table, ids, valid):
 def column_gather(mesh, axis, table, ids, valid):
     """Column-sharded gather, differentiable by JAX (dense table gradient)."""
     d = mesh.shape[axis]
-    _check_divisible("embedding dim", table.shape[1], d)
-    _check_divisible("number of ids", ids.shape[0], d)
+    check_divisible("embedding dim", table.shape[1], d)
+    check_divisible("number of ids", ids.shape[0], d)
 
     def local(table, ids, valid):
         return _column_forward_local(axis, d, table, ids, valid)[0]
 
-    return _smap(local, mesh, (P(None, axis), P(axis), P(axis)), P(axis))(
+    return smap(local, mesh, (P(None, axis), P(axis), P(axis)), P(axis))(
         table, ids, valid
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _column_lookup(cfg, table, slots, ids, valid, iterations):
+def column_lookup(cfg, table, slots, ids, valid, iterations):
     """``(rows, table, slots)``; the state passed on as in `jax_lookup._lookup`."""
     return column_gather(cfg.mesh, cfg.axis, table, ids, valid), table, slots
 
@@ -57,15 +57,15 @@ def _column_fwd(cfg, table, slots, ids, valid, iterations):
         (table, slots, ids, valid, iterations)
     )
     d, axis = cfg.num_shards, cfg.axis
-    _check_divisible("embedding dim", table.shape[1], d)
-    _check_divisible("number of ids", ids.shape[0], d)
+    check_divisible("embedding dim", table.shape[1], d)
+    check_divisible("number of ids", ids.shape[0], d)
 
     def local(table, ids, valid):
         rows, all_ids, all_valid = _column_forward_local(axis, d, table, ids, valid)
         # Every device holds the same gathered ids; keep one copy per device.
         return rows, all_ids[None], all_valid[None]
 
-    rows, all_ids, all_valid = _smap(
+    rows, all_ids, all_valid = smap(
         local,
         cfg.mesh,
         (P(None, axis), P(axis), P(axis)),
@@ -89,7 +89,7 @@ def _column_bwd(cfg, residuals, cotangents):
         send = jnp.transpose(grads.reshape(n, d, dc), (1, 0, 2))  # [D(col), n, dc]
         got = jax.lax.all_to_all(send, axis, 0, 0)  # got[s] = my cols, s's ids
         state = {"table": table, **dict(zip(slot_names, slot_vals))}
-        new = _apply_update(
+        new = update_owned_rows(
             cfg,
             state,
             all_ids[0],
@@ -101,7 +101,7 @@ def _column_bwd(cfg, residuals, cotangents):
         return new["table"], tuple(new[k] for k in slot_names)
 
     col_spec = P(None, axis)
-    new_table, new_slots = _smap(
+    new_table, new_slots = smap(
         local,
         cfg.mesh,
         (col_spec, tuple(col_spec for _ in slot_names), P(axis), P(axis), P(axis), P()),
@@ -110,4 +110,4 @@ def _column_bwd(cfg, residuals, cotangents):
     return new_table, dict(zip(slot_names, new_slots)), None, None, None
 
 
-_column_lookup.defvjp(_column_fwd, _column_bwd, symbolic_zeros=True)
+column_lookup.defvjp(_column_fwd, _column_bwd, symbolic_zeros=True)

@@ -51,7 +51,7 @@ from keras_sparse.layers.hash.key_mapper import MappedKeys
 from keras_sparse.layers.hash.key_mapper import UndoCollector
 from keras_sparse.sharding import exchange_buckets as buckets
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
-from keras_sparse.sharding.jax_shard_common import _smap
+from keras_sparse.sharding.jax_shard_common import smap
 from keras_sparse.table.keys import to_host
 from keras_sparse.table.sharded_table import key_words
 from keras_sparse.table.sharded_table import keys_of_words
@@ -364,7 +364,7 @@ def map_keys(routing, keys, use, insert, draw=None):
     if draw is not None and draw[1] is not None:
         seed = draw[1]
     outputs = (P(axis),) * (3 if draw is None else 4)
-    mapped = _smap(local, mesh, (P(axis), P(axis), P()), outputs)(keys, use, seed)
+    mapped = smap(local, mesh, (P(axis), P(axis), P()), outputs)(keys, use, seed)
     return MappedKeys(
         mapped[0],
         mapped[1],

@@ -1,8 +1,8 @@
 """JAX: the row exchange's buffers: their size, slot packing, overflow check.
 
 `row_capacity` sizes the ``[D, C]`` send buffers of the row-sharded lookup
-(`jax_row_lookup`); `_distinct_slots` packs each device's distinct ids into
-them (`exchange_buckets.DEDUP_EXCHANGE`); `_check_capacity` raises
+(`jax_row_lookup`); `distinct_slots` packs each device's distinct ids into
+them (`exchange_buckets.DEDUP_EXCHANGE`); `check_capacity` raises
 `ExchangeOverflowError` on every device when a bucket overflows.
 """
 
@@ -39,7 +39,7 @@ def _raise_overflow(count, capacity, me, ids):
     raise ExchangeOverflowError(overflow_message(count, capacity, me, ids=ids))
 
 
-def _check_capacity(axis, local_worst, capacity):
+def check_capacity(axis, local_worst, capacity):
     # The worst bucket over all devices (one 4-byte all-reduce), so that every
     # device raises together: a device left alone at the next collective
     # would wait for the others forever.
@@ -62,7 +62,7 @@ def _check_capacity(axis, local_worst, capacity):
     return jax.lax.cond(worst > capacity, fail, lambda: jnp.zeros((), jnp.int32))
 
 
-# Up to this many ids per device, `_distinct_slots` compares all pairs
+# Up to this many ids per device, `distinct_slots` compares all pairs
 # (n^2 booleans) instead of sorting: XLA:CPU sorts cost milliseconds even
 # for a few dozen ids.
 _PAIRWISE_IDS = 512
@@ -83,7 +83,7 @@ def _distinct_slots_pairwise(key, valid, d, shard_rows):
     return slot, fill[:d]
 
 
-def _distinct_slots(ids, valid, d, shard_rows):
+def distinct_slots(ids, valid, d, shard_rows):
     """``(slot [n], fill [D])``: each position's slot is the rank of its id
     among this device's distinct ids of the same owner (ascending ids);
     ``fill`` counts the distinct ids per owner. Invalid positions: slot 0."""

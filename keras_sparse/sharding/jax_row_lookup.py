@@ -18,12 +18,12 @@ from keras_sparse.ops.jax.lookup import instantiate
 from keras_sparse.ops.jax.lookup import primal_values
 from keras_sparse.ops.row_rounding import to_compute
 from keras_sparse.sharding import exchange_buckets as buckets
-from keras_sparse.sharding.jax_row_buffers import _check_capacity
-from keras_sparse.sharding.jax_row_buffers import _distinct_slots
+from keras_sparse.sharding.jax_row_buffers import check_capacity
+from keras_sparse.sharding.jax_row_buffers import distinct_slots
 from keras_sparse.sharding.jax_row_buffers import row_capacity
-from keras_sparse.sharding.jax_shard_common import _apply_update
-from keras_sparse.sharding.jax_shard_common import _check_divisible
-from keras_sparse.sharding.jax_shard_common import _smap
+from keras_sparse.sharding.jax_shard_common import check_divisible
+from keras_sparse.sharding.jax_shard_common import smap
+from keras_sparse.sharding.jax_shard_common import update_owned_rows
 
 
 def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None):
@@ -45,9 +45,9 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
         guard = None
     elif buckets.DEDUP_EXCHANGE:
         # One slot per distinct id: repeats write the same id into it.
-        slot, fill = _distinct_slots(ids, valid, d, shard_rows)
+        slot, fill = distinct_slots(ids, valid, d, shard_rows)
         slot = slot.astype(owner.dtype)
-        guard = _check_capacity(axis, jnp.max(fill), capacity)
+        guard = check_capacity(axis, jnp.max(fill), capacity)
     else:
         # Pack each destination's ids (in local order) into its C slots.
         hit = (owner[None, :] == jnp.arange(d, dtype=owner.dtype)[:, None]).astype(
@@ -56,7 +56,7 @@ def _row_exchange_ids(axis, d, shard_rows, ids, valid, capacity, given_slot=None
         before = jnp.cumsum(hit, axis=1) - hit  # [D, n]
         slot = jnp.where(valid, before[jnp.clip(owner, 0, d - 1), jnp.arange(n)], 0)
         worst = jnp.max(jnp.where(valid, slot + 1, 0))
-        guard = _check_capacity(axis, worst, capacity)
+        guard = check_capacity(axis, worst, capacity)
     if capacity < n:
         target = jnp.where(valid & (slot < capacity), owner, d)  # d: dropped
         send = (
@@ -93,8 +93,8 @@ def _row_forward(
     ``capacity``: slots per destination instead of the slack's (with
     ``given_slot``, which must fit it)."""
     d = mesh.shape[axis]
-    _check_divisible("table rows", table.shape[0], d)
-    _check_divisible("number of ids", ids.shape[0], d)
+    check_divisible("table rows", table.shape[0], d)
+    check_divisible("number of ids", ids.shape[0], d)
     n = ids.shape[0] // d
     if capacity is None:
         capacity = row_capacity(n, d, slack)
@@ -106,7 +106,7 @@ def _row_forward(
     def local(*args):
         return _row_forward_local(axis, d, *args[:3], capacity, *args[3:])[:outputs]
 
-    return _smap(local, mesh, specs, (P(axis),) * outputs)(*args)
+    return smap(local, mesh, specs, (P(axis),) * outputs)(*args)
 
 
 def row_gather(
@@ -119,7 +119,7 @@ def row_gather(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _row_lookup(cfg, table, slots, ids, valid, iterations, exchange_slot):
+def row_lookup(cfg, table, slots, ids, valid, iterations, exchange_slot):
     """``(rows, table, slots)``; the state passed on as in `jax_lookup._lookup`."""
     rows = row_gather(
         cfg.mesh, cfg.axis, table, ids, valid, cfg.slack, exchange_slot, cfg.capacity
@@ -168,7 +168,7 @@ def _row_bwd(cfg, residuals, cotangents):
         recv_valid = recv >= 0
         local_ids = jnp.where(recv_valid, recv - me * shard_rows, 0).reshape(-1)
         state = {"table": table, **dict(zip(slot_names, slot_vals))}
-        new = _apply_update(
+        new = update_owned_rows(
             cfg,
             state,
             local_ids,
@@ -181,7 +181,7 @@ def _row_bwd(cfg, residuals, cotangents):
         return new["table"], tuple(new[k] for k in slot_names)
 
     row_spec = P(axis, None)
-    new_table, new_slots = _smap(
+    new_table, new_slots = smap(
         local,
         cfg.mesh,
         (
@@ -206,4 +206,4 @@ def _row_bwd(cfg, residuals, cotangents):
     return new_table, dict(zip(slot_names, new_slots)), None, None, None, None
 
 
-_row_lookup.defvjp(_row_fwd, _row_bwd, symbolic_zeros=True)
+row_lookup.defvjp(_row_fwd, _row_bwd, symbolic_zeros=True)

@@ -19,7 +19,7 @@ except AttributeError:  # pragma: no cover - older jax
     from jax.experimental.shard_map import shard_map as _shard_map
 
 
-def _smap(fn, mesh, in_specs, out_specs):
+def smap(fn, mesh, in_specs, out_specs):
     return _shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
@@ -81,7 +81,7 @@ class ShardConfig:
         )
 
 
-def _check_divisible(what, size, d):
+def check_divisible(what, size, d):
     if size % d:
         raise ValueError(
             f"Sharded lookup: {what} ({size}) must be divisible by the number "
@@ -89,7 +89,7 @@ def _check_divisible(what, size, d):
         )
 
 
-def _apply_update(cfg, state, ids, valid, grads, iterations, num_rows, first_row=0):
+def update_owned_rows(cfg, state, ids, valid, grads, iterations, num_rows, first_row=0):
     """Dedup + optimizer on the local shard; returns the updated arrays.
     ``first_row``: the shard's first global row (its rounding bits)."""
     slot_names = tuple(k for k in state if k != "table")

@@ -60,10 +60,10 @@ both share (``shard_map``, `ShardConfig`, the owners' update) in
 import jax.numpy as jnp
 
 from keras_sparse.sharding.exchange_buckets import ExchangeOverflowError
-from keras_sparse.sharding.jax_column_lookup import _column_lookup
 from keras_sparse.sharding.jax_column_lookup import column_gather
-from keras_sparse.sharding.jax_row_lookup import _row_lookup
+from keras_sparse.sharding.jax_column_lookup import column_lookup
 from keras_sparse.sharding.jax_row_lookup import row_gather
+from keras_sparse.sharding.jax_row_lookup import row_lookup
 from keras_sparse.sharding.jax_shard_common import ShardConfig
 
 __all__ = ["ExchangeOverflowError"]  # re-exported: raised by the step
@@ -115,7 +115,7 @@ def sharded_lookup_with_sparse_update(
         jnp.asarray(iterations, jnp.int32),
     )
     if strategy == "row":
-        out = _row_lookup(cfg, *args, _slot_or_none(exchange_slot))
+        out = row_lookup(cfg, *args, _slot_or_none(exchange_slot))
         return out if with_state else out[0]
     if strategy == "column":
         if constraint is not None:
@@ -128,7 +128,7 @@ def sharded_lookup_with_sparse_update(
                 "column sharding needs an element-wise optimizer; row-wise "
                 "slots (e.g. rowwise_adagrad) need whole rows. Use row sharding."
             )
-        out = _column_lookup(cfg, *args)
+        out = column_lookup(cfg, *args)
         return out if with_state else out[0]
     raise NotImplementedError(f"sharded lookup for strategy {strategy!r}")
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from keras_sparse.ops.jax.row_writes import write_rows
-from keras_sparse.sharding.jax_shard_common import _check_divisible
-from keras_sparse.sharding.jax_shard_common import _smap
+from keras_sparse.sharding.jax_shard_common import check_divisible
+from keras_sparse.sharding.jax_shard_common import smap
 
 
 class ResetConfig:
@@ -84,7 +84,7 @@ def _column_reset_local(cfg, state, ids, mask, values):
 
 def _reset_impl(cfg, state, ids, mask, values):
     d = cfg.mesh.shape[cfg.axis]
-    _check_divisible("number of ids", ids.shape[0], d)
+    check_divisible("number of ids", ids.shape[0], d)
     if cfg.strategy == "row":
         spec, local = P(cfg.axis, None), _row_reset_local
     elif cfg.strategy == "column":
@@ -92,7 +92,7 @@ def _reset_impl(cfg, state, ids, mask, values):
     else:
         raise NotImplementedError(f"sharded reset for strategy {cfg.strategy!r}")
     state_spec = {name: spec for name in state}
-    return _smap(
+    return smap(
         functools.partial(local, cfg),
         cfg.mesh,
         (state_spec, P(cfg.axis), P(cfg.axis), P(cfg.axis, None)),
