@@ -164,9 +164,9 @@ def test_concurrent_inference_quick_prints_equal_outputs():
 
 def test_row_store_training_quick_reopens_the_disk_store(tmp_path):
     """benchmarks/row_store_training.py --quick --reopen (JAX): the disk
-    variant's row has positive samples/s, a hit rate, memory peaks, init
-    and reopen times (the reopened rows are checked equal in the child),
-    and its store folder is gone afterwards."""
+    variant's row has positive samples/s and CPU time per step, a hit
+    rate, memory peaks, init and reopen times (the reopened rows are
+    checked equal in the child), and its store folder is gone afterwards."""
     import pytest
 
     if keras.backend.backend() != "jax":
@@ -181,8 +181,8 @@ def test_row_store_training_quick_reopens_the_disk_store(tmp_path):
     assert done.returncode == 0, out[-4000:]
     row = [line.split() for line in done.stdout.splitlines() if line[:5] == "disk "]
     assert len(row) == 1, out[-4000:]
-    _, rate, ratio, hits, moved, _, read, rss, anon, _, init, reopen = row[0]
-    assert float(rate) > 0 and ratio == "1.00x", row
+    _, rate, ratio, cpu, hits, moved, _, read, rss, anon, _, init, reopen = row[0]
+    assert float(rate) > 0 and ratio == "1.00x" and float(cpu) > 0, row
     assert 0 < float(hits[:-1]) < 100 and float(moved) > 0, row  # a cache of 10%
     assert float(read) >= 0 and float(rss) >= float(anon) > 0, row
     assert float(init) > 0, row
