@@ -106,8 +106,18 @@ class NativeRows:
         ):
             raise ValueError(f"sparse update: `unique` must hold {n} int64 ids.")
         summed = np.empty((n, dim), np.float32)
+        count = self._sum_distinct(
+            ids, valid.ctypes.data, rows, grads, bag, scratch, unique, summed
+        )
+        return count, unique, summed
+
+    def _sum_distinct(self, ids, valid_ptr, rows, grads, bag, scratch, unique, summed):
+        """The compiled dedup: the count of distinct ids written to
+        ``unique`` with their summed gradients in ``summed``; an id outside
+        ``[0, rows)`` raises IndexError naming it and its position."""
+        n, dim = ids.shape[0], summed.shape[1]
         count = self._distinct_sum(
-            ids.ctypes.data, valid.ctypes.data, n, rows, grads.ctypes.data,
+            ids.ctypes.data, valid_ptr, n, rows, grads.ctypes.data,
             grads.strides[0] // 4, bag, dim, scratch.ctypes.data,
             unique.ctypes.data, summed.ctypes.data,
         )  # fmt: skip
@@ -117,7 +127,7 @@ class NativeRows:
                 f"sparse update: id {int(ids[bad])} at position {bad} is "
                 f"outside the table's rows [0, {rows})."
             )
-        return count, unique, summed
+        return count
 
     def scatter_rows(self, dst, rows, src):
         """``dst[rows] = src`` for distinct ``rows`` (int64, in range),
@@ -242,17 +252,9 @@ class NativeRows:
             n = ids.shape[0]
             if n == 0:
                 continue
-            found = self._distinct_sum(
-                ids.ctypes.data, None, n, end - first, grads.ctypes.data,
-                grads.strides[0] // 4, bag, dim, scratch.ctypes.data,
-                unique.ctypes.data, summed.ctypes.data,
-            )  # fmt: skip
-            if found < 0:
-                bad = -1 - found
-                raise IndexError(
-                    f"sparse update: id {int(ids[bad])} at position {bad} is "
-                    f"outside the table's rows [0, {end - first})."
-                )
+            found = self._sum_distinct(
+                ids, None, end - first, grads, bag, scratch, unique, summed
+            )
             # The table's own rows: each array from its row ``first`` on.
             function(
                 *(a.ctypes.data + first * a.strides[0] for a in arrays),
