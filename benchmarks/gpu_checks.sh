@@ -22,7 +22,7 @@ export KERAS_BACKEND=jax XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests calls fields profile demo table)
+[ ${#steps[@]} -eq 0 ] && steps=(tests calls fields profile demo table peers)
 
 run_step() {  # name, seconds, command...
   local name=$1 limit=$2 start rc
@@ -36,7 +36,7 @@ run_step() {  # name, seconds, command...
 
 for step in "${steps[@]}"; do
   case $step in
-  tests) run_step tests 210 env XLA_FLAGS=--xla_gpu_deterministic_ops=true \
+  tests) run_step tests 200 env XLA_FLAGS=--xla_gpu_deterministic_ops=true \
     python3 -m pytest tests/gpu -q -p no:cacheprovider -n 4 --timeout 150 ;;
   calls) run_step calls 90 python3 benchmarks/gpu_table_calls.py --calls 30 ;;
   fields) run_step fields 130 python3 benchmarks/hash_embedding.py --gpu-table \
@@ -52,6 +52,9 @@ for step in "${steps[@]}"; do
     done ;;
   demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
   table) run_step table 40 python3 benchmarks/hash_table.py --device gpu ;;
+  peers) run_step peers 150 python3 benchmarks/peers.py --rows "${PEERS_ROWS:-1e7}" \
+    --variants ks-jax-layers,ks-jax-collection,keras-dense --rounds 1 \
+    --warmup 2 --steps 10 --timeout 140 ;;
   *) echo "unknown step: $step" ;;
   esac
 done
