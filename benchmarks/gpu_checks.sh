@@ -51,7 +51,7 @@ for step in "${steps[@]}"; do
       [ -e "$f" ] && cp "$f" "$OUT/traces/$(echo "$f" | cut -d/ -f4).json.gz"
     done ;;
   demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
-  table) run_step table 40 python3 benchmarks/hash_table.py --device gpu ;;
+  table) run_step table 90 python3 benchmarks/hash_table.py --device gpu ;;
   peers) run_step peers 150 python3 benchmarks/peers.py --rows "${PEERS_ROWS:-1e7}" \
     --variants ks-jax-layers,ks-jax-collection,keras-dense --rounds 1 \
     --warmup 2 --steps 10 --timeout 140 ;;

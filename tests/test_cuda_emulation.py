@@ -205,3 +205,41 @@ def test_emulator_runs_threads_out_of_order():
         (1,), (256,), (out,)
     )
     assert out[0] != 255
+
+
+def test_emulator_runs_a_cooperative_grid_with_a_spinning_barrier():
+    """A cooperative launch runs its blocks side by side, so a grid barrier
+    made of atomics and a spin (as in ks_insert_grid) completes, and every
+    block then reads what every other block wrote before the barrier; a
+    block's shared memory stays its own."""
+    src = r"""
+    extern "C" __global__ void grid_sum(long long* part, unsigned int* bar,
+                                        long long* out) {
+      __shared__ long long mine;
+      if (threadIdx.x == 0) mine = 0;
+      __syncthreads();
+      atomicAdd((unsigned long long*)&mine, (unsigned long long)(blockIdx.x + 1));
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        part[blockIdx.x] = mine;
+        __threadfence();
+        atomicAdd(bar, 1u);  // one-shot barrier: wait for every block
+        while (*(volatile unsigned int*)bar < gridDim.x) __nanosleep(32);
+      }
+      __syncthreads();
+      long long all = 0;
+      for (unsigned int b = 0; b < gridDim.x; ++b)
+        all += ((volatile long long*)part)[b];
+      out[blockIdx.x * blockDim.x + threadIdx.x] = all + mine;
+    }
+    """
+    kernel = emu.compile_module(src).get_function("grid_sum")
+    blocks, threads = 4, 64
+    part = np.zeros(blocks, np.int64)
+    bar = np.zeros(1, np.uint32)
+    out = np.zeros(blocks * threads, np.int64)
+    kernel((blocks,), (threads,), (part, bar, out), enable_cooperative_groups=True)
+    sums = np.arange(1, blocks + 1) * threads  # each block's own shared sum
+    want = np.repeat(sums.sum() + sums, threads)
+    np.testing.assert_array_equal(out, want)
+    assert bar.tolist() == [blocks]

@@ -1,8 +1,9 @@
 // One lookup_or_insert per block of one launch: probe, dedup of the
 // absent keys, admission (count-min sketch), placement and eviction rounds,
 // touch, counters.  A launch runs one table's call, or the calls of several
-// tables (a training step's hash fields), one block each (ks_insert_calls).  Nothing is read back by the host in between; the host
-// reads one small summary afterwards (status and output sizes).
+// tables (a training step's hash fields), one block each (ks_insert_calls).
+// Nothing is read back by the host in between; the host reads one small
+// summary afterwards (status and output sizes).
 //
 // The result is bit-identical to ArrayTable._insert_call (the CPU twin) for
 // the same call sequence, because every order the twin relies on is rebuilt
@@ -20,8 +21,11 @@
 // status that makes later calls do nothing until the host has read it.
 //
 // One block serves batches of up to ~64K keys (embedding batches), where
-// launches and host syncs, not bandwidth, set the time.  The host uses the
-// multi-launch path for larger batches and for batches larger than the table.
+// launches and host syncs, not bandwidth, set the time.  Larger batches run
+// the same phases on every block of one cooperative launch (ks_insert_grid,
+// grid-wide barriers and prefix sums: KsGrid), so their result is the same
+// and they need no host sync either.  The host uses the multi-launch path
+// for batches larger than the table.
 
 #include "ks_hash.cuh"
 
@@ -38,16 +42,18 @@
 #define KS_A_REJECTED 4
 #define KS_A_OVERFLOWS 5
 #define KS_A_SIZE 6      // change of the table size
-#define KS_A_STATUS 7    // 0 ok; 1 table full before placing; 2 both buckets full
+#define KS_A_STATUS 7    // 0 ok; 1 table full before placing; 2 both buckets full;
+                         // 3 more distinct keys than rows
 #define KS_A_NEW 8       // the failed call's admitted absent keys (its message)
 #define KS_A_PLACED 9    // rows given to keys in the last call (new_rows' length)
 #define KS_A_EVICTED 10  // evicted keys of the last call (evicted_keys' length)
 
 __device__ __forceinline__ i64 ks_imin(i64 a, i64 b) { return a < b ? a : b; }
 
-// Exclusive prefix sum of one value per thread; *total gets the sum (every
-// thread).  Ends with a barrier, so its buffers may be reused at once.
-__device__ i64 ks_scan(i64 v, i64* total) {
+// Exclusive prefix sum of one value per thread of the block; *total gets
+// the block's sum (every thread).  Ends with a barrier, so its buffers may
+// be reused at once.
+__device__ i64 ks_block_scan(i64 v, i64* total) {
   __shared__ i64 s_v[KS_FT];
   __shared__ i64 s_w[KS_FT / 32 + 1];
   const int t = threadIdx.x;
@@ -79,54 +85,154 @@ __device__ i64 ks_scan(i64 v, i64* total) {
   return r;
 }
 
+// The threads that run one call, as the phases below see them: rank t of
+// nt, a barrier, an exclusive prefix sum over all of them, 16 * nt ints of
+// sort counts and 5 call counters (KS_C_*).  KsBlock: one block (a call of
+// up to ~64K keys; several such calls share a launch, one block each).
+// KsGrid: every block of a cooperative launch (larger calls), the same
+// phases with grid-wide barriers, so a call's result does not depend on
+// which of the two runs it.
+#define KS_C_OVER 0
+#define KS_C_MISS 1
+#define KS_C_REJ 2
+#define KS_C_UNUSED 3
+#define KS_C_HIT_ROWS 4
+
+struct KsBlock {
+  i64 t, nt;
+  int* cnt;
+  i64* c;
+  __device__ void sync() { __syncthreads(); }
+  __device__ i64 scan(i64 v, i64* total) { return ks_block_scan(v, total); }
+};
+
+// Grid scratch (int64 words, zeroed once when allocated; the barrier's
+// count returns to zero after each barrier, its generation only grows):
+// [0] barrier arrivals and generation (two uint32), [1..5] counters, [6]
+// set when a record's call failed, [8, 8 + 2 * gridDim.x) block totals (two
+// sets, used in turn), then the sort counts.
+#define KS_G_TOTALS 8
+
+struct KsGrid {
+  i64 t, nt;
+  int* cnt;
+  i64* c;
+  unsigned int* bar;
+  i64* totals;
+  int parity;
+
+  __device__ KsGrid(i64* gws) {
+    t = (i64)blockIdx.x * KS_FT + threadIdx.x;
+    nt = (i64)gridDim.x * KS_FT;
+    bar = (unsigned int*)gws;
+    c = gws + 1;
+    totals = gws + KS_G_TOTALS;
+    cnt = (int*)(gws + KS_G_TOTALS + 2 * (i64)gridDim.x);
+    parity = 0;
+  }
+
+  // Every thread of the grid arrives before any leaves (the launch is
+  // cooperative: all blocks are resident).  Thread 0 of each block counts
+  // its block in; the last one in resets the count and opens the next
+  // generation.
+  __device__ void sync() {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      volatile unsigned int* gen = bar + 1;
+      const unsigned int g = *gen;
+      __threadfence();
+      if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+        atomicExch(bar, 0u);
+        __threadfence();
+        atomicAdd(bar + 1, 1u);
+      } else {
+        while (*gen == g) __nanosleep(32);
+      }
+      __threadfence();
+    }
+    __syncthreads();
+  }
+
+  // Block sums, one grid barrier, then each block adds the sums of the
+  // blocks before it.  The totals alternate between two sets, so a block
+  // still reading this scan's set cannot see the next scan's writes (those
+  // come after the next barrier).
+  __device__ i64 scan(i64 v, i64* total) {
+    i64 mine;
+    i64 r = ks_block_scan(v, &mine);
+    i64* set = totals + parity * (i64)gridDim.x;
+    parity ^= 1;
+    if (threadIdx.x == 0) set[blockIdx.x] = mine;
+    sync();
+    __shared__ i64 s_before, s_all;
+    if (threadIdx.x == 0) {
+      i64 before = 0, all = 0;
+      for (unsigned int b = 0; b < gridDim.x; ++b) {
+        const i64 x = *(volatile i64*)&set[b];
+        if (b < blockIdx.x) before += x;
+        all += x;
+      }
+      s_before = before;
+      s_all = all;
+    }
+    __syncthreads();
+    r += s_before;
+    *total = s_all;
+    __syncthreads();
+    return r;
+  }
+};
+
 // Contiguous share [*lo, *hi) of m items for this thread (keeps order).
-__device__ __forceinline__ void ks_share(i64 m, i64* lo, i64* hi) {
-  const i64 c = (m + KS_FT - 1) / KS_FT;
-  *lo = ks_imin(m, (i64)threadIdx.x * c);
+template <class G>
+__device__ __forceinline__ void ks_share(const G& g, i64 m, i64* lo, i64* hi) {
+  const i64 c = (m + g.nt - 1) / g.nt;
+  *lo = ks_imin(m, g.t * c);
   *hi = ks_imin(m, *lo + c);
 }
 
 // Stable compaction: emit(i, base + rank) for each i in [0, m) with pred(i),
 // ranks in order of i; returns the count.  emit must not change what pred
 // reads (pred runs twice).
-template <class Pred, class Emit>
-__device__ i64 ks_compact(i64 m, i64 base, Pred pred, Emit emit) {
+template <class G, class Pred, class Emit>
+__device__ i64 ks_compact(G& g, i64 m, i64 base, Pred pred, Emit emit) {
   i64 lo, hi, cnt = 0, total;
-  ks_share(m, &lo, &hi);
+  ks_share(g, m, &lo, &hi);
   for (i64 i = lo; i < hi; ++i) cnt += pred(i) ? 1 : 0;
-  i64 o = base + ks_scan(cnt, &total);
+  i64 o = base + g.scan(cnt, &total);
   for (i64 i = lo; i < hi; ++i)
     if (pred(i)) emit(i, o++);
-  __syncthreads();
+  g.sync();
   return total;
 }
 
 // Stable LSD radix sort of m non-negative words below 2**bits, 4 bits a
 // pass, ping-ponging between a and b; returns the buffer holding the result.
-__device__ i64* ks_sort(i64* a, i64* b, i64 m, int bits) {
-  __shared__ int s_cnt[16 * KS_FT];
-  const int t = threadIdx.x;
+template <class G>
+__device__ i64* ks_sort(G& g, i64* a, i64* b, i64 m, int bits) {
+  int* cnt = g.cnt;
+  const i64 t = g.t, nt = g.nt;
   i64 lo, hi, total;
-  ks_share(m, &lo, &hi);
+  ks_share(g, m, &lo, &hi);
   for (int s = 0; s < bits; s += 4) {
     int local[16];
     for (int d = 0; d < 16; ++d) local[d] = 0;
     for (i64 i = lo; i < hi; ++i) ++local[(a[i] >> s) & 15];
-    for (int d = 0; d < 16; ++d) s_cnt[d * KS_FT + t] = local[d];
-    __syncthreads();
+    for (int d = 0; d < 16; ++d) cnt[d * nt + t] = local[d];
+    g.sync();
     // Digit-major, thread-minor offsets: thread t owns entries [16t, 16t+16).
     i64 mine = 0;
-    for (int q = 0; q < 16; ++q) mine += s_cnt[16 * t + q];
-    i64 off = ks_scan(mine, &total);
+    for (int q = 0; q < 16; ++q) mine += cnt[16 * t + q];
+    i64 off = g.scan(mine, &total);
     for (int q = 0; q < 16; ++q) {
-      const int x = s_cnt[16 * t + q];
-      s_cnt[16 * t + q] = (int)off;
+      const int x = cnt[16 * t + q];
+      cnt[16 * t + q] = (int)off;
       off += x;
     }
-    __syncthreads();
-    for (int d = 0; d < 16; ++d) local[d] = s_cnt[d * KS_FT + t];
+    g.sync();
+    for (int d = 0; d < 16; ++d) local[d] = cnt[d * nt + t];
     for (i64 i = lo; i < hi; ++i) b[local[(a[i] >> s) & 15]++] = a[i];
-    __syncthreads();
+    g.sync();
     i64* x = a;
     a = b;
     b = x;
@@ -177,13 +283,14 @@ __device__ __forceinline__ void ks_write(const KsTable& T, i64 s, i64 key,
 // key whose buckets hold only protected slots overflows), the earliest
 // bidder of a slot wins it, and the others go to out[out_base..) in order.
 // Evicted (key, row) pairs are appended at *nev.  Returns the losers' count.
-__device__ i64 ks_evict_round(const KsTable& T, const i64* L, i64 ml, i64* out,
+template <class G>
+__device__ i64 ks_evict_round(G& g, const KsTable& T, const i64* L, i64 ml, i64* out,
                               i64 out_base, i64* victim, const i64* pk,
                               const i64* pb1, const i64* pb2, const i64* pd,
                               const i64* pscore, i64* res, i64* ev_keys,
                               i64* ev_rows, i64* nev, i64* s_over) {
   const int S = T.S;
-  for (i64 i = threadIdx.x; i < ml; i += KS_FT) {
+  for (i64 i = g.t; i < ml; i += g.nt) {
     const i64 a = L[i];
     i64 best = KS_MAX, slot = -1;
     for (int c = 0; c < 2; ++c) {
@@ -204,9 +311,9 @@ __device__ i64 ks_evict_round(const KsTable& T, const i64* L, i64 ml, i64* out,
       atomicMin(&T.bids[slot / S], i);
     }
   }
-  __syncthreads();
+  g.sync();
   const i64 won = ks_compact(
-      ml, *nev,
+      g, ml, *nev,
       [&](i64 i) { return victim[i] >= 0 && T.bids[victim[i] / S] == i; },
       [&](i64 i, i64 o) {
         const i64 s = victim[i], a = L[i];
@@ -217,18 +324,19 @@ __device__ i64 ks_evict_round(const KsTable& T, const i64* L, i64 ml, i64* out,
       });
   *nev += won;
   const i64 lost = ks_compact(
-      ml, out_base,
+      g, ml, out_base,
       [&](i64 i) { return victim[i] >= 0 && T.bids[victim[i] / S] != i; },
       [&](i64 i, i64 o) { out[o] = L[i]; });
-  for (i64 i = threadIdx.x; i < ml; i += KS_FT)
+  for (i64 i = g.t; i < ml; i += g.nt)
     if (victim[i] >= 0) T.bids[victim[i] / S] = KS_MAX;
-  __syncthreads();
+  g.sync();
   return lost;
 }
 
-// One call (one table, one batch) run by the calling block.
+// One call (one table, one batch) run by the threads of g.
+template <class G>
 __device__ void ks_insert_body(
-    const i64* __restrict__ k, const bool* use, int has_use,
+    G& g,    const i64* __restrict__ k, const bool* use, int has_use,
     int first_only, i64 n, u64 salt, u64 nb, int S, i64 capacity, i64 size,
     int eviction, i64 step, int score_prot, i64 admit_after, i64* tkeys,
     unsigned char* tdig, i64* tscore, i64* load, bool* holey,
@@ -237,7 +345,7 @@ __device__ void ks_insert_body(
     const u64* __restrict__ sketch_salts, i64* ws, i64 H, i64* rows, int* rows32,
     int write32,
     bool* fresh, i64* new_rows, i64* ev_keys, i64* ev_rows, i64* acct) {
-  const int t = threadIdx.x;
+  const i64 t = g.t;
   const bool lfu = eviction == 2;
   // Workspace (int64 words): 20 arrays of n, then the dedup set of H.
   i64* MP = ws;           // positions of absent keys, ascending
@@ -266,10 +374,13 @@ __device__ void ks_insert_body(
   i64* hs_cnt = hs_first + H;
   i64* hs_uid = hs_cnt + H;
 
-  __shared__ i64 s_over, s_miss, s_rej, s_unused;
+  i64& s_over = g.c[KS_C_OVER];
+  i64& s_miss = g.c[KS_C_MISS];
+  i64& s_rej = g.c[KS_C_REJ];
+  i64& s_unused = g.c[KS_C_UNUSED];
   // Clean outputs of a call that does nothing (an earlier or this call failed).
   auto refuse = [&]() {
-    for (i64 i = t; i < n; i += KS_FT) {
+    for (i64 i = t; i < n; i += g.nt) {
       rows[i] = -1;
       fresh[i] = false;
       if (write32) rows32[i] = -1;
@@ -290,7 +401,7 @@ __device__ void ks_insert_body(
     s_miss = 0;
     s_rej = 0;
   }
-  __syncthreads();  // before any thread counts into them
+  g.sync();  // before any thread counts into them
   KsTable T;
   T.keys = tkeys;
   T.dig = tdig;
@@ -307,7 +418,7 @@ __device__ void ks_insert_body(
   T.call_stamp = call_stamp;
 
   // Probe (one thread per key; a key lives in at most one slot).
-  for (i64 i = t; i < n; i += KS_FT) {
+  for (i64 i = t; i < n; i += g.nt) {
     if (has_use && !use[i]) {  // padding: no row, not counted
       rows[i] = -1;
       fresh[i] = false;
@@ -332,14 +443,14 @@ __device__ void ks_insert_body(
     rows[i] = found;
     fresh[i] = found < 0;  // "absent" until the end of the call
   }
-  for (i64 h = t; h < H; h += KS_FT) {
+  for (i64 h = t; h < H; h += g.nt) {
     hs_state[h] = 0;
     hs_first[h] = KS_MAX;
     hs_cnt[h] = 0;
   }
-  __syncthreads();
+  g.sync();
   const i64 nm = ks_compact(
-      n, 0, [&](i64 i) { return fresh[i]; }, [&](i64 i, i64 o) { MP[o] = i; });
+      g, n, 0, [&](i64 i) { return fresh[i]; }, [&](i64 i, i64 o) { MP[o] = i; });
 
   i64 nu = 0, na = 0;
   // Count-min cell of unique key u in sketch row r (CountMinSketch._cells).
@@ -348,7 +459,7 @@ __device__ void ks_insert_body(
   };
   if (nm > 0) {
     // Dedup: a set keyed by the key; the first occurrence is the least index.
-    for (i64 j = t; j < nm; j += KS_FT) {
+    for (i64 j = t; j < nm; j += g.nt) {
       const i64 key = k[MP[j]];
       i64 h = (i64)(ks_mix64((u64)key, 0x2545F4914F6CDD1DULL) & (u64)(H - 1));
       for (;;) {
@@ -368,32 +479,32 @@ __device__ void ks_insert_body(
       atomicMin(&hs_first[h], j);
       atomicAdd((u64*)&hs_cnt[h], 1ULL);
     }
-    __syncthreads();
+    g.sync();
     nu = ks_compact(
-        nm, 0, [&](i64 j) { return hs_first[setslot[j]] == j; },
+        g, nm, 0, [&](i64 j) { return hs_first[setslot[j]] == j; },
         [&](i64 j, i64 o) {
           U[o] = j;
           ucnt[o] = hs_cnt[setslot[j]];
           hs_uid[setslot[j]] = o;
         });
-    for (i64 j = t; j < nm; j += KS_FT) inv[j] = hs_uid[setslot[j]];
+    for (i64 j = t; j < nm; j += g.nt) inv[j] = hs_uid[setslot[j]];
     // Admission: add this call's sightings, then read the estimates.
     if (use_sketch) {
-      for (i64 u = t; u < nu; u += KS_FT)
+      for (i64 u = t; u < nu; u += g.nt)
         for (int r = 0; r < depth; ++r)
           atomicAdd(&sketch[cell(u, r)], (unsigned int)ucnt[u]);
-      __syncthreads();
-      for (i64 u = t; u < nu; u += KS_FT) {
+      g.sync();
+      for (i64 u = t; u < nu; u += g.nt) {
         i64 e = KS_MAX;
         for (int r = 0; r < depth; ++r) e = ks_imin(e, (i64)sketch[cell(u, r)]);
         est[u] = e;
       }
     }
-    __syncthreads();
-    for (i64 u = t; u < nu; u += KS_FT) adm[u] = -1;
-    __syncthreads();
+    g.sync();
+    for (i64 u = t; u < nu; u += g.nt) adm[u] = -1;
+    g.sync();
     na = ks_compact(
-        nu, 0, [&](i64 u) { return !use_sketch || est[u] >= admit_after; },
+        g, nu, 0, [&](i64 u) { return !use_sketch || est[u] >= admit_after; },
         [&](i64 u, i64 a) {
           adm[u] = a;
           const i64 key = k[MP[U[u]]];
@@ -410,52 +521,78 @@ __device__ void ks_insert_body(
   // Undoes this call's sketch additions (a failed call leaves no trace there).
   auto unsketch = [&]() {
     if (!use_sketch) return;
-    for (i64 u = t; u < nu; u += KS_FT)
+    for (i64 u = t; u < nu; u += g.nt)
       for (int r = 0; r < depth; ++r)
         atomicAdd(&sketch[cell(u, r)], (unsigned int)(-ucnt[u]));
   };
-  if (na > 0 && eviction == 0 && na > capacity - size) {
+  // Fails the call before it changed anything (the status stops later calls
+  // until the host reads it).
+  auto fail = [&](int status, i64 keys) {
     unsketch();
     refuse();
     if (t == 0) {
-      acct[KS_A_STATUS] = 1;
-      acct[KS_A_NEW] = na;
+      acct[KS_A_STATUS] = status;
+      acct[KS_A_NEW] = keys;
     }
+  };
+  // A batch of more keys than the table has rows may hold more distinct
+  // admitted keys than rows (ArrayTable._check_batch_fits): count the
+  // distinct hit rows by marking each with this call's stamp (hits are
+  // stamped below anyway, when stamps protect them).
+  if (n > capacity) {
+    i64& hit_rows = g.c[KS_C_HIT_ROWS];
+    if (t == 0) hit_rows = 0;
+    g.sync();
+    for (i64 i = t; i < n; i += g.nt) {
+      const i64 r = rows[i];
+      // A plain read first: most repeats of a row then skip the atomic.
+      if (r >= 0 && *(volatile unsigned int*)&stamp[r] != call_stamp &&
+          atomicExch(&stamp[r], call_stamp) != call_stamp)
+        atomicAdd((u64*)&hit_rows, 1ULL);
+    }
+    g.sync();
+    if (na > 0 && na + hit_rows > capacity) {
+      fail(3, na + hit_rows);
+      return;
+    }
+  }
+  if (na > 0 && eviction == 0 && na > capacity - size) {
+    fail(1, na);
     return;
   }
   if (nm > 0 && score_prot) {  // hits first: they are protected by score
-    for (i64 i = t; i < n; i += KS_FT)
+    for (i64 i = t; i < n; i += g.nt)
       if (rows[i] >= 0) tscore[rows[i]] = step;
   }
   if (T.use_stamp) {  // hits are protected from eviction
-    for (i64 i = t; i < n; i += KS_FT)
+    for (i64 i = t; i < n; i += g.nt)
       if (rows[i] >= 0) stamp[rows[i]] = call_stamp;
   }
-  __syncthreads();
+  g.sync();
 
   // Placement rounds (ArrayTable._place).
   i64 mp = na, nev = 0, n_filled = 0;
   const int max_rounds = 4 * S + 8;
   const int bucket_bits = ks_bits((i64)nb - 1);
   for (int round = 0; round < max_rounds && mp > 0; ++round) {
-    for (i64 i = t; i < mp; i += KS_FT) {
+    for (i64 i = t; i < mp; i += g.nt) {
       const i64 a = P[i];
       const i64 l1 = load[pb1[a]], l2 = load[pb2[a]];
       const i64 c = l1 <= l2 ? pb1[a] : pb2[a];
       ch[i] = (ks_imin(l1, l2) < S) ? c : -1 - c;  // negative: no room
     }
-    __syncthreads();
+    g.sync();
     // Roomy keys as sort words (bucket, rank among the roomy keys).
     const i64 nr = ks_compact(
-        mp, 0, [&](i64 i) { return ch[i] >= 0; }, [&](i64 i, i64 o) { F[o] = i; });
+        g, mp, 0, [&](i64 i) { return ch[i] >= 0; }, [&](i64 i, i64 o) { F[o] = i; });
     const int sh = ks_bits(nr > 1 ? nr - 1 : 1);
-    for (i64 j = t; j < nr; j += KS_FT) comp[j] = (ch[F[j]] << sh) | j;
-    __syncthreads();
+    for (i64 j = t; j < nr; j += g.nt) comp[j] = (ch[F[j]] << sh) | j;
+    g.sync();
     i64 nq = 0;
     if (nr > 0) {
-      i64* sorted = ks_sort(comp, comp2, nr, bucket_bits + sh);
+      i64* sorted = ks_sort(g, comp, comp2, nr, bucket_bits + sh);
       const i64 mask = (1LL << sh) - 1;
-      for (i64 x = t; x < nr; x += KS_FT) {
+      for (i64 x = t; x < nr; x += g.nt) {
         const i64 c = sorted[x] >> sh, j = sorted[x] & mask;
         const i64 free_slots = (i64)S - load[c];
         i64 rank = 0;
@@ -480,8 +617,8 @@ __device__ void ks_insert_body(
         }
         cslot[j] = slot;
       }
-      __syncthreads();  // every load and key read before the writes
-      for (i64 j = t; j < nr; j += KS_FT) {
+      g.sync();  // every load and key read before the writes
+      for (i64 j = t; j < nr; j += g.nt) {
         const i64 s = cslot[j];
         if (s < 0) continue;
         const i64 a = P[F[j]];
@@ -489,18 +626,18 @@ __device__ void ks_insert_body(
         res[a] = s;
         atomicAdd((u64*)&load[s / S], 1ULL);
       }
-      __syncthreads();
+      g.sync();
       // Claim losers retry first, in pending order.
       nq = ks_compact(
-          nr, 0, [&](i64 j) { return cslot[j] < 0; },
+          g, nr, 0, [&](i64 j) { return cslot[j] < 0; },
           [&](i64 j, i64 o) { Q[o] = P[F[j]]; });
       n_filled += nr - nq;
     }
     const i64 nf = ks_compact(
-        mp, 0, [&](i64 i) { return ch[i] < 0; }, [&](i64 i, i64 o) { F[o] = P[i]; });
+        g, mp, 0, [&](i64 i) { return ch[i] < 0; }, [&](i64 i, i64 o) { F[o] = P[i]; });
     if (nf > 0) {
       if (eviction == 0) {  // both buckets full: undo this call's fills
-        for (i64 a = t; a < na; a += KS_FT) {
+        for (i64 a = t; a < na; a += g.nt) {
           const i64 s = res[a];
           if (s < 0) continue;
           const i64 b = s / S;
@@ -510,13 +647,8 @@ __device__ void ks_insert_body(
           atomicAdd((u64*)&load[b], (u64)(-1LL));
           holey[b] = true;
         }
-        unsketch();
-        __syncthreads();
-        refuse();
-        if (t == 0) {
-          acct[KS_A_STATUS] = 2;
-          acct[KS_A_NEW] = na;
-        }
+        g.sync();  // every undo before the outputs are cleared
+        fail(2, na);
         return;
       }
       if (nr == 0) {
@@ -526,7 +658,7 @@ __device__ void ks_insert_body(
         i64* out = comp;
         i64 ml = nf;
         for (int r = round; r < max_rounds && ml > 0; ++r) {
-          ml = ks_evict_round(T, L, ml, out, 0, cslot, pk, pb1, pb2, pd, pscore, res,
+          ml = ks_evict_round(g, T, L, ml, out, 0, cslot, pk, pb1, pb2, pd, pscore, res,
                               ev_keys, ev_rows, &nev, &s_over);
           i64* x = L;
           L = out;
@@ -535,7 +667,7 @@ __device__ void ks_insert_body(
         mp = ml;
         break;
       }
-      nq += ks_evict_round(T, F, nf, Q, nq, comp, pk, pb1, pb2, pd, pscore, res,
+      nq += ks_evict_round(g, T, F, nf, Q, nq, comp, pk, pb1, pb2, pd, pscore, res,
                            ev_keys, ev_rows, &nev, &s_over);
     }
     i64* x = P;
@@ -545,11 +677,11 @@ __device__ void ks_insert_body(
   }
   // Keys still pending after the last round overflow (no row).
   if (t == 0) s_over += mp;
-  __syncthreads();
+  g.sync();
 
   // Hits' scores (unless touched before placement).
   if (!(nm > 0 && score_prot) && eviction != 0) {
-    for (i64 i = t; i < n; i += KS_FT) {
+    for (i64 i = t; i < n; i += g.nt) {
       if (rows[i] < 0) continue;
       if (lfu)
         atomicAdd((u64*)&tscore[rows[i]], 1ULL);
@@ -557,9 +689,9 @@ __device__ void ks_insert_body(
         tscore[rows[i]] = step;
     }
   }
-  __syncthreads();
+  g.sync();
   // Rows of the absent keys, and the counts of ArrayTable._miss_counts.
-  for (i64 j = t; j < nm; j += KS_FT) {
+  for (i64 j = t; j < nm; j += g.nt) {
     const i64 a = adm[inv[j]];
     const i64 r = a >= 0 ? res[a] : -1;
     rows[MP[j]] = r;
@@ -568,10 +700,10 @@ __device__ void ks_insert_body(
     fresh[MP[j]] = r >= 0 && (!first_only || U[inv[j]] == j);
   }
   if (write32) {  // a training step's int32 rows, written in its own buffer
-    __syncthreads();
-    for (i64 i = t; i < n; i += KS_FT) rows32[i] = (int)rows[i];
+    g.sync();
+    for (i64 i = t; i < n; i += g.nt) rows32[i] = (int)rows[i];
   }
-  for (i64 u = t; u < nu; u += KS_FT) {
+  for (i64 u = t; u < nu; u += g.nt) {
     const i64 c = ucnt[u];
     const i64 upto = !use_sketch ? 1
                                  : ks_imin(c, admit_after - (est[u] - c) > 1
@@ -582,7 +714,7 @@ __device__ void ks_insert_body(
     atomicAdd((u64*)&s_rej, (u64)(upto - (adm[u] >= 0 ? 1 : 0)));
   }
   const i64 placed = ks_compact(
-      na, 0, [&](i64 a) { return res[a] >= 0; },
+      g, na, 0, [&](i64 a) { return res[a] >= 0; },
       [&](i64 a, i64 o) { new_rows[o] = res[a]; });
   if (t == 0) {
     acct[KS_A_HITS] += n - s_unused - s_miss;
@@ -601,18 +733,43 @@ __device__ void ks_insert_body(
 // keras_sparse/table/insert_call.py, which writes them in this order).
 #define KS_DESC_WORDS 40
 
-// Block b runs the call of record b: one launch serves one table call, or
-// the calls of several tables (a step's hash fields) side by side.  Each
-// record names its own table, keys, outputs, workspace and account, so the
-// blocks share nothing and their results equal separate calls.
-extern "C" __global__ void ks_insert_calls(const i64* __restrict__ desc) {
-  const i64* d = desc + (i64)blockIdx.x * KS_DESC_WORDS;
+// The call of one record (KS_DESC_WORDS words) run by the threads of g.
+template <class G>
+__device__ void ks_insert_record(G& g, const i64* d) {
   ks_insert_body(
-      (const i64*)d[0], (const bool*)d[1], (int)d[2], (int)d[3], d[4], (u64)d[5],
+      g, (const i64*)d[0], (const bool*)d[1], (int)d[2], (int)d[3], d[4], (u64)d[5],
       (u64)d[6], (int)d[7], d[8], d[9], (int)d[10], d[11], (int)d[12], d[13],
       (i64*)d[14], (unsigned char*)d[15], (i64*)d[16], (i64*)d[17], (bool*)d[18],
       (const i64*)d[19], (unsigned int*)d[20], (unsigned int)d[21], (i64*)d[22],
       (int)d[23], (unsigned int*)d[24], (int)d[25], d[26], (int)d[27],
       (const u64*)d[28], (i64*)d[29], d[30], (i64*)d[31], (int*)d[32], (int)d[33],
       (bool*)d[34], (i64*)d[35], (i64*)d[36], (i64*)d[37], (i64*)d[38]);
+}
+
+// Block b runs the call of record b: one launch serves one table call, or
+// the calls of several tables (a step's hash fields) side by side.  Each
+// record names its own table, keys, outputs, workspace and account, so the
+// blocks share nothing and their results equal separate calls.
+extern "C" __global__ void ks_insert_calls(const i64* __restrict__ desc) {
+  __shared__ int s_cnt[16 * KS_FT];
+  __shared__ i64 s_c[5];
+  KsBlock g{(i64)threadIdx.x, (i64)KS_FT, s_cnt, s_c};
+  ks_insert_record(g, desc + (i64)blockIdx.x * KS_DESC_WORDS);
+}
+
+// The calls of `records` records one after another, each by every thread of
+// the grid (calls of more than ~64K keys): one cooperative launch, no host
+// sync, whatever the batch size.  gws: the grid scratch (KsGrid), whose
+// first word must be zero before the first launch that uses it.
+extern "C" __global__ void __launch_bounds__(KS_FT, 1)
+    ks_insert_grid(const i64* __restrict__ desc, int records,
+                                          i64* gws) {
+  KsGrid g(gws);
+  if (g.t == 0) gws[6] = 0;
+  for (int r = 0; r < records; ++r) {
+    const i64* d = desc + (i64)r * KS_DESC_WORDS;
+    ks_insert_record(g, d);
+    g.sync();  // the record's counters are read before the next zeroes them
+    if (g.t == 0 && ((i64*)d[38])[KS_A_STATUS] != 0) gws[6] = 1;
+  }
 }

@@ -292,8 +292,11 @@ class HashTable:
         """``(rows, fresh)`` of a training step's keys, flat, with no host sync.
 
         For GPU tables (None elsewhere, and where the call needs
-        `lookup_or_insert_fresh`: ``eviction=None``, a batch of more than
-        64K keys or of more keys than the table has rows). ``use``: a bool
+        `lookup_or_insert_fresh`: ``eviction=None`` or admission counts).
+        Batches above 64K keys run on every block of one launch; a batch of
+        more keys than the table has rows also reads back whether it held
+        too many distinct keys (one host sync, so that the step itself
+        raises `BatchTooLargeError`). ``use``: a bool
         device array, False at padding (row -1, not counted); ``fresh`` is
         True only where a new row first appears. ``out``: the flat int32
         ``rows`` and bool ``fresh`` device arrays to write (new ones by
@@ -478,9 +481,10 @@ def step_rows_together(tables, keys, use, bounds, out):
     (int32 rows) and ``out[1][a:b]`` (fresh flags), as its own `step_rows`
     call would. Returns the indices of the tables it left out, in order, for
     the caller to call one by one afterwards: CPU tables, tables
-    `step_rows` refuses (``eviction=None``, a batch over 64K keys or over
-    the table's rows), tables with a time to live and a table's repeated
-    appearances.
+    `step_rows` refuses (``eviction=None``, admission counts), tables with
+    a time to live and a table's repeated appearances. Batches above 64K
+    keys share a second launch, which runs them one after another on every
+    block.
 
     Example (on a GPU):
 

@@ -21,11 +21,15 @@ the call's table, keys, outputs, workspace and account as pointers and
 scalars), so `step_rows_many` runs the step calls of several tables (a
 model's hash fields) in one launch, one block per table.
 
-Batches of more than ``MAX_KEYS`` keys (one block would leave the GPU idle)
-or more keys than the table has rows (the distinct-hit check needs the
-multi-launch path) take the multi-launch path, and so do tables with
-admission (``admit_after > 1``): its exact counts live in a second table
-(`keras_sparse.table.admission`) that the kernel does not read.
+Batches of more than ``MAX_KEYS`` keys, where one block would leave the
+GPU idle, run the same phases on every block of one cooperative launch
+(``ks_insert_grid``: grid-wide barriers and prefix sums, one block per
+multiprocessor): still one launch and no host sync per call, at any batch
+size, with the same results. Batches of more keys than the table has rows
+(the distinct-hit check needs the multi-launch path) take the multi-launch
+path, and so do tables with admission (``admit_after > 1``): its exact
+counts live in a second table (`keras_sparse.table.admission`) that the
+kernel does not read.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ import threading
 import cupy as cp
 import numpy as np
 
+from .call_results import BatchTooLargeError
 from .call_results import InsertResult
 from .call_results import TableFullError
 from .cuda_modules import module
 
-MAX_KEYS = 1 << 16
+MAX_KEYS = 1 << 16  # larger calls run on the whole grid (ks_insert_grid)
+GRID_ROUTE = True  # False: larger calls take the multi-launch path
+GRID_BLOCKS = None  # blocks of a grid call; None: one per multiprocessor
 THREADS = 512  # KS_FT in keras_sparse/kernels/insert_call.cu
 DESC_WORDS = 40  # KS_DESC_WORDS: int64 words of one call's record
 _WORDS_PER_KEY = 20  # workspace int64 arrays of the batch size (see the kernel)
@@ -90,11 +97,22 @@ class FusedInsert:
             fused = table._fused_insert = cls(table)
         return fused
 
-    def eligible(self, n):
+    def route(self, n):
+        """``"block"`` (one block), ``"grid"`` (every block of a cooperative
+        launch: more than `MAX_KEYS` keys, or more keys than the table has
+        rows, whose distinct count the grid call checks), or None (the
+        multi-launch path) for a call of ``n`` keys."""
         # Exact admission counts live in a second table the kernel does not
         # read: tables with admit_after > 1 take the multi-launch path.
         t = self.table
-        return 0 < n <= MAX_KEYS and n <= t.capacity and t.admission is None
+        if n <= 0 or t.admission is not None:
+            return None
+        if n <= MAX_KEYS and n <= t.capacity:
+            return "block"
+        return "grid" if GRID_ROUTE else None
+
+    def eligible(self, n):
+        return self.route(n) is not None
 
     def call(self, k, step):
         """``(InsertResult, fresh)`` of one call, or None when not eligible."""
@@ -124,6 +142,10 @@ class FusedInsert:
             return None
         with self.lock:
             self._launch(k, use, True, step, out)
+            if n > self.table.capacity:
+                # More keys than rows: the call may have failed (too many
+                # distinct keys), which must fail this step, not a later read.
+                self.read()
         return out
 
     def read(self):
@@ -151,6 +173,11 @@ class FusedInsert:
                 f"hash table full: capacity {t.capacity}, size {t._size}, "
                 f"{a[_A['new_keys']]} new keys and eviction=None"
             )
+        if a[_A["status"]] == 3:
+            raise BatchTooLargeError(
+                f"batch has {a[_A['new_keys']]} distinct admitted keys but the "
+                f"table capacity is {t.capacity}; split the batch or grow the table"
+            )
         if a[_A["status"]] == 2:
             raise TableFullError(
                 "hash table full: both candidate buckets of a key are full "
@@ -161,7 +188,10 @@ class FusedInsert:
     def _launch(self, k, use, first_only, step, out=None):
         with clocks_kept_on_error([self.table]):
             record, outputs = self.record(k, use, first_only, step, out)
-            launch([record])
+            if self.route(int(k.shape[0])) == "grid":
+                launch_grid([record], self)
+            else:
+                launch([record])
         return outputs
 
     def record(self, k, use, first_only, step, out=None):
@@ -216,7 +246,10 @@ class FusedInsert:
         step = t._next_step(step)
         score_prot = t._step_marks_touched(step, clock0)
         use_stamp = not score_prot and t.eviction is not None
-        stamp = self._next_stamp() if use_stamp else self.dummy_u32
+        # More keys than rows: the kernel counts the distinct hit rows with
+        # the stamps.
+        marks = use_stamp or n > t.capacity
+        stamp = self._next_stamp() if marks else self.dummy_u32
         set_size = 1 << max(2 * n - 1, 1).bit_length()
         words = _WORDS_PER_KEY * n + _SET_ARRAYS * set_size
         if self.workspace.shape[0] < words:
@@ -289,6 +322,16 @@ class FusedInsert:
         self._static = (arrays, settings, tuple(words))
         return self._static[2]
 
+    def grid_scratch(self, blocks):
+        """The ``ks_insert_grid`` scratch for ``blocks`` blocks (KsGrid in
+        the kernel: barrier, counters, block totals, sort counts); zeroed
+        when allocated, after which the barrier keeps its count at zero."""
+        words = 8 + 2 * blocks + 8 * blocks * THREADS
+        scratch = self.__dict__.get("_grid_scratch")
+        if scratch is None or scratch.shape[0] != words:
+            scratch = self._grid_scratch = cp.zeros(words, dtype=cp.int64)
+        return scratch
+
     def _next_stamp(self):
         """The protection marks for a new call (no row carries its stamp)."""
         if self.stamp is None or self.call_stamp == np.iinfo(np.uint32).max:
@@ -309,8 +352,41 @@ def launch(records):
     )
 
 
+def grid_blocks():
+    """Blocks of a ``ks_insert_grid`` launch: `GRID_BLOCKS`, or one per
+    multiprocessor (a cooperative launch needs every block resident, and the
+    kernel's 512 threads fill one multiprocessor's registers)."""
+    if GRID_BLOCKS:
+        return int(GRID_BLOCKS)
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def launch_grid(records, owner):
+    """One cooperative ``ks_insert_grid`` launch running ``records`` one
+    after another, each on every block; ``owner`` (a `FusedInsert` whose
+    lock the caller holds) lends its grid scratch."""
+    blocks = grid_blocks()
+    scratch = owner.grid_scratch(blocks)
+    desc = cp.asarray(np.asarray(records, dtype=np.int64).reshape(-1))
+    module("insert_call.cu").get_function("ks_insert_grid")(
+        (blocks,),
+        (THREADS,),
+        (desc, np.int32(len(records)), scratch),
+        enable_cooperative_groups=True,
+    )
+    return scratch
+
+
+def any_failed(scratch):
+    """Whether a call of the last grid launch on ``scratch`` failed or met an
+    unread failure (one host sync)."""
+    return bool(int(scratch[6].get()))
+
+
 def step_rows_many(fused, keys, use, bounds, out):
-    """`FusedInsert.step_rows` of several tables in one launch.
+    """`FusedInsert.step_rows` of several tables in one launch (two when
+    some tables take more than `MAX_KEYS` keys: those run one after another
+    in one grid launch).
 
     Table ``i`` (``fused[i]``) maps ``keys[a:b]`` for ``(a, b) = bounds[i]``
     and writes ``out[0][a:b]`` (int32 rows) and ``out[1][a:b]`` (fresh);
@@ -364,7 +440,21 @@ def step_rows_many(fused, keys, use, bounds, out):
                     records.append(
                         fused[i].record(keys[a:b], part, True, None, slots)[0]
                     )
-            launch(records)
+            on_grid = [
+                fused[i].route(int(r[4])) == "grid" for i, r in zip(joined, records)
+            ]
+            small = [r for r, g in zip(records, on_grid) if not g]
+            if small:
+                launch(small)
+            if any(on_grid):
+                large = [(i, r) for i, r, g in zip(joined, records, on_grid) if g]
+                scratch = launch_grid([r for _, r in large], fused[large[0][0]])
+                # More keys than rows: a call may have failed (too many
+                # distinct keys), which must fail this step (one host read).
+                wide = [fused[i] for i, r in large if r[4] > fused[i].table.capacity]
+                if wide and any_failed(scratch):
+                    for f in wide:
+                        f.read()
             # Held like a record's own arrays (until this table's next call).
             fused[joined[0]].held += [a for a in flat if a is not None]
     return left

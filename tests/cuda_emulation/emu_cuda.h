@@ -12,9 +12,18 @@
 // only at collectives, so data races within a phase are not exercised: this
 // checks a kernel's logic, indexing and warp-level protocol, not its memory
 // ordering.
+//
+// A cooperative launch (cupy's enable_cooperative_groups=True, which a GPU
+// runs with every block resident) runs each block on its own OS thread, so
+// a grid-wide barrier built from atomics and spinning (as a GPU kernel
+// writes it) completes; atomics are then real atomics, and __nanosleep
+// yields the OS thread, so spinning blocks let the others run.
 #pragma once
 
+#include <sched.h>
 #include <ucontext.h>
+
+#include <thread>
 
 #include <cstdio>
 #include <cstring>
@@ -33,6 +42,7 @@ struct alignas(16) uint4 {
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 // One block runs at a time on an OS thread: its fibers share these.
 #define __shared__ static thread_local
 
@@ -168,13 +178,46 @@ inline int run_block(Launch& L, std::string& error) {
 }
 
 // Runs `body` once per thread of the grid; returns 0, or 1 with `err` set.
+// Blocks run one after another, or each on its own OS thread when
+// `cooperative` (all resident at once, as a cooperative launch on a GPU).
 inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* err,
-                  int err_len) {
+                  int err_len, int cooperative = 0) {
+  const size_t n = static_cast<size_t>(block.x) * block.y * block.z;
+  if (cooperative) {
+    std::vector<dim3> bids;
+    for (unsigned int z = 0; z < grid.z; ++z)
+      for (unsigned int y = 0; y < grid.y; ++y)
+        for (unsigned int x = 0; x < grid.x; ++x) bids.push_back({x, y, z});
+    std::vector<std::string> errors(bids.size());
+    std::vector<int> status(bids.size(), 0);
+    std::vector<std::thread> threads;
+    for (size_t b = 0; b < bids.size(); ++b)
+      threads.emplace_back([&, b] {
+        Launch L;
+        L.grid = grid;
+        L.block = block;
+        L.body = body;
+        L.bid = bids[b];
+        L.lanes.resize(n);
+        std::vector<std::vector<char>> stacks;
+        while (stacks.size() < n) stacks.emplace_back(kStackBytes);
+        L.stacks = &stacks;
+        active = &L;
+        status[b] = run_block(L, errors[b]);
+        active = nullptr;
+      });
+    for (std::thread& t : threads) t.join();
+    for (size_t b = 0; b < bids.size(); ++b)
+      if (status[b]) {
+        snprintf(err, err_len, "%s", errors[b].c_str());
+        return 1;
+      }
+    return 0;
+  }
   Launch L;
   L.grid = grid;
   L.block = block;
   L.body = std::move(body);
-  const size_t n = static_cast<size_t>(block.x) * block.y * block.z;
   L.lanes.resize(n);
   // Reused across launches: allocating fresh stacks dominated small launches.
   static thread_local std::vector<std::vector<char>> stack_pool;
@@ -223,34 +266,36 @@ inline void __syncthreads() {
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 
-// Fibers switch only at collectives, so a plain read-modify-write is atomic.
+// Real atomics: within a block fibers switch only at collectives, but the
+// blocks of a cooperative launch run on OS threads side by side.
 template <typename T>
 inline T atomicAdd(T* address, T value) {
-  T old = *address;
-  *address = old + value;
-  return old;
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
 }
 
 template <typename T>
 inline T atomicMin(T* address, T value) {
-  T old = *address;
-  if (value < old) *address = value;
+  T old = __atomic_load_n(address, __ATOMIC_SEQ_CST);
+  while (value < old && !__atomic_compare_exchange_n(address, &old, value, false,
+                                                     __ATOMIC_SEQ_CST,
+                                                     __ATOMIC_SEQ_CST)) {
+  }
   return old;
 }
 
 template <typename T>
 inline T atomicCAS(T* address, T compare, T value) {
-  T old = *address;
-  if (old == compare) *address = value;
-  return old;
+  __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_SEQ_CST,
+                              __ATOMIC_SEQ_CST);
+  return compare;
 }
 
 template <typename T>
 inline T atomicExch(T* address, T value) {
-  T old = *address;
-  *address = value;
-  return old;
+  return __atomic_exchange_n(address, value, __ATOMIC_SEQ_CST);
 }
 
-// Fibers of a block share one OS thread and memory: writes are seen at once.
-inline void __threadfence() {}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+// A spinning thread lets the other blocks' OS threads run.
+inline void __nanosleep(unsigned int) { sched_yield(); }

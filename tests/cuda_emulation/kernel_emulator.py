@@ -68,7 +68,10 @@ _CTYPES_OF = {
 # A 1-byte bool array is passed where a kernel declares unsigned char*.
 _SAME_BYTES = {(np.dtype(np.uint8), np.dtype(np.bool_))}
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+_KERNEL = re.compile(
+    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?'
+    r"(\w+)\s*\(([^)]*)\)"
+)
 _TYPEDEF = re.compile(r"typedef\s+([\w\s]+?)\s+(\w+)\s*;")
 _COMPILE_LOCK = threading.Lock()
 
@@ -108,11 +111,12 @@ class EmulatedKernel:
         self._fn = getattr(lib, f"emu_{name}")
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_char_p, ctypes.c_int]
+        self._fn.argtypes += [ctypes.c_int]
         self._fn.argtypes += [
             ctypes.c_void_p if p.pointer else _CTYPES_OF[p.dtype] for p in params
         ]
 
-    def __call__(self, grid, block, args, **unused):
+    def __call__(self, grid, block, args, enable_cooperative_groups=False, **unused):
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if len(args) != len(self.params):
@@ -121,7 +125,8 @@ class EmulatedKernel:
             )
         converted = [self._convert(p, a) for p, a in zip(self.params, args)]
         err = ctypes.create_string_buffer(512)
-        if self._fn(*grid, *block, err, len(err), *converted):
+        cooperative = int(bool(enable_cooperative_groups))
+        if self._fn(*grid, *block, err, len(err), cooperative, *converted):
             raise EmulatedLaunchError(f"{self.name}: {err.value.decode()}")
 
     def _convert(self, param, arg):
@@ -184,10 +189,11 @@ def _launchers(kernels):
         names = ", ".join(p.name for p in params)
         parts.append(
             f'extern "C" int emu_{name}(unsigned gx, unsigned gy, unsigned gz, '
-            f"unsigned bx, unsigned by, unsigned bz, char* err, int err_len"
+            f"unsigned bx, unsigned by, unsigned bz, char* err, int err_len, "
+            f"int cooperative"
             f"{decls}) {{\n"
             f"  return ks_emu::launch({{gx, gy, gz}}, {{bx, by, bz}}, "
-            f"[=] {{ {name}({names}); }}, err, err_len);\n}}\n"
+            f"[=] {{ {name}({names}); }}, err, err_len, cooperative);\n}}\n"
         )
     return "\n".join(parts)
 
@@ -207,7 +213,15 @@ def compile_module(source):
         raise RuntimeError("emulator: no C++ compiler (g++ or clang++) found")
     kernels = kernel_params(source)
     text = source + "\n\n" + _launchers(kernels)
-    flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-include", str(HEADER)]
+    flags = [
+        "-std=c++17",
+        "-O1",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        "-include",
+        str(HEADER),
+    ]
     digest = hashlib.sha256(
         (HEADER.read_text() + text + " ".join(flags) + CXX).encode()
     ).hexdigest()[:24]

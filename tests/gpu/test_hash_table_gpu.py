@@ -35,7 +35,10 @@ def test_gpu_matches_cpu_rows():
     np.testing.assert_array_equal(cpu.lookup(keys), gpu.lookup(keys).get())
 
 
-@pytest.mark.parametrize("path", ["insert_call", "evict_rounds", "per_round"])
+PATHS = ["insert_call", "grid_call", "evict_rounds", "per_round"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("admit_after", [1, 2])
 def test_gpu_matches_cpu_under_eviction(eviction, admit_after, path, monkeypatch):
@@ -43,9 +46,10 @@ def test_gpu_matches_cpu_under_eviction(eviction, admit_after, path, monkeypatch
     rounds per call, some overflows): the CUDA table's rows, new rows,
     evicted keys and rows (in order), counters and stored state equal the
     CPU twin's call by call: with the whole call in one ks_insert_calls
-    launch (batches up to 64K keys), and on the multi-launch path (larger
-    batches) with the rounds in one ks_evict_rounds launch and with the
-    per-round CuPy code (the largest batches)."""
+    launch (batches up to 64K keys), in one cooperative ks_insert_grid
+    launch on every block (larger batches; here the one-block limit is set
+    below the batches), and on the multi-launch path with the rounds in one
+    ks_evict_rounds launch and with the per-round CuPy code."""
     import numpy as np
 
     from keras_sparse.table import HashTable
@@ -54,8 +58,13 @@ def test_gpu_matches_cpu_under_eviction(eviction, admit_after, path, monkeypatch
     from keras_sparse.table.array_table import ArrayTable
 
     fused = path != "per_round"
-    if path != "insert_call":
+    if path == "grid_call":
+        monkeypatch.setattr(insert_call, "MAX_KEYS", 64)
+        if admit_after > 1:
+            pytest.skip("admission tables take the multi-launch path")
+    elif path != "insert_call":
         monkeypatch.setattr(insert_call, "MAX_KEYS", 0)
+        monkeypatch.setattr(insert_call, "GRID_ROUTE", False)
     monkeypatch.setattr(cupy_table, "_FUSED_EVICT_MAX", 1 << 16 if fused else 0)
     per_round_calls = []
     generic = ArrayTable._evict_rounds
@@ -98,13 +107,19 @@ def test_gpu_matches_cpu_under_eviction(eviction, admit_after, path, monkeypatch
     not getattr(cp, "EMULATED", False), reason="counts come from the emulated CuPy"
 )
 @pytest.mark.parametrize("kw", [dict(eviction="lru"), dict(eviction="lfu")], ids=str)
-def test_insert_call_is_one_launch_and_one_sync(kw):
+@pytest.mark.parametrize("route", ["block", "grid"])
+def test_insert_call_is_one_launch_and_one_sync(kw, route, monkeypatch):
     """Embedding-sized batches take one kernel launch and one host read per
     lookup_or_insert, however many placement and eviction rounds they need
-    (the multi-launch path needs a host sync per round)."""
+    (the multi-launch path needs a host sync per round); so do batches above
+    the one-block limit (one cooperative launch on every block)."""
     import numpy as np
 
     from keras_sparse.table import HashTable
+    from keras_sparse.table import insert_call
+
+    if route == "grid":
+        monkeypatch.setattr(insert_call, "MAX_KEYS", 1000)
 
     table = HashTable(4096, device="gpu", bucket_size=8, **kw)
     rng = np.random.default_rng(0)
@@ -159,15 +174,26 @@ def test_step_rows_match_the_cpu_table_and_defer_the_counts(eviction):
         np.testing.assert_array_equal(x, y.get())
 
 
-def test_step_rows_together_is_one_launch_equal_to_separate_tables():
+@pytest.mark.parametrize("max_keys", [None, 300, 100])
+def test_step_rows_together_is_one_launch_equal_to_separate_tables(
+    max_keys, monkeypatch
+):
     """`step_rows_together` maps several tables' keys in one kernel launch
     (one block per table) with no host sync, and each table ends exactly as
     the CPU twin fed its own slice: rows, fresh flags, counts, entries.
-    Tables differ in policy, admission, bucket size and batch length."""
+    Tables differ in policy, admission, bucket size and batch length. With
+    the one-block limit lowered (``max_keys``), the tables above it run one
+    after another in one grid launch: two launches when some tables stay
+    below the limit, one when none does."""
     import numpy as np
 
     from keras_sparse.table import HashTable
+    from keras_sparse.table import insert_call
     from keras_sparse.table import step_rows_together
+
+    if max_keys:
+        monkeypatch.setattr(insert_call, "MAX_KEYS", max_keys)
+    launches = 2 if max_keys == 300 else 1
 
     kws = [
         dict(capacity=512, eviction="lru", bucket_size=8),
@@ -187,7 +213,7 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables():
         before = dict(counts) if counts else None
         got = step_rows_together(gpus, cp.asarray(keys), cp.asarray(use), bounds, out)
         if counts:
-            assert counts["kernels"] - before["kernels"] == 1
+            assert counts["kernels"] - before["kernels"] == launches
             assert counts["syncs"] == before["syncs"]
         assert got == []
         for cpu, (a, b) in zip(cpus, bounds):
@@ -206,25 +232,78 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables():
         for x, y in zip(cpu.export(), gpu.export()):
             np.testing.assert_array_equal(x, y.get())
     assert cpus[0].stats()["evictions"] > 0 and cpus[1].stats()["evictions"] > 0
+    if max_keys:
+        return
     # Left to the caller, in order: a CPU table, a table's second
-    # appearance, eviction=None, a batch over the table's rows; the others
-    # still share one launch.
+    # appearance, eviction=None; the others still share one launch.
     strict = HashTable(512, device="gpu", eviction=None)
-    small, other = HashTable(64, device="gpu"), HashTable(64, device="gpu")
-    # `small` first appears with too many keys, then with few: both wait.
-    mixed = [cpus[0], gpus[0], gpus[0], strict, small, other, small]
-    bounds = [(0, 4), (4, 8), (8, 12), (12, 16), (16, 116), (116, 120), (120, 124)]
-    keys = cp.arange(124, dtype=cp.int64)
-    out = (cp.full(124, -7, cp.int32), cp.zeros(124, cp.bool_))
+    other = HashTable(64, device="gpu")
+    mixed = [cpus[0], gpus[0], gpus[0], strict, other]
+    bounds = [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
+    keys = cp.arange(20, dtype=cp.int64)
+    out = (cp.full(20, -7, cp.int32), cp.zeros(20, cp.bool_))
     before = dict(counts) if counts else None
-    assert step_rows_together(mixed, keys, None, bounds, out) == [0, 2, 3, 4, 6]
+    assert step_rows_together(mixed, keys, None, bounds, out) == [0, 2, 3]
     if counts:
         assert counts["kernels"] - before["kernels"] == 1
     rows = out[0].get()
-    assert (rows[:4] == -7).all() and (rows[8:116] == -7).all()
-    assert (rows[4:8] >= 0).all() and (rows[116:120] >= 0).all()
-    assert (rows[120:] == -7).all()
-    assert strict.stats()["size"] == small.stats()["size"] == 0
+    assert (rows[:4] == -7).all() and (rows[8:16] == -7).all()
+    assert (rows[4:8] >= 0).all() and (rows[16:] >= 0).all()
+    assert strict.stats()["size"] == 0
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_step_rows_of_more_keys_than_rows(eviction):
+    """A step batch of more keys than the table has rows runs on the grid
+    and reads back whether it failed (one host sync): with at most
+    ``capacity`` distinct keys its rows equal the CPU twin's; with more, it
+    raises the twin's BatchTooLargeError and leaves the table as it was."""
+    import numpy as np
+
+    from keras_sparse.table import BatchTooLargeError
+    from keras_sparse.table import HashTable
+    from keras_sparse.table import step_rows_together
+
+    kw = dict(capacity=64, eviction=eviction, bucket_size=8)
+    cpu, gpu = HashTable(device="cpu", **kw), HashTable(device="gpu", **kw)
+    keep = HashTable(device="gpu", **kw)  # fits: its call stands
+    rng = np.random.default_rng(5)
+    counts = getattr(cp, "stats", None)
+    for _ in range(3):
+        keys = rng.integers(0, 40, 200).astype(np.int64) * 31  # <= 40 distinct
+        res, fresh = cpu.lookup_or_insert_fresh(keys)
+        out = (cp.empty(200, cp.int32), cp.empty(200, cp.bool_))
+        before = dict(counts) if counts else None
+        got = step_rows_together([gpu], cp.asarray(keys), None, [(0, 200)], out)
+        assert got == []
+        if counts:
+            assert counts["kernels"] - before["kernels"] == 1
+            assert counts["syncs"] - before["syncs"] == 1
+        np.testing.assert_array_equal(out[0].get(), res.rows)
+    assert gpu.stats() == cpu.stats()
+    wide = np.arange(100, dtype=np.int64) * 7  # 100 distinct keys, 64 rows
+    with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
+        cpu.lookup_or_insert(wide)
+    state = [a.get() for a in gpu.export()]
+    keys = cp.asarray(np.concatenate([wide, wide[:10]]))
+    out = (cp.empty(110, cp.int32), cp.empty(110, cp.bool_))
+    with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
+        step_rows_together([keep, gpu], keys, None, [(0, 10), (10, 110)], out)
+    for x, y in zip(state, gpu.export()):
+        np.testing.assert_array_equal(x, y.get())
+    assert gpu.stats() == cpu.stats()
+    assert keep.stats()["size"] == 10
+    with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
+        gpu.lookup_or_insert(cp.asarray(wide))
+    assert gpu.stats() == cpu.stats()
+    # Both go on alike after their failed calls (clock and scores included).
+    for _ in range(3):
+        keys = rng.integers(0, 300, 60).astype(np.int64)
+        a, b = cpu.lookup_or_insert(keys), gpu.lookup_or_insert(cp.asarray(keys))
+        np.testing.assert_array_equal(a.rows, b.rows.get())
+        np.testing.assert_array_equal(a.evicted_keys, b.evicted_keys.get())
+    for x, y in zip(cpu.export(), gpu.export()):
+        np.testing.assert_array_equal(x, y.get())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -232,13 +232,19 @@ def test_gpu_buffer_route_steps_without_host_syncs(gpu_buffers, monkeypatch):
     assert layer.stats() == cpu and cpu["evictions"] > 0
 
 
-def test_hash_fields_together_take_one_launch_per_step(gpu_buffers, monkeypatch):
+@pytest.mark.parametrize("route", ["block", "grid"])
+def test_hash_fields_together_take_one_launch_per_step(gpu_buffers, monkeypatch, route):
     """A `HashEmbeddingCollection` of three GPU-table fields maps every
-    training step with one kernel launch (one block per field) and no host
-    sync, and trains exactly like the same fields as separate CPU-table
-    layers: losses, counters, stored records."""
+    training step with one kernel launch (one block per field, or with
+    fields above the one-block limit, lowered here, every block on each
+    field in turn) and no host sync, and trains exactly like the same
+    fields as separate CPU-table layers: losses, counters, stored records."""
     if not emulated():
         pytest.skip("launches and syncs are counted by the emulated CuPy")
+    if route == "grid":
+        from keras_sparse.table import insert_call
+
+        monkeypatch.setattr(insert_call, "MAX_KEYS", 4)
     from tests.hash_fields import FIELDS
     from tests.hash_fields import fields_data
     from tests.hash_fields import fields_model

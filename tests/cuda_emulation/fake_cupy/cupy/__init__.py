@@ -349,10 +349,13 @@ class RawModule:
     def get_function(self, name):
         kernel = self._module.get_function(name)
 
-        def launch(grid, block, args, **kwargs):
+        def launch(grid, block, args, enable_cooperative_groups=False, **kwargs):
             stats["kernels"] += 1
             where = f"kernel {name}"
-            kernel(grid, block, tuple(_unwrap(a, where) for a in args))
+            args = tuple(_unwrap(a, where) for a in args)
+            kernel(
+                grid, block, args, enable_cooperative_groups=enable_cooperative_groups
+            )
 
         return launch
 

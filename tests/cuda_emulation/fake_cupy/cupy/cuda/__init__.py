@@ -18,6 +18,11 @@ class Device:
         pass
 
     @property
+    def attributes(self):
+        # Few multiprocessors: a cooperative launch runs a thread per block.
+        return {"MultiProcessorCount": 4, "CooperativeLaunch": 1}
+
+    @property
     def mem_info(self):
         return (16 << 30, 16 << 30)
 
