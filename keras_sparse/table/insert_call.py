@@ -368,7 +368,12 @@ def launch_grid(records, owner):
     blocks = grid_blocks()
     scratch = owner.grid_scratch(blocks)
     desc = cp.asarray(np.asarray(records, dtype=np.int64).reshape(-1))
-    module("insert_call.cu").get_function("ks_insert_grid")(
+    kernel = module("insert_call.cu").get_function("ks_insert_grid")
+    # CuPy's RawKernel launches cooperatively only when its module was
+    # compiled for cooperative groups (relocatable code); its Function takes
+    # the launch flag as it is.
+    function = getattr(kernel, "kernel", kernel)
+    function(
         (blocks,),
         (THREADS,),
         (desc, np.int32(len(records)), scratch),
