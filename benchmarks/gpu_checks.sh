@@ -51,7 +51,10 @@ for step in "${steps[@]}"; do
       [ -e "$f" ] && cp "$f" "$OUT/traces/$(echo "$f" | cut -d/ -f4).json.gz"
     done ;;
   demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
-  table) run_step table 90 python3 benchmarks/hash_table.py --device gpu ;;
+  demo-trace) run_step demo-trace 150 python3 benchmarks/many_fields.py \
+    --only "${DEMO_ONLY:-keras,dense,hash-gpu}" --trace /tmp/many_fields_traces ;;
+  table) run_step table 90 python3 benchmarks/hash_table.py --device gpu \
+    ${GRID_BLOCKS:+--grid-blocks $GRID_BLOCKS} ;;
   peers) run_step peers 150 python3 benchmarks/peers.py --rows "${PEERS_ROWS:-1e7}" \
     --variants ks-jax-layers,ks-jax-collection,keras-dense --rounds 1 \
     --warmup 2 --steps 10 --timeout 140 ;;

@@ -12,7 +12,7 @@ is timed beside it.  ``lookup`` batches are 100% hits drawn from live
 keys; ``lookup_or_insert`` batches are 50% live keys + 50% new keys, and the
 table state is restored after every timed call so each repeat starts equal.
 
-    python benchmarks/hash_table.py [--quick] [--device cpu|gpu|auto]
+    python benchmarks/hash_table.py [--quick] [--device cpu|gpu|auto] [--grid-blocks N]
 """
 
 from __future__ import annotations
@@ -247,7 +247,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small smoke run")
     p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="auto")
+    p.add_argument(
+        "--grid-blocks", type=int, default=None,
+        help="blocks of a GPU call above 64K keys (default: one per multiprocessor)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.grid_blocks:
+        from keras_sparse.table import insert_call
+
+        insert_call.GRID_BLOCKS = args.grid_blocks
     gpu_ok = False
     if args.device in ("gpu", "auto"):
         try:

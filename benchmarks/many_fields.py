@@ -26,6 +26,12 @@ its ids every step.
 
     python benchmarks/many_fields.py                   # the demo's shape (GPU)
     python benchmarks/many_fields.py --quick           # smoke size (CPU)
+    python benchmarks/many_fields.py --only hash-gpu --trace /tmp/t  # + profile
+
+With ``--trace DIR`` each variant also records a JAX profiler trace of
+``--trace-steps`` steps into ``DIR/<variant>/`` and prints its summary
+(`benchmarks/trace_summary.py`: busy time and costliest events per device
+stream and host thread).
 """
 
 import argparse
@@ -37,6 +43,7 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -127,6 +134,7 @@ def on_device(x, y):
 
 
 def timed(variant, args, data):
+    """Median ms per step and the last loss (a trace summary with --trace)."""
     from keras_sparse.ops import dense_row_updates
 
     # The route is chosen when the step is traced (the first call).
@@ -139,7 +147,26 @@ def timed(variant, args, data):
         t0 = time.perf_counter()
         loss = model.train_on_batch(*data[i % 2])  # a Python float: synced
         times.append(time.perf_counter() - t0)
+    if args.trace:
+        TRACES.append((variant, record_trace(model, data, args, variant)))
     return 1e3 * statistics.median(times), float(loss)
+
+
+TRACES = []
+
+
+def record_trace(model, data, args, name):
+    """Profile ``--trace-steps`` steps of ``model``; the summary's lines."""
+    import jax
+    import trace_summary
+
+    folder = pathlib.Path(args.trace) / name
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for i in range(args.trace_steps):
+            loss = model.train_on_batch(*data[i % 2])
+        float(loss)
+    events = trace_summary.load(folder)
+    return trace_summary.summarize(events, args.top, args.trace_steps)
 
 
 def device_name():
@@ -164,6 +191,9 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", default="", help=",".join(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="smoke size")
+    parser.add_argument("--trace", default="", help="folder for profiler traces")
+    parser.add_argument("--trace-steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12, help="events per trace track")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.fields, args.vocab, args.width = 512, 8, 256, 64
@@ -185,6 +215,9 @@ def main():
     for v, ms, loss in rows:
         ratio = f"{ms / base:.2f}x" if base else "-"
         print(f"| {v} | {ms:.1f} | {ratio} | {loss:.4f} |")
+    for v, lines in TRACES:
+        print(f"\n### trace: {v}\n")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

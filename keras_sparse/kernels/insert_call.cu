@@ -153,33 +153,25 @@ struct KsGrid {
     __syncthreads();
   }
 
-  // Block sums, one grid barrier, then each block adds the sums of the
-  // blocks before it.  The totals alternate between two sets, so a block
-  // still reading this scan's set cannot see the next scan's writes (those
-  // come after the next barrier).
+  // Block sums, one grid barrier, then each block scans the blocks' sums
+  // (one per thread: gridDim.x <= KS_FT) for the sum of those before it.
+  // The sums alternate between two sets, so a block still reading this
+  // scan's set cannot see the next scan's writes (those come after the
+  // next barrier).
   __device__ i64 scan(i64 v, i64* total) {
     i64 mine;
-    i64 r = ks_block_scan(v, &mine);
+    const i64 r = ks_block_scan(v, &mine);
     i64* set = totals + parity * (i64)gridDim.x;
     parity ^= 1;
     if (threadIdx.x == 0) set[blockIdx.x] = mine;
     sync();
-    __shared__ i64 s_before, s_all;
-    if (threadIdx.x == 0) {
-      i64 before = 0, all = 0;
-      for (unsigned int b = 0; b < gridDim.x; ++b) {
-        const i64 x = *(volatile i64*)&set[b];
-        if (b < blockIdx.x) before += x;
-        all += x;
-      }
-      s_before = before;
-      s_all = all;
-    }
+    const i64 x = threadIdx.x < gridDim.x ? *(volatile i64*)&set[threadIdx.x] : 0;
+    const i64 before = ks_block_scan(x, total);
+    // Read before the next scan's ks_block_scan barriers let a thread write it.
+    __shared__ i64 s_before;
+    if (threadIdx.x == blockIdx.x) s_before = before;
     __syncthreads();
-    r += s_before;
-    *total = s_all;
-    __syncthreads();
-    return r;
+    return r + s_before;
   }
 };
 
@@ -206,15 +198,17 @@ __device__ i64 ks_compact(G& g, i64 m, i64 base, Pred pred, Emit emit) {
   return total;
 }
 
-// Stable LSD radix sort of m non-negative words below 2**bits, 4 bits a
-// pass, ping-ponging between a and b; returns the buffer holding the result.
+// Stable LSD radix sort of m non-negative words below 2**bits by their bits
+// from `from` up, 4 bits a pass, ping-ponging between a and b; returns the
+// buffer holding the result.  Words already in order of their bits below
+// `from` end in order of the whole word.
 template <class G>
-__device__ i64* ks_sort(G& g, i64* a, i64* b, i64 m, int bits) {
+__device__ i64* ks_sort(G& g, i64* a, i64* b, i64 m, int from, int bits) {
   int* cnt = g.cnt;
   const i64 t = g.t, nt = g.nt;
   i64 lo, hi, total;
   ks_share(g, m, &lo, &hi);
-  for (int s = 0; s < bits; s += 4) {
+  for (int s = from; s < bits; s += 4) {
     int local[16];
     for (int d = 0; d < 16; ++d) local[d] = 0;
     for (i64 i = lo; i < hi; ++i) ++local[(a[i] >> s) & 15];
@@ -590,7 +584,8 @@ __device__ void ks_insert_body(
     g.sync();
     i64 nq = 0;
     if (nr > 0) {
-      i64* sorted = ks_sort(g, comp, comp2, nr, bucket_bits + sh);
+      // comp is in order of j (its low sh bits): sort by the bucket bits only.
+      i64* sorted = ks_sort(g, comp, comp2, nr, sh, bucket_bits + sh);
       const i64 mask = (1LL << sh) - 1;
       for (i64 x = t; x < nr; x += g.nt) {
         const i64 c = sorted[x] >> sh, j = sorted[x] & mask;

@@ -356,9 +356,10 @@ def grid_blocks():
     """Blocks of a ``ks_insert_grid`` launch: `GRID_BLOCKS`, or one per
     multiprocessor (a cooperative launch needs every block resident, and the
     kernel's 512 threads fill one multiprocessor's registers)."""
+    # The kernel sums the blocks' prefix sums one per thread: at most THREADS.
     if GRID_BLOCKS:
-        return int(GRID_BLOCKS)
-    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+        return min(int(GRID_BLOCKS), THREADS)
+    return min(int(cp.cuda.Device().attributes["MultiProcessorCount"]), THREADS)
 
 
 def launch_grid(records, owner):
