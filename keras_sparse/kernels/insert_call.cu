@@ -437,11 +437,6 @@ __device__ void ks_insert_body(
     rows[i] = found;
     fresh[i] = found < 0;  // "absent" until the end of the call
   }
-  for (i64 h = t; h < H; h += g.nt) {
-    hs_state[h] = 0;
-    hs_first[h] = KS_MAX;
-    hs_cnt[h] = 0;
-  }
   g.sync();
   const i64 nm = ks_compact(
       g, n, 0, [&](i64 i) { return fresh[i]; }, [&](i64 i, i64 o) { MP[o] = i; });
@@ -453,9 +448,19 @@ __device__ void ks_insert_body(
   };
   if (nm > 0) {
     // Dedup: a set keyed by the key; the first occurrence is the least index.
+    // Sized by the absent keys (at most half full), not the batch: a call of
+    // mostly hits clears little of it.
+    i64 hm = 2;
+    while (hm < 2 * nm && hm < H) hm <<= 1;
+    for (i64 h = t; h < hm; h += g.nt) {
+      hs_state[h] = 0;
+      hs_first[h] = KS_MAX;
+      hs_cnt[h] = 0;
+    }
+    g.sync();
     for (i64 j = t; j < nm; j += g.nt) {
       const i64 key = k[MP[j]];
-      i64 h = (i64)(ks_mix64((u64)key, 0x2545F4914F6CDD1DULL) & (u64)(H - 1));
+      i64 h = (i64)(ks_mix64((u64)key, 0x2545F4914F6CDD1DULL) & (u64)(hm - 1));
       for (;;) {
         const u64 st = atomicCAS((u64*)&hs_state[h], 0ULL, 1ULL);
         if (st == 0ULL) {
@@ -467,7 +472,7 @@ __device__ void ks_insert_body(
         while (*(volatile i64*)&hs_state[h] == 1) {
         }
         if (*(volatile i64*)&hs_key[h] == key) break;
-        h = (h + 1) & (H - 1);
+        h = (h + 1) & (hm - 1);
       }
       setslot[j] = h;
       atomicMin(&hs_first[h], j);
@@ -562,7 +567,9 @@ __device__ void ks_insert_body(
     for (i64 i = t; i < n; i += g.nt)
       if (rows[i] >= 0) stamp[rows[i]] = call_stamp;
   }
-  g.sync();
+  // Before placement reads the marks (with nothing to place, the barrier
+  // after the rounds serves).
+  if (na > 0) g.sync();
 
   // Placement rounds (ArrayTable._place).
   i64 mp = na, nev = 0, n_filled = 0;
@@ -695,7 +702,7 @@ __device__ void ks_insert_body(
     fresh[MP[j]] = r >= 0 && (!first_only || U[inv[j]] == j);
   }
   if (write32) {  // a training step's int32 rows, written in its own buffer
-    g.sync();
+    if (nm > 0) g.sync();  // the absent keys' rows are written just above
     for (i64 i = t; i < n; i += g.nt) rows32[i] = (int)rows[i];
   }
   for (i64 u = t; u < nu; u += g.nt) {
@@ -708,9 +715,11 @@ __device__ void ks_insert_body(
     atomicAdd((u64*)&s_miss, (u64)(placed ? upto : c));
     atomicAdd((u64*)&s_rej, (u64)(upto - (adm[u] >= 0 ? 1 : 0)));
   }
-  const i64 placed = ks_compact(
-      g, na, 0, [&](i64 a) { return res[a] >= 0; },
-      [&](i64 a, i64 o) { new_rows[o] = res[a]; });
+  // No admitted key (a call of hits): no new row, and no barrier to wait at.
+  const i64 placed = na == 0 ? 0
+                             : ks_compact(
+                                   g, na, 0, [&](i64 a) { return res[a] >= 0; },
+                                   [&](i64 a, i64 o) { new_rows[o] = res[a]; });
   if (t == 0) {
     acct[KS_A_HITS] += n - s_unused - s_miss;
     acct[KS_A_MISSES] += s_miss;
