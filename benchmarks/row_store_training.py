@@ -13,7 +13,14 @@ RSS is its own), the variants interleaved over ``--repeat`` rounds:
   (``store="host"``);
 - ``disk``: the same over memory-mapped files (``ks.store.Disk``) in a
   new folder under ``--store-dir`` (the system's temporary folder by
-  default), deleted when the variant ends.
+  default), deleted when the variant ends;
+- ``disk-cold`` (hash layer): ``disk`` with the store's files dropped from
+  the OS page cache after the warm steps (flushed, then
+  ``posix_fadvise(DONTNEED)``), so the timed steps read stored rows from
+  the disk.
+
+``--stage`` trains every variant through `keras_sparse.data.prefetch`
+(its table calls run batches ahead of the steps).
 
 ``--reopen`` (disk): after training, ``flush_store()``, close the store and
 time a new layer opening it in place (``ks.store.Disk(path, reopen=True)``)
@@ -125,7 +132,7 @@ def _child(args, memory):
     if args.variant != "whole":
         capacity = args.cache
         store = "host"
-        if args.variant == "disk":
+        if args.variant.startswith("disk"):
             args.folder = tempfile.mkdtemp(prefix="ks_rows_", dir=args.store_dir)
             store = ks.store.Disk(args.folder)
 
@@ -151,12 +158,22 @@ def _child(args, memory):
     model = keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
     model.compile("sgd", "mse")
     warm = args.warm_steps * args.batch
-    model.fit(keys[:warm], target[:warm], batch_size=args.batch, verbose=0)
+
+    def fit(x, y):
+        if not args.stage:
+            return model.fit(x, y, batch_size=args.batch, verbose=0)
+        with ks.data.prefetch((x, y), model, batch_size=args.batch) as stage:
+            return model.fit(stage, verbose=0)
+
+    fit(keys[:warm], target[:warm])
+    if "-cold" in args.variant:
+        layer.flush_store()
+        drop_page_cache(layer, args.folder)
     stats = layer.stats if args.variant != "whole" or args.layer == "hash" else None
     before = stats() if stats else {}
     io_before = io_bytes()
     start, cpu = time.perf_counter(), time.process_time()
-    model.fit(keys[warm:], target[warm:], batch_size=args.batch, verbose=0)
+    fit(keys[warm:], target[warm:])
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     io_after = io_bytes()
     after = stats() if stats else {}
@@ -185,6 +202,26 @@ def _child(args, memory):
     if args.reopen and args.variant == "disk":
         out["reopen_s"] = reopen(args, layer, new_layer, keys[-args.batch :])
     print("RESULT " + json.dumps(out))
+
+
+def drop_page_cache(layer, folder):
+    """Drops the (flushed) files under ``folder`` from the OS page cache:
+    the layer's store unmaps its pages (``MADV_DONTNEED``), which lets
+    ``posix_fadvise(DONTNEED)`` drop them."""
+    import mmap
+
+    from keras_sparse.store.mapped_rows import _advise
+
+    for rows in layer.row_tier.store._rows.maps.values():
+        _advise(rows, mmap.MADV_DONTNEED)
+    for path in pathlib.Path(folder).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def reopen(args, layer, new_layer, ids):
@@ -249,6 +286,9 @@ def main():
     parser.add_argument(
         "--reopen", action="store_true", help="time reopening the disk store"
     )
+    parser.add_argument(
+        "--stage", action="store_true", help="train through ks.data.prefetch"
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -276,8 +316,9 @@ def main():
     ]
     if args.store_dir is not None:
         args.passthrough.append(f"--store-dir={args.store_dir}")
-    if args.reopen:
-        args.passthrough.append("--reopen")
+    for flag in ("reopen", "stage"):
+        if getattr(args, flag):
+            args.passthrough.append(f"--{flag}")
     variants = args.variants.split(",")
     results = {v: [] for v in variants}
     for _ in range(args.repeat):
@@ -288,12 +329,11 @@ def main():
         f"backend={backend} layer={args.layer} universe={args.universe:,} "
         f"cache={args.cache:,} dim={args.dim} fields={args.fields} batch={args.batch} "
         f"zipf={args.zipf} steps={args.steps - args.warm_steps}+"
-        f"{args.warm_steps} warm repeat={args.repeat}"
+        f"{args.warm_steps} warm repeat={args.repeat} stage={args.stage}"
     )
     base = statistics.median(r["samples_s"] for r in results[variants[0]])
-    header = (
-        "variant  samples/s  ratio  cpu ms/step   hits   rows moved/step  bytes/step"
-    )
+    header = "variant            samples/s  ratio  cpu ms/step   hits"
+    header += "   rows moved/step  bytes/step"
     header += "  disk rd/step  peak RSS MB  anon MB  file MB  init s  reopen s"
     print(header)
     for variant in variants:
@@ -302,7 +342,7 @@ def main():
         last = rows[-1]
         reopened = last["reopen_s"]
         print(
-            f"{variant:7s}  {rate:9.0f}  {rate / base:5.2f}x"
+            f"{variant:17s}  {rate:9.0f}  {rate / base:5.2f}x"
             f"  {statistics.median(r['cpu_ms_per_step'] for r in rows):11.3f}"
             f"  {last['hits']:5.1%}"
             f"  {last['moved_per_step']:15.0f}  {last['moved_bytes_per_step']:10.0f}"

@@ -24,8 +24,9 @@
 // launches and host syncs, not bandwidth, set the time.  Larger batches run
 // the same phases on every block of one cooperative launch (ks_insert_grid,
 // grid-wide barriers and prefix sums: KsGrid), so their result is the same
-// and they need no host sync either.  The host uses the multi-launch path
-// for batches larger than the table.
+// and they need no host sync either.  A batch of more keys than the table
+// has rows also counts its distinct keys (status 3 when they outnumber the
+// rows), so it runs on the grid too.
 
 #include "ks_hash.cuh"
 
@@ -471,6 +472,7 @@ __device__ void ks_insert_body(
         }
         while (*(volatile i64*)&hs_state[h] == 1) {
         }
+        __threadfence();  // the key its writer fenced before publishing it
         if (*(volatile i64*)&hs_key[h] == key) break;
         h = (h + 1) & (hm - 1);
       }
@@ -715,11 +717,14 @@ __device__ void ks_insert_body(
     atomicAdd((u64*)&s_miss, (u64)(placed ? upto : c));
     atomicAdd((u64*)&s_rej, (u64)(upto - (adm[u] >= 0 ? 1 : 0)));
   }
-  // No admitted key (a call of hits): no new row, and no barrier to wait at.
-  const i64 placed = na == 0 ? 0
-                             : ks_compact(
-                                   g, na, 0, [&](i64 a) { return res[a] >= 0; },
-                                   [&](i64 a, i64 o) { new_rows[o] = res[a]; });
+  i64 placed = 0;
+  if (na > 0) {
+    placed = ks_compact(
+        g, na, 0, [&](i64 a) { return res[a] >= 0; },
+        [&](i64 a, i64 o) { new_rows[o] = res[a]; });
+  } else if (nu > 0) {
+    g.sync();  // the counts above reach thread 0 (no compact to wait at)
+  }
   if (t == 0) {
     acct[KS_A_HITS] += n - s_unused - s_miss;
     acct[KS_A_MISSES] += s_miss;

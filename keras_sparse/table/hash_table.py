@@ -513,7 +513,13 @@ def step_rows_together(tables, keys, use, bounds, out):
         for t in sorted({id(t): t for t in gpu_tables}.values(), key=id):
             held.enter_context(t._lock)  # a fixed order: no deadlock
         fused = [FusedInsert.of(t._impl) for t in gpu_tables]
-        left = step_rows_many(fused, k, use, [bounds[i] for i in on_gpu], out)
+        try:
+            left = step_rows_many(fused, k, use, [bounds[i] for i in on_gpu], out)
+        except BaseException:
+            # Some calls may have run: no serving map may pass for current.
+            for t in gpu_tables:
+                t._version += 1
+            raise
         for j, t in enumerate(gpu_tables):
             t._version += j not in left
     left = {on_gpu[j] for j in left}

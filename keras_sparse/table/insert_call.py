@@ -26,10 +26,12 @@ GPU idle, run the same phases on every block of one cooperative launch
 (``ks_insert_grid``: grid-wide barriers and prefix sums, one block per
 multiprocessor): still one launch and no host sync per call, at any batch
 size, with the same results. Batches of more keys than the table has rows
-(the distinct-hit check needs the multi-launch path) take the multi-launch
-path, and so do tables with admission (``admit_after > 1``): its exact
+take the grid launch too, which then also counts the batch's distinct keys
+(more than the table's rows fail the call, as on the CPU twin). Tables with
+admission (``admit_after > 1``) take the multi-launch path: their exact
 counts live in a second table (`keras_sparse.table.admission`) that the
-kernel does not read.
+kernel does not read; so does every call on a device without cooperative
+launches.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class FusedInsert:
             return None
         if n <= MAX_KEYS and n <= t.capacity:
             return "block"
-        return "grid" if GRID_ROUTE else None
+        return "grid" if GRID_ROUTE and grid_available() else None
 
     def eligible(self, n):
         return self.route(n) is not None
@@ -352,6 +354,21 @@ def launch(records):
     )
 
 
+def grid_available():
+    """Whether the device runs cooperative launches (every block resident),
+    which ``ks_insert_grid``'s barriers need."""
+    device = cp.cuda.Device()
+    known = _COOPERATIVE.get(device.id)
+    if known is None:
+        known = _COOPERATIVE[device.id] = bool(
+            device.attributes.get("CooperativeLaunch", 1)
+        )
+    return known
+
+
+_COOPERATIVE = {}
+
+
 def grid_blocks():
     """Blocks of a ``ks_insert_grid`` launch: `GRID_BLOCKS`, or one per
     multiprocessor (a cooperative launch needs every block resident, and the
@@ -452,17 +469,19 @@ def step_rows_many(fused, keys, use, bounds, out):
             small = [r for r, g in zip(records, on_grid) if not g]
             if small:
                 launch(small)
+            wide, scratch = [], None
             if any(on_grid):
                 large = [(i, r) for i, r, g in zip(joined, records, on_grid) if g]
                 scratch = launch_grid([r for _, r in large], fused[large[0][0]])
-                # More keys than rows: a call may have failed (too many
-                # distinct keys), which must fail this step (one host read).
                 wide = [fused[i] for i, r in large if r[4] > fused[i].table.capacity]
-                if wide and any_failed(scratch):
-                    for f in wide:
-                        f.read()
             # Held like a record's own arrays (until this table's next call).
             fused[joined[0]].held += [a for a in flat if a is not None]
+        # More keys than rows: a call may have failed (too many distinct
+        # keys), which must fail this step (one host read). The launch ran:
+        # every table keeps its advanced clock, as the CPU twin's would.
+        if wide and any_failed(scratch):
+            for f in wide:
+                f.read()
     return left
 
 

@@ -282,8 +282,10 @@ def test_step_rows_of_more_keys_than_rows(eviction):
         np.testing.assert_array_equal(out[0].get(), res.rows)
     assert gpu.stats() == cpu.stats()
     wide = np.arange(100, dtype=np.int64) * 7  # 100 distinct keys, 64 rows
+    keep_cpu = HashTable(device="cpu", **kw)
+    keep_cpu.lookup_or_insert(wide[:10])  # `keep`'s call in the failing launch
     with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
-        cpu.lookup_or_insert(wide)
+        cpu.lookup_or_insert(wide)  # `gpu`'s call in that launch
     state = [a.get() for a in gpu.export()]
     keys = cp.asarray(np.concatenate([wide, wide[:10]]))
     out = (cp.empty(110, cp.int32), cp.empty(110, cp.bool_))
@@ -292,18 +294,23 @@ def test_step_rows_of_more_keys_than_rows(eviction):
     for x, y in zip(state, gpu.export()):
         np.testing.assert_array_equal(x, y.get())
     assert gpu.stats() == cpu.stats()
-    assert keep.stats()["size"] == 10
+    assert keep.stats() == keep_cpu.stats() and keep.stats()["size"] == 10
+    with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
+        cpu.lookup_or_insert(wide)
     with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
         gpu.lookup_or_insert(cp.asarray(wide))
     assert gpu.stats() == cpu.stats()
-    # Both go on alike after their failed calls (clock and scores included).
-    for _ in range(3):
-        keys = rng.integers(0, 300, 60).astype(np.int64)
-        a, b = cpu.lookup_or_insert(keys), gpu.lookup_or_insert(cp.asarray(keys))
-        np.testing.assert_array_equal(a.rows, b.rows.get())
-        np.testing.assert_array_equal(a.evicted_keys, b.evicted_keys.get())
-    for x, y in zip(cpu.export(), gpu.export()):
-        np.testing.assert_array_equal(x, y.get())
+    # Each pair goes on alike after the failed calls (clocks and scores
+    # included: a failed call advances its table's clock, as the CPU twin's).
+    for a_table, b_table in ((cpu, gpu), (keep_cpu, keep)):
+        for _ in range(3):
+            keys = rng.integers(0, 300, 60).astype(np.int64)
+            a = a_table.lookup_or_insert(keys)
+            b = b_table.lookup_or_insert(cp.asarray(keys))
+            np.testing.assert_array_equal(a.rows, b.rows.get())
+            np.testing.assert_array_equal(a.evicted_keys, b.evicted_keys.get())
+        for x, y in zip(a_table.export(), b_table.export()):
+            np.testing.assert_array_equal(x, y.get())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
