@@ -243,3 +243,26 @@ def test_emulator_runs_a_cooperative_grid_with_a_spinning_barrier():
     want = np.repeat(sums.sum() + sums, threads)
     np.testing.assert_array_equal(out, want)
     assert bar.tolist() == [blocks]
+
+
+def test_emulator_stops_a_cooperative_grid_when_a_block_fails():
+    """A block that fails (here a divergent ballot) never reaches the grid
+    barrier the others spin at: the launch reports that block's error
+    instead of hanging."""
+    src = r"""
+    extern "C" __global__ void fail_then_wait(unsigned int* bar, int bad) {
+      if (blockIdx.x == bad && threadIdx.x < 16) return;
+      if (blockIdx.x == bad) __ballot_sync(0xFFFFFFFFu, true);
+      if (threadIdx.x == 0) {
+        atomicAdd(bar, 1u);
+        while (*(volatile unsigned int*)bar < gridDim.x) __nanosleep(32);
+      }
+    }
+    """
+    kernel = emu.compile_module(src).get_function("fail_then_wait")
+    bar = np.zeros(1, np.uint32)
+    kernel((3,), (32,), (bar, np.int32(-1)), enable_cooperative_groups=True)
+    assert bar[0] == 3
+    bar[0] = 0
+    with pytest.raises(emu.EmulatedLaunchError, match="divergent __ballot_sync"):
+        kernel((3,), (32,), (bar, np.int32(1)), enable_cooperative_groups=True)

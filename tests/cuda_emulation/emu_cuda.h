@@ -23,6 +23,7 @@
 #include <sched.h>
 #include <ucontext.h>
 
+#include <atomic>
 #include <thread>
 
 #include <cstdio>
@@ -48,7 +49,7 @@ struct alignas(16) uint4 {
 
 namespace ks_emu {
 
-enum State { kRunnable, kAtBallot, kAtSync, kDone };
+enum State { kRunnable, kAtBallot, kAtSync, kDone, kAborted };
 
 struct Lane {
   ucontext_t context;
@@ -68,6 +69,9 @@ struct Launch {
   std::function<void()> body;
   ucontext_t scheduler;
   int current = 0;
+  // Cooperative launches: set when a block failed, so that blocks spinning
+  // at a grid barrier it will never reach stop instead of hanging.
+  std::atomic<bool>* failed = nullptr;
 };
 
 // One launch at a time per OS thread; several Python threads may launch.
@@ -170,6 +174,10 @@ inline int run_block(Launch& L, std::string& error) {
       if (L.lanes[i].state != kRunnable) continue;
       L.current = i;
       swapcontext(&L.scheduler, &L.lanes[i].context);
+      if (L.lanes[i].state == kAborted) {  // its fibers are abandoned
+        error = "stopped: another block of this cooperative launch failed";
+        return 1;
+      }
     }
     for (const Lane& x : L.lanes) live = live || x.state != kDone;
     if (!live) return 0;
@@ -190,6 +198,7 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* err,
         for (unsigned int x = 0; x < grid.x; ++x) bids.push_back({x, y, z});
     std::vector<std::string> errors(bids.size());
     std::vector<int> status(bids.size(), 0);
+    std::atomic<bool> failed(false);
     std::vector<std::thread> threads;
     for (size_t b = 0; b < bids.size(); ++b)
       threads.emplace_back([&, b] {
@@ -202,17 +211,21 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> body, char* err,
         std::vector<std::vector<char>> stacks;
         while (stacks.size() < n) stacks.emplace_back(kStackBytes);
         L.stacks = &stacks;
+        L.failed = &failed;
         active = &L;
         status[b] = run_block(L, errors[b]);
+        if (status[b]) failed = true;
         active = nullptr;
       });
     for (std::thread& t : threads) t.join();
+    // The first block's own failure, not the stops it caused.
+    int first = -1;
     for (size_t b = 0; b < bids.size(); ++b)
-      if (status[b]) {
-        snprintf(err, err_len, "%s", errors[b].c_str());
-        return 1;
-      }
-    return 0;
+      if (status[b] && (first < 0 || errors[first].rfind("stopped:", 0) == 0))
+        first = static_cast<int>(b);
+    if (first < 0) return 0;
+    snprintf(err, err_len, "%s", errors[first].c_str());
+    return 1;
   }
   Launch L;
   L.grid = grid;
@@ -297,5 +310,13 @@ inline T atomicExch(T* address, T value) {
 
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
-// A spinning thread lets the other blocks' OS threads run.
-inline void __nanosleep(unsigned int) { sched_yield(); }
+// A spinning thread lets the other blocks' OS threads run, and stops when
+// another block of its cooperative launch failed (it would spin forever).
+inline void __nanosleep(unsigned int) {
+  ks_emu::Launch* L = ks_emu::active;
+  if (L && L->failed && L->failed->load()) {
+    ks_emu::lane().state = ks_emu::kAborted;
+    ks_emu::yield_to_scheduler();  // never resumed
+  }
+  sched_yield();
+}
