@@ -46,7 +46,7 @@ _SERVE = textwrap.dedent(
                 table.update(saved[rec + "keys"], saved[rec + "values"])
     arrays = np.load(data)
     inputs = [arrays["x%d" % i] for i in range(len(arrays.files))]
-    np.save(out, np.asarray(served.serve(inputs)))
+    np.save(out, np.asarray(served.serve(inputs if len(inputs) > 1 else inputs[0])))
     assert "keras_sparse" not in sys.modules
     """
 )
@@ -200,6 +200,52 @@ def test_served_tables_apply_a_delta_without_a_new_export(tmp_path):
         tmp_path, tmp_path / "model", probe, records={"hashed": delta}
     )
     np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
+
+
+def test_served_fixed_tables_apply_a_delta_without_a_new_export(tmp_path):
+    """An `AllToAllDenseEmbedding` with ``track_changes=True`` in a served
+    artifact: the delta since the export (``export(since_step=s)``, the
+    rows trained after it) installs by ``apply_delta`` and serves like
+    `predict`; bad rows are refused before anything is written."""
+    ids = keras.Input((2,), dtype="int64", name="ids")
+    table = ks.AllToAllDenseEmbedding(
+        50, 4, combiner="sum", optimizer="adagrad", track_changes=True, name="items"
+    )
+    out = keras.layers.Dense(1, trainable=False)(table(ids))
+    model = keras.Model(ids, out)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (96, 2)).astype(np.int64)
+    y = rng.normal(size=(96, 1)).astype("float32")
+    model.fit(x[:32], y[:32], batch_size=16, verbose=0)
+    model.export(tmp_path / "model", format="tf_saved_model", verbose=False)
+    since = int(table.export(since_step=-1)["step"])
+    x2 = rng.integers(0, 20, (64, 2)).astype(np.int64)  # rows 0..19 change
+    model.fit(x2, y[32:], batch_size=16, verbose=0)
+    delta = table.export(since_step=since)
+    assert 0 < len(delta["keys"]) < 50
+    probe = [np.arange(50, dtype=np.int64).reshape(25, 2)]
+    expected = model.predict(probe, verbose=0)
+    stale = _serve_fresh(tmp_path, tmp_path / "model", probe)
+    assert np.abs(stale - expected).max() > 1e-3  # the delta matters
+    served = _serve_fresh(tmp_path, tmp_path / "model", probe, {"items": delta})
+    np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
+
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(str(tmp_path / "model")).keras_sparse_tables
+    before = loaded["items"].embeddings.numpy()
+    for keys, removed, match in (
+        ([3, 50], [], r"row ids in \[0, 50\)"),
+        ([3], [7], "removes no rows"),
+    ):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+            loaded["items"].apply_delta(
+                np.array(keys, np.int64),
+                np.ones((len(keys), 4), np.float32),
+                np.array(removed, np.int64),
+            )
+    np.testing.assert_array_equal(loaded["items"].embeddings.numpy(), before)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="string tensors: TensorFlow")

@@ -20,6 +20,7 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import jax_full_keys
 from keras_sparse.layers import pooling
 from keras_sparse.layers import row_changes
+from keras_sparse.layers.hash import serving_hooks
 from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
@@ -201,6 +202,9 @@ class Embedding(SparseEmbeddingBase, keras.layers.Embedding):
         # JAX without x64 wraps int64 ids in fit/evaluate/predict batches;
         # the trainer hook refuses those beyond int32 before the step.
         jax_full_keys.install()
+        # `model.export` gives the table an updatable entry in the artifact
+        # (`keras_sparse.layers.dense_serving_export`).
+        serving_hooks.install()
         if weights is not None:
             saves.set_initial_weights(self, weights)
 

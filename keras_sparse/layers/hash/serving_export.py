@@ -43,9 +43,13 @@ def _tf_variables(archive):
 
 
 def attach(archive, resource):
-    """Adds ``keras_sparse_tables`` entries for ``resource``'s hash layers."""
+    """Adds ``keras_sparse_tables`` entries for ``resource``'s hash layers
+    (and its fixed-vocabulary tables: `keras_sparse.layers.dense_serving_export`)."""
+    from keras_sparse.layers import dense_serving_export
+
     layers = serving_map.hash_layers(resource)
-    if not layers:
+    dense = dense_serving_export.dense_layers(resource)
+    if not layers and not dense:
         return
     tf_variable = _tf_variables(archive)
     tables = dict(getattr(archive._tf_trackable, "keras_sparse_tables", {}))
@@ -53,6 +57,8 @@ def attach(archive, resource):
         if layer.quantized_rows is not None:  # int8/int4 rows: not updatable
             continue
         tables[layer.name] = _served_table(layer, tf_variable)
+    for layer in dense:
+        tables[layer.name] = dense_serving_export.served_table(layer, tf_variable)
     archive._tf_trackable.keras_sparse_tables = tables
 
 
