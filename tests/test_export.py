@@ -233,7 +233,8 @@ def test_served_fixed_tables_apply_a_delta_without_a_new_export(tmp_path):
 
     import tensorflow as tf
 
-    loaded = tf.saved_model.load(str(tmp_path / "model")).keras_sparse_tables
+    root = tf.saved_model.load(str(tmp_path / "model"))  # keeps the variables
+    loaded = root.keras_sparse_tables
     before = loaded["items"].embeddings.numpy()
     for keys, removed, match in (
         ([3, 50], [], r"row ids in \[0, 50\)"),
