@@ -26,7 +26,9 @@ hash tables, apply updates between requests.
 def dense_layers(resource):
     """The `AllToAllDenseEmbedding` layers of a model or layer whose table
     the artifact can update (float rows, no ``cache_rows``)."""
-    from keras_sparse.layers.dense_embedding import AllToAllDenseEmbedding
+    import keras
+
+    from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 
     layers = [resource]
     flatten = getattr(resource, "_flatten_layers", None)
@@ -35,7 +37,9 @@ def dense_layers(resource):
     return [
         x
         for x in layers
-        if isinstance(x, AllToAllDenseEmbedding)
+        # `AllToAllDenseEmbedding`: a keras Embedding with sparse updates.
+        if isinstance(x, SparseEmbeddingBase)
+        and isinstance(x, keras.layers.Embedding)
         and x.built
         and x.row_cache is None
         and not x.quantization_mode
