@@ -354,19 +354,27 @@ def launch(records):
     )
 
 
+def _device_facts():
+    """``(cooperative launches?, multiprocessors)`` of the current device,
+    read once (CuPy reads every attribute on each ``attributes`` call)."""
+    device = cp.cuda.Device()
+    facts = _FACTS.get(device.id)
+    if facts is None:
+        attributes = device.attributes
+        facts = _FACTS[device.id] = (
+            bool(attributes.get("CooperativeLaunch", 1)),
+            int(attributes["MultiProcessorCount"]),
+        )
+    return facts
+
+
+_FACTS = {}
+
+
 def grid_available():
     """Whether the device runs cooperative launches (every block resident),
     which ``ks_insert_grid``'s barriers need."""
-    device = cp.cuda.Device()
-    known = _COOPERATIVE.get(device.id)
-    if known is None:
-        known = _COOPERATIVE[device.id] = bool(
-            device.attributes.get("CooperativeLaunch", 1)
-        )
-    return known
-
-
-_COOPERATIVE = {}
+    return _device_facts()[0]
 
 
 def grid_blocks():
@@ -376,7 +384,7 @@ def grid_blocks():
     # The kernel sums the blocks' prefix sums one per thread: at most THREADS.
     if GRID_BLOCKS:
         return min(int(GRID_BLOCKS), THREADS)
-    return min(int(cp.cuda.Device().attributes["MultiProcessorCount"]), THREADS)
+    return min(_device_facts()[1], THREADS)
 
 
 def launch_grid(records, owner):
