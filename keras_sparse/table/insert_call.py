@@ -196,7 +196,7 @@ class FusedInsert:
                 launch([record])
         return outputs
 
-    def record(self, k, use, first_only, step, out=None):
+    def record(self, k, use, first_only, step, out=None, workspace=None):
         """``(record, outputs)``: this table's call as a descriptor record of
         ``ks_insert_calls`` (`DESC_WORDS` int64 words) and its output arrays
         ``(rows, fresh, new_rows, ev_keys, ev_rows)``. Advances the table's
@@ -230,19 +230,33 @@ class FusedInsert:
             fresh.data.ptr,
             out is not None,
             outputs,
+            workspace,
         )
         self.held += [k, use_arg, rows32, fresh]
         return record, (rows, fresh, new_rows, ev_keys, ev_rows)
 
     def record_at(
-        self, n, keys, use, has_use, first_only, step, rows32, fresh, step_out, out=None
+        self,
+        n,
+        keys,
+        use,
+        has_use,
+        first_only,
+        step,
+        rows32,
+        fresh,
+        step_out,
+        out=None,
+        workspace=None,
     ):
         """The record of one call on device pointers: ``n`` int64 ``keys``,
         bool ``use`` (read when ``has_use``), int32 ``rows32`` (written when
         ``step_out``) and bool ``fresh``; ``out``: the int64 ``(rows,
         new_rows, ev_keys, ev_rows)`` arrays, or None for the reused step
         buffers. The caller keeps the four pointed-at arrays alive until the
-        launch is queued. Advances the table's clock (see `record`)."""
+        launch is queued. ``workspace``: the call's scratch (default: this
+        table's own), at least `workspace_words` of ``n``. Advances the
+        table's clock (see `record`)."""
         t = self.table
         clock0 = t.clock
         step = t._next_step(step)
@@ -253,9 +267,10 @@ class FusedInsert:
         marks = use_stamp or n > t.capacity
         stamp = self._next_stamp() if marks else self.dummy_u32
         set_size = 1 << max(2 * n - 1, 1).bit_length()
-        words = _WORDS_PER_KEY * n + _SET_ARRAYS * set_size
-        if self.workspace.shape[0] < words:
-            self.workspace = cp.empty(words, dtype=cp.int64)
+        if workspace is None:  # this table's own
+            if self.workspace.shape[0] < workspace_words(n):
+                self.workspace = cp.empty(workspace_words(n), dtype=cp.int64)
+            workspace = self.workspace
         if out is None:  # the reused step buffers: rows of one [4, m] array
             buffers = self._step_buffers(n)
             base, stride = buffers.data.ptr, 8 * buffers.shape[1]
@@ -269,7 +284,7 @@ class FusedInsert:
         record[11:13] = (step, int(score_prot))
         record[20:22] = (stamp.data.ptr, self.call_stamp)
         record[29:39] = (
-            self.workspace.data.ptr,
+            workspace.data.ptr,
             set_size,
             ptrs[0],
             rows32,
@@ -278,7 +293,7 @@ class FusedInsert:
             *ptrs[1:],
             self.account.data.ptr,
         )
-        self.held = [stamp, self.workspace, *out]
+        self.held = [stamp, workspace, *out]
         self.unread = True
         return record
 
@@ -377,6 +392,12 @@ def grid_available():
     return _device_facts()[0]
 
 
+def workspace_words(n):
+    """int64 words of a call's scratch for ``n`` keys (the kernel's
+    per-key arrays, then its dedup set of at least ``2n`` slots)."""
+    return _WORDS_PER_KEY * n + _SET_ARRAYS * (1 << max(2 * n - 1, 1).bit_length())
+
+
 def grid_blocks():
     """Blocks of a ``ks_insert_grid`` launch: `GRID_BLOCKS`, or one per
     multiprocessor (a cooperative launch needs every block resident, and the
@@ -443,12 +464,23 @@ def step_rows_many(fused, keys, use, bounds, out):
     with contextlib.ExitStack() as held:
         for f in sorted({id(fused[i]): fused[i] for i in joined}.values(), key=id):
             held.enter_context(f.lock)  # a fixed order: no deadlock
+        sizes = [int(bounds[i][1]) - int(bounds[i][0]) for i in joined]
+        on_grid = [fused[i].route(m) == "grid" for i, m in zip(joined, sizes)]
+        owner = shared = None
+        if any(on_grid):
+            # The grid runs its records one after another: they share one
+            # workspace (the first grid table's), not one each.
+            owner = fused[joined[on_grid.index(True)]]
+            need = max(workspace_words(m) for m, g in zip(sizes, on_grid) if g)
+            if owner.workspace.shape[0] < need:
+                owner.workspace = cp.empty(need, dtype=cp.int64)
+            shared = owner.workspace
         with clocks_kept_on_error([fused[i].table for i in joined]):
             records = []
             if by_pointer:  # no views: each table's part is a pointer sum
                 k0, r0, f0 = keys.data.ptr, rows32.data.ptr, fresh.data.ptr
                 u0 = f0 if use is None else use.data.ptr
-                for i in joined:
+                for i, g in zip(joined, on_grid):
                     a, b = (int(v) for v in bounds[i])
                     records.append(
                         fused[i].record_at(
@@ -461,26 +493,26 @@ def step_rows_many(fused, keys, use, bounds, out):
                             r0 + 4 * a,
                             f0 + a,
                             True,
+                            workspace=shared if g else None,
                         )
                     )
             else:
-                for i in joined:
+                for i, g in zip(joined, on_grid):
                     a, b = bounds[i]
                     part = None if use is None else use[a:b]
                     slots = (rows32[a:b], fresh[a:b])
                     records.append(
-                        fused[i].record(keys[a:b], part, True, None, slots)[0]
+                        fused[i].record(
+                            keys[a:b], part, True, None, slots, shared if g else None
+                        )[0]
                     )
-            on_grid = [
-                fused[i].route(int(r[4])) == "grid" for i, r in zip(joined, records)
-            ]
             small = [r for r, g in zip(records, on_grid) if not g]
             if small:
                 launch(small)
             wide, scratch = [], None
-            if any(on_grid):
+            if owner is not None:
                 large = [(i, r) for i, r, g in zip(joined, records, on_grid) if g]
-                scratch = launch_grid([r for _, r in large], fused[large[0][0]])
+                scratch = launch_grid([r for _, r in large], owner)
                 wide = [fused[i] for i, r in large if r[4] > fused[i].table.capacity]
             # Held like a record's own arrays (until this table's next call).
             fused[joined[0]].held += [a for a in flat if a is not None]

@@ -233,6 +233,16 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables(
             np.testing.assert_array_equal(x, y.get())
     assert cpus[0].stats()["evictions"] > 0 and cpus[1].stats()["evictions"] > 0
     if max_keys:
+        # The grid's calls run one after another in one workspace: the
+        # first grid table's, sized for the largest call.
+        spaces = [insert_call.FusedInsert.of(t._impl).workspace for t in gpus]
+        on_grid = [n > max_keys for n in lengths]
+        first = on_grid.index(True)
+        need = max(insert_call.workspace_words(n) for n in lengths if n > max_keys)
+        assert spaces[first].shape[0] >= need
+        for i in range(first + 1, len(gpus)):
+            if on_grid[i]:
+                assert spaces[i].shape[0] == 0
         return
     # Left to the caller, in order: a CPU table, a table's second
     # appearance, eviction=None; the others still share one launch.
