@@ -505,7 +505,7 @@ def step_rows_together(tables, keys, use, bounds, out):
     if not on_gpu:
         return list(range(len(tables)))
     from .insert_call import FusedInsert
-    from .insert_call import step_rows_many
+    from .step_calls import step_rows_many
 
     k, _ = tables[on_gpu[0]]._convert(keys, "keys")
     gpu_tables = [tables[i] for i in on_gpu]
