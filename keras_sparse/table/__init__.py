@@ -4,10 +4,10 @@ from .hash_table import BatchTooLargeError
 from .hash_table import HashTable
 from .hash_table import InsertResult
 from .hash_table import TableFullError
-from .hash_table import step_rows_together
 from .keys import hash_strings
 from .sharded_table import ShardedHashTable
 from .sharded_table import owner_of
+from .step_calls import step_rows_together
 
 __all__ = [
     "BatchTooLargeError",

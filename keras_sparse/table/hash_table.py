@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 from .array_table import MIN_BUCKETS
@@ -26,7 +25,6 @@ __all__ = [
     "HashTable",
     "InsertResult",
     "TableFullError",
-    "step_rows_together",
 ]
 
 DEFAULT_BUCKET_SIZE = 16  # 16 x 8 B keys = one 128 B line; 16 digests = one 16 B load
@@ -471,56 +469,3 @@ class HashTable:
         k, shape = self._convert(keys, "keys")
         b1, b2, _ = self._impl.hash(k)
         return b1.reshape(shape), b2.reshape(shape)
-
-
-def step_rows_together(tables, keys, use, bounds, out):
-    """`HashTable.step_rows` of several GPU tables in one kernel launch.
-
-    ``tables[i]`` maps the flat device keys ``keys[a:b]`` for ``(a, b) =
-    bounds[i]`` (``use`` masks padding, or None) and writes ``out[0][a:b]``
-    (int32 rows) and ``out[1][a:b]`` (fresh flags), as its own `step_rows`
-    call would. Returns the indices of the tables it left out, in order, for
-    the caller to call one by one afterwards: CPU tables, tables
-    `step_rows` refuses (``eviction=None``, admission counts), tables with
-    a time to live and a table's repeated appearances. Batches above 64K
-    keys share a second launch, which runs them one after another on every
-    block.
-
-    Example (on a GPU):
-
-    >>> import cupy as cp                                  # doctest: +SKIP
-    >>> a, b = (HashTable(64, device="gpu") for _ in "ab")  # doctest: +SKIP
-    >>> out = (cp.empty(5, cp.int32), cp.empty(5, cp.bool_))  # doctest: +SKIP
-    >>> step_rows_together([a, b], cp.arange(5), None, [(0, 3), (3, 5)], out)
-    ... # doctest: +SKIP
-    []
-    """
-    on_gpu = [
-        i
-        for i, t in enumerate(tables)
-        if getattr(t._impl, "step_rows", None)
-        and t._impl.ttl is None
-        and t._impl.changes is None
-    ]
-    if not on_gpu:
-        return list(range(len(tables)))
-    from .insert_call import FusedInsert
-    from .step_calls import step_rows_many
-
-    k, _ = tables[on_gpu[0]]._convert(keys, "keys")
-    gpu_tables = [tables[i] for i in on_gpu]
-    with contextlib.ExitStack() as held:
-        for t in sorted({id(t): t for t in gpu_tables}.values(), key=id):
-            held.enter_context(t._lock)  # a fixed order: no deadlock
-        fused = [FusedInsert.of(t._impl) for t in gpu_tables]
-        try:
-            left = step_rows_many(fused, k, use, [bounds[i] for i in on_gpu], out)
-        except BaseException:
-            # Some calls may have run: no serving map may pass for current.
-            for t in gpu_tables:
-                t._version += 1
-            raise
-        for j, t in enumerate(gpu_tables):
-            t._version += j not in left
-    left = {on_gpu[j] for j in left}
-    return [i for i in range(len(tables)) if i not in on_gpu or i in left]

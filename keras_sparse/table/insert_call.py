@@ -266,7 +266,7 @@ class FusedInsert:
         # the stamps.
         marks = use_stamp or n > t.capacity
         stamp = self._next_stamp() if marks else self.dummy_u32
-        set_size = 1 << max(2 * n - 1, 1).bit_length()
+        set_size = _set_size(n)
         if workspace is None:  # this table's own
             if self.workspace.shape[0] < workspace_words(n):
                 self.workspace = cp.empty(workspace_words(n), dtype=cp.int64)
@@ -395,7 +395,12 @@ def grid_available():
 def workspace_words(n):
     """int64 words of a call's scratch for ``n`` keys (the kernel's
     per-key arrays, then its dedup set of at least ``2n`` slots)."""
-    return _WORDS_PER_KEY * n + _SET_ARRAYS * (1 << max(2 * n - 1, 1).bit_length())
+    return _WORDS_PER_KEY * n + _SET_ARRAYS * _set_size(n)
+
+
+def _set_size(n):
+    """Slots of a call's dedup set: a power of two of at least ``2n - 1``."""
+    return 1 << max(2 * n - 1, 1).bit_length()
 
 
 def grid_blocks():

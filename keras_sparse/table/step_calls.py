@@ -1,5 +1,5 @@
 """The hash fields of a training step in at most two launches
-(`step_rows_many`, behind `keras_sparse.table.step_rows_together`).
+(`step_rows_together`, for `keras_sparse.table.HashTable`s on a GPU).
 
 Tables of up to `insert_call.MAX_KEYS` keys run one block each in one
 ``ks_insert_calls`` launch; larger ones run one after another on every
@@ -10,13 +10,61 @@ from __future__ import annotations
 
 import contextlib
 
-import cupy as cp
+# CuPy and the launches are imported by the calls that need them: CPU
+# tables take none of this module's GPU path.
 
-from .insert_call import any_failed
-from .insert_call import clocks_kept_on_error
-from .insert_call import launch
-from .insert_call import launch_grid
-from .insert_call import workspace_words
+
+def step_rows_together(tables, keys, use, bounds, out):
+    """`HashTable.step_rows` of several GPU tables in one kernel launch.
+
+    ``tables[i]`` maps the flat device keys ``keys[a:b]`` for ``(a, b) =
+    bounds[i]`` (``use`` masks padding, or None) and writes ``out[0][a:b]``
+    (int32 rows) and ``out[1][a:b]`` (fresh flags), as its own `step_rows`
+    call would. Returns the indices of the tables it left out, in order, for
+    the caller to call one by one afterwards: CPU tables, tables
+    `step_rows` refuses (``eviction=None``, admission counts), tables with
+    a time to live and a table's repeated appearances. Batches above 64K
+    keys share a second launch, which runs them one after another on every
+    block.
+
+    Example (on a GPU):
+
+    >>> import cupy as cp                                  # doctest: +SKIP
+    >>> from keras_sparse.table import HashTable           # doctest: +SKIP
+    >>> a, b = (HashTable(64, device="gpu") for _ in "ab")  # doctest: +SKIP
+    >>> out = (cp.empty(5, cp.int32), cp.empty(5, cp.bool_))  # doctest: +SKIP
+    >>> step_rows_together([a, b], cp.arange(5), None, [(0, 3), (3, 5)], out)
+    ... # doctest: +SKIP
+    []
+    """
+    on_gpu = [
+        i
+        for i, t in enumerate(tables)
+        if getattr(t._impl, "step_rows", None)
+        and t._impl.ttl is None
+        and t._impl.changes is None
+    ]
+    if not on_gpu:
+        return list(range(len(tables)))
+    from .insert_call import FusedInsert
+
+    k, _ = tables[on_gpu[0]]._convert(keys, "keys")
+    gpu_tables = [tables[i] for i in on_gpu]
+    with contextlib.ExitStack() as held:
+        for t in sorted({id(t): t for t in gpu_tables}.values(), key=id):
+            held.enter_context(t._lock)  # a fixed order: no deadlock
+        fused = [FusedInsert.of(t._impl) for t in gpu_tables]
+        try:
+            left = step_rows_many(fused, k, use, [bounds[i] for i in on_gpu], out)
+        except BaseException:
+            # Some calls may have run: no serving map may pass for current.
+            for t in gpu_tables:
+                t._version += 1
+            raise
+        for j, t in enumerate(gpu_tables):
+            t._version += j not in left
+    left = {on_gpu[j] for j in left}
+    return [i for i in range(len(tables)) if i not in on_gpu or i in left]
 
 
 def step_rows_many(fused, keys, use, bounds, out):
@@ -31,6 +79,14 @@ def step_rows_many(fused, keys, use, bounds, out):
     (not eligible alone, or a table's later appearances: two blocks on one
     table would race), which the caller must then call itself, in order.
     """
+    import cupy as cp
+
+    from .insert_call import any_failed
+    from .insert_call import clocks_kept_on_error
+    from .insert_call import launch
+    from .insert_call import launch_grid
+    from .insert_call import workspace_words
+
     joined, left, seen = [], [], set()
     for i, (f, (a, b)) in enumerate(zip(fused, bounds)):
         # After a table's first appearance its later ones wait their turn,
