@@ -50,9 +50,12 @@ for step in "${steps[@]}"; do
     for f in /tmp/gpu_traces/*/plugins/profile/*/perfetto_trace.json.gz; do
       [ -e "$f" ] && cp "$f" "$OUT/traces/$(echo "$f" | cut -d/ -f4).json.gz"
     done ;;
-  demo) run_step demo 120 python3 benchmarks/many_fields.py ;;
+  demo) run_step demo 120 python3 benchmarks/many_fields.py \
+    ${DEMO_ONLY:+--only $DEMO_ONLY} ;;
   demo-trace) run_step demo-trace 150 python3 benchmarks/many_fields.py \
     --only "${DEMO_ONLY:-keras,dense,hash-gpu}" --trace /tmp/many_fields_traces ;;
+  phases) run_step phases 120 python3 benchmarks/gpu_call_phases.py \
+    --teams "${PHASE_TEAMS:-1,0}" ;;
   table) run_step table 90 python3 benchmarks/hash_table.py --device gpu \
     ${GRID_BLOCKS:+--grid-blocks $GRID_BLOCKS} ;;
   peers) run_step peers 150 python3 benchmarks/peers.py --rows "${PEERS_ROWS:-1e7}" \

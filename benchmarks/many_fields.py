@@ -16,7 +16,10 @@ everywhere. Variants, one model each, the same batches:
 * ``hash-gpu`` / ``hash-cpu``: a ``ks.HashEmbeddingCollection`` of 100
   ``ks.DistributedHashEmbedding(4, capacity=2 * 8192, combiner="sum",
   optimizer="adam")`` fields with CUDA / NumPy tables: exact rows for any
-  key, one table call per step for the fields.
+  key, one table call per step for the fields;
+* ``hash-gpu-1team``: ``hash-gpu`` with the step's large table calls run
+  one after another on every block of the launch (one team), instead of
+  side by side on teams of blocks (`keras_sparse.table.insert_call`).
 
 Each variant trains ``--warmup`` steps (compiling), then ``--steps`` timed
 ``train_on_batch`` calls on batches already on the device (two batches,
@@ -50,7 +53,7 @@ import numpy as np  # noqa: E402
 
 import keras_sparse as ks  # noqa: E402
 
-VARIANTS = ("keras", "dense", "dense-sorted", "hash-gpu", "hash-cpu")
+VARIANTS = ("keras", "dense", "dense-sorted", "hash-gpu", "hash-gpu-1team", "hash-cpu")
 
 
 def field_names(args):
@@ -139,6 +142,10 @@ def timed(variant, args, data):
 
     # The route is chosen when the step is traced (the first call).
     dense_row_updates.FORCE_DENSE_ROUTE = False if variant == "dense-sorted" else None
+    if variant.startswith("hash-gpu"):
+        from keras_sparse.table import insert_call
+
+        insert_call.GRID_TEAMS = 1 if variant == "hash-gpu-1team" else None
     model = build(variant, args)
     for i in range(args.warmup):
         model.train_on_batch(*data[i % 2])
@@ -200,7 +207,7 @@ def main():
         args.warmup, args.steps = 2, 3
     gpu = not device_name().startswith("jax cpu")
     wanted = args.only.split(",") if args.only else [
-        v for v in VARIANTS if v != ("hash-cpu" if gpu else "hash-gpu")
+        v for v in VARIANTS if v.startswith("hash-gpu") == gpu or "hash" not in v
     ]  # fmt: skip
     print(
         f"device: {device_name()}\nbatch {args.batch:,}, {args.fields} fields "

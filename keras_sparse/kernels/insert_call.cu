@@ -22,15 +22,39 @@
 //
 // One block serves batches of up to ~64K keys (embedding batches), where
 // launches and host syncs, not bandwidth, set the time.  Larger batches run
-// the same phases on every block of one cooperative launch (ks_insert_grid,
-// grid-wide barriers and prefix sums: KsGrid), so their result is the same
-// and they need no host sync either.  A batch of more keys than the table
-// has rows also counts its distinct keys (status 3 when they outnumber the
-// rows), so it runs on the grid too.
+// the same phases on several blocks of one cooperative launch
+// (ks_insert_grid, barriers and prefix sums across blocks: KsGrid), so their
+// result is the same and they need no host sync either; a step's large
+// calls run side by side on teams of blocks.  A batch of more keys than the
+// table has rows also counts its distinct keys (status 3 when they
+// outnumber the rows), so it runs on the grid too.
 
 #include "ks_groups.cuh"
 
 #define KS_MAX 0x7FFFFFFFFFFFFFFFLL
+
+// KS_PROFILE builds (benchmarks/gpu_call_phases.py) record, at each
+// KS_MARK, the phase id, the team's first block and the time, as thread 0
+// of each team passes it (after the barrier that ends the phase before).
+#ifdef KS_PROFILE
+__device__ unsigned long long ks_prof[3 * 65536];
+__device__ unsigned int ks_prof_n;
+template <class G>
+__device__ void ks_mark(const G& g, int id) {
+  if (g.t != 0) return;
+  const unsigned int k = atomicAdd(&ks_prof_n, 1u);
+  if (k >= 65536) return;
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  ks_prof[3 * k] = id;
+  ks_prof[3 * k + 1] = blockIdx.x;
+  ks_prof[3 * k + 2] = now;
+}
+#define KS_MARK(g, id) ks_mark(g, id)
+#else
+#define KS_MARK(g, id)
+#endif
+
 
 // acct[] words (ACCOUNT in keras_sparse/table/insert_call.py).  Sums over
 // the calls since the host last read them, except KS_A_PLACED/EVICTED (the
@@ -210,6 +234,7 @@ __device__ void ks_insert_body(
     s_rej = 0;
   }
   g.sync();  // before any thread counts into them
+  KS_MARK(g, 1);  // start
   KsTable T;
   T.keys = tkeys;
   T.dig = tdig;
@@ -252,8 +277,10 @@ __device__ void ks_insert_body(
     fresh[i] = found < 0;  // "absent" until the end of the call
   }
   g.sync();
+  KS_MARK(g, 2);  // probed
   const i64 nm = ks_compact(
       g, n, 0, [&](i64 i) { return fresh[i]; }, [&](i64 i, i64 o) { MP[o] = i; });
+  KS_MARK(g, 3);  // absent keys listed
 
   i64 nu = 0, na = 0;
   // Count-min cell of unique key u in sketch row r (CountMinSketch._cells).
@@ -294,6 +321,7 @@ __device__ void ks_insert_body(
       atomicAdd((u64*)&hs_cnt[h], 1ULL);
     }
     g.sync();
+    KS_MARK(g, 4);  // dedup set filled
     nu = ks_compact(
         g, nm, 0, [&](i64 j) { return hs_first[setslot[j]] == j; },
         [&](i64 j, i64 o) {
@@ -331,6 +359,7 @@ __device__ void ks_insert_body(
           P[a] = a;
         });
   }
+  KS_MARK(g, 5);  // unique and admitted keys listed
 
   // Undoes this call's sketch additions (a failed call leaves no trace there).
   auto unsketch = [&]() {
@@ -385,12 +414,14 @@ __device__ void ks_insert_body(
   // Before placement reads the marks (with nothing to place, the barrier
   // after the rounds serves).
   if (na > 0) g.sync();
+  KS_MARK(g, 6);  // checked, hits marked
 
   // Placement rounds (ArrayTable._place).
   i64 mp = na, nev = 0, n_filled = 0;
   const int max_rounds = 4 * S + 8;
   const int bucket_bits = ks_bits((i64)nb - 1);
   for (int round = 0; round < max_rounds && mp > 0; ++round) {
+    KS_MARK(g, 7);  // a placement round
     for (i64 i = t; i < mp; i += g.nt) {
       const i64 a = P[i];
       const i64 l1 = load[pb1[a]], l2 = load[pb2[a]];
@@ -404,10 +435,12 @@ __device__ void ks_insert_body(
     const int sh = ks_bits(nr > 1 ? nr - 1 : 1);
     for (i64 j = t; j < nr; j += g.nt) comp[j] = (ch[F[j]] << sh) | j;
     g.sync();
+    KS_MARK(g, 8);  // roomy keys listed
     i64 nq = 0;
     if (nr > 0) {
       // comp is in order of j (its low sh bits): sort by the bucket bits only.
       i64* sorted = ks_sort(g, comp, comp2, nr, sh, bucket_bits + sh);
+      KS_MARK(g, 9);  // sorted by bucket
       const i64 mask = (1LL << sh) - 1;
       for (i64 x = t; x < nr; x += g.nt) {
         const i64 c = sorted[x] >> sh, j = sorted[x] & mask;
@@ -444,6 +477,7 @@ __device__ void ks_insert_body(
         atomicAdd((u64*)&load[s / S], 1ULL);
       }
       g.sync();
+      KS_MARK(g, 10);  // claims written
       // Claim losers retry first, in pending order.
       nq = ks_compact(
           g, nr, 0, [&](i64 j) { return cslot[j] < 0; },
@@ -495,6 +529,7 @@ __device__ void ks_insert_body(
   // Keys still pending after the last round overflow (no row).
   if (t == 0) s_over += mp;
   g.sync();
+  KS_MARK(g, 11);  // placed
 
   // Hits' scores (unless touched before placement).
   if (!(nm > 0 && score_prot) && eviction != 0) {
@@ -507,6 +542,7 @@ __device__ void ks_insert_body(
     }
   }
   g.sync();
+  KS_MARK(g, 12);  // hits touched
   // Rows of the absent keys, and the counts of ArrayTable._miss_counts.
   for (i64 j = t; j < nm; j += g.nt) {
     const i64 a = adm[inv[j]];
@@ -538,6 +574,7 @@ __device__ void ks_insert_body(
   } else if (nu > 0) {
     g.sync();  // the counts above reach thread 0 (no compact to wait at)
   }
+  KS_MARK(g, 13);  // outputs written
   if (t == 0) {
     acct[KS_A_HITS] += n - s_unused - s_miss;
     acct[KS_A_MISSES] += s_miss;
@@ -579,19 +616,28 @@ extern "C" __global__ void ks_insert_calls(const i64* __restrict__ desc) {
   ks_insert_record(g, desc + (i64)blockIdx.x * KS_DESC_WORDS);
 }
 
-// The calls of `records` records one after another, each by every thread of
-// the grid (calls of more than ~64K keys): one cooperative launch, no host
-// sync, whatever the batch size.  gws: the grid scratch (KsGrid), whose
-// first word must be zero before the first launch that uses it.
+// The calls of `records` records by `teams` teams of blocks (KsGrid), one
+// cooperative launch, no host sync, whatever the batch size (calls of more
+// than ~64K keys).  Team j runs records j, j + teams, ... one after another,
+// each on all its blocks; records run by different teams must name
+// different tables and workspaces.  gws: [0, teams) a flag per team, set
+// when one of its calls failed or met an unread failure; then, from word
+// ks_team_base(teams), one scratch region of ks_team_words(blocks per team)
+// per team (KsGrid), zeroed before the first launch of this layout.
+__host__ __device__ inline i64 ks_team_base(int teams) { return (teams + 7) & ~7; }
+__host__ __device__ inline i64 ks_team_words(int blocks) {
+  return KS_G_TOTALS + 2 * (i64)blocks + 8 * (i64)blocks * KS_FT;
+}
+
 extern "C" __global__ void __launch_bounds__(KS_FT, 1)
-    ks_insert_grid(const i64* __restrict__ desc, int records,
-                                          i64* gws) {
-  KsGrid g(gws);
-  if (g.t == 0) gws[6] = 0;
-  for (int r = 0; r < records; ++r) {
+    ks_insert_grid(const i64* __restrict__ desc, int records, i64* gws, int teams) {
+  const int tb = gridDim.x / teams, team = blockIdx.x / tb;
+  KsGrid g(gws + ks_team_base(teams) + team * ks_team_words(tb), tb);
+  if (g.t == 0) gws[team] = 0;  // only this team writes its flag
+  for (int r = team; r < records; r += teams) {
     const i64* d = desc + (i64)r * KS_DESC_WORDS;
     ks_insert_record(g, d);
     g.sync();  // the record's counters are read before the next zeroes them
-    if (g.t == 0 && ((i64*)d[38])[KS_A_STATUS] != 0) gws[6] = 1;
+    if (g.t == 0 && ((i64*)d[38])[KS_A_STATUS] != 0) gws[team] = 1;
   }
 }

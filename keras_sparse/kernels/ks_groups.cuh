@@ -51,8 +51,8 @@ __device__ i64 ks_block_scan(i64 v, i64* total) {
 // nt, a barrier, an exclusive prefix sum over all of them, 16 * nt ints of
 // sort counts and 5 call counters (KS_C_*).  KsBlock: one block (a call of
 // up to ~64K keys; several such calls share a launch, one block each).
-// KsGrid: every block of a cooperative launch (larger calls), the same
-// phases with grid-wide barriers, so a call's result does not depend on
+// KsGrid: several blocks of a cooperative launch (larger calls), the same
+// phases with barriers across those blocks, so a call's result does not depend on
 // which of the two runs it.
 #define KS_C_OVER 0
 #define KS_C_MISS 1
@@ -68,13 +68,15 @@ struct KsBlock {
   __device__ i64 scan(i64 v, i64* total) { return ks_block_scan(v, total); }
 };
 
-// Grid scratch (int64 words, zeroed once when allocated; the barrier's
+// A team's scratch (int64 words, zeroed once when allocated; the barrier's
 // count returns to zero after each barrier, its generation only grows):
-// [0] barrier arrivals and generation (two uint32), [1..5] counters, [6]
-// set when a record's call failed, [8, 8 + 2 * gridDim.x) block totals (two
-// sets, used in turn), then the sort counts.
+// [0] barrier arrivals and generation (two uint32), [1..5] counters, [8, 8
+// + 2 * blocks) block totals (two sets, used in turn), then the sort counts.
 #define KS_G_TOTALS 8
 
+// KsGrid: `blocks` consecutive blocks of a cooperative launch (a team; the
+// whole grid when there is one team), its barrier and prefix sums over
+// their threads only, so teams run their calls side by side.
 struct KsGrid {
   i64 t, nt;
   int* cnt;
@@ -82,18 +84,21 @@ struct KsGrid {
   unsigned int* bar;
   i64* totals;
   int parity;
+  int blocks, rank;  // the team's blocks, this block's rank among them
 
-  __device__ KsGrid(i64* gws) {
-    t = (i64)blockIdx.x * KS_FT + threadIdx.x;
-    nt = (i64)gridDim.x * KS_FT;
+  __device__ KsGrid(i64* gws, int team_blocks) {
+    blocks = team_blocks;
+    rank = blockIdx.x % team_blocks;
+    t = (i64)rank * KS_FT + threadIdx.x;
+    nt = (i64)blocks * KS_FT;
     bar = (unsigned int*)gws;
     c = gws + 1;
     totals = gws + KS_G_TOTALS;
-    cnt = (int*)(gws + KS_G_TOTALS + 2 * (i64)gridDim.x);
+    cnt = (int*)(gws + KS_G_TOTALS + 2 * (i64)blocks);
     parity = 0;
   }
 
-  // Every thread of the grid arrives before any leaves (the launch is
+  // Every thread of the team arrives before any leaves (the launch is
   // cooperative: all blocks are resident).  Thread 0 of each block counts
   // its block in; the last one in resets the count and opens the next
   // generation.
@@ -103,7 +108,7 @@ struct KsGrid {
       volatile unsigned int* gen = bar + 1;
       const unsigned int g = *gen;
       __threadfence();
-      if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      if (atomicAdd(bar, 1u) == (unsigned int)blocks - 1) {
         atomicExch(bar, 0u);
         __threadfence();
         atomicAdd(bar + 1, 1u);
@@ -115,23 +120,23 @@ struct KsGrid {
     __syncthreads();
   }
 
-  // Block sums, one grid barrier, then each block scans the blocks' sums
-  // (one per thread: gridDim.x <= KS_FT) for the sum of those before it.
+  // Block sums, one team barrier, then each block scans the blocks' sums
+  // (one per thread: blocks <= KS_FT) for the sum of those before it.
   // The sums alternate between two sets, so a block still reading this
   // scan's set cannot see the next scan's writes (those come after the
   // next barrier).
   __device__ i64 scan(i64 v, i64* total) {
     i64 mine;
     const i64 r = ks_block_scan(v, &mine);
-    i64* set = totals + parity * (i64)gridDim.x;
+    i64* set = totals + parity * (i64)blocks;
     parity ^= 1;
-    if (threadIdx.x == 0) set[blockIdx.x] = mine;
+    if (threadIdx.x == 0) set[rank] = mine;
     sync();
-    const i64 x = threadIdx.x < gridDim.x ? *(volatile i64*)&set[threadIdx.x] : 0;
+    const i64 x = threadIdx.x < blocks ? *(volatile i64*)&set[threadIdx.x] : 0;
     const i64 before = ks_block_scan(x, total);
     // Read before the next scan's ks_block_scan barriers let a thread write it.
     __shared__ i64 s_before;
-    if (threadIdx.x == blockIdx.x) s_before = before;
+    if (threadIdx.x == rank) s_before = before;
     __syncthreads();
     return r + s_before;
   }

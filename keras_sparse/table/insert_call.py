@@ -50,6 +50,9 @@ from .cuda_modules import module
 MAX_KEYS = 1 << 16  # larger calls run on the whole grid (ks_insert_grid)
 GRID_ROUTE = True  # False: larger calls take the multi-launch path
 GRID_BLOCKS = None  # blocks of a grid call; None: one per multiprocessor
+GRID_TEAMS = None  # teams of a step's grid launch; None: `grid_teams` chooses
+TEAM_SCRATCH_BYTES = 2 << 30  # workspaces of side-by-side teams, at most
+MIN_TEAM_BLOCKS = 4  # blocks of a team, at least (a call's passes stay wide)
 THREADS = 512  # KS_FT in keras_sparse/kernels/insert_call.cu
 DESC_WORDS = 40  # KS_DESC_WORDS: int64 words of one call's record
 _WORDS_PER_KEY = 20  # workspace int64 arrays of the batch size (see the kernel)
@@ -339,15 +342,32 @@ class FusedInsert:
         self._static = (arrays, settings, tuple(words))
         return self._static[2]
 
-    def grid_scratch(self, blocks):
-        """The ``ks_insert_grid`` scratch for ``blocks`` blocks (KsGrid in
-        the kernel: barrier, counters, block totals, sort counts); zeroed
-        when allocated, after which the barrier keeps its count at zero."""
-        words = 8 + 2 * blocks + 8 * blocks * THREADS
+    def grid_scratch(self, blocks, teams=1):
+        """The ``ks_insert_grid`` scratch of ``teams`` teams of ``blocks //
+        teams`` blocks (a flag per team, then each team's barrier,
+        counters, block totals and sort counts: KsGrid in the kernel);
+        zeroed when allocated, after which each barrier keeps its count at
+        zero. A new layout gets a new, zeroed scratch."""
+        tb = blocks // teams
+        words = _team_base(teams) + teams * (8 + 2 * tb + 8 * tb * THREADS)
         scratch = self.__dict__.get("_grid_scratch")
-        if scratch is None or scratch.shape[0] != words:
+        if scratch is None or self._grid_layout != (blocks, teams):
             scratch = self._grid_scratch = cp.zeros(words, dtype=cp.int64)
+            self._grid_layout = (blocks, teams)
         return scratch
+
+    def team_workspaces(self, teams, words):
+        """``teams`` workspaces of at least ``words`` words each, for the
+        teams of one grid launch (the first is this table's own)."""
+        if self.workspace.shape[0] < words:
+            self.workspace = cp.empty(words, dtype=cp.int64)
+        if teams == 1:
+            return [self.workspace]
+        cached = self.__dict__.get("_team_workspaces")
+        if cached is None or len(cached) + 1 < teams or cached[0].shape[0] < words:
+            whole = cp.empty((teams - 1, words), dtype=cp.int64)
+            cached = self._team_workspaces = list(whole)
+        return [self.workspace, *cached[: teams - 1]]
 
     def _next_stamp(self):
         """The protection marks for a new call (no row carries its stamp)."""
@@ -413,12 +433,29 @@ def grid_blocks():
     return min(_device_facts()[1], THREADS)
 
 
-def launch_grid(records, owner):
-    """One cooperative ``ks_insert_grid`` launch running ``records`` one
-    after another, each on every block; ``owner`` (a `FusedInsert` whose
-    lock the caller holds) lends its grid scratch."""
+def grid_teams(records, words):
+    """Teams of a grid launch running ``records`` calls whose workspaces
+    take ``words`` words each: `GRID_TEAMS`, or as many as there are
+    records, within `TEAM_SCRATCH_BYTES` of workspaces and at least
+    `MIN_TEAM_BLOCKS` blocks per team. Side by side, the teams share out
+    the barriers that a launch running the calls one after another on every
+    block would wait at (a step of a hundred large fields)."""
     blocks = grid_blocks()
-    scratch = owner.grid_scratch(blocks)
+    if GRID_TEAMS:
+        return max(1, min(int(GRID_TEAMS), records, blocks))
+    by_memory = TEAM_SCRATCH_BYTES // max(8 * words, 1)
+    return max(1, min(records, by_memory, blocks // MIN_TEAM_BLOCKS))
+
+
+def launch_grid(records, owner, teams=1):
+    """One cooperative ``ks_insert_grid`` launch: ``teams`` teams of blocks,
+    team ``j`` running records ``j, j + teams, ...`` one after another on
+    all its blocks (records of different teams must name different tables
+    and workspaces); ``owner`` (a `FusedInsert` whose lock the caller holds)
+    lends its grid scratch. Returns the teams' failure flags, for
+    `any_failed`."""
+    blocks = grid_blocks() // teams * teams
+    scratch = owner.grid_scratch(blocks, teams)
     desc = cp.asarray(np.asarray(records, dtype=np.int64).reshape(-1))
     kernel = module("insert_call.cu").get_function("ks_insert_grid")
     # CuPy's RawKernel launches cooperatively only when its module was
@@ -428,16 +465,21 @@ def launch_grid(records, owner):
     function(
         (blocks,),
         (THREADS,),
-        (desc, np.int32(len(records)), scratch),
+        (desc, np.int32(len(records)), scratch, np.int32(teams)),
         enable_cooperative_groups=True,
     )
-    return scratch
+    return scratch[:teams]
 
 
-def any_failed(scratch):
-    """Whether a call of the last grid launch on ``scratch`` failed or met an
-    unread failure (one host sync)."""
-    return bool(int(scratch[6].get()))
+def any_failed(flags):
+    """Whether a call of a grid launch (its `launch_grid` flags) failed or
+    met an unread failure (one host sync)."""
+    return bool(flags.get().any())
+
+
+def _team_base(teams):
+    """Words of a grid scratch's team flags (ks_team_base in the kernel)."""
+    return (teams + 7) & ~7
 
 
 @contextlib.contextmanager

@@ -2,13 +2,15 @@
 (`step_rows_together`, for `keras_sparse.table.HashTable`s on a GPU).
 
 Tables of up to `insert_call.MAX_KEYS` keys run one block each in one
-``ks_insert_calls`` launch; larger ones run one after another on every
-block of one cooperative ``ks_insert_grid`` launch, in one shared workspace.
+``ks_insert_calls`` launch; larger ones share one cooperative
+``ks_insert_grid`` launch, whose teams of blocks run them side by side
+(each team its share one after another, in the team's workspace).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 # CuPy and the launches are imported by the calls that need them: CPU
 # tables take none of this module's GPU path.
@@ -24,8 +26,8 @@ def step_rows_together(tables, keys, use, bounds, out):
     the caller to call one by one afterwards: CPU tables, tables
     `step_rows` refuses (``eviction=None``, admission counts), tables with
     a time to live and a table's repeated appearances. Batches above 64K
-    keys share a second launch, which runs them one after another on every
-    block.
+    keys share a second launch, whose teams of blocks run them side by
+    side.
 
     Example (on a GPU):
 
@@ -69,8 +71,8 @@ def step_rows_together(tables, keys, use, bounds, out):
 
 def step_rows_many(fused, keys, use, bounds, out):
     """`FusedInsert.step_rows` of several tables in one launch (two when
-    some tables take more than `MAX_KEYS` keys: those run one after another
-    in one grid launch).
+    some tables take more than `MAX_KEYS` keys: those share one grid
+    launch, side by side on teams of blocks).
 
     Table ``i`` (``fused[i]``) maps ``keys[a:b]`` for ``(a, b) = bounds[i]``
     and writes ``out[0][a:b]`` (int32 rows) and ``out[1][a:b]`` (fresh);
@@ -83,6 +85,7 @@ def step_rows_many(fused, keys, use, bounds, out):
 
     from .insert_call import any_failed
     from .insert_call import clocks_kept_on_error
+    from .insert_call import grid_teams
     from .insert_call import launch
     from .insert_call import launch_grid
     from .insert_call import workspace_words
@@ -106,21 +109,22 @@ def step_rows_many(fused, keys, use, bounds, out):
             held.enter_context(f.lock)  # a fixed order: no deadlock
         sizes = [int(bounds[i][1]) - int(bounds[i][0]) for i in joined]
         on_grid = [fused[i].route(m) == "grid" for i, m in zip(joined, sizes)]
-        owner = shared = None
+        owner, spaces, teams = None, [], 1
         if any(on_grid):
-            # The grid runs its records one after another: they share one
-            # workspace (the first grid table's), not one each.
+            # Each team of the grid runs its records one after another: they
+            # share the team's workspace (lent by the first grid table).
             owner = fused[joined[on_grid.index(True)]]
             need = max(workspace_words(m) for m, g in zip(sizes, on_grid) if g)
-            if owner.workspace.shape[0] < need:
-                owner.workspace = cp.empty(need, dtype=cp.int64)
-            shared = owner.workspace
+            teams = grid_teams(sum(on_grid), need)
+            spaces = owner.team_workspaces(teams, need)
         with clocks_kept_on_error([fused[i].table for i in joined]):
-            records = []
+            records, nth = [], itertools.count()
+            # The grid's record j runs on team j % teams: its workspace.
+            space = [spaces[next(nth) % teams] if g else None for g in on_grid]
             if by_pointer:  # no views: each table's part is a pointer sum
                 k0, r0, f0 = keys.data.ptr, rows32.data.ptr, fresh.data.ptr
                 u0 = f0 if use is None else use.data.ptr
-                for i, g in zip(joined, on_grid):
+                for i, w in zip(joined, space):
                     a, b = (int(v) for v in bounds[i])
                     records.append(
                         fused[i].record_at(
@@ -133,33 +137,31 @@ def step_rows_many(fused, keys, use, bounds, out):
                             r0 + 4 * a,
                             f0 + a,
                             True,
-                            workspace=shared if g else None,
+                            workspace=w,
                         )
                     )
             else:
-                for i, g in zip(joined, on_grid):
+                for i, w in zip(joined, space):
                     a, b = bounds[i]
                     part = None if use is None else use[a:b]
                     slots = (rows32[a:b], fresh[a:b])
                     records.append(
-                        fused[i].record(
-                            keys[a:b], part, True, None, slots, shared if g else None
-                        )[0]
+                        fused[i].record(keys[a:b], part, True, None, slots, w)[0]
                     )
             small = [r for r, g in zip(records, on_grid) if not g]
             if small:
                 launch(small)
-            wide, scratch = [], None
+            wide, flags = [], None
             if owner is not None:
                 large = [(i, r) for i, r, g in zip(joined, records, on_grid) if g]
-                scratch = launch_grid([r for _, r in large], owner)
+                flags = launch_grid([r for _, r in large], owner, teams)
                 wide = [fused[i] for i, r in large if r[4] > fused[i].table.capacity]
             # Held like a record's own arrays (until this table's next call).
             fused[joined[0]].held += [a for a in flat if a is not None]
         # More keys than rows: a call may have failed (too many distinct
         # keys), which must fail this step (one host read). The launch ran:
         # every table keeps its advanced clock, as the CPU twin's would.
-        if wide and any_failed(scratch):
+        if wide and any_failed(flags):
             for f in wide:
                 f.read()
     return left

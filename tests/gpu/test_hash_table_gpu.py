@@ -174,9 +174,11 @@ def test_step_rows_match_the_cpu_table_and_defer_the_counts(eviction):
         np.testing.assert_array_equal(x, y.get())
 
 
-@pytest.mark.parametrize("max_keys", [None, 300, 100])
+@pytest.mark.parametrize(
+    "max_keys,teams", [(None, None), (300, None), (100, None), (100, 2), (300, 2)]
+)
 def test_step_rows_together_is_one_launch_equal_to_separate_tables(
-    max_keys, monkeypatch
+    max_keys, teams, monkeypatch
 ):
     """`step_rows_together` maps several tables' keys in one kernel launch
     (one block per table) with no host sync, and each table ends exactly as
@@ -184,7 +186,9 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables(
     Tables differ in policy, admission, bucket size and batch length. With
     the one-block limit lowered (``max_keys``), the tables above it run one
     after another in one grid launch: two launches when some tables stay
-    below the limit, one when none does."""
+    below the limit, one when none does. With ``teams``, the grid launch's
+    teams of blocks run those tables side by side, each in its own
+    workspace."""
     import numpy as np
 
     from keras_sparse.table import HashTable
@@ -193,6 +197,7 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables(
 
     if max_keys:
         monkeypatch.setattr(insert_call, "MAX_KEYS", max_keys)
+    monkeypatch.setattr(insert_call, "GRID_TEAMS", teams)
     launches = 2 if max_keys == 300 else 1
 
     kws = [
@@ -233,16 +238,19 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables(
             np.testing.assert_array_equal(x, y.get())
     assert cpus[0].stats()["evictions"] > 0 and cpus[1].stats()["evictions"] > 0
     if max_keys:
-        # The grid's calls run one after another in one workspace: the
-        # first grid table's, sized for the largest call.
-        spaces = [insert_call.FusedInsert.of(t._impl).workspace for t in gpus]
+        # A team's calls run one after another in one workspace, sized for
+        # the largest call; the first grid table lends one per team.
+        fused = [insert_call.FusedInsert.of(t._impl) for t in gpus]
         on_grid = [n > max_keys for n in lengths]
         first = on_grid.index(True)
         need = max(insert_call.workspace_words(n) for n in lengths if n > max_keys)
-        assert spaces[first].shape[0] >= need
+        assert fused[first].workspace.shape[0] >= need
+        others = fused[first].__dict__.get("_team_workspaces") or []
+        assert len(others) == (teams or 1) - 1
+        assert all(w.shape[0] >= need for w in others)
         for i in range(first + 1, len(gpus)):
             if on_grid[i]:
-                assert spaces[i].shape[0] == 0
+                assert fused[i].workspace.shape[0] == 0
         return
     # Left to the caller, in order: a CPU table, a table's second
     # appearance, eviction=None; the others still share one launch.
@@ -262,17 +270,21 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables(
     assert strict.stats()["size"] == 0
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu"])
-def test_step_rows_of_more_keys_than_rows(eviction):
+@pytest.mark.parametrize("eviction,teams", [("lru", None), ("lfu", None), ("lru", 2)])
+def test_step_rows_of_more_keys_than_rows(eviction, teams, monkeypatch):
     """A step batch of more keys than the table has rows runs on the grid
     and reads back whether it failed (one host sync): with at most
     ``capacity`` distinct keys its rows equal the CPU twin's; with more, it
-    raises the twin's BatchTooLargeError and leaves the table as it was."""
+    raises the twin's BatchTooLargeError and leaves the table as it was
+    (also when the failing call ran on the launch's second team)."""
     import numpy as np
 
     from keras_sparse.table import BatchTooLargeError
     from keras_sparse.table import HashTable
+    from keras_sparse.table import insert_call
     from keras_sparse.table import step_rows_together
+
+    monkeypatch.setattr(insert_call, "GRID_TEAMS", teams)
 
     kw = dict(capacity=64, eviction=eviction, bucket_size=8)
     cpu, gpu = HashTable(device="cpu", **kw), HashTable(device="gpu", **kw)
@@ -293,14 +305,15 @@ def test_step_rows_of_more_keys_than_rows(eviction):
     assert gpu.stats() == cpu.stats()
     wide = np.arange(100, dtype=np.int64) * 7  # 100 distinct keys, 64 rows
     keep_cpu = HashTable(device="cpu", **kw)
-    keep_cpu.lookup_or_insert(wide[:10])  # `keep`'s call in the failing launch
+    again = np.tile(wide[:10], 7)  # more keys than rows, 10 distinct: fits
+    keep_cpu.lookup_or_insert(again)  # `keep`'s call in the failing launch
     with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
         cpu.lookup_or_insert(wide)  # `gpu`'s call in that launch
     state = [a.get() for a in gpu.export()]
-    keys = cp.asarray(np.concatenate([wide, wide[:10]]))
-    out = (cp.empty(110, cp.int32), cp.empty(110, cp.bool_))
+    keys = cp.asarray(np.concatenate([again, wide]))
+    out = (cp.empty(170, cp.int32), cp.empty(170, cp.bool_))
     with pytest.raises(BatchTooLargeError, match="100 distinct admitted keys"):
-        step_rows_together([keep, gpu], keys, None, [(0, 10), (10, 110)], out)
+        step_rows_together([keep, gpu], keys, None, [(0, 70), (70, 170)], out)
     for x, y in zip(state, gpu.export()):
         np.testing.assert_array_equal(x, y.get())
     assert gpu.stats() == cpu.stats()
