@@ -357,15 +357,21 @@ class FusedInsert:
         return scratch
 
     def team_workspaces(self, teams, words):
-        """``teams`` workspaces of at least ``words`` words each, for the
-        teams of one grid launch (the first is this table's own)."""
+        """Up to ``teams`` workspaces of at least ``words`` words each, for
+        the teams of one grid launch (the first is this table's own): one
+        only when the device has no room for the others, so a step runs
+        with fewer teams rather than fail."""
         if self.workspace.shape[0] < words:
             self.workspace = cp.empty(words, dtype=cp.int64)
         if teams == 1:
             return [self.workspace]
         cached = self.__dict__.get("_team_workspaces")
         if cached is None or len(cached) + 1 < teams or cached[0].shape[0] < words:
-            whole = cp.empty((teams - 1, words), dtype=cp.int64)
+            self._team_workspaces = None  # the old ones go back first
+            try:
+                whole = cp.empty((teams - 1, words), dtype=cp.int64)
+            except MemoryError:  # CuPy's OutOfMemoryError is one
+                return [self.workspace]
             cached = self._team_workspaces = list(whole)
         return [self.workspace, *cached[: teams - 1]]
 

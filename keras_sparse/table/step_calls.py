@@ -115,8 +115,8 @@ def step_rows_many(fused, keys, use, bounds, out):
             # share the team's workspace (lent by the first grid table).
             owner = fused[joined[on_grid.index(True)]]
             need = max(workspace_words(m) for m, g in zip(sizes, on_grid) if g)
-            teams = grid_teams(sum(on_grid), need)
-            spaces = owner.team_workspaces(teams, need)
+            spaces = owner.team_workspaces(grid_teams(sum(on_grid), need), need)
+            teams = len(spaces)
         with clocks_kept_on_error([fused[i].table for i in joined]):
             records, nth = [], itertools.count()
             # The grid's record j runs on team j % teams: its workspace.

@@ -270,6 +270,43 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables(
     assert strict.stats()["size"] == 0
 
 
+def test_step_rows_run_on_one_team_when_the_device_has_no_room(monkeypatch):
+    """Side-by-side teams need a workspace each: when the device cannot
+    hold the extra ones, the step's large calls run one after another on
+    one team, with the same results."""
+    import numpy as np
+
+    from keras_sparse.table import HashTable
+    from keras_sparse.table import insert_call
+    from keras_sparse.table import step_rows_together
+
+    monkeypatch.setattr(insert_call, "MAX_KEYS", 50)
+    monkeypatch.setattr(insert_call, "GRID_TEAMS", 2)
+    empty = insert_call.cp.empty
+    need, asked = insert_call.workspace_words(100), []
+
+    def scarce(shape, *args, **kwargs):
+        if isinstance(shape, tuple) and shape[1:] == (need,):
+            asked.append(shape)
+            raise MemoryError("out of memory (a test's device)")
+        return empty(shape, *args, **kwargs)
+
+    monkeypatch.setattr(insert_call.cp, "empty", scarce)
+    cpus = [HashTable(128, device="cpu", eviction="lru") for _ in range(2)]
+    gpus = [HashTable(128, device="gpu", eviction="lru") for _ in range(2)]
+    keys = np.random.default_rng(3).integers(0, 300, 200).astype(np.int64)
+    out = (cp.empty(200, cp.int32), cp.empty(200, cp.bool_))
+    bounds = [(0, 100), (100, 200)]
+    assert step_rows_together(gpus, cp.asarray(keys), None, bounds, out) == []
+    assert asked == [(1, need)]
+    for cpu, (a, b) in zip(cpus, bounds):
+        np.testing.assert_array_equal(
+            out[0][a:b].get(), cpu.lookup_or_insert(keys[a:b]).rows
+        )
+    for cpu, gpu in zip(cpus, gpus):
+        assert gpu.stats() == cpu.stats()
+
+
 @pytest.mark.parametrize("eviction,teams", [("lru", None), ("lfu", None), ("lru", 2)])
 def test_step_rows_of_more_keys_than_rows(eviction, teams, monkeypatch):
     """A step batch of more keys than the table has rows runs on the grid
