@@ -12,6 +12,7 @@ layer's saved state (``.keras`` files) is unpadded (`unpadded_value`,
 
 import keras
 
+from keras_sparse.layers.hash.serving_state import serving_maps_hidden
 from keras_sparse.sharding.routing import padded_rows
 from keras_sparse.sharding.routing import route
 
@@ -60,7 +61,9 @@ def _replicate_other_variables(layer, mesh):
     """
     placed = [layer.embeddings] if layer.built else []
     placed += list(getattr(layer, "slots", {}).values())
-    for variable in layer.variables:
+    with serving_maps_hidden(False):  # also when built by a training call
+        variables = layer.variables
+    for variable in variables:
         if any(variable is p for p in placed) or variable._layout is not None:
             continue
         axes = (None,) * len(variable.shape)

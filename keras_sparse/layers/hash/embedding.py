@@ -12,6 +12,7 @@ from keras_sparse.layers.arguments import check_positive_int
 from keras_sparse.layers.hash import deltas
 from keras_sparse.layers.hash import serving_hooks
 from keras_sparse.layers.hash import serving_map
+from keras_sparse.layers.hash import serving_state
 from keras_sparse.layers.hash import stage_feed
 from keras_sparse.layers.hash import trained_rows
 from keras_sparse.layers.hash.deltas import checked_flag
@@ -365,6 +366,11 @@ class DistributedHashEmbedding(
     @property
     def capacity(self):
         return self.table.capacity
+
+    @property
+    def variables(self):
+        # Without the serving map inside JAX training entry points.
+        return serving_state.visible(self, super().variables)
 
     def build(self, input_shape=None):
         if not self.built:

@@ -14,6 +14,9 @@ changed):
   also adds the artifact's table update functions
   (`keras_sparse.layers.hash.serving_export`).
 
+On JAX it also wraps ``fit`` and ``train_on_batch``, which leave the maps
+out of the training steps' state (`keras_sparse.layers.hash.serving_state`).
+
 On JAX ``model.export`` of a model with hash layers also runs with
 ``jax_enable_x64``, so the artifact takes the int64 keys of its input
 signature whole (without x64 jax2tf would wrap them to 32 bits), and without
@@ -30,6 +33,7 @@ import threading
 
 from keras_sparse.layers.hash import serving_export
 from keras_sparse.layers.hash import serving_map
+from keras_sparse.layers.hash import serving_state
 
 _lock = threading.Lock()
 _installed = False
@@ -39,17 +43,29 @@ def _refreshing(original):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         serving_map.refresh_all(self, show_progress=False)
-        return original(self, *args, **kwargs)
+        # Shown again, also in fit's validation (`serving_state`).
+        with serving_state.serving_maps_hidden(False):
+            return original(self, *args, **kwargs)
 
     wrapper._ks_refreshes = True
     return wrapper
 
 
-def _wrap(cls, name):
+def _training(original):
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        with serving_state.serving_maps_hidden():
+            return original(self, *args, **kwargs)
+
+    wrapper._ks_refreshes = True
+    return wrapper
+
+
+def _wrap(cls, name, how=_refreshing):
     original = getattr(cls, name, None)
     if original is None or getattr(original, "_ks_refreshes", False):
         return
-    setattr(cls, name, _refreshing(original))
+    setattr(cls, name, how(original))
 
 
 def _exporting_with_x64(original):
@@ -115,6 +131,9 @@ def install():
         if trainer is not None:
             for name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
                 _wrap(trainer, name)
+        if backend == "jax":  # the steps' state: serving maps left out
+            for name in ("fit", "train_on_batch"):
+                _wrap(trainer, name, _training)
         try:
             from keras.src.export.saved_model_export_archive import (
                 SavedModelExportArchive,

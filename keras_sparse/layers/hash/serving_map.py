@@ -41,6 +41,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_sparse.layers.hash import serving_state
 from keras_sparse.progress import tracker
 from keras_sparse.table.keys import to_host
 
@@ -86,6 +87,8 @@ def build(layer):
             name=name,
         )
         setattr(layer, name, variable)
+    # Left out of JAX training steps' state (`serving_state`).
+    layer._serving_ids = frozenset(id(getattr(layer, name)) for name, *_ in specs)
     layer._serving_stamp = int(np.random.default_rng().integers(1, 2**31 - 1))
 
 
@@ -235,6 +238,10 @@ def usable(layer, keys):
     is exact for them only when the layer declares ``key_dtype="int32"``
     (whose keys are checked to fit as batches are fed).
     """
+    if serving_state.hidden():
+        # Inside a training step the map is not in the step's state (it
+        # would read as a constant of the traced step): the table maps.
+        return False
     if not is_complete(layer) or layer.prepared_form is not None:
         # A stage-held layer's keys map as of its last trained step
         # (`trained_rows`), which the map, a copy of the table, is not.
