@@ -71,6 +71,15 @@ def parse_args(argv=None):
         "(default: print them)",
     )
     p.add_argument(
+        "--host-shards",
+        type=int,
+        default=None,
+        help="testing, with --hash in one process: train on one device with "
+        "no distribution, the hash layer's keys in one host table of this many "
+        "key-owned shards (the per-shard eviction of a key-sharded run on as "
+        "many devices): the one-device reference of the multi-process tests",
+    )
+    p.add_argument(
         "--die-at-step",
         type=int,
         default=None,
@@ -201,6 +210,32 @@ def make_layers():
     return [ks.EmbeddingCollection(configs, optimizer="adagrad", name="tables")]
 
 
+class HostShards:
+    """A `ShardedHashTable` seen as one host table (no ``num_shards``), so an
+    unsharded layer on one device maps its keys through it in one call."""
+
+    def __init__(self, table):
+        self._table = table
+
+    def __getattr__(self, name):
+        if name in ("num_shards", "local"):  # what marks a key-sharded table
+            raise AttributeError(name)
+        return getattr(self._table, name)
+
+
+def hold_keys_in_shards(layer, shards):
+    layer.table = HostShards(
+        ks.table.ShardedHashTable(
+            layer.table.capacity,
+            shards,
+            eviction=layer.eviction,
+            admit_after=layer.admit_after,
+            device="cpu",
+            seed=layer.table.seed,
+        )
+    )
+
+
 def build(layers):
     names = list(table_rows())
     inputs = [
@@ -237,10 +272,13 @@ def main():
     nproc, pid = jax.process_count(), jax.process_index()
     devices = jax.devices()
     layers = make_layers()
-    dist = ks.sharding.distribution(layers, devices=devices)
-    dist.auto_shard_dataset = False  # each process passes its own slice below
-    keras.distribution.set_distribution(dist)
+    if ARGS.host_shards is None:
+        dist = ks.sharding.distribution(layers, devices=devices)
+        dist.auto_shard_dataset = False  # each process passes its slice below
+        keras.distribution.set_distribution(dist)
     model = build(layers)
+    if ARGS.host_shards is not None:
+        hold_keys_in_shards(model.get_layer("hashed"), ARGS.host_shards)
     # Same initial weights everywhere (and in the single-process reference).
     rng = np.random.default_rng(1)
     stacked = set()
@@ -281,7 +319,7 @@ def main():
         line = "RECORDS " + json.dumps(
             {
                 "process": pid,
-                "shards": list(hashed.table.local),
+                "shards": list(getattr(hashed.table, "local", ())),
                 "stats": hashed.stats(),
                 **{k: np.asarray(v).tolist() for k, v in records.items()},
             }
