@@ -16,6 +16,9 @@ own half of every global batch.
     # add --hash: a key-sharded DistributedHashEmbedding (64-bit keys, LRU
     # eviction, admission after 2 sightings) beside a row-sharded table;
     # every process prints its own table shards' records
+    # with --hash, the one-device reference (keys in 8 host shards, as the
+    # 8 devices' per-shard eviction): --num-processes 1 --local-devices 1
+    # --host-shards 8
 
 On real hosts, pass ``--coordinator host0:PORT`` and drop ``--local-devices``
 (GPUs are found by JAX). Process 0 prints one JSON line with the per-step

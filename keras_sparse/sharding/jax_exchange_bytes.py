@@ -38,7 +38,8 @@ def exchange_bytes(
             the largest `bucket_fill` of a workload).
         reset_capacity: row only: the reset's slots per destination when it
             sends only the fresh rows (a key-sharded layer's key exchange,
-            `jax_sharded_reset.compact_reset_capacity`); None: gathered.
+            `jax_sharded_reset.compact_reset_capacity`); None, or not below
+            the ids per device: gathered.
 
     Returns:
         dict with ``ids``, ``vectors``, ``grads``, ``reset``, ``total``
@@ -59,7 +60,7 @@ def exchange_bytes(
         resets = gathered + values
         share = d - 1 if strategy == "row" else (d - 1) / d
         remote_resets = (d - 1) * gathered + values * share
-        if strategy == "row" and reset_capacity is not None:
+        if strategy == "row" and reset_capacity is not None and reset_capacity < n:
             # [D, C] local rows and [D, C, dim] values, all_to_all to owners.
             resets = d * int(reset_capacity) * (id_bytes + dim * dtype_bytes)
             remote_resets = resets * (d - 1) / d
