@@ -16,6 +16,9 @@ own half of every global batch.
     # add --hash: a key-sharded DistributedHashEmbedding (64-bit keys, LRU
     # eviction, admission after 2 sightings) beside a row-sharded table;
     # every process prints its own table shards' records
+    # with --hash, the one-device reference (keys in 8 host shards, as the
+    # 8 devices' per-shard eviction): --num-processes 1 --local-devices 1
+    # --host-shards 8
 
 On real hosts, pass ``--coordinator host0:PORT`` and drop ``--local-devices``
 (GPUs are found by JAX). Process 0 prints one JSON line with the per-step
@@ -69,6 +72,15 @@ def parse_args(argv=None):
         default=None,
         help="with --hash: write this process's records to this file "
         "(default: print them)",
+    )
+    p.add_argument(
+        "--host-shards",
+        type=int,
+        default=None,
+        help="testing, with --hash in one process: train on one device with "
+        "no distribution, the hash layer's keys in one host table of this many "
+        "key-owned shards (the per-shard eviction of a key-sharded run on as "
+        "many devices): the one-device reference of the multi-process tests",
     )
     p.add_argument(
         "--die-at-step",
@@ -201,6 +213,32 @@ def make_layers():
     return [ks.EmbeddingCollection(configs, optimizer="adagrad", name="tables")]
 
 
+class HostShards:
+    """A `ShardedHashTable` seen as one host table (no ``num_shards``), so an
+    unsharded layer on one device maps its keys through it in one call."""
+
+    def __init__(self, table):
+        self._table = table
+
+    def __getattr__(self, name):
+        if name in ("num_shards", "local"):  # what marks a key-sharded table
+            raise AttributeError(name)
+        return getattr(self._table, name)
+
+
+def hold_keys_in_shards(layer, shards):
+    layer.table = HostShards(
+        ks.table.ShardedHashTable(
+            layer.table.capacity,
+            shards,
+            eviction=layer.eviction,
+            admit_after=layer.admit_after,
+            device="cpu",
+            seed=layer.table.seed,
+        )
+    )
+
+
 def build(layers):
     names = list(table_rows())
     inputs = [
@@ -237,10 +275,13 @@ def main():
     nproc, pid = jax.process_count(), jax.process_index()
     devices = jax.devices()
     layers = make_layers()
-    dist = ks.sharding.distribution(layers, devices=devices)
-    dist.auto_shard_dataset = False  # each process passes its own slice below
-    keras.distribution.set_distribution(dist)
+    if ARGS.host_shards is None:
+        dist = ks.sharding.distribution(layers, devices=devices)
+        dist.auto_shard_dataset = False  # each process passes its slice below
+        keras.distribution.set_distribution(dist)
     model = build(layers)
+    if ARGS.host_shards is not None:
+        hold_keys_in_shards(model.get_layer("hashed"), ARGS.host_shards)
     # Same initial weights everywhere (and in the single-process reference).
     rng = np.random.default_rng(1)
     stacked = set()
@@ -281,7 +322,7 @@ def main():
         line = "RECORDS " + json.dumps(
             {
                 "process": pid,
-                "shards": list(hashed.table.local),
+                "shards": list(getattr(hashed.table, "local", ())),
                 "stats": hashed.stats(),
                 **{k: np.asarray(v).tolist() for k, v in records.items()},
             }

@@ -21,6 +21,7 @@ def exchange_bytes(
     slack=None,
     reset=False,
     capacity=None,
+    reset_capacity=None,
 ):
     """Bytes one device hands to collectives per step, from the buffer shapes.
 
@@ -35,6 +36,10 @@ def exchange_bytes(
             (`sharded_reset`: every training step, row and column only).
         capacity: row slots per destination, instead of the slack's (e.g.
             the largest `bucket_fill` of a workload).
+        reset_capacity: row only: the reset's slots per destination when it
+            sends only the fresh rows (a key-sharded layer's key exchange,
+            `jax_sharded_reset.compact_reset_capacity`); None, or not below
+            the ids per device: gathered.
 
     Returns:
         dict with ``ids``, ``vectors``, ``grads``, ``reset``, ``total``
@@ -55,6 +60,10 @@ def exchange_bytes(
         resets = gathered + values
         share = d - 1 if strategy == "row" else (d - 1) / d
         remote_resets = (d - 1) * gathered + values * share
+        if strategy == "row" and reset_capacity is not None and reset_capacity < n:
+            # [D, C] local rows and [D, C, dim] values, all_to_all to owners.
+            resets = d * int(reset_capacity) * (id_bytes + dim * dtype_bytes)
+            remote_resets = resets * (d - 1) / d
     if strategy == "row":
         c = row_capacity(n, d, slack) if capacity is None else min(int(capacity), n)
         ids = d * c * id_bytes  # [D, C] int32 all_to_all

@@ -117,6 +117,9 @@ class JaxMeshPlacement:
             mask,
             values,
             slot_inits,
+            # Key sharding: fresh rows travel in its exchange's slots.
+            exchange_slot=batch.exchange_slot if self.strategy == "key" else None,
+            capacity=self._capacity(batch),
         )
         table = reset.pop("table")
         if not isinstance(table, jax.core.Tracer):
