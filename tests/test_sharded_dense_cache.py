@@ -7,7 +7,9 @@ layer under test keeps 40 of its 300 rows on the devices; the reference
 is the same model and distribution without ``cache_rows``, starting from
 the same table and head. Every id's values and optimizer slots must match
 exactly (and a model on one device, up to the rounding of the head's
-cross-device gradient sums).
+cross-device gradient sums), through ``model.fit``, through
+``ks.data.prefetch`` and under a ModelParallel layout of the head. A batch
+the cache cannot map is refused before its step.
 """
 
 import keras
@@ -36,10 +38,17 @@ def _data(seed=0):
     return x, rng.normal(size=(BATCH * STEPS, 1)).astype("float32")
 
 
-def _distribution():
+def _distribution(how="fit"):
+    """DataParallel over 8 devices; with ``how="model_parallel"`` a
+    ModelParallel whose layout map splits the head (the cache replicated)."""
     devices = keras.distribution.list_devices()
     assert len(devices) == 8, "run with --xla_force_host_platform_device_count=8"
-    return keras.distribution.DataParallel(devices=devices)
+    if how != "model_parallel":
+        return keras.distribution.DataParallel(devices=devices)
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices)
+    layout = keras.distribution.LayoutMap(mesh)
+    layout["out/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
 
 
 def _dense_model(optimizer, cache):
@@ -80,11 +89,12 @@ def _dense_state(layer):
     return dict(enumerate(layer.get_weights()))
 
 
-def _train(kind, optimizer, cache, start, distributed=True):
+def _train(kind, optimizer, cache, start, how="fit", distributed=True):
     """``(state, predictions, layer, start)`` of a model trained from
-    ``start`` (the table and head; None: the model's own)."""
+    ``start`` (the table and head; None: the model's own); ``how``: "fit",
+    "prefetch" (through the input stage) or "model_parallel"."""
     if distributed:
-        keras.distribution.set_distribution(_distribution())
+        keras.distribution.set_distribution(_distribution(how))
     try:
         keras.utils.set_random_seed(3)
         build = _dense_model if kind == "dense" else _collection_model
@@ -100,7 +110,10 @@ def _train(kind, optimizer, cache, start, distributed=True):
         model.get_layer("out").set_weights(start[1])
         x, y = _data()
         x = x["a"] if kind == "dense" else x
-        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        if how == "prefetch" and cache:  # the cache maps ids in the step
+            model.fit(ks.data.prefetch((x, y), model, batch_size=BATCH), verbose=0)
+        else:
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
         probe = _data(1)[0]
         probe = probe["a"] if kind == "dense" else probe
         predicted = model.predict(probe, batch_size=BATCH, verbose=0)
@@ -111,18 +124,20 @@ def _train(kind, optimizer, cache, start, distributed=True):
 
 
 @pytest.mark.parametrize(
-    "kind, optimizer",
-    [("dense", "sgd"), ("dense", "adagrad"), ("collection", "sgd"),
-     ("collection", "adagrad")],
+    "kind, optimizer, how",
+    [("dense", "sgd", "fit"), ("dense", "adagrad", "fit"),
+     ("collection", "sgd", "fit"), ("collection", "adagrad", "fit"),
+     ("dense", "adagrad", "prefetch"), ("collection", "sgd", "prefetch"),
+     ("dense", "sgd", "model_parallel")],
 )  # fmt: skip
-def test_a_replicated_cache_trains_as_the_whole_table(kind, optimizer):
+def test_a_replicated_cache_trains_as_the_whole_table(kind, optimizer, how):
     cache = {"cache_rows": CACHE, "store": "host"}
-    got, got_pred, layer, start = _train(kind, optimizer, cache, None)
+    got, got_pred, layer, start = _train(kind, optimizer, cache, None, how)
     stats = layer.stats() if kind == "dense" else layer.stats("a")
     # Rows went down to the store and came back: the cache was too small.
     assert stats["evictions"] >= 100 and stats["fills"] >= stats["evictions"], stats
     assert stats["store_size"] == VOCAB
-    want, want_pred, _, _ = _train(kind, optimizer, {}, start)
+    want, want_pred, _, _ = _train(kind, optimizer, {}, start, how)
     assert sorted(got) == sorted(want) and len(want) >= 2 + (optimizer == "adagrad")
     for key, value in want.items():
         if kind == "collection" and key.startswith("b:"):
@@ -133,7 +148,7 @@ def test_a_replicated_cache_trains_as_the_whole_table(kind, optimizer):
             np.testing.assert_array_equal(got[key], value, err_msg=key)
     # Inference reads the ids the cache does not hold from the store.
     np.testing.assert_allclose(got_pred, want_pred, rtol=0, atol=1e-7)
-    if kind == "dense" and optimizer == "adagrad":  # and on one device
+    if (kind, optimizer, how) == ("dense", "adagrad", "fit"):  # one device
         one, one_pred, _, _ = _train(kind, optimizer, {}, start, distributed=False)
         for key, value in one.items():
             np.testing.assert_allclose(got[key], value, atol=1e-6, err_msg=key)
@@ -157,3 +172,38 @@ def test_several_jax_processes_are_refused(monkeypatch):
     assert "Layer 'big'" in message and "`cache_rows`" in message
     assert "a Keras distribution of one JAX process" in message
     assert not layer.weights  # refused before any variable
+
+
+@pytest.mark.parametrize("kind", ["dense", "collection"])
+@pytest.mark.parametrize("bad", ["out_of_range", "too_many_ids"])
+def test_a_batch_the_cache_cannot_map_is_refused_before_the_step(kind, bad):
+    """Raised inside the step, the error would leave the other devices
+    waiting at their first collective until XLA aborts the process."""
+    keras.distribution.set_distribution(_distribution())
+    try:
+        build = _dense_model if kind == "dense" else _collection_model
+        model, layer = build("sgd", {"cache_rows": CACHE, "store": "host"})
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = _data()
+        ids = x["a"][:BATCH]
+        model.fit(ids if kind == "dense" else {k: v[:BATCH] for k, v in x.items()},
+                  y[:BATCH], batch_size=BATCH, verbose=0)  # fmt: skip
+        before = layer.stats() if kind == "dense" else layer.stats("a")
+        ids = ids.copy()
+        if bad == "out_of_range":
+            ids[3, 1] = VOCAB
+            match = f"id {VOCAB} is out of range"
+        else:
+            ids = np.arange(2 * BATCH * 2, dtype="int32").reshape(2 * BATCH, 2)
+            match = f"{2 * BATCH * 2} distinct ids, more than cache_rows={CACHE}"
+        n = len(ids)
+        feed = ids if kind == "dense" else {"a": ids, "b": x["b"][:n]}
+        with pytest.raises(ValueError, match=match) as info:
+            model.fit(feed, y[:n], batch_size=n, verbose=0)
+        assert ("Layer 'ids'" if kind == "dense" else "Layer 'f' table 'a'") in str(
+            info.value
+        )
+        after = layer.stats() if kind == "dense" else layer.stats("a")
+        assert after == before  # nothing mapped, nothing moved
+    finally:
+        keras.distribution.set_distribution(None)

@@ -44,6 +44,13 @@ reach the step:
   ``tf.numpy_function``s in a TensorFlow graph, ordered ``io_callback``s
   in a JAX step.
 
+Under a Keras distribution of one JAX process the cache is replicated: the
+step's ``io_callback`` sees the whole global batch, so one id map and one
+store serve every device's copy of the cache variables, which get the same
+moves and the same (cross-device summed) update; batches are checked before
+the step (`keras_sparse.layers.row_storage.cache_batches`), as a host error
+inside it would stall the other devices.
+
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the
 cache changes (a compiled step aborts with that error), and so does a
