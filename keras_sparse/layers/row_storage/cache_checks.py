@@ -154,7 +154,10 @@ def _several_devices():
 
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
-            if strategy.num_replicas_in_sync > 1:
+            # One process's MirroredStrategy: one host map serves every
+            # replica's copy (`cache_replicas`).
+            one_process = isinstance(strategy, tf.distribute.MirroredStrategy)
+            if strategy.num_replicas_in_sync > 1 and not one_process:
                 return (
                     f"{type(strategy).__name__} over "
                     f"{strategy.num_replicas_in_sync} replicas"
