@@ -49,7 +49,11 @@ step's ``io_callback`` sees the whole global batch, so one id map and one
 store serve every device's copy of the cache variables, which get the same
 moves and the same (cross-device summed) update; batches are checked before
 the step (`keras_sparse.layers.row_storage.cache_batches`), as a host error
-inside it would stall the other devices.
+inside it would stall the other devices. Under a TensorFlow
+`MirroredStrategy` of one process each replica gathers the whole batch's
+ids, the first to ask maps and moves them for all
+(`keras_sparse.layers.row_storage.cache_replicas`), and each fills its own
+copy of the cache.
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the

@@ -105,24 +105,24 @@ def check_initializer(where, initializer):
 #: layers' combinations).
 ONE_DEVICE_ONLY = (
     "A table with `cache_rows` trains on one JAX or TensorFlow device, under "
-    "a Keras distribution of one JAX process (its cache replicated), or in "
-    "PyTorch processes that train independent tables (no DDP, "
-    "ALLOW_LOCAL_UPDATES); under other sharding, use a "
-    "DistributedHashEmbedding with `store=` (sharding='key' on every "
-    "backend, also sharding='data' on JAX) or drop `cache_rows`."
+    "a Keras distribution of one JAX process or a TensorFlow "
+    "MirroredStrategy of one process (its cache replicated), or in PyTorch "
+    "processes that train independent tables (no DDP, ALLOW_LOCAL_UPDATES); "
+    "under other sharding, use a DistributedHashEmbedding with `store=` "
+    "(sharding='key' on every backend, also sharding='data' on JAX) or drop "
+    "`cache_rows`."
 )
 
 
 def check_one_device(name):
-    """Refuses the several devices a cache cannot follow: a tf.distribute
-    strategy of several replicas (their mirrored copies of the cache would
-    each move rows on their own), torch.distributed processes that update
-    their tables together (each process's cache maps ids to its own rows,
-    so the gathered updates would land on the wrong rows), a JAX
-    distribution over several processes (each host would map its own part
-    of the batch). A Keras distribution of one JAX process is allowed: its
-    step's host callback sees the whole batch, so one id map and one store
-    serve the cache, replicated on every device (`dense_cache`)."""
+    """Refuses the several devices a cache cannot follow, those of several
+    processes (each host would map its own part of the batch into its own
+    rows): a tf.distribute strategy other than a MirroredStrategy,
+    torch.distributed processes that update their tables together, a JAX
+    distribution over several processes. In one process one id map and one
+    store serve the cache, replicated on every device: a Keras distribution
+    (the step's host callback sees the whole batch, `dense_cache`), a
+    MirroredStrategy (the replicas gather the batch, `cache_replicas`)."""
     where = _several_devices()
     if where is not None:
         raise ValueError(
