@@ -236,9 +236,10 @@ def test_store_bytes_split_over_processes_when_sharded():
 
 
 def test_a_cache_is_planned_replicated_on_several_devices():
-    """A fixed vocabulary's cache trains replicated under a distribution of
-    one process (test_sharded_dense_cache.py): planned so, each device
-    holding the whole cache; other strategies and processes say why not."""
+    """A fixed vocabulary's cache trains replicated in one process
+    (test_sharded_dense_cache.py, test_tf_mirrored_cache.py): planned so,
+    each device holding the whole cache; other strategies and processes
+    say why not."""
     layer = dense()
     p = ks.plan([layer], devices=8)
     assert p["ids"].strategy == "data"

@@ -207,3 +207,26 @@ def test_a_batch_the_cache_cannot_map_is_refused_before_the_step(kind, bad):
         assert after == before  # nothing mapped, nothing moved
     finally:
         keras.distribution.set_distribution(None)
+
+
+def test_a_model_saved_under_the_distribution_loads_on_one_device(tmp_path):
+    """The save streams the whole table (store rows, the cached ones over
+    them) from the replicated cache; it loads into one device's cache."""
+    keras.distribution.set_distribution(_distribution())
+    try:
+        model, layer = _dense_model("adagrad", {"cache_rows": CACHE, "store": "host"})
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = _data()
+        model.fit(x["a"], y, batch_size=BATCH, shuffle=False, verbose=0)
+        assert layer.stats()["evictions"] > 0
+        model.save(tmp_path / "m.keras")
+        want = layer.get_weights()
+        probe = _data(1)[0]["a"]
+        want_pred = model.predict(probe, batch_size=BATCH, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    for got, value in zip(loaded.get_layer("ids").get_weights(), want):
+        np.testing.assert_array_equal(got, value)
+    got_pred = loaded.predict(probe, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(got_pred, want_pred, rtol=0, atol=1e-6)

@@ -164,7 +164,8 @@ def structural_problem(spec, strategy, d, processes=1):
     if spec.one_device and d > 1 and (strategy != "data" or processes > 1):
         return (
             "a cache (`cache_rows`) runs on several devices replicated only, "
-            "under a Keras distribution of one JAX process"
+            "in one process (a Keras distribution on JAX, a MirroredStrategy "
+            "on TensorFlow)"
         )
     # Key sharding keeps a store per table shard (JAX: see row_tier_shards).
     if spec.store is not None and strategy not in ("data", "row", "key"):
