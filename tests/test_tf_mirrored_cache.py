@@ -144,7 +144,46 @@ def _run():
             result["one_device"] = _gap(got, one, lambda k: False)[1]
             result["one_device_predict"] = float(np.abs(got_pred - one_pred).max())
         results[f"{kind}-{optimizer}"] = result
+    results["saved"] = _saved_and_failing(strategy)
     return results
+
+
+def _saved_and_failing(strategy):
+    """A model saved under the strategy, loaded on one device (largest
+    difference of the tables and of predictions); then a batch with an id
+    out of range: its error, the next step's error, whether the cache
+    changed."""
+    import tempfile
+
+    import tensorflow as tf
+
+    x, y = _data()
+    probe = _data(1)[0]["a"]
+    path = tempfile.mkdtemp() + "/m.keras"
+    cache = {"cache_rows": CACHE, "store": "host"}
+    out = {}
+    with strategy.scope():
+        model, layer = _model("dense", "adagrad", cache)
+        model.fit(x["a"], y, batch_size=BATCH, shuffle=False, verbose=0)
+        model.save(path)
+        want, want_pred = layer.get_weights(), model.predict(probe, verbose=0)
+        bad = x["a"][:BATCH].copy()
+        bad[3, 1] = VOCAB
+        before = layer.stats()
+        for key, batch in (("bad", bad), ("next", x["a"][:BATCH])):
+            try:
+                model.fit(batch, y[:BATCH], batch_size=BATCH, verbose=0)
+                out[key] = "trained"
+            except Exception as e:  # noqa: BLE001  (TF wraps the error)
+                out[key] = str(e)
+        out["unchanged"] = layer.stats() == before
+    with tf.device("/cpu:0"):
+        loaded = keras.models.load_model(path)
+        got = loaded.get_layer("ids").get_weights()
+        out["tables"] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
+        pred = loaded.predict(probe, verbose=0)
+        out["predict"] = float(np.abs(pred - want_pred).max())
+    return out
 
 
 def _main():
@@ -175,3 +214,18 @@ def test_a_mirrored_cache_trains_as_the_whole_table(kind, optimizer):
     if "one_device" in result:
         assert result["one_device"] <= 1e-6, result
         assert result["one_device_predict"] <= 1e-6, result
+
+
+def test_a_model_saved_under_the_strategy_loads_on_one_device():
+    result = module_results(__file__, timeout=400)["saved"]
+    assert result["tables"] == 0.0 and result["predict"] <= 1e-6, result
+
+
+def test_a_failed_step_fails_every_replica_and_the_next_steps():
+    """An id out of range fails the step on every replica with the
+    table's error, nothing moved; the replicas' later calls can no longer
+    be paired up, so later steps raise rather than map wrong batches."""
+    result = module_results(__file__, timeout=400)["saved"]
+    assert f"Layer 'ids': id {VOCAB} is out of range" in result["bad"], result
+    assert result["unchanged"], result
+    assert "an earlier step failed in its cache mapping" in result["next"], result
