@@ -272,24 +272,6 @@ def test_stats_needs_a_cached_table():
         layer.stats("t")
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="a Keras distribution (JAX)"
-)
-def test_a_distribution_over_several_devices_is_refused_at_build():
-    devices = keras.distribution.list_devices()[:2]
-    dist = keras.distribution.DataParallel(devices=devices)
-    with dist.scope():
-        layer = ks.EmbeddingCollection(
-            {"t": ks.TableConfig(100, 4, cache_rows=64), "u": ks.TableConfig(9, 4)},
-            optimizer="sgd",
-            name="f",
-        )
-        with pytest.raises(ValueError, match="over 2 devices") as info:
-            layer.build()
-    assert "Layer 'f' table 't'" in str(info.value)
-    assert not layer.weights  # refused before any variable
-
-
 def test_set_table_writes_the_store_and_empties_the_cache():
     layer = ks.EmbeddingCollection(
         {"t": ks.TableConfig(300, 3, cache_rows=64)}, optimizer="adagrad", name="f"

@@ -233,3 +233,17 @@ def test_store_bytes_split_over_processes_when_sharded():
     assert plan_store.store_bytes_per_process(spec, "row", 4) == (2000 * 32, 0)
     p = ks.plan([spec], devices=8, pinned={"t": "row"})
     assert p["t"].bytes_per_device == 128 * 32 + spec.serving_map_bytes
+
+
+def test_a_cache_is_planned_replicated_on_several_devices():
+    """A fixed vocabulary's cache trains replicated in one process
+    (test_sharded_dense_cache.py, test_tf_mirrored_cache.py): planned so,
+    each device holding the whole cache; other strategies and processes
+    say why not."""
+    layer = dense()
+    p = ks.plan([layer], devices=8)
+    assert p["ids"].strategy == "data"
+    assert p["ids"].bytes_per_device == 300 * (4 + 4) * 4  # values, accumulator
+    assert "row: a cache (`cache_rows`) runs on several devices replicated" in str(p)
+    with pytest.raises(ValueError, match="no cache fits on 8 devices"):
+        ks.plan([layer], devices=8, processes=2)

@@ -84,14 +84,6 @@ def _predict(model):
     return model.predict(_data()[0][: 2 * BATCH], batch_size=BATCH, verbose=0)
 
 
-def _refusal(build):
-    try:
-        build()
-    except ValueError as error:
-        return str(error)
-    return "built"
-
-
 def _run(tmp):
     import tensorflow as tf
 
@@ -121,18 +113,6 @@ def _run(tmp):
         model.save(path)
         loaded = keras.models.load_model(path)
         out["reloaded"] = max_gap(_records(loaded), got)
-        out["dense_cache"] = _refusal(
-            lambda: ks.AllToAllDenseEmbedding(
-                300, DIM, cache_rows=32, optimizer="sgd", name="cached"
-            ).build()
-        )
-        out["collection_cache"] = _refusal(
-            lambda: ks.EmbeddingCollection(
-                {"t": ks.TableConfig(300, DIM, cache_rows=32)},
-                optimizer="sgd",
-                name="tables",
-            ).build()
-        )
     with tf.device("/cpu:0"):
         one = keras.models.load_model(path)
         out["one_device"] = max_gap(_records(one), got)
@@ -185,15 +165,3 @@ def test_saved_file_holds_every_row_under_the_strategy_and_on_one_device():
     assert results["reloaded"] == 0.0
     assert results["one_device"] == 0.0
     assert results["one_device_predict"] <= TOL
-
-
-def test_cached_dense_tables_are_refused_under_the_strategy():
-    """A step used to fail with an empty NotImplementedError (a scatter
-    into a mirrored cache); now refused at build, naming the layer, the
-    argument and what is supported."""
-    results = _results()
-    for key, name in (("dense_cache", "'cached'"), ("collection_cache", "'tables'")):
-        message = results[key]
-        assert name in message and "`cache_rows`" in message, message
-        assert "MirroredStrategy over 2 replicas" in message, message
-        assert "sharding='key' on every backend" in message, message

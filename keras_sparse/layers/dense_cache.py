@@ -44,6 +44,17 @@ reach the step:
   ``tf.numpy_function``s in a TensorFlow graph, ordered ``io_callback``s
   in a JAX step.
 
+Under a Keras distribution of one JAX process the cache is replicated: the
+step's ``io_callback`` sees the whole global batch, so one id map and one
+store serve every device's copy of the cache variables, which get the same
+moves and the same (cross-device summed) update; batches are checked before
+the step (`keras_sparse.layers.row_storage.cache_batches`), as a host error
+inside it would stall the other devices. Under a TensorFlow
+`MirroredStrategy` of one process each replica gathers the whole batch's
+ids, the first to ask maps and moves them for all
+(`keras_sparse.layers.row_storage.cache_replicas`), and each fills its own
+copy of the cache.
+
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the
 cache changes (a compiled step aborts with that error), and so does a
@@ -83,6 +94,7 @@ from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.row_storage import cache_hop
+from keras_sparse.layers.row_storage import cache_replicas
 from keras_sparse.layers.row_storage import cache_store
 from keras_sparse.layers.row_storage.cache_state import CacheState
 from keras_sparse.layers.row_storage.dense_slots import DenseSlots
@@ -167,11 +179,14 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         if insert:  # a layer built on one device, trained on several
             cache_checks.check_one_device(self.owner_name)
         one_hop = insert and self._one_hop(flat)
+        replicas = cache_replicas.replica_context() if insert else None
         if insert:
             if one_hop == "torch_cpu":
                 slots = cache_hop.map_and_move_torch(self, flat, use)
             elif one_hop:
                 slots = cache_hop.map_and_move(self, flat, use, int(flat.shape[0]))
+            elif replicas is not None:  # a TensorFlow MirroredStrategy
+                slots = self._map_replicated(replicas, flat, use)
             else:
                 slots, fill = self._map(flat, use, insert)
                 row_moves.move_rows(self, slots, fill, self._route())
@@ -211,11 +226,32 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         route = self._route()
         return route if cache_hop.applies(self, route) else None
 
-    def _map(self, flat, use, insert):
-        """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``
-        (see `DenseSlots.assign`; read-only: `DenseSlots.lookup`)."""
+    def _map_replicated(self, context, flat, use):
+        """This replica's int32 slots, its copy of the cache filled: the
+        replicas' whole batch mapped and moved once (`cache_replicas`)."""
+        import tensorflow as tf
 
-        def host(ids, used):
+        rounds = self.__dict__.get("_replica_rounds")
+        if rounds is None or rounds.replicas != context.num_replicas_in_sync:
+            rounds = cache_replicas.Rounds(
+                self.owner_name, context.num_replicas_in_sync
+            )
+            self.__dict__["_replica_rounds"] = rounds
+        ids, used, start = cache_replicas.gather(context, flat, use)
+        replica = cache_replicas.replica_id(context)
+        slots, fill = self._map(ids, used, True, (rounds, replica))
+        row_moves.move_rows(self, slots, fill, rounds=(rounds, replica))
+        mine = tf.slice(slots, tf.reshape(start, (1,)), tf.shape(flat)[:1])
+        mine.set_shape(flat.shape)
+        return mine
+
+    def _map(self, flat, use, insert, rounds=None):
+        """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``
+        (see `DenseSlots.assign`; read-only: `DenseSlots.lookup`).
+        ``rounds``: ``(Rounds, replica)``, the replicas' whole batch mapped
+        once (TensorFlow)."""
+
+        def mapped(ids, used):
             ids = np.asarray(ids).reshape(-1)
             used = np.asarray(used, bool).reshape(-1)
             if not insert:  # inference threads may read while a step maps
@@ -226,6 +262,15 @@ class CacheRows(CacheState, SparseEmbeddingBase):
                 slots, fill, evicted = self.slot_map.assign(ids, used)
                 self.row_tier.record(ids, fill, evicted)
             return slots, fill
+
+        if rounds is None:
+            host, extra = mapped, []
+        else:
+
+            def host(ids, used, replica):
+                return rounds[0].run("map", replica, lambda: mapped(ids, used))
+
+            extra = [rounds[1]]
 
         if not is_symbolic(flat):
             if _in_shape_inference():  # placeholder values: map nothing
@@ -246,7 +291,7 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             import tensorflow as tf
 
             slots, fill = tf.numpy_function(
-                host, [flat, use], [tf.int32, tf.bool], stateful=True
+                host, [flat, use] + extra, [tf.int32, tf.bool], stateful=True
             )
             slots.set_shape((n,))
             fill.set_shape((n,))

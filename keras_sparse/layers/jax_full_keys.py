@@ -41,6 +41,7 @@ from keras_sparse.layers.hash import string_keys
 from keras_sparse.layers.jax_key_queue import CALL_QUEUES
 from keras_sparse.layers.jax_key_queue import KeyQueue
 from keras_sparse.layers.jax_key_queue import key_queue
+from keras_sparse.layers.row_storage import cache_batches
 
 _ACTIVE = contextvars.ContextVar("keras_sparse_full_keys_model", default=None)
 _BUILDING = contextvars.ContextVar("keras_sparse_symbolic_build", default=False)
@@ -62,10 +63,11 @@ class _ModelFeeds(NamedTuple):
     problem: str  # why the hash layers' inputs cannot be found, or None
     has_hash: bool
     fixed_layers: list  # (name, ModelInput) read by fixed-vocabulary layers
+    cached: list  # (CacheRows, ModelInput): tables with cache_rows
 
     @property
     def active(self):
-        return self.has_hash or bool(self.fixed_layers)
+        return self.has_hash or bool(self.fixed_layers) or bool(self.cached)
 
 
 def _feeds(model):
@@ -82,7 +84,11 @@ def _feeds(model):
         feeds, problem = [], str(e)
     has_hash = _has_hash_layers(model)
     result = _ModelFeeds(
-        feeds, problem if has_hash else None, has_hash, _fixed_layers(model)
+        feeds,
+        problem if has_hash else None,
+        has_hash,
+        _fixed_layers(model),
+        cache_batches.feeds(model),
     )
     _feeds_cache[model] = result
     return result
@@ -149,6 +155,19 @@ def _check_ids_fit(model, x, fixed_layers):
             )
 
 
+def _check_cached(x, cached):
+    """Refuses a batch a table with ``cache_rows`` would fail on inside a
+    step under a distribution (`cache_batches`)."""
+    from keras_sparse.layers.model_feeds import array_at
+
+    for cache, model_input in cached:
+        try:
+            ids = array_at(x, model_input.find(x))
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue  # not in this batch: Keras reports that itself
+        cache_batches.check(cache, ids)
+
+
 def _is_wide(a):
     return isinstance(a, np.ndarray) and a.dtype in (np.int64, np.uint64)
 
@@ -206,6 +225,8 @@ def note_batch(model, batch, queue=True, queues=None):
     if not model_feeds.active:
         return
     x, _, _ = split_batch(batch)
+    if model_feeds.cached and cache_batches.needed():
+        _check_cached(x, model_feeds.cached)
     if model_feeds.problem is not None:
         _check_fits_int32(model, x, model_feeds.problem)
         return

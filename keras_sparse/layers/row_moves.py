@@ -19,13 +19,16 @@ from keras_sparse.backend_utils import is_symbolic
 from keras_sparse.ops import backend_module
 
 
-def move_rows(layer, rows, fresh, route="io_callback"):
+def move_rows(layer, rows, fresh, route="io_callback", rounds=None):
     """Bool ``[n]``: the fresh positions of flat ``rows`` whose rows the
     layer's store filled (their values and slots are written; the others
     are for the caller to initialize). ``route``: how a compiled JAX step
     reaches the host, "io_callback" or "cpu_buffers" (an in-place buffer
     callback, for a layer called once by a step on one CPU device; see
-    `keras_sparse.layers.hash.jax_step_mapping.choose_route`)."""
+    `keras_sparse.layers.hash.jax_step_mapping.choose_route`).
+    ``rounds``: ``(Rounds, replica)`` of a TensorFlow strategy whose
+    replicas move the same rows, once for all
+    (`keras_sparse.layers.row_storage.cache_replicas`)."""
     tier = layer.row_tier
     variables = {"table": layer.embeddings, **layer.slots}
     safe = ops.where(fresh, rows, ops.zeros_like(rows))
@@ -45,7 +48,9 @@ def move_rows(layer, rows, fresh, route="io_callback"):
         return (filled,) + tuple(fills[name] for name in names)
 
     args = [rows, fresh] + [before[name] for name in names]
-    if not is_symbolic(rows):
+    if rounds is not None:  # every replica asks; the first moves the rows
+        filled, *fills = _tf_hop(_once(host, rounds[0]), args, [rounds[1]])
+    elif not is_symbolic(rows):
         out = host(*(ops.convert_to_numpy(a) for a in args))
         filled, *fills = (ops.convert_to_tensor(x) for x in out)
     elif route == "cpu_buffers" and keras.backend.backend() == "jax":
@@ -88,11 +93,21 @@ def _jax_buffer_hop(host, args):
     return hop(*args)
 
 
-def _tf_hop(host, args):
+def _once(host, rounds):
+    """``host`` taking the replica's number last, run once per round."""
+
+    def replicated(*args):
+        *values, replica = args
+        return rounds.run("move", replica, lambda: host(*values))
+
+    return replicated
+
+
+def _tf_hop(host, args, extra=()):
     import tensorflow as tf
 
     dtypes = [tf.bool] + [a.dtype for a in args[2:]]
-    out = tf.numpy_function(host, args, dtypes, stateful=True)
+    out = tf.numpy_function(host, list(args) + list(extra), dtypes, stateful=True)
     for x, a in zip(out, args[1:]):
         x.set_shape(a.shape)
     return out
@@ -124,7 +139,11 @@ def _write_rows(variables, rows, filled, fills):
             if not isinstance(tf_var, tf.Variable):
                 tf_var = variable._value
             index = tf.boolean_mask(rows, filled)
-            tf_var.scatter_nd_update(index[:, None], tf.boolean_mask(values, filled))
+            # scatter_update: the form a mirrored variable takes in a
+            # replica's step (each replica writes its own copy).
+            tf_var.scatter_update(
+                tf.IndexedSlices(tf.boolean_mask(values, filled), index)
+            )
         else:
             import torch
 

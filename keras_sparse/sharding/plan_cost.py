@@ -161,8 +161,12 @@ def structural_problem(spec, strategy, d, processes=1):
         )
     if strategy != "data" and not spec.shardable:
         return f"{type(spec.layer).__name__} tables can only be replicated"
-    if spec.one_device and d > 1:
-        return "a cache (`cache_rows`) runs on one device only"
+    if spec.one_device and d > 1 and (strategy != "data" or processes > 1):
+        return (
+            "a cache (`cache_rows`) runs on several devices replicated only, "
+            "in one process (a Keras distribution on JAX, a MirroredStrategy "
+            "on TensorFlow)"
+        )
     # Key sharding keeps a store per table shard (JAX: see row_tier_shards).
     if spec.store is not None and strategy not in ("data", "row", "key"):
         return "a table with a row store runs replicated, row- or key-sharded only"

@@ -48,8 +48,8 @@ class TableSpec:
         # Where the whole table lives below a device cache (None: no store,
         # the device holds every row).
         self.store = store
-        # A cache that runs on one device only (`AllToAllDenseEmbedding`
-        # with ``cache_rows``).
+        # A cache that runs on one device, or replicated on several
+        # (`AllToAllDenseEmbedding` with ``cache_rows``).
         self.one_device = bool(one_device)
         # The table's name inside its `EmbeddingCollection` (``layer``), or
         # None for a one-table layer; ``name`` is then "collection/table".

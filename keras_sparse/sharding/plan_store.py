@@ -172,7 +172,8 @@ def store_suggestion(spec, free, devices, cache_bytes):
         return ""
     layer = "DistributedHashEmbedding" if spec.hash_keys else "AllToAllDenseEmbedding"
     stored = _with_store(spec, "host")
-    strategies = ["data"] if spec.hash_keys or devices == 1 else ["data", "row"]
+    # A fixed vocabulary's cache runs replicated (`cache_checks`).
+    strategies = ["data"]
     rows = max(
         largest_cache(stored, free, lambda c, s=s: cache_bytes(stored, c, s))
         for s in strategies
@@ -189,7 +190,7 @@ def store_suggestion(spec, free, devices, cache_bytes):
         + (
             ""
             if spec.hash_keys or devices == 1
-            else "; `cache_rows` runs on one device"
+            else "; `cache_rows` runs replicated, in one process"
         )
     )
 

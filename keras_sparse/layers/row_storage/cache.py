@@ -39,6 +39,7 @@ def cached_table(label, input_dim, output_dim, cache_rows, spec, **options):
 
 def build(cache, input_shape=None):
     """Builds ``cache`` (its variables, then its store, filled from the
-    table's initializer); refuses a distribution over several devices."""
+    table's initializer); refuses the several devices it cannot follow
+    (`cache_checks.check_one_device`)."""
     cache_checks.check_one_device(cache.owner_name)
     cache.build(input_shape)

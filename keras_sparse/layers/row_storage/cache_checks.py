@@ -104,20 +104,25 @@ def check_initializer(where, initializer):
 #: say it; `keras_sparse.layers.row_storage.hash_store` lists the hash
 #: layers' combinations).
 ONE_DEVICE_ONLY = (
-    "A table with `cache_rows` trains on one JAX or TensorFlow device, or "
-    "in PyTorch processes that train independent tables (no DDP, "
-    "ALLOW_LOCAL_UPDATES); under sharding, use a DistributedHashEmbedding "
-    "with `store=` (sharding='key' on every backend, also sharding='data' "
-    "on JAX) or drop `cache_rows`."
+    "A table with `cache_rows` trains on one JAX or TensorFlow device, under "
+    "a Keras distribution of one JAX process or a TensorFlow "
+    "MirroredStrategy of one process (its cache replicated), or in PyTorch "
+    "processes that train independent tables (no DDP, ALLOW_LOCAL_UPDATES); "
+    "under other sharding, use a DistributedHashEmbedding with `store=` "
+    "(sharding='key' on every backend, also sharding='data' on JAX) or drop "
+    "`cache_rows`."
 )
 
 
 def check_one_device(name):
-    """Refuses several devices: a Keras distribution (JAX), a tf.distribute
-    strategy of several replicas (their mirrored copies of the cache would
-    each move rows on their own), torch.distributed processes that update
-    their tables together (each process's cache maps ids to its own rows,
-    so the gathered updates would land on the wrong rows)."""
+    """Refuses the several devices a cache cannot follow, those of several
+    processes (each host would map its own part of the batch into its own
+    rows): a tf.distribute strategy other than a MirroredStrategy,
+    torch.distributed processes that update their tables together, a JAX
+    distribution over several processes. In one process one id map and one
+    store serve the cache, replicated on every device: a Keras distribution
+    (the step's host callback sees the whole batch, `dense_cache`), a
+    MirroredStrategy (the replicas gather the batch, `cache_replicas`)."""
     where = _several_devices()
     if where is not None:
         raise ValueError(
@@ -130,17 +135,29 @@ def check_one_device(name):
 def _several_devices():
     """Where the layer would run on several devices (words for errors), or
     None on one."""
+    backend = keras.backend.backend()
     dist = keras.distribution.distribution()
     devices = getattr(getattr(dist, "device_mesh", None), "devices", None)
     if devices is not None and np.size(devices) > 1:
+        if backend == "jax":
+            import jax
+
+            if jax.process_count() == 1:
+                return None
+            return (
+                f"a distribution over {np.size(devices)} devices in "
+                f"{jax.process_count()} JAX processes"
+            )
         return f"a distribution over {np.size(devices)} devices"
-    backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
-            if strategy.num_replicas_in_sync > 1:
+            # One process's MirroredStrategy: one host map serves every
+            # replica's copy (`cache_replicas`).
+            one_process = isinstance(strategy, tf.distribute.MirroredStrategy)
+            if strategy.num_replicas_in_sync > 1 and not one_process:
                 return (
                     f"{type(strategy).__name__} over "
                     f"{strategy.num_replicas_in_sync} replicas"

@@ -1,0 +1,100 @@
+"""A table with ``cache_rows`` under a TensorFlow `MirroredStrategy` of one
+process: one cache, mirrored on every replica, over one id map and store.
+
+Each replica's step sees its slice of the batch and its own copy of the
+cache variables. So that the copies hold the same ids in the same rows,
+every replica all-gathers the batch's ids (in replica order, as the sparse
+update gathers its gradients: `keras_sparse.ops.tensorflow.replicas`) and
+asks the host to map the whole batch; the first replica to ask maps it and
+carries out its moves (write-backs, store reads), the others get the same
+answer (`Rounds`). Each replica then writes the same filled rows into its
+copy, looks up its own positions and applies the whole batch's sparse
+update: the copies stay identical and equal one device's cache.
+"""
+
+import threading
+
+import numpy as np
+
+
+def replica_context():
+    """The TensorFlow replica context of a step of several replicas, or
+    None (other backends, one replica, cross-replica context)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
+
+
+def gather(context, flat, use):
+    """``(ids, use, start)``: every replica's flat ``ids`` and ``use``, in
+    replica order, and where this replica's positions start in them."""
+    import tensorflow as tf
+
+    n = tf.shape(flat)[:1]
+    sizes = context.all_gather(n, axis=0)
+    replica = context.replica_id_in_sync_group
+    start = tf.reduce_sum(sizes[:replica])
+    ids, used = context.all_gather([flat, tf.cast(use, tf.int32)], axis=0)
+    return ids, tf.cast(used, tf.bool), start
+
+
+def replica_id(context):
+    """This replica's number, an int32 tensor (for the host calls)."""
+    import tensorflow as tf
+
+    return tf.cast(context.replica_id_in_sync_group, tf.int32)
+
+
+class Rounds:
+    """Host work that every replica asks for and that must run once: the
+    ``k``-th call of each kind by every replica is one round, computed by
+    the first replica to ask and handed to the others. An error is handed
+    on too, and later rounds refuse to run (the step's state is lost, as
+    for a step that fails on one device)."""
+
+    def __init__(self, label, replicas):
+        self.label = label
+        self.replicas = int(replicas)
+        self.lock = threading.Lock()
+        self.calls = {}  # (kind, replica) -> rounds asked for
+        self.pending = {}  # (kind, round) -> [result, replicas left]
+        self.failed = None
+
+    def run(self, kind, replica, compute):
+        """``compute()``'s result for this replica's next round of
+        ``kind`` (computed once per round)."""
+        with self.lock:
+            if self.failed is not None:
+                raise RuntimeError(
+                    f"Layer '{self.label}': an earlier step failed in its cache "
+                    "mapping under the strategy; the cache was left as the last "
+                    "good step had it. Restore the model from a checkpoint. "
+                    f"First error: {self.failed}"
+                )
+            replica = int(np.asarray(replica))
+            k = self.calls.get((kind, replica), 0)
+            self.calls[(kind, replica)] = k + 1
+            entry = self.pending.get((kind, k))
+            if entry is None:
+                try:
+                    result = (True, compute())
+                except Exception as e:  # handed to every replica of the round
+                    self.failed = f"{type(e).__name__}: {e}"
+                    result = (False, e)
+                entry = self.pending[(kind, k)] = [result, self.replicas]
+            entry[1] -= 1
+            if not entry[1]:
+                del self.pending[(kind, k)]
+            ok, value = entry[0]
+        if not ok:
+            raise value
+        return value
