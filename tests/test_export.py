@@ -234,19 +234,26 @@ def test_served_fixed_tables_apply_a_delta_without_a_new_export(tmp_path):
     import tensorflow as tf
 
     root = tf.saved_model.load(str(tmp_path / "model"))  # keeps the variables
-    loaded = root.keras_sparse_tables
-    before = loaded["items"].embeddings.numpy()
-    for keys, removed, match in (
-        ([3, 50], [], r"row ids in \[0, 50\)"),
-        ([3], [7], "removes no rows"),
-    ):
+    assert_refused(
+        root.keras_sparse_tables["items"],
+        [([3, 50], [], r"row ids in \[0, 50\)"), ([3], [7], "removes no rows")],
+    )
+
+
+def assert_refused(entry, cases):
+    """Each ``(keys, removed_keys, match)`` of ``cases`` given to
+    ``entry.apply_delta`` raises, and the served rows stay as they were."""
+    import tensorflow as tf
+
+    before = entry.embeddings.numpy()
+    for keys, removed, match in cases:
         with pytest.raises(tf.errors.InvalidArgumentError, match=match):
-            loaded["items"].apply_delta(
+            entry.apply_delta(
                 np.array(keys, np.int64),
-                np.ones((len(keys), 4), np.float32),
+                np.ones((len(keys), before.shape[1]), before.dtype),
                 np.array(removed, np.int64),
             )
-    np.testing.assert_array_equal(loaded["items"].embeddings.numpy(), before)
+    np.testing.assert_array_equal(entry.embeddings.numpy(), before)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="string tensors: TensorFlow")
