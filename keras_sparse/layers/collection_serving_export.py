@@ -18,13 +18,15 @@ from keras_sparse.layers import dense_serving_export
 
 
 def collections(resource):
-    """The built `EmbeddingCollection` layers of a model or layer."""
-    from keras_sparse.layers.embedding_collection import EmbeddingCollection
-
+    """The built `EmbeddingCollection` layers of a model or layer (a
+    fixed-vocabulary layer with ``tables``; no import of the class, which
+    installs the export hook that calls this)."""
     return [
         x
         for x in dense_serving_export.all_layers(resource)
-        if isinstance(x, EmbeddingCollection) and x.built
+        if getattr(x, "keras_sparse_kind", None) == "fixed"
+        and isinstance(getattr(x, "tables", None), dict)
+        and x.built
     ]
 
 
