@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(
 SIZES = {"user": 30, "item": 20, "tag": 10}
 
 
-def _model(tables, **kwargs):
-    col = ks.EmbeddingCollection(tables, optimizer="adagrad", name="feat", **kwargs)
+def _model(tables, col=None, **kwargs):
+    if col is None:
+        col = ks.EmbeddingCollection(tables, optimizer="adagrad", name="feat", **kwargs)
     inputs = {n: keras.Input((2,), dtype="int64", name=n) for n in tables}
     out = keras.layers.Concatenate()(list(col(inputs).values()))
     model = keras.Model(
@@ -60,14 +61,14 @@ def test_served_collection_tables_apply_a_delta_without_a_new_export(
     assert all(0 < len(d["keys"]) <= 8 for d in deltas.values())
     probe = [np.arange(20, dtype=np.int64).reshape(10, 2) % v for v in SIZES.values()]
     expected = model.predict(probe, verbose=0)
-    stale = _serve_fresh(tmp_path, tmp_path / "model", probe)
-    assert np.abs(stale - expected).max() > 1e-3  # the deltas matter
     served = _serve_fresh(tmp_path, tmp_path / "model", probe, deltas)
     np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
 
     import tensorflow as tf
 
     root = tf.saved_model.load(str(tmp_path / "model"))  # keeps the variables
+    stale = np.asarray(root.serve(probe))
+    assert np.abs(stale - expected).max() > 1e-3  # the deltas matter
     loaded = root.keras_sparse_tables
     stack = loaded["item"].embeddings
     assert stack is loaded["user"].embeddings and stack.shape[0] == 50
@@ -131,3 +132,40 @@ def test_a_table_named_like_another_entry_is_refused_at_export(tmp_path):
     model = keras.Model(ids, out)
     with pytest.raises(ValueError, match="table 'items'.*entry 'items' is taken"):
         model.export(tmp_path / "model", format="tf_saved_model", verbose=False)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="sharding is implemented for JAX")
+def test_sharded_collection_tables_apply_a_delta(tmp_path):
+    """Table-wise tables (each in its device's block of the stack) and a
+    row-sharded one, exported as one artifact, take their deltas."""
+    from keras_sparse import sharding
+
+    tables = {
+        "user": ks.TableConfig(30, 4, combiner="sum", sharding="table"),
+        "item": ks.TableConfig(20, 4, combiner="sum", sharding="table"),
+        "tag": ks.TableConfig(10, 4, combiner="sum", sharding="row"),
+    }
+    previous = keras.distribution.distribution()
+    rng = np.random.default_rng(2)
+    y = rng.normal(size=(64, 1)).astype("float32")
+    try:
+        col = ks.EmbeddingCollection(
+            tables, optimizer="adagrad", track_changes=True, name="feat"
+        )
+        keras.distribution.set_distribution(sharding.distribution([col], devices=8))
+        model, _ = _model(tables, col)  # built under the mesh
+        assert col._stack_of("item").offsets["item"] > 0  # a device's block
+        model.fit(_ids(rng, 32), y[:32], batch_size=16, verbose=0)
+        model.export(tmp_path / "model", format="tf_saved_model", verbose=False)
+        since = int(col.export(since_step=-1)["item"]["step"])
+        model.fit(_ids(rng, 32, high=8), y[32:], batch_size=16, verbose=0)
+        deltas = col.export(since_step=since)
+        assert all(len(d["keys"]) for d in deltas.values())
+        probe = [
+            np.arange(32, dtype=np.int64).reshape(16, 2) % v for v in SIZES.values()
+        ]
+        expected = model.predict(probe, verbose=0)
+    finally:
+        keras.distribution.set_distribution(previous)
+    served = _serve_fresh(tmp_path, tmp_path / "model", probe, deltas)
+    np.testing.assert_allclose(served, expected, atol=1e-6, rtol=0)
