@@ -44,10 +44,11 @@ def test_served_collection_tables_apply_a_delta_without_a_new_export(
 ):
     """Export at step s, train on, apply ``export(since_step=s)`` to the
     artifact: it serves like `predict`; "user" and "item" share one stack,
-    so the item rows land at their offset in it."""
+    so the item rows land at their offset in it; "tag" has bfloat16 rows."""
     monkeypatch.setattr(stacks, "PER_TABLE_STACKS_ON_CPU", False)
     tables = {n: ks.TableConfig(v, 4, combiner="sum") for n, v in SIZES.items()}
-    tables["tag"] = ks.TableConfig(10, 8, combiner="mean")  # a stack of its own
+    # A stack of its own, 16-bit rows.
+    tables["tag"] = ks.TableConfig(10, 8, combiner="mean", table_dtype="bfloat16")
     model, col = _model(tables, track_changes=True)
     assert col._stack_of("item") is col._stack_of("user")
     assert col._stack_of("item").offsets["item"] == 30

@@ -37,13 +37,16 @@ _SERVE = textwrap.dedent(
         names = sorted({k.split("/")[0] for k in saved.files})
         for name in names:
             table, rec = served.keras_sparse_tables[name], name + "/"
+            values = saved[rec + "values"]
+            if values.dtype.kind == "V":  # bfloat16 rows: np.savez keeps bytes
+                dtype = tf.as_dtype(str(saved[rec + "dtype"]))
+                values = values.view(dtype.as_numpy_dtype)
             if rec + "removed_keys" in saved.files:  # a delta
                 table.apply_delta(
-                    saved[rec + "keys"], saved[rec + "values"],
-                    saved[rec + "removed_keys"],
+                    saved[rec + "keys"], values, saved[rec + "removed_keys"]
                 )
             else:
-                table.update(saved[rec + "keys"], saved[rec + "values"])
+                table.update(saved[rec + "keys"], values)
     arrays = np.load(data)
     inputs = [arrays["x%d" % i] for i in range(len(arrays.files))]
     np.save(out, np.asarray(served.serve(inputs if len(inputs) > 1 else inputs[0])))
@@ -66,8 +69,9 @@ def _serve_fresh(tmp_path, artifact, inputs, records=None):
         for name, rec in records.items():
             arrays[f"{name}/keys"] = rec["keys"]
             arrays[f"{name}/values"] = rec["values"]
-            if "removed_keys" in rec:
-                arrays[f"{name}/removed_keys"] = rec["removed_keys"]
+            for field in ("removed_keys", "dtype"):  # a delta's
+                if field in rec:
+                    arrays[f"{name}/{field}"] = rec[field]
         np.savez(saved, **arrays)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("KERAS_BACKEND", None)
