@@ -37,13 +37,16 @@ _SERVE = textwrap.dedent(
         names = sorted({k.split("/")[0] for k in saved.files})
         for name in names:
             table, rec = served.keras_sparse_tables[name], name + "/"
+            values = saved[rec + "values"]
+            if values.dtype.kind == "V":  # bfloat16 rows: np.savez keeps bytes
+                dtype = tf.as_dtype(str(saved[rec + "dtype"]))
+                values = values.view(dtype.as_numpy_dtype)
             if rec + "removed_keys" in saved.files:  # a delta
                 table.apply_delta(
-                    saved[rec + "keys"], saved[rec + "values"],
-                    saved[rec + "removed_keys"],
+                    saved[rec + "keys"], values, saved[rec + "removed_keys"]
                 )
             else:
-                table.update(saved[rec + "keys"], saved[rec + "values"])
+                table.update(saved[rec + "keys"], values)
     arrays = np.load(data)
     inputs = [arrays["x%d" % i] for i in range(len(arrays.files))]
     np.save(out, np.asarray(served.serve(inputs if len(inputs) > 1 else inputs[0])))
@@ -66,8 +69,9 @@ def _serve_fresh(tmp_path, artifact, inputs, records=None):
         for name, rec in records.items():
             arrays[f"{name}/keys"] = rec["keys"]
             arrays[f"{name}/values"] = rec["values"]
-            if "removed_keys" in rec:
-                arrays[f"{name}/removed_keys"] = rec["removed_keys"]
+            for field in ("removed_keys", "dtype"):  # a delta's
+                if field in rec:
+                    arrays[f"{name}/{field}"] = rec[field]
         np.savez(saved, **arrays)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     env.pop("KERAS_BACKEND", None)
@@ -234,19 +238,26 @@ def test_served_fixed_tables_apply_a_delta_without_a_new_export(tmp_path):
     import tensorflow as tf
 
     root = tf.saved_model.load(str(tmp_path / "model"))  # keeps the variables
-    loaded = root.keras_sparse_tables
-    before = loaded["items"].embeddings.numpy()
-    for keys, removed, match in (
-        ([3, 50], [], r"row ids in \[0, 50\)"),
-        ([3], [7], "removes no rows"),
-    ):
+    assert_refused(
+        root.keras_sparse_tables["items"],
+        [([3, 50], [], r"row ids in \[0, 50\)"), ([3], [7], "removes no rows")],
+    )
+
+
+def assert_refused(entry, cases):
+    """Each ``(keys, removed_keys, match)`` of ``cases`` given to
+    ``entry.apply_delta`` raises, and the served rows stay as they were."""
+    import tensorflow as tf
+
+    before = entry.embeddings.numpy()
+    for keys, removed, match in cases:
         with pytest.raises(tf.errors.InvalidArgumentError, match=match):
-            loaded["items"].apply_delta(
+            entry.apply_delta(
                 np.array(keys, np.int64),
-                np.ones((len(keys), 4), np.float32),
+                np.ones((len(keys), before.shape[1]), before.dtype),
                 np.array(removed, np.int64),
             )
-    np.testing.assert_array_equal(loaded["items"].embeddings.numpy(), before)
+    np.testing.assert_array_equal(entry.embeddings.numpy(), before)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="string tensors: TensorFlow")

@@ -22,6 +22,9 @@ is). The write is one in-place scatter into the served variable; as for
 hash tables, apply updates between requests.
 """
 
+import functools
+import re
+
 
 def dense_layers(resource):
     """The `AllToAllDenseEmbedding` layers of a model or layer whose table
@@ -30,13 +33,9 @@ def dense_layers(resource):
 
     from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
 
-    layers = [resource]
-    flatten = getattr(resource, "_flatten_layers", None)
-    if flatten is not None:
-        layers = list(flatten(include_self=True, recursive=True))
     return [
         x
-        for x in layers
+        for x in all_layers(resource)
         # `AllToAllDenseEmbedding`: a keras Embedding with sparse updates.
         if isinstance(x, SparseEmbeddingBase)
         and isinstance(x, keras.layers.Embedding)
@@ -46,61 +45,105 @@ def dense_layers(resource):
     ]
 
 
+def all_layers(resource):
+    """``resource`` and the layers inside it."""
+    flatten = getattr(resource, "_flatten_layers", None)
+    if flatten is None:
+        return [resource]
+    return list(flatten(include_self=True, recursive=True))
+
+
 def served_table(layer, tf_variable):
     """A ``tf.Module`` holding ``layer``'s served table variable, with
     ``apply_delta`` and ``update``."""
+    return rows_module(
+        f"{layer.name}_table",
+        f"Layer '{layer.name}'",
+        tf_variable(layer.embeddings),
+        layer.input_dim,
+        layer.output_dim,
+    )
+
+
+def rows_module(module_name, label, variable, input_dim, dim, offset=0):
+    """A ``tf.Module`` whose ``apply_delta`` and ``update`` write rows
+    ``[0, input_dim)`` of a table held at rows ``offset + id`` of
+    ``variable`` (an `EmbeddingCollection` stack holds several tables);
+    errors start with ``label``."""
+    write = functools.partial(_write_rows, variable, label, input_dim, offset)
+    module = entry(module_name, dim, variable.dtype, write)
+    module.embeddings = variable
+    return module
+
+
+def entry(module_name, dim, dtype, write):
+    """A ``tf.Module`` with ``apply_delta(keys, values, removed_keys)`` and
+    ``update(keys, values)``, each ``write(keys, values, removed_keys)``
+    traced into the artifact (``update`` removes no keys)."""
     import tensorflow as tf
 
-    module = tf.Module(name=f"{layer.name}_table")
-    module.embeddings = tf_variable(layer.embeddings)
-    dim = layer.output_dim
+    module = tf.Module(name=identifier(module_name))
     keys = tf.TensorSpec([None], tf.int64, name="keys")
-    values = tf.TensorSpec([None, dim], module.embeddings.dtype, name="values")
+    values = tf.TensorSpec([None, dim], dtype, name="values")
     removed = tf.TensorSpec([None], tf.int64, name="removed_keys")
 
     @tf.function(input_signature=[keys, values, removed], autograph=False)
     def apply_delta(keys, values, removed_keys):
-        return _write_rows(module, layer.name, layer.input_dim, keys, values,
-                           removed_keys)  # fmt: skip
+        return write(keys, values, removed_keys)
 
     @tf.function(input_signature=[keys, values], autograph=False)
     def update(keys, values):
-        return _write_rows(module, layer.name, layer.input_dim, keys, values,
-                           keys[:0])  # fmt: skip
+        return write(keys, values, keys[:0])
 
     module.apply_delta = apply_delta
     module.update = update
     return module
 
 
-def _write_rows(module, name, input_dim, keys, values, removed_keys):
-    """Checks the rows, then scatters ``values`` into rows ``keys``;
-    returns the number of rows written."""
+def identifier(name):
+    """``name`` as a `tf.Module` accepts it (a Python identifier)."""
+    name = re.sub(r"\W", "_", name)
+    return name if name.isidentifier() else f"t_{name}"
+
+
+def _write_rows(variable, label, input_dim, offset, keys, values, removed_keys):
+    """Checks the rows, then scatters ``values`` into rows ``offset +
+    keys``; returns the number of rows written."""
     import tensorflow as tf
 
     checks = [
         tf.debugging.assert_equal(
             tf.shape(values)[0],
             tf.shape(keys)[0],
-            message=f"Layer '{name}': one row of values per key",
+            message=f"{label}: one row of values per key",
         ),
         tf.debugging.assert_greater_equal(
             keys,
             tf.constant(0, tf.int64),
-            message=f"Layer '{name}': keys are row ids in [0, {input_dim})",
+            message=f"{label}: keys are row ids in [0, {input_dim})",
         ),
         tf.debugging.assert_less(
             keys,
             tf.constant(input_dim, tf.int64),
-            message=f"Layer '{name}': keys are row ids in [0, {input_dim})",
+            message=f"{label}: keys are row ids in [0, {input_dim})",
         ),
         tf.debugging.assert_equal(
             tf.size(removed_keys),
             0,
-            message=f"Layer '{name}': a fixed vocabulary removes no rows "
+            message=f"{label}: a fixed vocabulary removes no rows "
             "(removed_keys must be empty)",
         ),
     ]
     with tf.control_dependencies(checks):
-        module.embeddings.scatter_nd_update(tf.expand_dims(keys, 1), values)
+        scatter_rows(variable, keys + offset, values)
     return tf.size(keys)
+
+
+def scatter_rows(variable, rows, values):
+    """Writes ``values`` into rows ``rows`` of ``variable`` in place (a
+    ``tf.Variable`` or a TensorFlow-backend Keras variable: its handle)."""
+    import tensorflow as tf
+
+    return tf.raw_ops.ResourceScatterNdUpdate(
+        ref=variable.handle, indices=tf.expand_dims(rows, 1), updates=values
+    )

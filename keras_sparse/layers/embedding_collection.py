@@ -34,6 +34,7 @@ from keras_sparse.layers import quantized_rows
 from keras_sparse.layers import row_changes
 from keras_sparse.layers.arguments import ArgumentError
 from keras_sparse.layers.arguments import check_known
+from keras_sparse.layers.hash import serving_hooks
 from keras_sparse.layers.row_storage import cache as cached_rows
 from keras_sparse.layers.row_storage import variables as row_variables
 from keras_sparse.layers.sparse_embedding_base import _dtype_argument
@@ -194,6 +195,9 @@ class EmbeddingCollection(keras.layers.Layer):
         jax_full_keys.install()
         # Saves of models holding this layer replace their file atomically.
         atomic_save.install()
+        # `model.export` gives each table an updatable entry in the artifact
+        # (`keras_sparse.layers.collection_serving_export`).
+        serving_hooks.install()
 
     # ------------------------------------------------------------- helpers
     @property

@@ -29,36 +29,55 @@ requests, e.g. on a replica taken out of rotation.
 
 import types
 
+from keras_sparse.layers import dense_serving_export
 from keras_sparse.layers.hash import serving_map
 
 
 def _tf_variables(archive):
-    """``keras variable -> tf.Variable`` the archive saves (JAX converts
-    each variable; TensorFlow's are their own)."""
+    """``keras variable -> variable`` the archive saves (JAX converts each
+    variable; TensorFlow's are their own: the Keras variable itself, as the
+    artifact's functions read it; its inner ``tf.Variable`` would be saved
+    as a second copy, which ``apply_delta`` does not write)."""
     keras_vars = getattr(archive, "_backend_variables", None)
     if keras_vars is None:
-        return lambda v: v.value
+        return lambda v: v
     by_id = {id(k): t for k, t in zip(keras_vars, archive._tf_trackable.variables)}
     return lambda v: by_id[id(v)]
 
 
 def attach(archive, resource):
     """Adds ``keras_sparse_tables`` entries for ``resource``'s hash layers
-    (and its fixed-vocabulary tables: `keras_sparse.layers.dense_serving_export`)."""
-    from keras_sparse.layers import dense_serving_export
+    (and its fixed-vocabulary tables: `keras_sparse.layers.dense_serving_export`,
+    `keras_sparse.layers.collection_serving_export`)."""
+    from keras_sparse.layers import collection_serving_export
 
     layers = serving_map.hash_layers(resource)
     dense = dense_serving_export.dense_layers(resource)
-    if not layers and not dense:
+    collections = collection_serving_export.collections(resource)
+    if not layers and not dense and not collections:
         return
     tf_variable = _tf_variables(archive)
-    tables = dict(getattr(archive._tf_trackable, "keras_sparse_tables", {}))
+    added = {}
     for layer in layers:
         if layer.quantized_rows is not None:  # int8/int4 rows: not updatable
             continue
-        tables[layer.name] = _served_table(layer, tf_variable)
+        added[layer.name] = _served_table(layer, tf_variable)
     for layer in dense:
-        tables[layer.name] = dense_serving_export.served_table(layer, tf_variable)
+        added[layer.name] = dense_serving_export.served_table(layer, tf_variable)
+    for layer in collections:
+        for name, table in collection_serving_export.served_tables(
+            layer, tf_variable
+        ).items():
+            if name in added:
+                raise ValueError(
+                    f"Layer '{layer.name}' table '{name}': the artifact's "
+                    f"`keras_sparse_tables` entry {name!r} is taken (a layer or "
+                    "another collection's table of that name); rename the "
+                    "table or the layer so that each name is unique."
+                )
+            added[name] = table
+    tables = dict(getattr(archive._tf_trackable, "keras_sparse_tables", {}))
+    tables.update(added)
     archive._tf_trackable.keras_sparse_tables = tables
 
 
@@ -161,8 +180,8 @@ def _update(module, capacity, name, keys, values):
     module.rows.assign(tf.concat([tf.range(n), tf.fill([pad], -1)], axis=0))
     module.directory.assign(directory)
     # Rows past the new keys keep their old vectors: nothing points at them.
-    module.embeddings.scatter_nd_update(
-        tf.expand_dims(tf.range(n), 1), tf.gather(values, order)
+    dense_serving_export.scatter_rows(
+        module.embeddings, tf.range(n), tf.gather(values, order)
     )
     module.meta.assign(tf.stack([n, version, rounds, module.meta[3]]))
     return n

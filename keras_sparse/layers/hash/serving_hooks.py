@@ -17,17 +17,18 @@ changed):
 On JAX it also wraps ``fit`` and ``train_on_batch``, which leave the maps
 out of the training steps' state (`keras_sparse.layers.hash.serving_state`).
 
-On JAX ``model.export`` of a model with hash layers also runs with
-``jax_enable_x64``, so the artifact takes the int64 keys of its input
-signature whole (without x64 jax2tf would wrap them to 32 bits), and without
+On JAX ``model.export`` of a model with keras-sparse layers runs without
 the active distribution, so a sharded model exports as one unsharded
-artifact.
+artifact; with hash layers also with ``jax_enable_x64``, so the artifact
+takes the int64 keys of its input signature whole (without x64 jax2tf would
+wrap them to 32 bits).
 
 Code that compiles inference itself (a ``jax.jit`` of
 ``model.stateless_call``, a ``tf.function`` of ``model(x)``) calls
 `keras_sparse.refresh_serving_maps` after training changed the tables.
 """
 
+import contextlib
 import functools
 import threading
 
@@ -71,7 +72,8 @@ def _wrap(cls, name, how=_refreshing):
 def _exporting_with_x64(original):
     @functools.wraps(original)
     def export(self, *args, **kwargs):
-        if not serving_map.hash_layers(self):
+        hashed = serving_map.hash_layers(self)
+        if not hashed and not _has_tables(self):
             return original(self, *args, **kwargs)
         import jax
         import keras
@@ -81,13 +83,23 @@ def _exporting_with_x64(original):
         distribution = keras.distribution.distribution()
         keras.distribution.set_distribution(None)
         try:
-            with jax.enable_x64(True):
+            with jax.enable_x64(True) if hashed else contextlib.nullcontext():
                 return original(self, *args, **kwargs)
         finally:
             keras.distribution.set_distribution(distribution)
 
     export._ks_refreshes = True
     return export
+
+
+def _has_tables(model):
+    """Whether ``model`` holds a keras-sparse layer (a table to export)."""
+    from keras_sparse.layers import dense_serving_export
+
+    return any(
+        getattr(x, "keras_sparse_kind", None)
+        for x in dense_serving_export.all_layers(model)
+    )
 
 
 def _wrap_track(cls):
