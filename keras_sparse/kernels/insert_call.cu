@@ -381,8 +381,9 @@ __device__ void ks_insert_body(
   // A batch of more keys than the table has rows may hold more distinct
   // admitted keys than rows (ArrayTable._check_batch_fits): count the
   // distinct hit rows by marking each with this call's stamp (hits are
-  // stamped below anyway, when stamps protect them).
-  if (n > capacity) {
+  // stamped below anyway, when stamps protect them).  A call of hits only
+  // fits: its keys hold rows already.
+  if (na > 0 && n > capacity) {
     i64& hit_rows = g.c[KS_C_HIT_ROWS];
     if (t == 0) hit_rows = 0;
     g.sync();
@@ -394,7 +395,7 @@ __device__ void ks_insert_body(
         atomicAdd((u64*)&hit_rows, 1ULL);
     }
     g.sync();
-    if (na > 0 && na + hit_rows > capacity) {
+    if (na + hit_rows > capacity) {
       fail(3, na + hit_rows);
       return;
     }
@@ -407,7 +408,7 @@ __device__ void ks_insert_body(
     for (i64 i = t; i < n; i += g.nt)
       if (rows[i] >= 0) tscore[rows[i]] = step;
   }
-  if (T.use_stamp) {  // hits are protected from eviction
+  if (na > 0 && T.use_stamp) {  // hits are protected from the evictions
     for (i64 i = t; i < n; i += g.nt)
       if (rows[i] >= 0) stamp[rows[i]] = call_stamp;
   }
@@ -526,9 +527,12 @@ __device__ void ks_insert_body(
     Q = x;
     mp = nq;
   }
-  // Keys still pending after the last round overflow (no row).
-  if (t == 0) s_over += mp;
-  g.sync();
+  // Keys still pending after the last round overflow (no row).  With
+  // nothing placed no thread wrote what another reads next.
+  if (na > 0) {
+    if (t == 0) s_over += mp;
+    g.sync();
+  }
   KS_MARK(g, 11);  // placed
 
   // Hits' scores (unless touched before placement).
@@ -541,7 +545,8 @@ __device__ void ks_insert_body(
         tscore[rows[i]] = step;
     }
   }
-  g.sync();
+  // Before the absent keys' rows land where this pass reads (none: no wait).
+  if (nm > 0) g.sync();
   KS_MARK(g, 12);  // hits touched
   // Rows of the absent keys, and the counts of ArrayTable._miss_counts.
   for (i64 j = t; j < nm; j += g.nt) {
