@@ -11,7 +11,7 @@ initializer: one seed for both processes) and head; every id's values and
 optimizer slots (after a flush) must match, and the two processes' copies
 must be identical. Copies that differ (a layer built before
 init_process_group, a disk folder two processes share) are refused in the
-step, before the cache changes.
+step, before the cache changes, and so is training outside DDP.
 
 Each process is a subprocess running this file's ``__main__``.
 """
@@ -152,6 +152,13 @@ def _refusals(rank, out, early):
             found[key] = np.array("trained")
         except ValueError as error:
             found[key] = np.array(f"{error} [size={emb.row_cache.slot_map.size}]")
+    # Outside DDP each process would train on its own part: refused.
+    model, layer = _model("dense", "sgd", {"cache_rows": CACHE, "store": "host"})
+    try:
+        _train(model, model, "dense", rank)
+        found["no_ddp"] = np.array("trained")
+    except RuntimeError as error:
+        found["no_ddp"] = np.array(f"{error} [size={layer.row_cache.slot_map.size}]")
     return found
 
 
@@ -242,3 +249,6 @@ def test_copies_that_differ_are_refused_before_the_cache_changes(ranks):
             assert message.endswith("[size=0]"), message
         assert "copies differ" in early, early
         assert "folder of its own" in shared and "rank" in shared, shared
+        message = str(result["no_ddp"])
+        assert "'ids'" in message and "DistributedDataParallel" in message
+        assert message.endswith("[size=0]"), message

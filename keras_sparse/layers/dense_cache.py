@@ -53,7 +53,9 @@ inside it would stall the other devices. Under a TensorFlow
 `MirroredStrategy` of one process each replica gathers the whole batch's
 ids, the first to ask maps and moves them for all
 (`keras_sparse.layers.row_storage.cache_replicas`), and each fills its own
-copy of the cache.
+copy of the cache. PyTorch processes under DistributedDataParallel each
+hold a copy of the id map, store and cache, and each maps the whole batch
+gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`).
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the

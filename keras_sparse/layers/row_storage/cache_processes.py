@@ -73,23 +73,22 @@ def gather(group, flat, use):
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size(group)
-    count = torch.tensor([flat.shape[0]], dtype=torch.int64)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = int(flat.shape[0])
+    # On the ids' device, as the backend's collectives want them.
+    count = torch.tensor([n], dtype=torch.int64, device=flat.device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
-    counts = [int(c) for c in counts]
-    longest = max(counts)
-    ids = torch.zeros(longest, dtype=torch.int64)
-    used = torch.zeros(longest, dtype=torch.bool)
-    ids[: counts[dist.get_rank(group)]] = flat.detach().cpu().long()
-    used[: counts[dist.get_rank(group)]] = use.detach().cpu().bool()
+    longest = max(int(c) for c in counts)
+    ids = torch.zeros(longest, dtype=torch.int64, device=flat.device)
+    used = torch.zeros(longest, dtype=torch.int32, device=flat.device)
+    ids[:n] = flat.detach().long()
+    used[:n] = use.detach().int()
     parts = [torch.empty_like(ids) for _ in range(world)]
     dist.all_gather(parts, ids, group=group)
     flags = [torch.empty_like(used) for _ in range(world)]
     dist.all_gather(flags, used, group=group)
-    start = longest * dist.get_rank(group)
-    all_ids = torch.cat(parts).to(flat.device)
-    return all_ids, torch.cat(flags).to(flat.device), start
+    return torch.cat(parts), torch.cat(flags).bool(), longest * rank
 
 
 def check_copies(cache, group):
