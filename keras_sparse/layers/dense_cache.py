@@ -53,7 +53,9 @@ inside it would stall the other devices. Under a TensorFlow
 `MirroredStrategy` of one process each replica gathers the whole batch's
 ids, the first to ask maps and moves them for all
 (`keras_sparse.layers.row_storage.cache_replicas`), and each fills its own
-copy of the cache.
+copy of the cache. PyTorch processes under DistributedDataParallel each
+hold a copy of the id map, store and cache, and each maps the whole batch
+gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`).
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the
@@ -94,6 +96,7 @@ from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.row_storage import cache_hop
+from keras_sparse.layers.row_storage import cache_processes
 from keras_sparse.layers.row_storage import cache_replicas
 from keras_sparse.layers.row_storage import cache_store
 from keras_sparse.layers.row_storage.cache_state import CacheState
@@ -180,8 +183,13 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             cache_checks.check_one_device(self.owner_name)
         one_hop = insert and self._one_hop(flat)
         replicas = cache_replicas.replica_context() if insert else None
+        group = self._process_group() if insert else None
         if insert:
-            if one_hop == "torch_cpu":
+            if group is not None:  # torch.distributed processes under DDP
+                slots, flat_all, use_all = self._map_processes(
+                    group, flat, use, one_hop
+                )
+            elif one_hop == "torch_cpu":
                 slots = cache_hop.map_and_move_torch(self, flat, use)
             elif one_hop:
                 slots = cache_hop.map_and_move(self, flat, use, int(flat.shape[0]))
@@ -193,7 +201,10 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             changes = row_changes.of(self)
             if changes is not None:  # the ids this step changes, not slots
                 step = ops.convert_to_tensor(self.sparse_iterations) + 1
-                row_changes.mark(changes, flat, use, step)
+                if group is None:
+                    row_changes.mark(changes, flat, use, step)
+                else:  # every process's ids: each copy updates them all
+                    row_changes.mark(changes, flat_all, use_all, step)
             vectors = self.lookup_rows(slots, use, training)
             valid = use
         else:
@@ -225,6 +236,27 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             return None
         route = self._route()
         return route if cache_hop.applies(self, route) else None
+
+    def _process_group(self):
+        """The DDP process group of a PyTorch training call across
+        processes, else None (`cache_processes.training_group`)."""
+        if keras.backend.backend() != "torch" or _in_shape_inference():
+            return None
+        return cache_processes.training_group(self.owner_name)
+
+    def _map_processes(self, group, flat, use, one_hop):
+        """``(slots, ids, use)``: this process's int32 slots, its copy of
+        the cache filled, after mapping and moving every process's batch
+        (gathered in rank order) as every other process does
+        (`cache_processes`); ``ids``/``use``: the gathered batch."""
+        cache_processes.check_copies(self, group)
+        ids, used, start = cache_processes.gather(group, flat, use)
+        if one_hop == "torch_cpu":
+            slots = cache_hop.map_and_move_torch(self, ids, used)
+        else:
+            slots, fill = self._map(ids, used, True)
+            row_moves.move_rows(self, slots, fill, self._route())
+        return slots[start : start + int(flat.shape[0])], ids, used
 
     def _map_replicated(self, context, flat, use):
         """This replica's int32 slots, its copy of the cache filled: the

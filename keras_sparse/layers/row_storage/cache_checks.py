@@ -104,25 +104,25 @@ def check_initializer(where, initializer):
 #: say it; `keras_sparse.layers.row_storage.hash_store` lists the hash
 #: layers' combinations).
 ONE_DEVICE_ONLY = (
-    "A table with `cache_rows` trains on one JAX or TensorFlow device, under "
-    "a Keras distribution of one JAX process or a TensorFlow "
-    "MirroredStrategy of one process (its cache replicated), or in PyTorch "
-    "processes that train independent tables (no DDP, ALLOW_LOCAL_UPDATES); "
-    "under other sharding, use a DistributedHashEmbedding with `store=` "
-    "(sharding='key' on every backend, also sharding='data' on JAX) or drop "
-    "`cache_rows`."
+    "A table with `cache_rows` trains on one device, under a Keras "
+    "distribution of one JAX process or a TensorFlow MirroredStrategy of one "
+    "process (its cache replicated), or in torch.distributed processes under "
+    "DistributedDataParallel (a copy in each process); under other sharding, "
+    "use a DistributedHashEmbedding with `store=` (sharding='key' on every "
+    "backend, also sharding='data' on JAX) or drop `cache_rows`."
 )
 
 
 def check_one_device(name):
     """Refuses the several devices a cache cannot follow, those of several
     processes (each host would map its own part of the batch into its own
-    rows): a tf.distribute strategy other than a MirroredStrategy,
-    torch.distributed processes that update their tables together, a JAX
+    rows): a tf.distribute strategy other than a MirroredStrategy, a JAX
     distribution over several processes. In one process one id map and one
     store serve the cache, replicated on every device: a Keras distribution
     (the step's host callback sees the whole batch, `dense_cache`), a
-    MirroredStrategy (the replicas gather the batch, `cache_replicas`)."""
+    MirroredStrategy (the replicas gather the batch, `cache_replicas`).
+    torch.distributed processes under DDP each hold a copy of the map,
+    store and cache, all mapping the gathered batch (`cache_processes`)."""
     where = _several_devices()
     if where is not None:
         raise ValueError(
@@ -162,14 +162,4 @@ def _several_devices():
                     f"{type(strategy).__name__} over "
                     f"{strategy.num_replicas_in_sync} replicas"
                 )
-    elif backend == "torch":
-        import torch.distributed as torch_dist
-
-        from keras_sparse.ops.torch import distributed as torch_distributed
-
-        if torch_dist.is_available() and torch_dist.is_initialized():
-            world = torch_dist.get_world_size()
-            local = torch_distributed.ALLOW_LOCAL_UPDATES
-            if world > 1 and (not local or torch_distributed.active_ddp()):
-                return f"torch.distributed with {world} processes"
     return None

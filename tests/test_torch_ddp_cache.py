@@ -1,0 +1,254 @@
+"""Tables with ``cache_rows`` trained by torch.distributed processes under
+DistributedDataParallel (PyTorch, 2 gloo processes) train as the same
+tables without a cache under the same processes.
+
+Each process holds a copy of a 20-row cache of a 300-id table over its
+own store (`keras_sparse.layers.row_storage.cache_processes`); batches of
+16 ids spread over the 300 keep filling and writing back rows. The
+reference is the same model without ``cache_rows`` in the same processes,
+from the same table (the cached layer's, drawn from an unseeded
+initializer: one seed for both processes) and head; every id's values and
+optimizer slots (after a flush) must match, and the two processes' copies
+must be identical. Copies that differ (a layer built before
+init_process_group, a disk folder two processes share) are refused in the
+step, before the cache changes, and so is training outside DDP.
+
+Each process is a subprocess running this file's ``__main__``.
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from tests.subprocess_results import free_ports
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="torch.distributed runs on the PyTorch backend only",
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB, DIM, CACHE, BATCH, STEPS, WORLD, TOL = 300, 4, 20, 8, 10, 2, 1e-6
+CASES = [("dense", "sgd"), ("dense", "adagrad"), ("collection", "sgd")]
+CASES += [("collection", "adagrad")]
+
+
+# ---------------------------------------------------------------- subprocess
+def _data():
+    rng = np.random.default_rng(0)
+    x = {
+        "a": rng.integers(0, VOCAB, size=(BATCH * STEPS, 2)).astype("int32"),
+        "b": rng.integers(0, 50, size=(BATCH * STEPS, 1)).astype("int32"),
+    }
+    return x, rng.normal(size=(BATCH * STEPS, 1)).astype("float32")
+
+
+def _model(kind, optimizer, cache, seed=3):
+    import keras_sparse as ks
+
+    keras.utils.set_random_seed(seed)
+    opt = {"sgd": ks.optimizers.SGD(0.3), "adagrad": ks.optimizers.Adagrad(0.1)}
+    if kind == "dense":
+        inputs = keras.Input((2,), dtype="int32")
+        layer = ks.AllToAllDenseEmbedding(
+            VOCAB, DIM, combiner="sum", optimizer=opt[optimizer], name="ids",
+            **cache,
+        )  # fmt: skip
+        out = layer(inputs)
+    else:
+        configs = {
+            "a": ks.TableConfig(VOCAB, DIM, combiner="sum", **cache),
+            "b": ks.TableConfig(50, DIM, combiner="sum"),
+        }
+        layer = ks.EmbeddingCollection(configs, optimizer=opt[optimizer], name="f")
+        inputs = {"a": keras.Input((2,), dtype="int32", name="a")}
+        inputs["b"] = keras.Input((1,), dtype="int32", name="b")
+        out = keras.layers.Concatenate()(list(layer(inputs).values()))
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(out)), layer
+
+
+def _state(kind, layer):
+    """``{entry: array}``: the whole tables (rows and slots) of ``layer``."""
+    if kind == "collection":
+        state = {}
+        layer.save_own_variables(state)
+        return {k: np.asarray(v) for k, v in state.items()}
+    if layer.row_cache is not None:
+        layer.flush_store()  # the cached rows down to the store
+        *tables, steps = layer.get_weights()
+    else:
+        variables = [layer.embeddings, *layer.slots.values()]
+        tables = [keras.ops.convert_to_numpy(v) for v in variables]
+        steps = keras.ops.convert_to_numpy(layer.sparse_iterations)
+    return {**{str(i): t for i, t in enumerate(tables)}, "steps": np.asarray(steps)}
+
+
+def _train(model, call, kind, rank):
+    import torch
+
+    x, y = _data()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    for start in range(0, len(y), BATCH):
+        lo = start + rank * BATCH // WORLD
+        part = slice(lo, lo + BATCH // WORLD)
+        xs = {k: torch.as_tensor(v[part]) for k, v in x.items()}
+        optimizer.zero_grad()
+        out = call(xs["a"] if kind == "dense" else xs, training=True)
+        loss = torch.mean((out - torch.as_tensor(y[part])) ** 2)
+        loss.backward()
+        optimizer.step()
+
+
+def _case(kind, optimizer, rank, out):
+    from torch.nn.parallel import DistributedDataParallel
+
+    import keras_sparse as ks
+
+    store = "host"
+    if optimizer == "adagrad" and kind == "dense":
+        store = ks.store.Disk(os.path.join(out, f"rank{rank}"))
+    # Each process draws other seeds: the stores share one all the same.
+    cached = {"cache_rows": CACHE, "store": store}
+    model, layer = _model(kind, optimizer, cached, seed=3 + rank)
+    plain, plain_layer = _model(kind, optimizer, {})
+    if kind == "dense":
+        plain_layer.embeddings.assign(layer.get_weights()[0])
+    else:
+        plain_layer.set_table("a", layer.get_table("a"))
+    plain.get_layer("out").set_weights(model.get_layer("out").get_weights())
+    for m in (model, plain):
+        _train(m, DistributedDataParallel(m), kind, rank)
+    cache = layer.row_cache if kind == "dense" else layer.table_caches["a"]
+    stats = cache.stats()
+    got, want = _state(kind, layer), _state(kind, plain_layer)
+    result = {f"got/{k}": v for k, v in got.items()}
+    result.update({f"want/{k}": v for k, v in want.items()})
+    result["fills"] = np.array(stats["fills"])
+    result["write_backs"] = np.array(stats["write_backs"])
+    result["head"] = model.get_layer("out").get_weights()[0]
+    result["plain_head"] = plain.get_layer("out").get_weights()[0]
+    return result
+
+
+def _refusals(rank, out, early):
+    """The errors of copies that differ: ``early`` built before
+    init_process_group (its own seed), a disk folder both processes share;
+    each with whether the cache stayed empty."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import keras_sparse as ks
+
+    shared = ks.store.Disk(os.path.join(out, "shared"))
+    model, layer = _model("dense", "sgd", {"cache_rows": CACHE, "store": shared})
+    found = {}
+    for key, (m, emb) in (("early", early), ("shared", (model, layer))):
+        try:
+            _train(m, DistributedDataParallel(m), "dense", rank)
+            found[key] = np.array("trained")
+        except ValueError as error:
+            found[key] = np.array(f"{error} [size={emb.row_cache.slot_map.size}]")
+    # Outside DDP each process would train on its own part: refused.
+    model, layer = _model("dense", "sgd", {"cache_rows": CACHE, "store": "host"})
+    try:
+        _train(model, model, "dense", rank)
+        found["no_ddp"] = np.array("trained")
+    except RuntimeError as error:
+        found["no_ddp"] = np.array(f"{error} [size={layer.row_cache.slot_map.size}]")
+    return found
+
+
+def _run_rank(rank, port, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    cached = {"cache_rows": CACHE, "store": "host"}
+    early = _model("dense", "sgd", cached, seed=rank)  # a store of its own
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timeout)
+    result = {}
+    try:
+        for kind, optimizer in CASES:
+            for k, v in _case(kind, optimizer, rank, out).items():
+                result[f"{kind}-{optimizer}:{k}"] = v
+        result.update(_refusals(rank, out, early))
+    finally:
+        dist.destroy_process_group()
+    np.savez(os.path.join(out, f"r{rank}.npz"), **result)
+
+
+if __name__ == "__main__":
+    _run_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+# --------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_cache")
+    port = free_ports(1)[0]
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=path)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(r), str(port), str(out)],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]  # fmt: skip
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [dict(np.load(out / f"r{r}.npz")) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("kind,optimizer", CASES)
+def test_cached_table_equals_the_table_without_a_cache(ranks, kind, optimizer):
+    prefix = f"{kind}-{optimizer}:"
+    for result in ranks:
+        assert int(result[prefix + "fills"]) > 3 * CACHE
+        assert int(result[prefix + "write_backs"]) > 2 * CACHE
+        got = {k[len(prefix) + 4 :] for k in result if k.startswith(prefix + "got/")}
+        want = {k[len(prefix) + 5 :] for k in result if k.startswith(prefix + "want/")}
+        assert got == want and len(got) >= 2, (got, want)
+        for name in want:
+            np.testing.assert_allclose(
+                result[f"{prefix}got/{name}"], result[f"{prefix}want/{name}"],
+                atol=TOL, rtol=0, err_msg=name,
+            )  # fmt: skip
+        np.testing.assert_allclose(
+            result[prefix + "head"], result[prefix + "plain_head"], atol=TOL
+        )
+
+
+def test_the_processes_copies_are_identical(ranks):
+    first, second = ranks
+    keys = [k for k in first if ":got/" in k or k.endswith(":head")]
+    assert len(keys) >= 8
+    for key in keys:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+
+
+def test_copies_that_differ_are_refused_before_the_cache_changes(ranks):
+    for result in ranks:
+        early, shared = str(result["early"]), str(result["shared"])
+        for message in (early, shared):
+            assert "Layer 'ids'" in message and "`cache_rows`" in message, message
+            assert "torch.distributed with 2 processes" in message, message
+            assert message.endswith("[size=0]"), message
+        assert "copies differ" in early, early
+        assert "folder of its own" in shared and "rank" in shared, shared
+        message = str(result["no_ddp"])
+        assert "'ids'" in message and "DistributedDataParallel" in message
+        assert message.endswith("[size=0]"), message
