@@ -52,3 +52,33 @@ def module_results(file, backend="tensorflow", timeout=400):
     if "failure" in results:
         pytest.fail(results["failure"])
     return results
+
+
+def launch_ranks(file, world, port, out, backend="torch"):
+    """Runs ``file``'s ``__main__`` once per rank (``rank port out``
+    arguments) with the repository on the path; the processes, in rank
+    order, for `wait_ranks`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=path)
+    return [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(file), str(r), str(port), str(out)],
+            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]  # fmt: skip
+
+
+def wait_ranks(procs, timeout=300):
+    """Waits for every process (killing those left at a failure) and
+    asserts each ended well, showing the end of a failed one's output."""
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]

@@ -17,25 +17,19 @@ import numpy as np
 import pytest
 
 import keras_sparse as ks
+from tests import cached_tables
+from tests.cached_tables import DIM
+from tests.cached_tables import VOCAB
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="a Keras distribution (JAX)"
 )
 
-VOCAB, DIM, CACHE, BATCH, STEPS = 300, 4, 40, 16, 12
-
-
-def _optimizer(name):
-    return {"sgd": ks.optimizers.SGD(0.3), "adagrad": ks.optimizers.Adagrad(0.1)}[name]
+CACHE, BATCH, STEPS = 40, 16, 12
 
 
 def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = {
-        "a": rng.integers(0, VOCAB, size=(BATCH * STEPS, 2)).astype("int32"),
-        "b": rng.integers(0, 50, size=(BATCH * STEPS, 1)).astype("int32"),
-    }
-    return x, rng.normal(size=(BATCH * STEPS, 1)).astype("float32")
+    return cached_tables.data(BATCH, STEPS, seed)
 
 
 def _distribution(how="fit"):
@@ -51,44 +45,6 @@ def _distribution(how="fit"):
     return keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
 
 
-def _dense_model(optimizer, cache):
-    inputs = keras.Input((2,), dtype="int32")
-    layer = ks.AllToAllDenseEmbedding(
-        VOCAB, DIM, combiner="sum", optimizer=_optimizer(optimizer), name="ids",
-        **cache,
-    )  # fmt: skip
-    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(layer(inputs)))
-    return model, layer
-
-
-def _collection_model(optimizer, cache):
-    configs = {
-        "a": ks.TableConfig(VOCAB, DIM, combiner="sum", **cache),
-        "b": ks.TableConfig(50, DIM, combiner="sum"),
-    }
-    layer = ks.EmbeddingCollection(configs, optimizer=_optimizer(optimizer), name="f")
-    inputs = {"a": keras.Input((2,), dtype="int32", name="a")}
-    inputs["b"] = keras.Input((1,), dtype="int32", name="b")
-    out = layer(inputs)
-    head = keras.layers.Dense(1, name="out")(
-        keras.layers.Concatenate()([out["a"], out["b"]])
-    )
-    return keras.Model(inputs, head), layer
-
-
-def _state(layer):
-    """The whole tables (rows and slots) as the layer saves them."""
-    state = {}
-    layer.save_own_variables(state)
-    return {k: np.asarray(v) for k, v in state.items()}
-
-
-def _dense_state(layer):
-    if layer.row_cache is not None:  # the cached rows down to the store
-        layer.flush_store()
-    return dict(enumerate(layer.get_weights()))
-
-
 def _train(kind, optimizer, cache, start, how="fit", distributed=True):
     """``(state, predictions, layer, start)`` of a model trained from
     ``start`` (the table and head; None: the model's own); ``how``: "fit",
@@ -97,17 +53,9 @@ def _train(kind, optimizer, cache, start, how="fit", distributed=True):
         keras.distribution.set_distribution(_distribution(how))
     try:
         keras.utils.set_random_seed(3)
-        build = _dense_model if kind == "dense" else _collection_model
-        model, layer = build(optimizer, cache)
+        model, layer = cached_tables.build(kind, optimizer, cache)
         model.compile(optimizer="sgd", loss="mse")
-        if start is None:
-            table = layer.get_weights()[0] if kind == "dense" else layer.get_table("a")
-            start = (table, model.get_layer("out").get_weights())
-        elif kind == "dense":
-            layer.embeddings.assign(start[0])
-        else:
-            layer.set_table("a", start[0])
-        model.get_layer("out").set_weights(start[1])
+        start = cached_tables.start_from(model, layer, kind, start)
         x, y = _data()
         x = x["a"] if kind == "dense" else x
         if how == "prefetch" and cache:  # the cache maps ids in the step
@@ -117,7 +65,7 @@ def _train(kind, optimizer, cache, start, how="fit", distributed=True):
         probe = _data(1)[0]
         probe = probe["a"] if kind == "dense" else probe
         predicted = model.predict(probe, batch_size=BATCH, verbose=0)
-        state = _dense_state(layer) if kind == "dense" else _state(layer)
+        state = cached_tables.state(kind, layer)
     finally:
         keras.distribution.set_distribution(None)
     return state, predicted, layer, start
@@ -181,8 +129,8 @@ def test_a_batch_the_cache_cannot_map_is_refused_before_the_step(kind, bad):
     waiting at their first collective until XLA aborts the process."""
     keras.distribution.set_distribution(_distribution())
     try:
-        build = _dense_model if kind == "dense" else _collection_model
-        model, layer = build("sgd", {"cache_rows": CACHE, "store": "host"})
+        cache = {"cache_rows": CACHE, "store": "host"}
+        model, layer = cached_tables.build(kind, "sgd", cache)
         model.compile(optimizer="sgd", loss="mse")
         x, y = _data()
         ids = x["a"][:BATCH]
@@ -214,7 +162,8 @@ def test_a_model_saved_under_the_distribution_loads_on_one_device(tmp_path):
     them) from the replicated cache; it loads into one device's cache."""
     keras.distribution.set_distribution(_distribution())
     try:
-        model, layer = _dense_model("adagrad", {"cache_rows": CACHE, "store": "host"})
+        cache = {"cache_rows": CACHE, "store": "host"}
+        model, layer = cached_tables.build("dense", "adagrad", cache)
         model.compile(optimizer="sgd", loss="mse")
         x, y = _data()
         model.fit(x["a"], y, batch_size=BATCH, shuffle=False, verbose=0)

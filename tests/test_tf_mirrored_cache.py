@@ -18,6 +18,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests import cached_tables
+from tests.cached_tables import VOCAB
 from tests.subprocess_results import module_results
 
 pytestmark = pytest.mark.skipif(
@@ -25,59 +27,20 @@ pytestmark = pytest.mark.skipif(
     reason="tf.distribute runs on the TensorFlow backend only",
 )
 
-VOCAB, DIM, CACHE, BATCH, STEPS = 300, 4, 40, 16, 12
+CACHE, BATCH, STEPS = 40, 16, 12
 CASES = [("dense", "sgd"), ("dense", "adagrad"), ("collection", "adagrad")]
 
 
 # ---------------------------------------------------------------- subprocess
 def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = {
-        "a": rng.integers(0, VOCAB, size=(BATCH * STEPS, 2)).astype("int32"),
-        "b": rng.integers(0, 50, size=(BATCH * STEPS, 1)).astype("int32"),
-    }
-    return x, rng.normal(size=(BATCH * STEPS, 1)).astype("float32")
+    return cached_tables.data(BATCH, STEPS, seed)
 
 
 def _model(kind, optimizer, cache):
-    import keras_sparse as ks
-
     keras.utils.set_random_seed(3)
-    opt = {"sgd": ks.optimizers.SGD(0.3), "adagrad": ks.optimizers.Adagrad(0.1)}
-    if kind == "dense":
-        inputs = keras.Input((2,), dtype="int32")
-        layer = ks.AllToAllDenseEmbedding(
-            VOCAB, DIM, combiner="sum", optimizer=opt[optimizer], name="ids",
-            **cache,
-        )  # fmt: skip
-        out = layer(inputs)
-    else:
-        configs = {
-            "a": ks.TableConfig(VOCAB, DIM, combiner="sum", **cache),
-            "b": ks.TableConfig(50, DIM, combiner="sum"),
-        }
-        layer = ks.EmbeddingCollection(configs, optimizer=opt[optimizer], name="f")
-        inputs = {"a": keras.Input((2,), dtype="int32", name="a")}
-        inputs["b"] = keras.Input((1,), dtype="int32", name="b")
-        out = keras.layers.Concatenate()(list(layer(inputs).values()))
-    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(out))
+    model, layer = cached_tables.build(kind, optimizer, cache)
     model.compile(optimizer="sgd", loss="mse")
     return model, layer
-
-
-def _state(kind, layer):
-    """``{entry: array}``: the whole tables (rows and slots) of ``layer``."""
-    if kind == "collection":
-        state = {}
-        layer.save_own_variables(state)
-        return {k: np.asarray(v) for k, v in state.items()}
-    if layer.row_cache is not None:
-        layer.flush_store()  # the cached rows down to the store
-        *tables, steps = layer.get_weights()
-    else:
-        tables = [np.asarray(v) for v in [layer.embeddings, *layer.slots.values()]]
-        steps = np.asarray(layer.sparse_iterations)
-    return {**{str(i): t for i, t in enumerate(tables)}, "steps": np.asarray(steps)}
 
 
 def _copies_gap(cache):
@@ -92,14 +55,7 @@ def _copies_gap(cache):
 
 def _train(kind, optimizer, cache, start):
     model, layer = _model(kind, optimizer, cache)
-    if start is None:
-        table = layer.get_weights()[0] if kind == "dense" else layer.get_table("a")
-        start = (table, model.get_layer("out").get_weights())
-    elif kind == "dense":
-        layer.embeddings.assign(start[0])
-    else:
-        layer.set_table("a", start[0])
-    model.get_layer("out").set_weights(start[1])
+    start = cached_tables.start_from(model, layer, kind, start)
     x, y = _data()
     x = x["a"] if kind == "dense" else x
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
@@ -110,7 +66,7 @@ def _train(kind, optimizer, cache, start):
         caches = layer.table_caches if kind == "collection" else {"a": layer.row_cache}
         out["stats"] = caches["a"].stats()
         out["copies"] = _copies_gap(caches["a"])
-    return _state(kind, layer), predicted, out, start
+    return cached_tables.state(kind, layer), predicted, out, start
 
 
 def _gap(got, want, exact_keys):

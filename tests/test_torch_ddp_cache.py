@@ -17,14 +17,16 @@ Each process is a subprocess running this file's ``__main__``.
 """
 
 import os
-import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
 
+from tests import cached_tables
 from tests.subprocess_results import free_ports
+from tests.subprocess_results import launch_ranks
+from tests.subprocess_results import wait_ranks
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch",
@@ -32,59 +34,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB, DIM, CACHE, BATCH, STEPS, WORLD, TOL = 300, 4, 20, 8, 10, 2, 1e-6
+CACHE, BATCH, STEPS, WORLD, TOL = 20, 8, 10, 2, 1e-6
 CASES = [("dense", "sgd"), ("dense", "adagrad"), ("collection", "sgd")]
 CASES += [("collection", "adagrad")]
 
 
 # ---------------------------------------------------------------- subprocess
 def _data():
-    rng = np.random.default_rng(0)
-    x = {
-        "a": rng.integers(0, VOCAB, size=(BATCH * STEPS, 2)).astype("int32"),
-        "b": rng.integers(0, 50, size=(BATCH * STEPS, 1)).astype("int32"),
-    }
-    return x, rng.normal(size=(BATCH * STEPS, 1)).astype("float32")
+    return cached_tables.data(BATCH, STEPS)
 
 
 def _model(kind, optimizer, cache, seed=3):
-    import keras_sparse as ks
-
     keras.utils.set_random_seed(seed)
-    opt = {"sgd": ks.optimizers.SGD(0.3), "adagrad": ks.optimizers.Adagrad(0.1)}
-    if kind == "dense":
-        inputs = keras.Input((2,), dtype="int32")
-        layer = ks.AllToAllDenseEmbedding(
-            VOCAB, DIM, combiner="sum", optimizer=opt[optimizer], name="ids",
-            **cache,
-        )  # fmt: skip
-        out = layer(inputs)
-    else:
-        configs = {
-            "a": ks.TableConfig(VOCAB, DIM, combiner="sum", **cache),
-            "b": ks.TableConfig(50, DIM, combiner="sum"),
-        }
-        layer = ks.EmbeddingCollection(configs, optimizer=opt[optimizer], name="f")
-        inputs = {"a": keras.Input((2,), dtype="int32", name="a")}
-        inputs["b"] = keras.Input((1,), dtype="int32", name="b")
-        out = keras.layers.Concatenate()(list(layer(inputs).values()))
-    return keras.Model(inputs, keras.layers.Dense(1, name="out")(out)), layer
-
-
-def _state(kind, layer):
-    """``{entry: array}``: the whole tables (rows and slots) of ``layer``."""
-    if kind == "collection":
-        state = {}
-        layer.save_own_variables(state)
-        return {k: np.asarray(v) for k, v in state.items()}
-    if layer.row_cache is not None:
-        layer.flush_store()  # the cached rows down to the store
-        *tables, steps = layer.get_weights()
-    else:
-        variables = [layer.embeddings, *layer.slots.values()]
-        tables = [keras.ops.convert_to_numpy(v) for v in variables]
-        steps = keras.ops.convert_to_numpy(layer.sparse_iterations)
-    return {**{str(i): t for i, t in enumerate(tables)}, "steps": np.asarray(steps)}
+    return cached_tables.build(kind, optimizer, cache)
 
 
 def _train(model, call, kind, rank):
@@ -125,7 +87,7 @@ def _case(kind, optimizer, rank, out):
         _train(m, DistributedDataParallel(m), kind, rank)
     cache = layer.row_cache if kind == "dense" else layer.table_caches["a"]
     stats = cache.stats()
-    got, want = _state(kind, layer), _state(kind, plain_layer)
+    got, want = cached_tables.state(kind, layer), cached_tables.state(kind, plain_layer)
     result = {f"got/{k}": v for k, v in got.items()}
     result.update({f"want/{k}": v for k, v in want.items()})
     result["fills"] = np.array(stats["fills"])
@@ -191,25 +153,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_cache")
-    port = free_ports(1)[0]
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=path)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(r), str(port), str(out)],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]  # fmt: skip
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    wait_ranks(launch_ranks(__file__, WORLD, free_ports(1)[0], out))
     return [dict(np.load(out / f"r{r}.npz")) for r in range(WORLD)]
 
 

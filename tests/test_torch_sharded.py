@@ -22,6 +22,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests.subprocess_results import wait_ranks
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch",
     reason="torch.distributed sharding runs on the PyTorch backend only",
@@ -305,14 +307,7 @@ def _launch(out, port):
 
 
 def _wait(procs):
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    wait_ranks(procs, timeout=240)
 
 
 def _single(world):

@@ -18,7 +18,6 @@ process computes the reference meanwhile.
 """
 
 import os
-import subprocess
 import sys
 
 import keras
@@ -26,6 +25,8 @@ import numpy as np
 import pytest
 
 from tests.subprocess_results import free_ports
+from tests.subprocess_results import launch_ranks
+from tests.subprocess_results import wait_ranks
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch",
@@ -182,28 +183,16 @@ def runs(tmp_path_factory):
     """``([results of each rank], reference records, reference predictions,
     folder)``; the reference trains here while the processes run."""
     out = tmp_path_factory.mktemp("stores")
-    port = free_ports(1)[0]
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=path)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(r), str(port), str(out)],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]  # fmt: skip
+    procs = launch_ranks(__file__, WORLD, free_ports(1)[0], out)
     try:
         reference = _model(4096, {})
         _train(reference, reference, 0, WORLD, WORLD)
         want, want_pred = _records(reference), _predict(reference, 0, 1)
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
+    except BaseException:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+            p.kill()
+        raise
+    wait_ranks(procs)
     ranks = [dict(np.load(out / f"r{r}.npz")) for r in range(WORLD)]
     return ranks, want, want_pred, out
 

@@ -24,14 +24,9 @@ def replica_context():
 
     if keras.backend.backend() != "tensorflow":
         return None
-    import tensorflow as tf
+    from keras_sparse.ops.tensorflow.replicas import multi_replica_context
 
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return None
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return None
-    return context
+    return multi_replica_context()
 
 
 def gather(context, flat, use):

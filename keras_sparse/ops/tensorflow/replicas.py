@@ -39,7 +39,7 @@ def replica_count():
     return tf.distribute.get_replica_context().num_replicas_in_sync
 
 
-def _multi_replica_context():
+def multi_replica_context():
     """The replica context when there is more than one replica, else None."""
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
@@ -55,7 +55,7 @@ def check_replicated_training(name, maps_keys):
     XLA-compiled step, and a layer that maps keys to rows on the host
     (``maps_keys``: each replica would map its own keys, so the replicas'
     tables would differ)."""
-    context = _multi_replica_context()
+    context = multi_replica_context()
     if context is None:
         return
     strategy = tf.distribute.get_strategy()
@@ -88,7 +88,7 @@ def check_replicated_training(name, maps_keys):
 def replica_context(table_var, reset):
     """The replica context to gather over, or None when there is one replica
     (raising as `check_replicated_training` does)."""
-    context = _multi_replica_context()
+    context = multi_replica_context()
     if context is not None:
         check_replicated_training(variable_layer_name(table_var), reset is not None)
     return context
