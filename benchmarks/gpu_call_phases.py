@@ -57,10 +57,17 @@ SOURCE = "insert_call.cu"
 
 
 def builds():
+    """The normal module and the ``KS_PROFILE`` one (None, with the reason
+    printed, when it does not build: the wall times still print)."""
     plain = cuda_modules.module(SOURCE)
-    profiled = cp.RawModule(
-        code=kernel_source(SOURCE), options=("--std=c++17", "-DKS_PROFILE")
-    )
+    try:
+        profiled = cp.RawModule(
+            code=kernel_source(SOURCE), options=("--std=c++17", "-DKS_PROFILE")
+        )
+        profiled.get_global("ks_prof_n")  # compiles it now
+    except Exception as e:  # noqa: BLE001 - report and go on without phases
+        print(f"no phase marks: {type(e).__name__}: {e}")
+        profiled = None
     return plain, profiled
 
 
@@ -71,6 +78,8 @@ def use(mod):
 def phases(profiled, run):
     """Run ``run()`` once on the profiled build; µs per phase (summed over
     records, averaged over teams) and the number of teams seen."""
+    if profiled is None:
+        return {}, 0
     use(profiled)
     count = cp.zeros(1, cp.uint32)
     ptr = profiled.get_global("ks_prof_n")
@@ -116,9 +125,6 @@ def one_large_call(plain, profiled, reps):
     restore()
     wall = best_of_events(lambda: t.lookup_or_insert(mixed), reps, setup=restore)
     restore()
-    use(profiled)
-    t.lookup_or_insert(mixed)  # compile
-    restore()
     per, teams = phases(profiled, lambda: t.lookup_or_insert(mixed))
     report("1M keys, load 0.75, 50% new", wall * 1e6, per, teams)
     print(f"\n{batch / wall:.3g} keys/s")
@@ -144,8 +150,6 @@ def field_step(plain, profiled, fields, team_choices, reps):
         use(plain)
         step()
         wall = best_of_events(step, reps)
-        use(profiled)
-        step()
         per, seen = phases(profiled, step)
         report(
             f"step of {fields} fields x {per_field:,} keys, teams={teams}",
