@@ -18,10 +18,10 @@ def _serving(paths):
     return [p for p in paths if p.rsplit("/", 1)[-1] in SERVING]
 
 
-def _model():
+def _model(**kwargs):
     layers = {
         f: ks.DistributedHashEmbedding(
-            4, capacity=64, optimizer="adagrad", name=f"{f}_emb"
+            4, capacity=64, optimizer="adagrad", name=f"{f}_emb", **kwargs
         )
         for f in ("a", "b")
     }
@@ -119,3 +119,49 @@ def test_an_inference_call_inside_a_training_step_reads_the_table():
 
     compiled, eager = run(False), run(True)
     np.testing.assert_allclose(compiled, eager, rtol=1e-5)
+
+
+def test_a_failing_validation_inside_fit_leaves_the_model_whole():
+    """An error raised in ``fit``'s validation (whose state holds the maps)
+    reaches the caller as it is, and every variable keeps a value: ``fit``'s
+    final sync puts the validation's state back through its own list."""
+
+    class Stop(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("stop the validation")
+
+    rng = np.random.default_rng(2)
+    x = {f: rng.integers(0, 40, (64, 2)).astype("int32") for f in ("a", "b")}
+    y = rng.normal(size=(64, 1)).astype("float32")
+    model = _model()
+    with pytest.raises(RuntimeError, match="stop the validation"):
+        model.fit(
+            x, y, batch_size=16, verbose=0, validation_data=(x, y),
+            callbacks=[Stop()],
+        )  # fmt: skip
+    assert all(v._value is not None for v in model.variables)
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), model(x, training=False), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_a_model_exported_inside_fit_serves_from_its_maps(tmp_path):
+    """``model.export`` from a callback while ``fit`` runs tracks the
+    serving maps (hidden from the training steps) and serves the table."""
+    pytest.importorskip("tensorflow")
+
+    class Export(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.export(str(tmp_path / "served"), verbose=False)
+
+    rng = np.random.default_rng(4)
+    x = {f: rng.integers(0, 40, (64, 2)).astype("int32") for f in ("a", "b")}
+    y = rng.normal(size=(64, 1)).astype("float32")
+    model = _model(key_dtype="int32")  # int32 keys: the map serves them
+    model.fit(x, y, batch_size=16, verbose=0, callbacks=[Export()])
+    import tensorflow as tf
+
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    got = served.serve({f: tf.constant(v) for f, v in x.items()})
+    np.testing.assert_allclose(np.asarray(got), model.predict(x, verbose=0), atol=1e-5)

@@ -136,6 +136,11 @@ def test_a_batch_the_cache_cannot_map_is_refused_before_the_step(kind, bad):
         ids = x["a"][:BATCH]
         model.fit(ids if kind == "dense" else {k: v[:BATCH] for k, v in x.items()},
                   y[:BATCH], batch_size=BATCH, verbose=0)  # fmt: skip
+        # Inference needs no free rows: a batch of more distinct ids than
+        # cache_rows predicts (ids the cache does not hold: from the store).
+        wide = np.arange(2 * BATCH * 2, dtype="int32").reshape(2 * BATCH, 2)
+        feed = wide if kind == "dense" else {"a": wide, "b": x["b"][: 2 * BATCH]}
+        assert np.isfinite(model.predict(feed, batch_size=2 * BATCH, verbose=0)).all()
         before = layer.stats() if kind == "dense" else layer.stats("a")
         ids = ids.copy()
         if bad == "out_of_range":
@@ -153,6 +158,8 @@ def test_a_batch_the_cache_cannot_map_is_refused_before_the_step(kind, bad):
         )
         after = layer.stats() if kind == "dense" else layer.stats("a")
         assert after == before  # nothing mapped, nothing moved
+        if bad == "out_of_range":  # refused before Keras took the state
+            assert all(v._value is not None for v in model.variables)
     finally:
         keras.distribution.set_distribution(None)
 

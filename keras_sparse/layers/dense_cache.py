@@ -270,9 +270,11 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             )
             self.__dict__["_replica_rounds"] = rounds
         ids, used, start = cache_replicas.gather(context, flat, use)
-        replica = cache_replicas.replica_id(context)
-        slots, fill = self._map(ids, used, True, (rounds, replica))
-        row_moves.move_rows(self, slots, fill, rounds=(rounds, replica))
+        # The step counter keys the rounds: every replica reads it alike.
+        step = ops.convert_to_tensor(self.sparse_iterations)
+        asked = (rounds, cache_replicas.replica_id(context), step)
+        slots, fill = self._map(ids, used, True, asked)
+        row_moves.move_rows(self, slots, fill, rounds=asked)
         mine = tf.slice(slots, tf.reshape(start, (1,)), tf.shape(flat)[:1])
         mine.set_shape(flat.shape)
         return mine
@@ -280,8 +282,8 @@ class CacheRows(CacheState, SparseEmbeddingBase):
     def _map(self, flat, use, insert, rounds=None):
         """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``
         (see `DenseSlots.assign`; read-only: `DenseSlots.lookup`).
-        ``rounds``: ``(Rounds, replica)``, the replicas' whole batch mapped
-        once (TensorFlow)."""
+        ``rounds``: ``(Rounds, replica, step)``, the replicas' whole batch
+        mapped once (TensorFlow)."""
 
         def mapped(ids, used):
             ids = np.asarray(ids).reshape(-1)
@@ -299,10 +301,10 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             host, extra = mapped, []
         else:
 
-            def host(ids, used, replica):
-                return rounds[0].run("map", replica, lambda: mapped(ids, used))
+            def host(ids, used, replica, step):
+                return rounds[0].run("map", replica, step, lambda: mapped(ids, used))
 
-            extra = [rounds[1]]
+            extra = list(rounds[1:])
 
         if not is_symbolic(flat):
             if _in_shape_inference():  # placeholder values: map nothing

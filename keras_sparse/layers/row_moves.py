@@ -26,7 +26,7 @@ def move_rows(layer, rows, fresh, route="io_callback", rounds=None):
     reaches the host, "io_callback" or "cpu_buffers" (an in-place buffer
     callback, for a layer called once by a step on one CPU device; see
     `keras_sparse.layers.hash.jax_step_mapping.choose_route`).
-    ``rounds``: ``(Rounds, replica)`` of a TensorFlow strategy whose
+    ``rounds``: ``(Rounds, replica, step)`` of a TensorFlow strategy whose
     replicas move the same rows, once for all
     (`keras_sparse.layers.row_storage.cache_replicas`)."""
     tier = layer.row_tier
@@ -49,7 +49,7 @@ def move_rows(layer, rows, fresh, route="io_callback", rounds=None):
 
     args = [rows, fresh] + [before[name] for name in names]
     if rounds is not None:  # every replica asks; the first moves the rows
-        filled, *fills = _tf_hop(_once(host, rounds[0]), args, [rounds[1]])
+        filled, *fills = _tf_hop(_once(host, rounds[0]), args, list(rounds[1:]))
     elif not is_symbolic(rows):
         out = host(*(ops.convert_to_numpy(a) for a in args))
         filled, *fills = (ops.convert_to_tensor(x) for x in out)
@@ -94,11 +94,12 @@ def _jax_buffer_hop(host, args):
 
 
 def _once(host, rounds):
-    """``host`` taking the replica's number last, run once per round."""
+    """``host`` taking the replica's number and the step last, run once
+    per round."""
 
     def replicated(*args):
-        *values, replica = args
-        return rounds.run("move", replica, lambda: host(*values))
+        *values, replica, step = args
+        return rounds.run("move", replica, step, lambda: host(*values))
 
     return replicated
 

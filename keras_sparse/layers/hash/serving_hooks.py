@@ -52,21 +52,11 @@ def _refreshing(original):
     return wrapper
 
 
-def _training(original):
-    @functools.wraps(original)
-    def wrapper(self, *args, **kwargs):
-        with serving_state.serving_maps_hidden():
-            return original(self, *args, **kwargs)
-
-    wrapper._ks_refreshes = True
-    return wrapper
-
-
-def _wrap(cls, name, how=_refreshing):
+def _wrap(cls, name):
     original = getattr(cls, name, None)
     if original is None or getattr(original, "_ks_refreshes", False):
         return
-    setattr(cls, name, how(original))
+    setattr(cls, name, _refreshing(original))
 
 
 def _exporting_with_x64(original):
@@ -83,7 +73,11 @@ def _exporting_with_x64(original):
         distribution = keras.distribution.distribution()
         keras.distribution.set_distribution(None)
         try:
-            with jax.enable_x64(True) if hashed else contextlib.nullcontext():
+            # The artifact serves from the maps, also when exported in fit.
+            with (
+                jax.enable_x64(True) if hashed else contextlib.nullcontext(),
+                serving_state.serving_maps_hidden(False),
+            ):
                 return original(self, *args, **kwargs)
         finally:
             keras.distribution.set_distribution(distribution)
@@ -110,8 +104,9 @@ def _wrap_track(cls):
     @functools.wraps(original)
     def track(self, resource):
         serving_map.refresh_all(resource)
-        result = original(self, resource)
-        serving_export.attach(self, resource)
+        with serving_state.serving_maps_hidden(False):  # tracked with the maps
+            result = original(self, resource)
+            serving_export.attach(self, resource)
         return result
 
     track._ks_refreshes = True
@@ -144,8 +139,7 @@ def install():
             for name in ("evaluate", "predict", "test_on_batch", "predict_on_batch"):
                 _wrap(trainer, name)
         if backend == "jax":  # the steps' state: serving maps left out
-            for name in ("fit", "train_on_batch"):
-                _wrap(trainer, name, _training)
+            serving_state.install(trainer)
         try:
             from keras.src.export.saved_model_export_archive import (
                 SavedModelExportArchive,

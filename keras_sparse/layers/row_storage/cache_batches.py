@@ -54,14 +54,17 @@ def needed():
     return devices is not None and np.size(devices) > 1
 
 
-def check(cache, ids):
+def check(cache, ids, training=True):
     """Raises ValueError naming the table when ``ids`` (one call's) hold an
-    id outside ``[0, input_dim)`` or more distinct ids than ``cache_rows``;
-    the cache and its store are not changed."""
+    id outside ``[0, input_dim)`` or, in ``training``, more distinct ids
+    than ``cache_rows`` (inference reads ids the cache does not hold from
+    the store); the cache and its store are not changed."""
     ids = np.asarray(ids)
     if not ids.size or not np.issubdtype(ids.dtype, np.integer):
         return
     cache.slot_map.check_range(ids.reshape(-1))
+    if not training:
+        return
     distinct = np.unique(ids).size
     if distinct > cache.capacity:
         raise ValueError(

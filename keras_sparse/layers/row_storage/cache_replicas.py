@@ -51,23 +51,33 @@ def replica_id(context):
 
 class Rounds:
     """Host work that every replica asks for and that must run once: the
-    ``k``-th call of each kind by every replica is one round, computed by
-    the first replica to ask and handed to the others. An error is handed
-    on too, and later rounds refuse to run (the step's state is lost, as
-    for a step that fails on one device)."""
+    ``k``-th call of each kind by every replica in one training step (the
+    layer's step counter, which every replica reads alike) is one round,
+    computed by the first replica to ask and handed to the others. An error
+    is handed on too, and later rounds refuse to run (the step's state is
+    lost, as for a step that fails on one device); so do rounds after a
+    step that some replica left unasked (a step aborted midway: the copies
+    of the cache may differ). Setting or loading the table starts afresh."""
 
     def __init__(self, label, replicas):
         self.label = label
         self.replicas = int(replicas)
         self.lock = threading.Lock()
-        self.calls = {}  # (kind, replica) -> rounds asked for
-        self.pending = {}  # (kind, round) -> [result, replicas left]
+        self.calls = {}  # (kind, replica) -> (step, rounds asked in it - 1)
+        self.pending = {}  # (kind, step, round) -> [result, replicas left]
         self.failed = None
 
-    def run(self, kind, replica, compute):
+    def run(self, kind, replica, step, compute):
         """``compute()``'s result for this replica's next round of
-        ``kind`` (computed once per round)."""
+        ``kind`` in training step ``step`` (computed once per round)."""
         with self.lock:
+            replica, step = int(np.asarray(replica)), int(np.asarray(step))
+            stale = sorted({s for _, s, _ in self.pending if s != step})
+            if stale and self.failed is None:
+                self.failed = (
+                    f"step {stale[0]} ended before every replica asked for its "
+                    "cache rows (an aborted step): the replicas' copies may differ"
+                )
             if self.failed is not None:
                 raise RuntimeError(
                     f"Layer '{self.label}': an earlier step failed in its cache "
@@ -75,20 +85,20 @@ class Rounds:
                     "good step had it. Restore the model from a checkpoint. "
                     f"First error: {self.failed}"
                 )
-            replica = int(np.asarray(replica))
-            k = self.calls.get((kind, replica), 0)
-            self.calls[(kind, replica)] = k + 1
-            entry = self.pending.get((kind, k))
+            last, k = self.calls.get((kind, replica), (None, -1))
+            k = k + 1 if last == step else 0
+            self.calls[(kind, replica)] = (step, k)
+            entry = self.pending.get((kind, step, k))
             if entry is None:
                 try:
                     result = (True, compute())
                 except Exception as e:  # handed to every replica of the round
                     self.failed = f"{type(e).__name__}: {e}"
                     result = (False, e)
-                entry = self.pending[(kind, k)] = [result, self.replicas]
+                entry = self.pending[(kind, step, k)] = [result, self.replicas]
             entry[1] -= 1
             if not entry[1]:
-                del self.pending[(kind, k)]
+                del self.pending[(kind, step, k)]
             ok, value = entry[0]
         if not ok:
             raise value

@@ -99,6 +99,7 @@ class CacheState:
         with tier.lock:
             tier.drop_plans()
             self.slot_map.clear()
+            self.__dict__.pop("_replica_rounds", None)  # a fresh start
             store_assets.load(
                 self.owner_name, tier.store.fields, dir_path, tier.store.write
             )
@@ -131,6 +132,7 @@ class CacheState:
         with tier.lock:
             tier.drop_plans()
             self.slot_map.clear()
+            self.__dict__.pop("_replica_rounds", None)  # a fresh start
             for first in range(0, self.input_dim, step):
                 end = min(first + step, self.input_dim)
                 rows = {f.name: np.asarray(arrays[f.name][first:end]) for f in fields}
