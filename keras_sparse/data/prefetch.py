@@ -138,6 +138,7 @@ import keras
 import numpy as np
 
 from keras_sparse.data import lookahead
+from keras_sparse.data.local_replicas import local_replicas
 from keras_sparse.data.prefetch_engine import Engine
 from keras_sparse.data.prefetch_pass import PrefetchError
 from keras_sparse.data.sources import make_source
@@ -560,6 +561,8 @@ def prefetch(
         feeds, src, int(threads), int(capacity), insert, ordered, route, replicas
     )
     engine.copy_batch = copy_batch
+    if route is not None:
+        engine.local_replicas = local_replicas(replicas)
     engine.layouts = [
         _feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None
         for f in feeds
