@@ -79,6 +79,8 @@ def test_stage_of_process_one_of_two_routes_over_its_own_replicas(monkeypatch):
         stage.close()
     # Half the samples are owned by the other process's replicas: remote.
     assert stats["bytes_routed"] == len(x) // 2 * ks.data.routing.remote_id_bytes(4)
+    with pytest.raises(ValueError, match="`replicas` to be a multiple of 2; got 5"):
+        ks.data.prefetch((x, y), model, batch_size=B, route="locality", replicas=5)
 
 
 def _fake_distribution(processes, batch_axis="batch"):

@@ -528,6 +528,8 @@ def prefetch(
                 "prefetch: route='locality' needs `replicas` (or an active "
                 "keras.distribution with a batch axis)."
             )
+    # Across processes: this process's replicas, which its batches go to.
+    local = local_replicas(replicas) if route is not None else None
     src = make_source(
         source, y=y, sample_weight=sample_weight, batch_size=batch_size,
         steps=steps, shuffle=shuffle, seed=seed,
@@ -561,8 +563,7 @@ def prefetch(
         feeds, src, int(threads), int(capacity), insert, ordered, route, replicas
     )
     engine.copy_batch = copy_batch
-    if route is not None:
-        engine.local_replicas = local_replicas(replicas)
+    engine.local_replicas = local
     engine.layouts = [
         _feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None
         for f in feeds
