@@ -20,6 +20,8 @@ own half of every global batch.
     # with --hash, the one-device reference (keys in 8 host shards, as the
     # 8 devices' per-shard eviction): --num-processes 1 --local-devices 1
     # --host-shards 8
+    # add --route-check (default tables): after training, count where a
+    # route="locality" input stage's batches of 'user' ids really land
 
 On real hosts, pass ``--coordinator host0:PORT`` and drop ``--local-devices``
 (GPUs are found by JAX). Process 0 prints one JSON line with the per-step
