@@ -15,10 +15,13 @@ own half of every global batch.
     # placed table-wise (each whole on one device)
     # add --hash: a key-sharded DistributedHashEmbedding (64-bit keys, LRU
     # eviction, admission after 2 sightings) beside a row-sharded table;
-    # every process prints its own table shards' records
+    # every process prints its own table shards' records; add
+    # --hash-optimizers sgd,adam,... for one such layer per sparse optimizer
     # with --hash, the one-device reference (keys in 8 host shards, as the
     # 8 devices' per-shard eviction): --num-processes 1 --local-devices 1
     # --host-shards 8
+    # add --route-check (default tables): after training, count where a
+    # route="locality" input stage's batches of 'user' ids really land
 
 On real hosts, pass ``--coordinator host0:PORT`` and drop ``--local-devices``
 (GPUs are found by JAX). Process 0 prints one JSON line with the per-step
@@ -68,6 +71,12 @@ def parse_args(argv=None):
         help="with --hash: rows of the hash layer (default: fewer than its keys)",
     )
     p.add_argument(
+        "--hash-optimizers",
+        default="adagrad",
+        help="with --hash: comma-separated sparse optimizers, one key-sharded "
+        "layer 'hashed_<optimizer>' each, all reading the same keys",
+    )
+    p.add_argument(
         "--records-out",
         default=None,
         help="with --hash: write this process's records to this file "
@@ -81,6 +90,13 @@ def parse_args(argv=None):
         "no distribution, the hash layer's keys in one host table of this many "
         "key-owned shards (the per-shard eviction of a key-sharded run on as "
         "many devices): the one-device reference of the multi-process tests",
+    )
+    p.add_argument(
+        "--route-check",
+        action="store_true",
+        help="testing, default tables: after training, pass this process's "
+        "'user' ids through a route='locality' input stage and count where "
+        "the routed samples' ids really land (see route_check)",
     )
     p.add_argument(
         "--die-at-step",
@@ -179,6 +195,10 @@ def table_rows():
     return rows
 
 
+def hash_layer_names():
+    return [f"hashed_{opt}" for opt in ARGS.hash_optimizers.split(",")]
+
+
 def make_layers():
     if ARGS.hash:
         rows, strategy, opt = TABLES["user"]
@@ -186,15 +206,18 @@ def make_layers():
             ks.AllToAllDenseEmbedding(
                 rows, DIM, combiner="sum", optimizer=opt, sharding=strategy, name="user"
             ),
-            ks.DistributedHashEmbedding(
-                DIM,
-                capacity=ARGS.hash_capacity,
-                combiner="sum",
-                optimizer="adagrad",
-                eviction="lru",
-                admit_after=2,
-                sharding="key",
-                name="hashed",
+            *(
+                ks.DistributedHashEmbedding(
+                    DIM,
+                    capacity=ARGS.hash_capacity,
+                    combiner="sum",
+                    optimizer=name[len("hashed_") :],
+                    eviction="lru",
+                    admit_after=2,
+                    sharding="key",
+                    name=name,
+                )
+                for name in hash_layer_names()
             ),
         ]
     if not ARGS.collection:
@@ -250,6 +273,8 @@ def build(layers):
     if ARGS.collection:
         out = layers[0](dict(zip(names, inputs)))
         pooled = [out[n] for n in names]
+    elif ARGS.hash:  # every hash layer reads the same keys
+        pooled = [layers[0](inputs[0]), *(layer(inputs[1]) for layer in layers[1:])]
     else:
         pooled = [layer(x) for layer, x in zip(layers, inputs)]
     h = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()(pooled))
@@ -270,6 +295,49 @@ def global_data(steps, batch):
     return x, rng.normal(size=(n, 1)).astype("float32")
 
 
+def route_check(model, user_ids, batch):
+    """A ``route="locality"`` stage over this process's 'user' ids (the
+    row-sharded table alone, via ``feature_map``): each batch it hands out is
+    placed on the devices as a step would place it
+    (`jax.make_array_from_process_local_data`, Keras' multi-process input
+    path), and every id a device holds whose row lives on another device's
+    table shard is counted. Returns those counts with and without routing,
+    and the stage's own byte counters."""
+    dist = keras.distribution.distribution()
+    table = model.get_layer("user").embeddings.value
+    rows = {s.device: s.index[0] for s in table.addressable_shards}
+
+    def remote(ids):
+        layout = dist.get_data_layout(ids.shape).backend_layout
+        placed = jax.make_array_from_process_local_data(layout, ids)
+        n = 0
+        for shard in placed.addressable_shards:
+            r, held = rows[shard.device], np.asarray(shard.data)
+            n += int(((held < (r.start or 0)) | (held >= r.stop)).sum())
+        return n
+
+    unrouted = sum(remote(b) for b in np.split(user_ids, len(user_ids) // batch))
+    routed = 0
+    stage = ks.data.prefetch(
+        user_ids, model, batch_size=batch, route="locality",
+        feature_map={"user": None},
+    )  # fmt: skip
+    with stage:
+        stage.on_epoch_begin()
+        for i in range(len(stage)):
+            ids = stage[i]
+            routed += remote(np.asarray(ids[0] if isinstance(ids, tuple) else ids))
+        stats = stage.stats()
+    return {
+        "process": jax.process_index(),
+        "remote_ids_routed": routed,
+        "remote_ids_unrouted": unrouted,
+        "bytes_per_id": ks.data.routing.remote_id_bytes(DIM),
+        "stage_bytes_routed": stats["bytes_routed"],
+        "stage_bytes_unrouted": stats["bytes_unrouted"],
+    }
+
+
 def main():
     keras.utils.set_random_seed(0)
     nproc, pid = jax.process_count(), jax.process_index()
@@ -281,7 +349,8 @@ def main():
         keras.distribution.set_distribution(dist)
     model = build(layers)
     if ARGS.host_shards is not None:
-        hold_keys_in_shards(model.get_layer("hashed"), ARGS.host_shards)
+        for name in hash_layer_names():
+            hold_keys_in_shards(model.get_layer(name), ARGS.host_shards)
     # Same initial weights everywhere (and in the single-process reference).
     rng = np.random.default_rng(1)
     stacked = set()
@@ -317,16 +386,15 @@ def main():
                 rows = table_rows()[name]
                 checksums[name] = float(np.abs(full[start : start + rows]).sum())
     elif ARGS.hash:
-        hashed = model.get_layer("hashed")
-        records = hashed.export()
-        line = "RECORDS " + json.dumps(
-            {
-                "process": pid,
-                "shards": list(getattr(hashed.table, "local", ())),
-                "stats": hashed.stats(),
-                **{k: np.asarray(v).tolist() for k, v in records.items()},
+        hashed = {}
+        for name in hash_layer_names():
+            layer = model.get_layer(name)
+            hashed[name] = {
+                "shards": list(getattr(layer.table, "local", ())),
+                "stats": layer.stats(),
+                **{k: np.asarray(v).tolist() for k, v in layer.export().items()},
             }
-        )
+        line = "RECORDS " + json.dumps({"process": pid, "layers": hashed})
         if ARGS.records_out:
             with open(ARGS.records_out, "w") as f:
                 f.write(line + "\n")
@@ -340,6 +408,9 @@ def main():
             table = model.get_layer(name).embeddings.value
             full = np.asarray(multihost_utils.process_allgather(table, tiled=True))
             checksums[name] = float(np.abs(full).sum())
+    if ARGS.route_check:
+        check = route_check(model, mine(x[0]), local)
+        print("ROUTE " + json.dumps(check), flush=True)
     if pid == 0:
         print(
             "RESULT "

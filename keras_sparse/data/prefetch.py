@@ -138,6 +138,7 @@ import keras
 import numpy as np
 
 from keras_sparse.data import lookahead
+from keras_sparse.data.local_replicas import local_replicas
 from keras_sparse.data.prefetch_engine import Engine
 from keras_sparse.data.prefetch_pass import PrefetchError
 from keras_sparse.data.sources import make_source
@@ -527,6 +528,8 @@ def prefetch(
                 "prefetch: route='locality' needs `replicas` (or an active "
                 "keras.distribution with a batch axis)."
             )
+    # Across processes: this process's replicas, which its batches go to.
+    local = local_replicas(replicas) if route is not None else None
     src = make_source(
         source, y=y, sample_weight=sample_weight, batch_size=batch_size,
         steps=steps, shuffle=shuffle, seed=seed,
@@ -560,6 +563,7 @@ def prefetch(
         feeds, src, int(threads), int(capacity), insert, ordered, route, replicas
     )
     engine.copy_batch = copy_batch
+    engine.local_replicas = local
     engine.layouts = [
         _feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None
         for f in feeds

@@ -38,6 +38,8 @@ class Engine:
         self.ordered = ordered
         self.route = route
         self.replicas = replicas
+        # The replicas this process's batches go to (None: all of them).
+        self.local_replicas = None
         self.cond = threading.Condition()
         self.closed = False
         self.stats = {
@@ -266,9 +268,12 @@ class Engine:
             cost.append(routing_lib.remote_id_bytes(layer.output_dim))
         if not owners:
             return None
-        perm = routing_lib.locality_assignment(owners, r, cost)
-        before = routing_lib.exchanged_bytes(owners, r, cost)
-        after = routing_lib.exchanged_bytes(owners, r, cost, perm)
+        # Owners count over all R shards; this process's batch goes to its
+        # own replicas alone (`local`, None in one process).
+        local = self.local_replicas
+        perm = routing_lib.locality_assignment(owners, r, cost, local)
+        before = routing_lib.exchanged_bytes(owners, r, cost, local=local)
+        after = routing_lib.exchanged_bytes(owners, r, cost, perm, local)
         with self.cond:
             self.stats["routed_batches"] += 1
             self.stats["bytes_unrouted"] += before

@@ -19,6 +19,12 @@ unplaced sample proposes to its best replica with room, and each replica
 accepts its strongest proposals up to its remaining room (ties: lower
 sample index first). The result is deterministic.
 
+Across processes (JAX multi-process), each process holds only its part of a
+global batch, which Keras splits over that process's own replicas; its stage
+then routes over those (``local``: their positions among the ``R``), while
+owners still count over all ``R`` shards: an id owned by another process's
+replica is remote wherever this process puts its sample.
+
 Example:
 
 >>> import numpy as np
@@ -66,15 +72,22 @@ def owner_counts(owners, replicas, weights=None):
     return counts
 
 
-def locality_assignment(owners, replicas, weights=None):
+def locality_assignment(owners, replicas, weights=None, local=None):
     """Permutation of a batch's samples; block ``p`` goes to replica ``p``.
 
     Returns ``perm`` (int64 ``[B]``) such that ``batch[perm]`` puts on replica
     ``p`` (samples ``perm[p*B/R:(p+1)*B/R]``) the samples placed there. Each
     block keeps its samples in their original order. If ``B`` is not a
     multiple of ``R`` the identity is returned.
+
+    ``local``: the replicas this batch is split over, in block order (one
+    process's replicas in a multi-process run); block ``q`` goes to replica
+    ``local[q]``. None: all ``R``.
     """
     counts = owner_counts(owners, replicas, weights)
+    if local is not None:
+        counts = counts[:, _local(local, replicas)]
+        replicas = counts.shape[1]
     b = counts.shape[0]
     if replicas <= 1 or b % replicas:
         return np.arange(b)
@@ -98,19 +111,21 @@ def locality_assignment(owners, replicas, weights=None):
     return np.argsort(placed, kind="stable")
 
 
-def exchanged_bytes(owners, replicas, bytes_per_id, perm=None):
+def exchanged_bytes(owners, replicas, bytes_per_id, perm=None, local=None):
     """All-to-all bytes of one step: remote ids x bytes per remote id.
 
     ``owners`` as in `owner_counts`; ``bytes_per_id[t]`` is the cost of one
     remote id of table ``t`` (see `remote_id_bytes`); ``perm`` the routing
-    permutation (None: Keras' default contiguous split). Returns an int.
+    permutation (None: Keras' default contiguous split); ``local`` as in
+    `locality_assignment`. Returns an int.
     """
     total = 0
     first = np.asarray(owners[0])
     b = first.shape[0]
-    if b % replicas:
+    local = np.arange(replicas) if local is None else _local(local, replicas)
+    if b % local.size:
         return 0
-    holder = np.repeat(np.arange(replicas), b // replicas)
+    holder = np.repeat(local, b // local.size)
     if perm is not None:
         inverse = np.empty(b, np.int64)
         inverse[np.asarray(perm)] = np.arange(b)
@@ -120,6 +135,16 @@ def exchanged_bytes(owners, replicas, bytes_per_id, perm=None):
         remote = (own >= 0) & (own != holder[:, None])
         total += int(remote.sum()) * int(bytes_per_id[t])
     return total
+
+
+def _local(local, replicas):
+    local = np.asarray(local, np.int64).reshape(-1)
+    if local.size == 0 or local.min() < 0 or local.max() >= replicas:
+        raise ValueError(
+            f"locality routing: `local` replicas must be a non-empty list of "
+            f"positions in [0, {replicas}); got {local.tolist()}"
+        )
+    return local
 
 
 def remote_id_bytes(dim, id_bytes=4, value_bytes=4):
