@@ -9,6 +9,13 @@ and two key-sharded hash layers under pressure (LRU and LFU, admit_after=2,
 whose hash layers hold a `ShardedHashTable` of 2 shards (the per-shard
 capacity, admission and eviction the 2 workers have), as in
 `tests/test_tf_sharded_hash.py`.
+
+A third key-sharded hash layer ("stored") caches 128 rows over a host
+store per worker (``store="host"``): each worker's shard evicts keys down
+to its own store and fills them back. Its reference is the same layer on
+one device with a capacity no key is evicted from (and no store): every
+key's values, slots and score must match (`tests/test_tf_sharded_store.py`
+does the same under a MirroredStrategy of one process).
 """
 
 import os
@@ -33,6 +40,9 @@ HASH = {
     "lfu": dict(eviction="lfu", optimizer="adam"),
 }
 HASH_STATE = ("record_", "admission_", "table_clock")
+# The layer over stores: LRU, Adagrad, and 128 rows for ~200 keys; its
+# rows and clock are the cache's own, not compared with the reference's.
+STORED, STORED_ARGS, BIG = "stored", dict(eviction="lru", optimizer="adagrad"), 4096
 
 
 def model(reference=False):
@@ -68,6 +78,12 @@ def model(reference=False):
             layer.table = ShardedHashTable(
                 CAPACITY, SHARDS, eviction=args["eviction"], admit_after=2, seed=0
             )
+    stored = ks.DistributedHashEmbedding(
+        DIM, capacity=BIG if reference else CAPACITY, combiner="sum",
+        sharding="key", store=None if reference else "host", name=STORED,
+        embeddings_initializer=seeded(50), **STORED_ARGS,
+    )  # fmt: skip
+    features.append(stored(inputs["keys"]))
     head = keras.layers.Dense(1, kernel_initializer=seeded(99), name="head")
     return keras.Model(inputs, head(keras.layers.Concatenate()(features)))
 
@@ -101,9 +117,36 @@ def state(model):
             if k.startswith(HASH_STATE):
                 v = np.asarray(v)
                 out[f"{name}/{k}"] = v[order] if k.startswith("record_") else v
+    out.update(_stored_records(model.get_layer(STORED)))
     for i, w in enumerate(model.get_layer("head").get_weights()):
         out[f"head/{i}"] = w
     return out
+
+
+def _stored_records(layer):
+    """The stored layer's saved records (table and stores) sorted by key
+    (under the strategy a collective)."""
+    store = {}
+    layer.save_own_variables(store)
+    order = np.argsort(store["record_keys"], kind="stable")
+    return {
+        f"{STORED}/{k}": np.asarray(v)[order]
+        for k, v in store.items()
+        if k.startswith("record_") and k != "record_rows"
+    }
+
+
+def _exported(layer, index=None):
+    """``layer.export()`` sorted by key; with ``index``, the keys shard
+    ``index`` of 2 owns only."""
+    from keras_sparse.table.sharded_table import owner_of
+
+    rec = layer.export()
+    keep = np.ones(len(rec["keys"]), bool)
+    if index is not None:
+        keep = owner_of(np.asarray(rec["keys"], np.int64), SHARDS) == index
+    order = np.argsort(rec["keys"][keep], kind="stable")
+    return {k: np.asarray(v)[keep][order] for k, v in rec.items()}
 
 
 def _stats(model):
@@ -145,6 +188,13 @@ def run(strategy, train, index, tmp, mark):
     trained = state(sharded)
     out["trained"] = max_gap(trained, want)
     out["stats"] = _stats(sharded)  # this worker's shards
+    # The stored layer: this worker's shard and store, key by key.
+    layer = sharded.get_layer(STORED)
+    out["stored_stats"] = {k: int(v) for k, v in layer.stats().items()}
+    out["stored_keys"] = int(len(reference.get_layer(STORED).export()["keys"]))
+    out["stored_export"] = max_gap(
+        _exported(layer), _exported(reference.get_layer(STORED), index)
+    )
 
     # Inference: training data (evicted and rejected keys included) and
     # unseen keys; nothing is counted or inserted.
@@ -158,6 +208,11 @@ def run(strategy, train, index, tmp, mark):
         out["predict"] = float(np.abs(predicted - expected).max())
     # Its records are compared after the save below (`reloaded`).
     out["inference_keeps_stats"] = _stats(sharded) == out["stats"]
+    out["stored_inference_keeps_stats"] = {
+        k: int(v) for k, v in layer.stats().items() if k != "store_hits"
+    } == {k: v for k, v in out["stored_stats"].items() if k != "store_hits"}
+    # Evicted keys of the probe were read from their owners' stores.
+    out["stored_reads"] = int(layer.stats()["store_hits"])
     mark("sparse inferred")
 
     path = os.path.join(tmp, "sparse.keras" if chief else f"sparse{index}.keras")
@@ -201,6 +256,10 @@ def _one_device(path, reference, probe, expected):
         gaps.append(max_gap({k: v[a] for k, v in got.items()},
                             {k: v[kept][b] for k, v in ref.items()}))  # fmt: skip
     out["dropped"], out["hash"] = dropped, max(gaps)
+    # The stored layer keeps every key (in its table or its store).
+    out["stored"] = max_gap(
+        _exported(one.get_layer(STORED)), _exported(reference.get_layer(STORED))
+    )
     keep = ~np.isin(probe["keys"], lost).any(axis=1)
     predicted = np.asarray(one(probe, training=False))
     out["call"] = float(np.abs(predicted - expected)[keep].max())

@@ -473,3 +473,44 @@ def test_collection_and_hash_file_loads_on_one_device(workers):
     assert max(one["dropped"].values()) <= 8
     assert one["compared_samples"] >= 16
     assert one["call"] <= TOL
+
+
+# ------------------------------- a key-sharded hash layer over stores (SPARSE)
+# tests/multiworker_sparse.py's "stored" layer: 128 rows (64 per worker's
+# shard) over a host store per worker, ~200 keys; the reference is one
+# device holding every key (no store).
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_each_worker_caches_its_shard_over_its_own_store(workers, index):
+    """Each worker's shard evicts keys down to its own store and fills
+    them back; its export (table and store) equals the reference's records
+    of the keys the shard owns, key by key (values, slots, scores)."""
+    results = _get(workers, index, "SPARSE")
+    stats = results["stored_stats"]
+    assert stats["evictions"] >= 20 and stats["fills"] >= 10, stats
+    assert stats["write_backs"] == stats["evictions"], stats
+    assert stats["overflows"] == 0, stats
+    assert results["stored_export"] <= TOL
+    sizes = [_get(workers, i, "SPARSE")["stored_stats"] for i in range(WORKERS)]
+    keys = sum(s["size"] + s["store_size"] for s in sizes)
+    assert keys == results["stored_keys"]
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_stored_layer_infers_saves_and_reloads_like_one_device(workers, index):
+    """With the stored layer in the model, the checks above hold for it
+    too: the saved records (gathered from every worker's table and store)
+    equal one device's, inference reads evicted keys from their owners'
+    stores and counts nothing, and the file reloads under the strategy."""
+    results = _get(workers, index, "SPARSE")
+    assert results["trained"] <= TOL
+    assert results["predict_error"] is None
+    assert results["call_outside_step"] <= TOL and results["predict"] <= TOL
+    assert results["stored_inference_keeps_stats"] is True
+    assert results["stored_reads"] > 0
+    assert results["reloaded"] == 0.0 and results["reloaded_call"] <= TOL
+
+
+def test_stored_layer_file_loads_on_one_device(workers):
+    """The chief's file on one device: the stored layer keeps every key
+    (in its table or its store) with the reference's records."""
+    assert _get(workers, 0, "SPARSE")["one_device"]["stored"] <= TOL

@@ -30,14 +30,17 @@ of its own (`keras_sparse.layers.row_tier_shards`): the owner's table call
 records the shard's moves, and before it re-initializes its fresh rows the
 owner carries them out on its part (`_move_owned`: evicted keys written
 back from their rows, rows whose keys the store holds filled from it), so
-a key's vector, slots and score come back when it is seen again. Every
-shard is in this process, so read-only calls read the stores on the host.
+a key's vector, slots and score come back when it is seen again. In one
+process read-only calls read the stores on the host; across workers each
+worker's stores answer for the keys its shards own (`read_stored`).
 
 Under MultiWorkerMirroredStrategy each worker holds the shards of its own
-replicas (``table.local``) and the all-gathers span the workers; saves and
-`export` gather every worker's records (`gathered_records`, a collective),
-and a call outside a step gathers every worker's keys for the workers to
-answer from the shards they hold (`_map_outside_steps`).
+replicas (``table.local``) and the all-gathers span the workers; saves
+gather every worker's records (`gathered_records`, a collective; with
+stores, the stored rows too, in memory), while `export` gives this
+worker's shards' records (tables and stores); a call outside a step
+gathers every worker's keys for the workers to answer from the shards they
+hold (`_map_outside_steps`).
 
 Bytes each replica receives per step, with ``T`` keys in the global batch,
 ``U <= T`` of them used (not padding) and ``dim`` float32 columns: the keys
@@ -245,6 +248,43 @@ class TfKeyPlacement:
         rows = tf_workers.sum_over_workers(strategy, found) - 1
         return MappedKeys(rows[start : start + n], tf.zeros_like(use))
 
+    @property
+    def read_stored(self):
+        """Reads of a read-only call's stored keys across workers
+        (`_read_stored`); None where this process holds every shard (the
+        layer reads the stores on the host)."""
+        if len(tf_workers.local_replicas(self.rows.distribute)) == self.devices:
+            return None
+        return self._read_stored
+
+    def _read_stored(self, layer, keys, rows):
+        """``(found, values)`` of a read-only call's keys without a row
+        (``rows`` -1): each key is read from its owner's store, on the
+        worker holding it, and the answers summed over the replicas (in a
+        step) or workers (outside one): a key has one owner, so one answer."""
+        shape = tuple(rows.shape)
+        keys = tf.cast(tf.reshape(keys, [-1]), tf.int64)
+        rows = tf.cast(tf.reshape(rows, [-1]), tf.int64)
+        n = tf.shape(keys)[0]
+        both = tf.stack([keys, rows], axis=1)
+        context = self.rows.replica_context()
+        if context is None:
+            strategy = self.rows.distribute
+            both, start = tf_workers.concat_over_workers(strategy, both)
+            found, values = _read_owned_stores(layer, both, layer.table.local)
+            found = tf_workers.sum_over_workers(strategy, found)
+            values = tf_workers.sum_over_workers(strategy, values)
+        else:
+            me = replica_id(context)
+            both, sizes = context.all_gather([both, n[None]], axis=0)
+            start = tf.reduce_sum(sizes[:me])
+            found, values = _read_owned_stores(layer, both, [me])
+            found = context.all_reduce(tf.distribute.ReduceOp.SUM, found)
+            values = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+        found = tf.reshape(found[start : start + n] > 0, shape)
+        values = tf.reshape(values[start : start + n], shape + (layer.output_dim,))
+        return found, values
+
     def gathered_records(self, records, admission, clock):
         """Every worker's ``records`` (dict of arrays, concatenated in
         worker order), ``admission`` (``(keys, counts)`` or None, sorted by
@@ -273,6 +313,32 @@ def _read_held(layer, keys, use):
     rows = tf.numpy_function(read, [keys, use], tf.int32, stateful=True)
     rows.set_shape(keys.shape)
     return rows
+
+
+def _read_owned_stores(layer, both, shards):
+    """``(found int32 [n], values [n, dim])`` of the ``[n, 2]`` (key, row)
+    pairs whose keys ``shards`` own, read from those shards' stores (zeros
+    elsewhere)."""
+    devices = layer.table.num_shards
+    dtype = layer.embeddings.dtype
+    held = np.asarray(shards)
+
+    def read(pairs):
+        keys, rows = pairs[:, 0], pairs[:, 1]
+        found = np.zeros(keys.shape[0], np.int32)
+        values = np.zeros((keys.shape[0], layer.output_dim), dtype)
+        at = np.flatnonzero(np.isin(owner_of(keys, devices), held))
+        if at.size:
+            hit, got = layer.row_tier.read_missing(keys[at], rows[at], dtype)
+            found[at], values[at] = hit, got
+        return found, values
+
+    found, values = tf.numpy_function(
+        read, [both], [tf.int32, dtype], stateful=True, name="key_sharded_reads"
+    )
+    found.set_shape(both.shape[:1])
+    values.set_shape(both.shape[:1] + [layer.output_dim])
+    return found, values
 
 
 def _move_owned(tier, state, local, fresh):

@@ -42,8 +42,8 @@ def store_config(spec):
 SUPPORTED = (
     "A store works with JAX sharding='data' (one host table) and "
     "sharding='key' (a store per table shard), with TensorFlow "
-    "sharding='key' under a MirroredStrategy of one process (a store per "
-    "replica's table shard) and with PyTorch sharding='key' across "
+    "sharding='key' under a MirroredStrategy or MultiWorkerMirroredStrategy "
+    "(a store per replica's table shard) and with PyTorch sharding='key' across "
     "torch.distributed processes (a store per process's table shard)."
 )
 
@@ -87,11 +87,12 @@ def check_attachable(layer):
     if (
         key_sharded
         and len(table.local) < table.num_shards
+        and backend != "tensorflow"
         and not (backend == "torch" and len(table.local) == 1)
     ):
         # JAX moves a step's rows in one host callback over the whole
-        # batch and TensorFlow reads a call's stored keys in this process;
-        # PyTorch owners move and read their own shard's rows.
+        # batch; TensorFlow and PyTorch owners move and read their own
+        # shard's rows (the placement routes read-only calls' keys).
         raise ValueError(
             f"{where} with sharding='key' on {backend} needs every table "
             f"shard in this process; it holds shards {list(table.local)} of "
