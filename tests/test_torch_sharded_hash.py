@@ -28,6 +28,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests.subprocess_results import wait_ranks
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch",
     reason="torch.distributed key sharding runs on the PyTorch backend only",
@@ -265,13 +267,7 @@ def _launch(*args):
 
 
 def _wait(procs, timeout=240):
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return logs
+    return wait_ranks(procs, timeout, check=False)
 
 
 def _single(name):
