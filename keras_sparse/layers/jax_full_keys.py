@@ -156,20 +156,6 @@ def _check_ids_fit(model, x, fixed_layers):
             )
 
 
-def _check_cached(x, cached, training):
-    """Refuses a batch a table with ``cache_rows`` would fail on inside a
-    step under a distribution (`cache_batches`); ``training``: a training
-    batch (else only its ids' range is checked)."""
-    from keras_sparse.layers.model_feeds import array_at
-
-    for cache, model_input in cached:
-        try:
-            ids = array_at(x, model_input.find(x))
-        except (ValueError, KeyError, IndexError, TypeError):
-            continue  # not in this batch: Keras reports that itself
-        cache_batches.check(cache, ids, training)
-
-
 def _is_wide(a):
     return isinstance(a, np.ndarray) and a.dtype in (np.int64, np.uint64)
 
@@ -229,7 +215,7 @@ def note_batch(model, batch, queue=True, queues=None):
     x, _, _ = split_batch(batch)
     if model_feeds.cached and cache_batches.needed():
         # Inside fit or train_on_batch (not fit's validation): training.
-        _check_cached(x, model_feeds.cached, serving_state.hidden())
+        cache_batches.check_batch(x, model_feeds.cached, serving_state.hidden())
     if model_feeds.problem is not None:
         _check_fits_int32(model, x, model_feeds.problem)
         return
@@ -331,7 +317,7 @@ def _precheck(model, args, kwargs):
         if model_feeds.fixed_layers:
             _check_ids_fit(model, data, model_feeds.fixed_layers)
         if model_feeds.cached and cache_batches.needed():
-            _check_cached(data, model_feeds.cached, training=False)  # the range
+            cache_batches.check_batch(data, model_feeds.cached, False)  # the range
         for feed in model_feeds.hash_feeds:
             if feed.layer.key_dtype != "int32":
                 continue

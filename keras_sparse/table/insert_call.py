@@ -347,13 +347,14 @@ class FusedInsert:
         teams`` blocks (a flag per team, then each team's barrier,
         counters, block totals and sort counts: KsGrid in the kernel);
         zeroed when allocated, after which each barrier keeps its count at
-        zero. A new layout gets a new, zeroed scratch."""
-        tb = blocks // teams
-        words = _team_base(teams) + teams * (8 + 2 * tb + 8 * tb * THREADS)
-        scratch = self.__dict__.get("_grid_scratch")
-        if scratch is None or self._grid_layout != (blocks, teams):
-            scratch = self._grid_scratch = cp.zeros(words, dtype=cp.int64)
-            self._grid_layout = (blocks, teams)
+        zero. One per layout, kept: a table's own calls (one team) and a
+        step's launches (several) alternate without zeroing anew."""
+        scratches = self.__dict__.setdefault("_grid_scratch", {})
+        scratch = scratches.get((blocks, teams))
+        if scratch is None:
+            tb = blocks // teams
+            words = _team_base(teams) + teams * (8 + 2 * tb + 8 * tb * THREADS)
+            scratch = scratches[(blocks, teams)] = cp.zeros(words, dtype=cp.int64)
         return scratch
 
     def team_workspaces(self, teams, words):

@@ -73,3 +73,16 @@ def check(cache, ids, training=True):
             "run. Use a larger `cache_rows` (1 <= cache_rows <= input_dim="
             f"{cache.input_dim}) or a smaller batch."
         )
+
+
+def check_batch(x, cached, training):
+    """`check` of each table of ``cached`` (see `feeds`) on its ids in the
+    batch ``x``; ``training``: a training batch (else the range only)."""
+    from keras_sparse.layers.model_feeds import array_at
+
+    for cache, model_input in cached:
+        try:
+            ids = array_at(x, model_input.find(x))
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue  # not in this batch: Keras reports that itself
+        check(cache, ids, training)
