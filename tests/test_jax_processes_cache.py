@@ -115,7 +115,7 @@ def _copies(rank, out):
         except ValueError as error:
             found[key] = np.array(f"{error} [size={emb.row_cache.slot_map.size}]")
     # An id out of range in process 1's part only: both processes refuse it.
-    bad = _local(x["a"], rank)
+    bad = _local(x["a"], rank).copy()
     bad[1, 0] = 300 if rank == 1 else 0
     keras.utils.set_random_seed(3)
     model, layer = cached_tables.build("dense", "sgd", {"cache_rows": CACHE})
@@ -125,6 +125,13 @@ def _copies(rank, out):
         found["bad_batch"] = np.array("trained")
     except ValueError as error:
         found["bad_batch"] = np.array(f"{error} [size={layer.stats()['size']}]")
+    model, layer = cached_tables.build("dense", "sgd", {"cache_rows": CACHE})
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    try:
+        model.fit(_local(x["a"], rank), _local(y, rank), verbose=0)
+        found["eager"] = np.array("trained")
+    except ValueError as error:
+        found["eager"] = np.array(f"{error} [size={layer.stats()['size']}]")
     return found
 
 
@@ -216,4 +223,11 @@ def test_a_batch_one_process_holds_wrong_is_refused_in_every_process(ranks):
     for result in ranks:
         message = str(result["bad_batch"])
         assert "Layer 'ids'" in message and "id 300 is out of range" in message
+        assert message.endswith("[size=0]"), message
+
+
+def test_eager_training_is_refused_before_the_cache_changes(ranks):
+    for result in ranks:
+        message = str(result["eager"])
+        assert "Layer 'ids'" in message and "compiled steps only" in message
         assert message.endswith("[size=0]"), message

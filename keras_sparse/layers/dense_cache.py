@@ -173,6 +173,17 @@ class CacheRows(CacheState, SparseEmbeddingBase):
 
     # ---------------------------------------------------------------- call
     def call(self, inputs, weights=None, training=None):
+        if (
+            training
+            and not is_symbolic(inputs)
+            and cache_jax_processes.active()
+            and not _in_shape_inference()
+        ):  # an eager call holds arrays that no process can read whole
+            raise ValueError(
+                f"Layer '{self.owner_name}': `cache_rows` across JAX processes "
+                "trains in compiled steps only (`model.fit`, `train_on_batch`); "
+                "drop `run_eagerly=True`."
+            )
         ids, weights, use = input_forms.fixed_vocabulary_ids(
             self.owner_name, inputs, weights, self.input_dim, self.combiner,
             in_range=False,
