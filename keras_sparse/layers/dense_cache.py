@@ -55,7 +55,10 @@ ids, the first to ask maps and moves them for all
 (`keras_sparse.layers.row_storage.cache_replicas`), and each fills its own
 copy of the cache. PyTorch processes under DistributedDataParallel each
 hold a copy of the id map, store and cache, and each maps the whole batch
-gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`).
+gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`);
+so do the JAX processes of a Keras distribution, every device's host call
+handed the whole global batch inside the step
+(`keras_sparse.layers.row_storage.cache_jax_processes`).
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the
@@ -96,6 +99,7 @@ from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.row_storage import cache_hop
+from keras_sparse.layers.row_storage import cache_jax_processes
 from keras_sparse.layers.row_storage import cache_processes
 from keras_sparse.layers.row_storage import cache_replicas
 from keras_sparse.layers.row_storage import cache_store
@@ -169,6 +173,17 @@ class CacheRows(CacheState, SparseEmbeddingBase):
 
     # ---------------------------------------------------------------- call
     def call(self, inputs, weights=None, training=None):
+        if (
+            training
+            and not is_symbolic(inputs)
+            and cache_jax_processes.active()
+            and not _in_shape_inference()
+        ):  # an eager call holds arrays that no process can read whole
+            raise ValueError(
+                f"Layer '{self.owner_name}': `cache_rows` across JAX processes "
+                "trains in compiled steps only (`model.fit`, `train_on_batch`); "
+                "drop `run_eagerly=True`."
+            )
         ids, weights, use = input_forms.fixed_vocabulary_ids(
             self.owner_name, inputs, weights, self.input_dim, self.combiner,
             in_range=False,
@@ -189,6 +204,8 @@ class CacheRows(CacheState, SparseEmbeddingBase):
                 slots, flat_all, use_all = self._map_processes(
                     group, flat, use, one_hop
                 )
+            elif cache_jax_processes.active():  # JAX processes, one mesh
+                slots = self._map_jax_processes(flat, use)
             elif one_hop == "torch_cpu":
                 slots = cache_hop.map_and_move_torch(self, flat, use)
             elif one_hop:
@@ -258,21 +275,35 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             row_moves.move_rows(self, slots, fill, self._route())
         return slots[start : start + int(flat.shape[0])], ids, used
 
+    def _map_jax_processes(self, flat, use):
+        """The int32 slots of the global batch ``flat``, every device's copy
+        of the cache filled: each process maps and moves the whole batch
+        once for its devices (`cache_jax_processes`)."""
+        rounds = self._rounds(cache_jax_processes.local_devices())
+        # The step counter keys the rounds: every device reads it alike.
+        asked = (rounds, ops.convert_to_tensor(self.sparse_iterations))
+        slots, fill = self._map(flat, use, True, asked)
+        row_moves.move_rows(self, slots, fill, rounds=asked)
+        return slots
+
+    def _rounds(self, callers):
+        """The `cache_replicas.Rounds` of ``callers`` replicas or devices."""
+        rounds = self.__dict__.get("_replica_rounds")
+        if rounds is None or rounds.replicas != callers:
+            rounds = cache_replicas.Rounds(self.owner_name, callers)
+            self.__dict__["_replica_rounds"] = rounds
+        return rounds
+
     def _map_replicated(self, context, flat, use):
         """This replica's int32 slots, its copy of the cache filled: the
         replicas' whole batch mapped and moved once (`cache_replicas`)."""
         import tensorflow as tf
 
-        rounds = self.__dict__.get("_replica_rounds")
-        if rounds is None or rounds.replicas != context.num_replicas_in_sync:
-            rounds = cache_replicas.Rounds(
-                self.owner_name, context.num_replicas_in_sync
-            )
-            self.__dict__["_replica_rounds"] = rounds
+        rounds = self._rounds(context.num_replicas_in_sync)
         ids, used, start = cache_replicas.gather(context, flat, use)
         # The step counter keys the rounds: every replica reads it alike.
         step = ops.convert_to_tensor(self.sparse_iterations)
-        asked = (rounds, cache_replicas.replica_id(context), step)
+        asked = (rounds, step, cache_replicas.replica_id(context))
         slots, fill = self._map(ids, used, True, asked)
         row_moves.move_rows(self, slots, fill, rounds=asked)
         mine = tf.slice(slots, tf.reshape(start, (1,)), tf.shape(flat)[:1])
@@ -282,8 +313,9 @@ class CacheRows(CacheState, SparseEmbeddingBase):
     def _map(self, flat, use, insert, rounds=None):
         """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``
         (see `DenseSlots.assign`; read-only: `DenseSlots.lookup`).
-        ``rounds``: ``(Rounds, replica, step)``, the replicas' whole batch
-        mapped once (TensorFlow)."""
+        ``rounds``: ``(Rounds, step, replica)``, the replicas' whole batch
+        mapped once (TensorFlow); ``(Rounds, step)``, each JAX process's
+        devices' (`cache_jax_processes.each_device` adds the device)."""
 
         def mapped(ids, used):
             ids = np.asarray(ids).reshape(-1)
@@ -301,7 +333,7 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             host, extra = mapped, []
         else:
 
-            def host(ids, used, replica, step):
+            def host(ids, used, step, replica):
                 return rounds[0].run("map", replica, step, lambda: mapped(ids, used))
 
             extra = list(rounds[1:])
@@ -313,6 +345,15 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             return tuple(ops.convert_to_tensor(x) for x in out)
         n = None if None in tuple(flat.shape) else int(flat.shape[0])
         backend = keras.backend.backend()
+        if backend == "jax" and rounds is not None:
+            import jax
+
+            types = [
+                jax.ShapeDtypeStruct((n,), np.int32),
+                jax.ShapeDtypeStruct((n,), np.bool_),
+            ]
+            host = jax_step_mapping.final_on_failure(self, host)
+            return cache_jax_processes.each_device(host, types, flat, use, *extra)
         if backend == "jax":
 
             def host_rows(ids, used, out):

@@ -46,7 +46,8 @@ def initial_rows(cache, fields):
     seed = getattr(init, "seed", None)
     if not isinstance(seed, (int, np.integer)):
         seed = int(np.random.default_rng(seed=None).integers(1, 2**31 - 1))
-    if keras.backend.backend() == "torch" and getattr(init, "_init_seed", 0) is None:
+    backend = keras.backend.backend()
+    if backend in ("torch", "jax") and getattr(init, "_init_seed", 0) is None:
         # Unseeded (Keras drew a seed): one seed for every process.
         seed = cache_processes.shared_seed(cache.owner_name, int(seed))
     slot_values = {
