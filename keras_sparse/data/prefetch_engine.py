@@ -9,6 +9,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from keras_sparse.data import cache_ahead
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.prefetch_pass import Pass
 from keras_sparse.data.prefetch_pass import counters
@@ -67,6 +68,9 @@ class Engine:
         # for (`_shares`).
         self.groups = []
         self.scratch = {}  # feed index -> `segment_scratch` array
+        # Tables with ``cache_rows`` whose training batches are mapped
+        # ahead, as Keras receives them (`cache_ahead`).
+        self.cached_feeds = cache_ahead.cached_feeds(feeds) if insert else []
 
     # ---------------------------------------------------------------- passes
     def start_pass(self):

@@ -7,6 +7,7 @@ import time
 
 import keras
 
+from keras_sparse.data import cache_ahead
 from keras_sparse.data import lookahead
 
 _POLL = 0.05
@@ -387,6 +388,8 @@ class Pass:
                 raise error from err
             finally:
                 del error, err
+        if self.e.cached_feeds:
+            cache_ahead.map_batch(self.e.cached_feeds, out[0])
         # Trim the bookkeeping of batches surely dispatched long ago.
         for old in [s for s in self.pending if s < key - 64]:
             del self.pending[old]

@@ -97,6 +97,7 @@ from keras_sparse.layers import inputs as input_forms
 from keras_sparse.layers import row_changes
 from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
+from keras_sparse.layers.row_storage import ahead_maps
 from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.row_storage import cache_hop
 from keras_sparse.layers.row_storage import cache_jax_processes
@@ -402,15 +403,30 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         return np.asarray(ids, np.int64)
 
     # ---------------------------------------------------------------- state
+    def map_ahead(self, ids):
+        """Maps a training batch's ids (an integer NumPy array, the layer's
+        input as its step will see it) ahead of its step, after every batch
+        mapped before it, so that the step only moves rows
+        (`keras_sparse.layers.row_storage.ahead_maps`). For the input stage,
+        which calls it in the order it hands batches to Keras. Returns
+        False, doing nothing, where a step maps other ids than its own
+        batch's (replicas and processes map the gathered batch) or no
+        batch is mapped (not built, not trainable)."""
+        if not (self.built and self.trainable) or not ahead_maps.one_mapper():
+            return False
+        self.slot_map.ahead.map(np.asarray(ids).reshape(-1))
+        return True
+
     def stats(self):
         """The cache's counters (``hits``/``misses`` of the ids of training
         calls, a repeat within a call being a hit; ``evictions``), ``size``
         and ``capacity``, and its store's (``fills``, ``write_backs``,
         ``store_hits``, ``store_size``, ``store_bytes``)."""
         slot_map = self.slot_map
-        out = dict(slot_map.counts)
+        out = slot_map.trained_counts()
         out["inserts"] = out["misses"]
         out.update(size=slot_map.size, capacity=slot_map.capacity)
+        out.update(slot_map.ahead.counts)
         out.update(self.row_tier.stats())
         return out
 

@@ -14,8 +14,11 @@ either in the cache or in the store, and each move writes it down before
 its slot is reused, so any victim keeps training exact.
 """
 
+import threading
+
 import numpy as np
 
+from keras_sparse.layers.row_storage.ahead_maps import AheadMaps
 from keras_sparse.ops import native_cache
 
 
@@ -37,6 +40,10 @@ class DenseSlots:
         self.calls = 0
         self.counts = {"hits": 0, "misses": 0, "evictions": 0}
         self.native = native
+        # Orders every change of the map (the input stage maps batches
+        # ahead on its own thread: `ahead`).
+        self.lock = threading.RLock()
+        self.ahead = AheadMaps(self)
 
     def compiled(self):
         """The compiled helpers `assign` uses, or None (NumPy passes)."""
@@ -44,11 +51,22 @@ class DenseSlots:
 
     @property
     def size(self):
-        """Ids cached now."""
-        return int(np.count_nonzero(self.id_of_slot >= 0))
+        """Ids cached as of the last trained step (mappings made ahead
+        left out)."""
+        with self.lock:
+            held = int(np.count_nonzero(self.id_of_slot >= 0))
+            return held - self.ahead.pending()["rows"]
+
+    def trained_counts(self):
+        """`counts` as of the mappings steps used (those made ahead left
+        out)."""
+        with self.lock:
+            pending = self.ahead.pending()
+            return {k: v - pending[k] for k, v in self.counts.items()}
 
     def cached(self):
         """``(ids, slots)`` of the cached ids, ids ascending."""
+        self.ahead.settle()
         slots = np.flatnonzero(self.id_of_slot >= 0)
         ids = self.id_of_slot[slots]
         order = np.argsort(ids)
@@ -56,6 +74,7 @@ class DenseSlots:
 
     def clear(self):
         """Empties the cache (the store then holds every id's row)."""
+        self.ahead.settle()
         self.slot_of_id.fill(-1)
         self.id_of_slot.fill(-1)
         self.referenced.fill(False)
@@ -86,7 +105,9 @@ class DenseSlots:
         at = np.flatnonzero(use)
         used = ids[at]
         self.check_range(used)
-        slots[at] = self.slot_of_id[used]
+        self.ahead.settle()
+        with self.lock:
+            slots[at] = self.slot_of_id[used]
         return slots
 
     def assign(self, ids, use):
@@ -96,9 +117,22 @@ class DenseSlots:
         not ``use``d), bool ``[n]`` True at the first position of each id
         given a slot now, and the int64 ids evicted from those slots (in
         the order of their positions; -1 for empty slots). Raises before
-        changing anything when the batch's ids cannot all be cached.
+        changing anything when the batch's ids cannot all be cached. A
+        mapping made ahead for these ids (`ahead`) is used as it is.
         """
         ids = np.asarray(ids).reshape(-1)
+        use = np.asarray(use, bool).reshape(-1)
+        entry, mapped = self.ahead.for_step(ids, use, lambda: self.assign_now(ids, use))
+        if entry is None:
+            return mapped
+        return entry.slots.copy(), entry.fill.copy(), entry.evicted.copy()
+
+    def assign_now(self, ids, use):
+        """`assign`, mapping the ids now (after any mapping made ahead)."""
+        with self.lock:
+            return self._assign(np.asarray(ids).reshape(-1), use)
+
+    def _assign(self, ids, use):
         use = np.asarray(use, bool).reshape(-1)
         lib = self.compiled()
         if lib is not None:
@@ -157,9 +191,19 @@ class DenseSlots:
         only (`compiled` is not None)."""
         lib = self.compiled()
         ids = np.asarray(ids).reshape(-1)
-        count, (_, fill_ids, victims, evicted) = self._assign_compiled(
-            lib, ids, np.asarray(use, bool).reshape(-1), slots, None
-        )
+        use = np.asarray(use, bool).reshape(-1)
+
+        def now():
+            with self.lock:
+                return self._assign_compiled(lib, ids, use, slots, None)
+
+        entry, mapped = self.ahead.for_step(ids, use, now)
+        if entry is None:
+            count, (_, fill_ids, victims, evicted) = mapped
+        else:  # mapped ahead: the moves are left
+            slots[...] = entry.slots
+            count = entry.fill_ids.shape[0]
+            fill_ids, victims, evicted = entry.fill_ids, entry.victims, entry.evicted
         if count:
             lib.move_rows(count, victims, evicted, fill_ids, cache, store)
         return count, int(np.count_nonzero(evicted[:count] >= 0))
@@ -195,6 +239,17 @@ class DenseSlots:
         counts["misses"] = int(state[native_cache.MISSES])
         counts["evictions"] = int(state[native_cache.EVICTIONS])
         return int(count), scratch
+
+    def undo(self, entry):
+        """Undoes a mapping made ahead (an `AheadEntry`, the newest one
+        not undone; caller holds ``lock``): its new ids leave their rows,
+        which their former ids take back."""
+        self.slot_of_id[entry.fill_ids] = -1
+        self.id_of_slot[entry.victims] = entry.evicted
+        old = entry.evicted >= 0
+        self.slot_of_id[entry.evicted[old]] = entry.victims[old].astype(np.int32)
+        for name, added in entry.counts.items():
+            self.counts[name] -= added
 
     def _check_room(self, count, used, positions):
         """Raises unless ``count`` slots are left besides the batch's hits
