@@ -36,6 +36,7 @@ from keras_sparse.kernel_sources import kernel_source  # noqa: E402
 from keras_sparse.table import HashTable  # noqa: E402
 from keras_sparse.table import cuda_modules  # noqa: E402
 from keras_sparse.table import insert_call  # noqa: E402
+from keras_sparse.table import launches  # noqa: E402
 from keras_sparse.table import step_rows_together  # noqa: E402
 
 PHASES = {
@@ -144,9 +145,9 @@ def field_step(plain, profiled, fields, team_choices, reps):
     use(plain)
     step()  # every key in: later steps are all hits
     for choice in team_choices:
-        insert_call.GRID_TEAMS = choice or None
+        launches.GRID_TEAMS = choice or None
         need = insert_call.workspace_words(per_field)
-        teams = choice or insert_call.grid_teams(fields, need)
+        teams = choice or launches.grid_teams(fields, need)
         use(plain)
         step()
         wall = best_of_events(step, reps)
@@ -157,7 +158,7 @@ def field_step(plain, profiled, fields, team_choices, reps):
             per,
             seen,
         )
-    insert_call.GRID_TEAMS = None
+    launches.GRID_TEAMS = None
 
 
 def main(argv=None):

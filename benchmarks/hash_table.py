@@ -253,9 +253,9 @@ def main(argv=None):
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.grid_blocks:
-        from keras_sparse.table import insert_call
+        from keras_sparse.table import launches
 
-        insert_call.GRID_BLOCKS = args.grid_blocks
+        launches.GRID_BLOCKS = args.grid_blocks
     gpu_ok = False
     if args.device in ("gpu", "auto"):
         try:

@@ -19,7 +19,7 @@ everywhere. Variants, one model each, the same batches:
   key, one table call per step for the fields;
 * ``hash-gpu-1team``: ``hash-gpu`` with the step's large table calls run
   one after another on every block of the launch (one team), instead of
-  side by side on teams of blocks (`keras_sparse.table.insert_call`).
+  side by side on teams of blocks (`keras_sparse.table.launches`).
 
 Each variant trains ``--warmup`` steps (compiling), then ``--steps`` timed
 ``train_on_batch`` calls on batches already on the device (two batches,
@@ -143,9 +143,9 @@ def timed(variant, args, data):
     # The route is chosen when the step is traced (the first call).
     dense_row_updates.FORCE_DENSE_ROUTE = False if variant == "dense-sorted" else None
     if variant.startswith("hash-gpu"):
-        from keras_sparse.table import insert_call
+        from keras_sparse.table import launches
 
-        insert_call.GRID_TEAMS = 1 if variant == "hash-gpu-1team" else None
+        launches.GRID_TEAMS = 1 if variant == "hash-gpu-1team" else None
     model = build(variant, args)
     for i in range(args.warmup):
         model.train_on_batch(*data[i % 2])

@@ -32,11 +32,8 @@ id's slot in its owner's send buffer travels with the codes, the step skips
 its packing, all-reduce and overflow callback, and a batch that would
 overflow a buffer raises in the worker, naming the layer, before its step.
 
-While a stage is open, its hash layers are in "prepared inputs" mode (a
-per-layer counter; the model's cached train/test/predict functions are reset
-so they retrace) and *only* prepared inputs may reach them; ``close()`` (or
-leaving the ``with`` block, or garbage collection) restores the raw-key path
-and resets the cached functions again. Use one stage per data set (e.g.
+While a stage is open, only prepared inputs may reach its hash layers
+(`keras_sparse.data.prefetch_stage`): use one stage per data set (e.g.
 ``validation_data=prefetch(val, model, training=False)``).
 
 Ordering and exactness. Each layer's table is mutated in batch order: a
@@ -132,301 +129,22 @@ Caveats:
   device count, else the bucketing reports an overflow before the step.
 """
 
-import weakref
-
-import keras
-import numpy as np
-
-from keras_sparse.data import lookahead
+from keras_sparse.data.feed_layouts import default_replicas
+from keras_sparse.data.feed_layouts import feed_layout
+from keras_sparse.data.feed_layouts import feed_shares
+from keras_sparse.data.feed_layouts import has_store
+from keras_sparse.data.feed_layouts import key_words
 from keras_sparse.data.local_replicas import local_replicas
 from keras_sparse.data.prefetch_engine import Engine
 from keras_sparse.data.prefetch_pass import PrefetchError
+from keras_sparse.data.prefetch_stage import PrefetchStage
 from keras_sparse.data.sources import make_source
 from keras_sparse.data.transfer import batch_copier
 from keras_sparse.layers.hash import table_users
-from keras_sparse.layers.hash.prepared_inputs import PreparedForm
 from keras_sparse.layers.model_feeds import check_sole_readers
-from keras_sparse.layers.model_feeds import input_groups
 from keras_sparse.layers.model_feeds import plan
 
 __all__ = ["PrefetchError", "PrefetchStage", "prefetch"]
-
-
-class PrefetchStage(keras.utils.PyDataset):
-    """The object `prefetch` returns: a `keras.utils.PyDataset`.
-
-    ``len(stage)`` is the number of batches per pass when known (else
-    ``num_batches`` is None and ``fit`` needs ``steps_per_epoch``). Use it as
-    a context manager, or call ``close()``; it also closes on garbage
-    collection and after ``passes`` complete passes when ``passes`` is set.
-    """
-
-    def __init__(self, engine, model, hash_layers, passes):
-        super().__init__(workers=1, use_multiprocessing=False)
-        self._engine = engine
-        self._model = model
-        self._layers = hash_layers
-        self._passes_left = passes
-        self._peeked = []
-        self._served = []
-        self._in_epoch = False
-        self._active = False
-        self._activate()
-        self._finalizer = weakref.finalize(
-            self, _finalize, engine, list(hash_layers), weakref.ref(model)
-        )
-
-    # ------------------------------------------------------------ lifecycle
-    def _activate(self):
-        engine = self._engine
-        layouts = {
-            id(f.layer): (layout, share, words)
-            for f, layout, share, words in zip(
-                engine.feeds, engine.layouts, engine.shares, engine.words
-            )
-        }
-        forms = {id(layer): PreparedForm(*layouts[id(layer)]) for layer in self._layers}
-        for layer in self._layers:  # refuse before holding any layer
-            if layer.prepared_form not in (None, forms[id(layer)]):
-                layer.hold_for_stage(forms[id(layer)])  # raises, naming the layer
-        flipped = False
-        for layer in self._layers:
-            flipped |= layer.hold_for_stage(forms[id(layer)])
-        if engine.insert:
-            lookahead.install(engine, self._layers, self._model)
-        self._active = True
-        if flipped:
-            _reset_model_functions(self._model)
-
-    def close(self):
-        """Stops the workers and restores the layers' raw-key path."""
-        if self._finalizer.alive:
-            self._finalizer()
-        self._active = False
-        self._peeked.clear()
-
-    @property
-    def closed(self):
-        return not self._finalizer.alive
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    # ------------------------------------------------------------ PyDataset
-    @property
-    def num_batches(self):
-        return self._engine.source.num_batches
-
-    def __len__(self):
-        n = self.num_batches
-        if n is None:
-            raise TypeError("prefetch: the number of batches is unknown")
-        return n
-
-    def __getitem__(self, index):
-        """The next prepared batch of the pass; ``index`` is not used.
-
-        The stage serves its source's order (Keras' ``shuffle`` does not
-        apply; shuffle in the source). Requests made outside an epoch (the
-        TensorFlow adapter peeks at 2 batches to infer the tensor specs) read
-        ahead: those batches are served again, first, once the epoch begins.
-        """
-        if self.closed:
-            raise RuntimeError(
-                "prefetch: this stage is closed; create a new one with "
-                "keras_sparse.data.prefetch(...)"
-            )
-        if self._in_epoch and self._peeked:
-            return self._peeked.pop(0)
-        engine = self._engine
-        p = engine._pass
-        if p is None or p.exhausted():
-            if p is not None:
-                engine.end_pass(complete=True)
-            p = engine.start_pass()
-        batch = self._format(*p.get(p.next))
-        if not self._in_epoch:
-            self._peeked.append(batch)
-        else:
-            self._served.append(batch)
-        return batch
-
-    def on_epoch_begin(self):
-        self._in_epoch = True
-        self._served = []
-
-    @staticmethod
-    def _format(x, y, sw):
-        if y is None and sw is None:
-            return (x,)
-        if sw is None:
-            return (x, y)
-        return (x, y, sw)
-
-    def on_epoch_end(self):
-        self._in_epoch = False
-        if _called_from_reset():
-            # Keras' `_symbolic_build` took a batch to build the model, then
-            # `EpochIterator.reset()`: that batch was not trained; serve it
-            # again first so that training sees every batch once, in order.
-            self._peeked[:0] = self._served
-            self._served = []
-            return
-        self._served = []
-        p = self._engine._pass
-        if p is not None and p.exhausted():
-            self._engine.end_pass(complete=True)
-            if self._passes_left is not None:
-                self._passes_left -= 1
-                if self._passes_left <= 0:
-                    self.close()
-
-    @property
-    def replicas(self):
-        """Replicas samples are routed to (None without routing)."""
-        return self._engine.replicas if self._engine.route else None
-
-    # ---------------------------------------------------------------- stats
-    def stats(self):
-        """Counters: batches, table/route/prepare seconds, routed bytes."""
-        with self._engine.cond:
-            s = dict(self._engine.stats)
-        n = max(1, s["routed_batches"])
-        s["bytes_unrouted_per_step"] = s["bytes_unrouted"] / n
-        s["bytes_routed_per_step"] = s["bytes_routed"] / n
-        s["bytes_saved_fraction"] = (
-            1.0 - s["bytes_routed"] / s["bytes_unrouted"]
-            if s["bytes_unrouted"]
-            else 0.0
-        )
-        return s
-
-
-def _called_from_reset():
-    """True when Keras' `EpochIterator.reset` ends the epoch (Keras 3 detail)."""
-    import sys
-
-    frame = sys._getframe(1)
-    for _ in range(6):
-        frame = frame.f_back
-        if frame is None:
-            return False
-        code = frame.f_code
-        if code.co_name == "reset" and "epoch_iterator" in code.co_filename:
-            return True
-    return False
-
-
-def _reset_model_functions(model):
-    if model is None:
-        return
-    for name in ("train_function", "test_function", "predict_function"):
-        if hasattr(model, name):
-            setattr(model, name, None)
-
-
-def _finalize(engine, layers, model_ref):
-    engine.shutdown()
-    lookahead.remove(engine, layers)
-    flipped = False
-    for layer in layers:
-        flipped |= layer.release_from_stage()
-    if flipped:
-        _reset_model_functions(model_ref())
-
-
-def _default_replicas():
-    dist = keras.distribution.distribution()
-    if dist is None:
-        return None
-    mesh = getattr(dist, "device_mesh", None)
-    if mesh is None:
-        return None
-    axis = getattr(dist, "batch_dim_name", None)
-    if axis in tuple(mesh.axis_names):
-        return int(mesh.shape[list(mesh.axis_names).index(axis)])
-    return int(np.prod(mesh.shape))
-
-
-def _feed_layout(layer, dedup, bucket):
-    """What a hash layer's codes travel with: None or ``(replicas, channel)``.
-
-    A row-sharded layer with compact exchange buffers gets its ids' exchange
-    slots (``bucket``; channel: its `ExchangeBuckets`). Other sharded layers
-    get nothing: their lookups do not use segments, and full-size buffers or
-    column sharding need no packing. Unsharded layers get their segments
-    (``dedup``; channel "segments"), which number a batch's distinct rows
-    over the whole batch the step sees; a multi-process JAX run assembles its
-    global batch from per-process parts, whose numbers would be local, so it
-    gets none.
-    """
-    if keras.backend.backend() != "jax":
-        return (1, "segments") if dedup else None
-    import jax
-
-    from keras_sparse.sharding import keras_integration
-
-    if jax.process_count() > 1:
-        return None
-    buckets = keras_integration.exchange_buckets(layer)
-    if buckets is not None:
-        return (buckets.devices, buckets) if bucket else None
-    if keras_integration.route(layer) is not None or not dedup:
-        return None
-    return (_default_replicas() or 1, "segments")
-
-
-def _shares(feeds, layouts, words=None):
-    """``(groups, shares)``: how hash layers reading one model input share it.
-
-    ``groups``: ``(feed indices, replicas)`` per model input feeding hash
-    layers, ``replicas`` what its blocks are packed for. ``shares``: per
-    feed, None when the layer reads its input alone, else the
-    ``(replicas, start, count, blocks)`` of `take_blocks`: the layer's
-    ``count`` blocks (codes, or codes and segments) from ``start`` among the
-    input's ``blocks``. Every layer of a group must use one replica count.
-    """
-    groups, shares = [], [None] * len(feeds)
-    for group in input_groups(feeds):
-        counts = [
-            (1 if layouts[i] is None else 2) + (2 if words and words[i] else 0)
-            for i in group
-        ]
-        replicas = {layouts[i][0] for i in group if layouts[i] is not None}
-        if len(replicas) > 1:
-            names = ", ".join(f"'{feeds[i].layer.name}'" for i in group)
-            raise ValueError(
-                f"prefetch: layers {names} read one model input but their "
-                f"prepared inputs split over different replica counts "
-                f"{sorted(replicas)}; give them separate inputs."
-            )
-        local = replicas.pop() if replicas else 1
-        groups.append((group, local))
-        if len(group) == 1:
-            continue
-        # Each process packs its own batch; JAX joins them process-major.
-        total = local * _process_count()
-        start = 0
-        for i, count in zip(group, counts):
-            shares[i] = (total, start, count, sum(counts))
-            start += count
-    return groups, shares
-
-
-def _has_store(layer):
-    return getattr(layer, "row_tier", None) is not None
-
-
-def _process_count():
-    if keras.backend.backend() != "jax":
-        return 1
-    import jax
-
-    return jax.process_count()
 
 
 def prefetch(
@@ -522,7 +240,7 @@ def prefetch(
             "stages only (training=True)."
         )
     if route is not None:
-        replicas = replicas or _default_replicas()
+        replicas = replicas or default_replicas()
         if not replicas:
             raise ValueError(
                 "prefetch: route='locality' needs `replicas` (or an active "
@@ -549,7 +267,7 @@ def prefetch(
                 "yet. Train it without the stage, or plan the layer with "
                 "another strategy."
             )
-        if _has_store(layer) and len(table_users.users(layer)) > 1:
+        if has_store(layer) and len(table_users.users(layer)) > 1:
             # Its undo records and row moves would mix with the other's.
             raise ValueError(
                 f"prefetch: layer '{layer.name}' has a row store (`store=`) "
@@ -565,21 +283,8 @@ def prefetch(
     engine.copy_batch = copy_batch
     engine.local_replicas = local
     engine.layouts = [
-        _feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None
-        for f in feeds
+        feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None for f in feeds
     ]
-    # Layers drawing fresh rows per key get each position's key words (two
-    # int32 blocks), in inference stages too: one layout per layer. So do
-    # layers with a row store: read-only steps read keys without a row
-    # from the store.
-    engine.words = [
-        (
-            (layout[0] if layout else 1) * _process_count()
-            if f.kind == "hash"
-            and (f.layer.keys_drawn_per_key() or _has_store(f.layer))
-            else 0
-        )
-        for f, layout in zip(feeds, engine.layouts)
-    ]
-    engine.groups, engine.shares = _shares(feeds, engine.layouts, engine.words)
+    engine.words = key_words(feeds, engine.layouts)
+    engine.groups, engine.shares = feed_shares(feeds, engine.layouts, engine.words)
     return PrefetchStage(engine, model, hash_layers, passes)

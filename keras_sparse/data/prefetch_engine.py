@@ -57,15 +57,15 @@ class Engine:
         self.copy_batch = None  # host -> device copy (`transfer.batch_copier`)
         # Per feed: None (codes alone) or ``(replicas, channel)``, what the
         # codes travel with (`prepared_inputs`): "segments" or the
-        # `ExchangeBuckets` of a row-sharded layer. See `_feed_layout`.
+        # `ExchangeBuckets` of a row-sharded layer. See `feed_layouts`.
         self.layouts = [None] * len(feeds)
         # Per feed: 0, or the replicas its key words are packed for.
         self.words = [0] * len(feeds)
         # Per feed: None, or ``(replicas, start, count, blocks)`` when its
-        # model input feeds other hash layers too (`_shares`).
+        # model input feeds other hash layers too (`feed_layouts.feed_shares`).
         self.shares = [None] * len(feeds)
         # Hash feeds per model input, and the replicas its blocks are packed
-        # for (`_shares`).
+        # for (`feed_layouts.feed_shares`).
         self.groups = []
         self.scratch = {}  # feed index -> `segment_scratch` array
         # Tables with ``cache_rows`` whose training batches are mapped

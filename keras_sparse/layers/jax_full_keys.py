@@ -23,15 +23,16 @@ layer side that takes keys back, are `keras_sparse.layers.jax_key_queue`.
 Models where the feeding input cannot be found (subclassed models, a layer
 fed by another layer) cannot be served this way; for them a batch whose int64
 keys do not fit in 32 bits raises a clear error instead of training on
-collided keys. ``keras_sparse.data.prefetch`` (which maps keys on the host)
-and ``jax_enable_x64`` are the alternatives.
+collided keys (`keras_sparse.layers.jax_key_checks`, with the other
+refusals of keys a 32-bit step would see wrapped).
+``keras_sparse.data.prefetch`` (which maps keys on the host) and
+``jax_enable_x64`` are the alternatives.
 """
 
 import contextlib
 import contextvars
 import functools
 import threading
-import warnings
 import weakref
 from typing import NamedTuple
 
@@ -39,19 +40,22 @@ import numpy as np
 
 from keras_sparse.layers.hash import serving_state
 from keras_sparse.layers.hash import string_keys
+from keras_sparse.layers.jax_key_checks import check_declared_int32
+from keras_sparse.layers.jax_key_checks import check_fits_int32
+from keras_sparse.layers.jax_key_checks import check_ids_fit
+from keras_sparse.layers.jax_key_checks import is_wide
+from keras_sparse.layers.jax_key_checks import precheck
 from keras_sparse.layers.jax_key_queue import CALL_QUEUES
 from keras_sparse.layers.jax_key_queue import KeyQueue
 from keras_sparse.layers.jax_key_queue import key_queue
+from keras_sparse.layers.jax_truncation_warning import truncation_warning_moot
 from keras_sparse.layers.row_storage import cache_batches
-from keras_sparse.layers.row_storage import cache_jax_processes
 
 _ACTIVE = contextvars.ContextVar("keras_sparse_full_keys_model", default=None)
 _BUILDING = contextvars.ContextVar("keras_sparse_symbolic_build", default=False)
-_INT32 = np.iinfo(np.int32)
 _install_lock = threading.Lock()
 _installed = False
 _feeds_cache = weakref.WeakKeyDictionary()
-_ours_cache = weakref.WeakKeyDictionary()
 
 
 def _needs_full_keys():
@@ -133,74 +137,6 @@ def _fixed_layers(model):
     return fed
 
 
-def _check_ids_fit(model, x, fixed_layers):
-    """Refuses int64 ids beyond int32 that fixed-vocabulary layers read: the
-    step would see them wrapped to 32 bits (``2**32 + 5`` as 5) and train
-    that row."""
-    from keras_sparse.layers.model_feeds import array_at
-
-    for name, model_input in fixed_layers:
-        try:
-            a = array_at(x, model_input.find(x))
-        except (ValueError, KeyError, IndexError, TypeError):
-            continue  # not in this batch: Keras reports that itself
-        first = _first_beyond_int32(a)
-        if first is not None:
-            wrapped = (first + 2**31) % 2**32 - 2**31
-            raise ValueError(
-                f"Model '{model.name}': id {first} ({a.dtype}) for layer "
-                f"'{name}' is beyond the int32 range. JAX without "
-                f"`jax_enable_x64` would wrap it to {wrapped} in the compiled "
-                "step and train that row, so the step is not run. Ids of "
-                "AllToAllDenseEmbedding / EmbeddingCollection must lie in "
-                "[0, input_dim)."
-            )
-
-
-def _is_wide(a):
-    return isinstance(a, np.ndarray) and a.dtype in (np.int64, np.uint64)
-
-
-def _check_fits_int32(model, x, problem):
-    from keras import tree
-
-    for a in tree.flatten(x):
-        if _is_wide(a) and a.size:
-            if a.dtype == np.uint64 or a.min() < _INT32.min or a.max() > _INT32.max:
-                raise ValueError(
-                    f"Model '{model.name}': int64 keys beyond the int32 range "
-                    "reach a DistributedHashEmbedding, but JAX (without "
-                    "`jax_enable_x64`) would truncate them to 32 bits and "
-                    "keras_sparse cannot tell which input feeds the layer "
-                    f"({problem}). Use `keras_sparse.data.prefetch(data, "
-                    "model, feature_map=...)`, or enable x64 with "
-                    "`jax.config.update('jax_enable_x64', True)` before "
-                    "building the model."
-                )
-
-
-def _first_beyond_int32(a):
-    """The first value of a wide NumPy array outside int32, or None."""
-    if not _is_wide(a) or not a.size:
-        return None
-    bad = a > _INT32.max
-    if a.dtype != np.uint64:
-        bad |= a < _INT32.min
-    return int(a[bad].reshape(-1)[0]) if bad.any() else None
-
-
-def _check_declared_int32(layer, keys):
-    first = _first_beyond_int32(keys)
-    if first is not None:
-        raise ValueError(
-            f"Layer '{layer.name}': key {first} is beyond the int32 range, but "
-            "the layer declares key_dtype='int32' (keys in [-2**31, 2**31)). "
-            "JAX without `jax_enable_x64` would wrap it to 32 bits in the "
-            "compiled step, so the step is not run. Use key_dtype='int64' "
-            "(the default) for wider keys."
-        )
-
-
 def note_batch(model, batch, queue=True, queues=None):
     """Queues the full keys of one batch (``(x, ...)`` as Keras yields it)
     and refuses ids that fixed-vocabulary layers would see wrapped.
@@ -218,7 +154,7 @@ def note_batch(model, batch, queue=True, queues=None):
         # Inside fit or train_on_batch (not fit's validation): training.
         cache_batches.check_batch(x, model_feeds.cached, serving_state.hidden())
     if model_feeds.problem is not None:
-        _check_fits_int32(model, x, model_feeds.problem)
+        check_fits_int32(model, x, model_feeds.problem)
         return
     for feed in model_feeds.hash_feeds:
         if feed.layer.prepared_form is not None:
@@ -228,14 +164,14 @@ def note_batch(model, batch, queue=True, queues=None):
         except ValueError as e:
             # Without queued keys the layer would map truncated ones: refuse
             # wide keys, as for models whose feeding inputs are unknown.
-            _check_fits_int32(model, x, f"layer '{feed.layer.name}': {e}")
+            check_fits_int32(model, x, f"layer '{feed.layer.name}': {e}")
             continue
-        if not _is_wide(keys):
+        if not is_wide(keys):
             continue
         if feed.layer.key_dtype == "int32":
             # Declared 32-bit: the step's keys are exact, nothing to queue
             # (compiled inference reads the serving map, not the queue).
-            _check_declared_int32(feed.layer, keys)
+            check_declared_int32(feed.layer, keys)
             continue
         if queue:
             q = (
@@ -245,7 +181,7 @@ def note_batch(model, batch, queue=True, queues=None):
             )
             q.append(keys.reshape(-1).view(np.int64))
     if model_feeds.fixed_layers:
-        _check_ids_fit(model, x, model_feeds.fixed_layers)
+        check_ids_fit(model, x, model_feeds.fixed_layers)
 
 
 def _clear_queues(model):
@@ -297,99 +233,15 @@ def _active(model):
 
 
 # ------------------------------------------------------------- installing
-def _precheck(model, args, kwargs):
-    """Fails before Keras takes the model's state when in-memory data is bad.
-
-    An exception raised from inside a JAX step (where batches are pulled)
-    would leave the model's variables detached; arrays given directly can be
-    checked up front. Other sources are checked batch by batch.
-    """
-    model_feeds = _feeds(model)
-    if model_feeds.cached:  # across JAX processes: their copies are equal
-        cache_batches.check_copies(model_feeds.cached)
-    x = args[0] if args else kwargs.get("x")
-    validation = kwargs.get("validation_data")
-    for data in (x, validation[0] if isinstance(validation, tuple) else None):
-        if not isinstance(data, (np.ndarray, dict, list, tuple)):
-            continue
-        if model_feeds.problem is not None:
-            _check_fits_int32(model, data, model_feeds.problem)
-            continue
-        # Up front: a batch refused inside Keras's JAX loop would leave the
-        # model's variables detached.
-        if model_feeds.fixed_layers:
-            _check_ids_fit(model, data, model_feeds.fixed_layers)
-        if model_feeds.cached and cache_batches.needed():
-            # The range (across processes each batch's, all checking alike).
-            if not cache_jax_processes.active():
-                cache_batches.check_batch(data, model_feeds.cached, False)
-        for feed in model_feeds.hash_feeds:
-            if feed.layer.key_dtype != "int32":
-                continue
-            from keras_sparse.layers.model_feeds import array_at
-
-            try:
-                keys = array_at(data, feed.keys.find(data))
-            except (ValueError, KeyError, IndexError, TypeError):
-                continue
-            if _is_wide(keys):
-                _check_declared_int32(feed.layer, keys)
-
-
-_TRUNCATION_WARNING = "Explicitly requested dtype int64 requested in asarray"
-
-
-def _wide_inputs_all_ours(model):
-    """True when each int64/uint64 input of a functional ``model`` is read
-    only by keras_sparse layers (which get its full keys, or refuse ids
-    beyond int32): JAX's truncation warning about them is then moot."""
-    from keras import tree
-
-    cached = _ours_cache.get(model)
-    if cached is not None:
-        return cached
-    wide = {
-        id(t)
-        for t in tree.flatten(getattr(model, "inputs", None) or [])
-        if str(getattr(t, "dtype", "")) in ("int64", "uint64")
-    }
-    ours = bool(wide)
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        for node in getattr(layer, "_inbound_nodes", []):
-            args = tree.flatten((node.arguments.args, node.arguments.kwargs))
-            if any(id(t) in wide for t in args) and not hasattr(
-                layer, "keras_sparse_kind"
-            ):
-                ours = False
-    _ours_cache[model] = ours
-    return ours
-
-
-@contextlib.contextmanager
-def _truncation_warning_moot(model):
-    """Hides JAX's int64 truncation warning while ``model`` runs, when every
-    wide input goes to keras_sparse layers (see `_wide_inputs_all_ours`)."""
-    try:
-        moot = _wide_inputs_all_ours(model)
-    except (AttributeError, TypeError, ValueError):
-        moot = False  # not a functional model: keep JAX's warning
-    if not moot:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_TRUNCATION_WARNING)
-        yield
-
-
 def _wrap_method(cls, name):
     original = getattr(cls, name)
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         string_keys.check(self, args[0] if args else kwargs.get("x"))
-        with _active(self), _truncation_warning_moot(self):
+        with _active(self), truncation_warning_moot(self):
             if _ACTIVE.get() is self:
-                _precheck(self, args, kwargs)
+                precheck(self, _feeds(self), args, kwargs)
             try:
                 return original(self, *args, **kwargs)
             except Exception as e:
@@ -429,7 +281,7 @@ def _wrap_on_batch(cls, name):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         string_keys.check(self, args[0] if args else kwargs.get("x"))
-        with _active(self), _truncation_warning_moot(self):
+        with _active(self), truncation_warning_moot(self):
             if _ACTIVE.get() is self:
                 note_batch(self, (args[0] if args else kwargs.get("x"),))
             return original(self, *args, **kwargs)
@@ -440,7 +292,7 @@ def _wrap_on_batch(cls, name):
 def _has_host_wide_keys(inputs):
     from keras import tree
 
-    return any(_is_wide(a) for a in tree.flatten(inputs))
+    return any(is_wide(a) for a in tree.flatten(inputs))
 
 
 def _wrap_functional_call(cls):
@@ -458,16 +310,16 @@ def _wrap_functional_call(cls):
             # Another model's fit/evaluate/predict owns the queues (maybe of
             # shared layers): leave them alone, and refuse keys that would
             # be truncated rather than map them wrong.
-            _check_fits_int32(
+            check_fits_int32(
                 self,
                 inputs,
                 f"model '{active.name}' is running fit/evaluate/predict, "
                 "whose queued keys a nested call must not disturb",
             )
             return original(self, inputs, *args, **kwargs)
-        with _direct_call(self) as queues, _truncation_warning_moot(self):
+        with _direct_call(self) as queues, truncation_warning_moot(self):
             if queues is not None:
-                _precheck(self, (inputs,), {})
+                precheck(self, _feeds(self), (inputs,), {})
                 note_batch(self, (inputs,), queues=queues)
             return original(self, inputs, *args, **kwargs)
 

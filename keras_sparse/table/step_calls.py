@@ -83,12 +83,13 @@ def step_rows_many(fused, keys, use, bounds, out):
     """
     import cupy as cp
 
-    from .insert_call import any_failed
     from .insert_call import clocks_kept_on_error
-    from .insert_call import grid_teams
-    from .insert_call import launch
-    from .insert_call import launch_grid
     from .insert_call import workspace_words
+    from .launches import any_failed
+    from .launches import grid_teams
+    from .launches import launch
+    from .launches import launch_grid
+    from .launches import team_workspaces
 
     joined, left, seen = [], [], set()
     for i, (f, (a, b)) in enumerate(zip(fused, bounds)):
@@ -115,7 +116,7 @@ def step_rows_many(fused, keys, use, bounds, out):
             # share the team's workspace (lent by the first grid table).
             owner = fused[joined[on_grid.index(True)]]
             need = max(workspace_words(m) for m, g in zip(sizes, on_grid) if g)
-            spaces = owner.team_workspaces(grid_teams(sum(on_grid), need), need)
+            spaces = team_workspaces(owner, grid_teams(sum(on_grid), need), need)
             teams = len(spaces)
         with clocks_kept_on_error([fused[i].table for i in joined]):
             records, nth = [], itertools.count()

@@ -193,11 +193,12 @@ def test_step_rows_together_is_one_launch_equal_to_separate_tables(
 
     from keras_sparse.table import HashTable
     from keras_sparse.table import insert_call
+    from keras_sparse.table import launches
     from keras_sparse.table import step_rows_together
 
     if max_keys:
         monkeypatch.setattr(insert_call, "MAX_KEYS", max_keys)
-    monkeypatch.setattr(insert_call, "GRID_TEAMS", teams)
+    monkeypatch.setattr(launches, "GRID_TEAMS", teams)
     launches = 2 if max_keys == 300 else 1
 
     kws = [
@@ -278,10 +279,11 @@ def test_step_rows_run_on_one_team_when_the_device_has_no_room(monkeypatch):
 
     from keras_sparse.table import HashTable
     from keras_sparse.table import insert_call
+    from keras_sparse.table import launches
     from keras_sparse.table import step_rows_together
 
     monkeypatch.setattr(insert_call, "MAX_KEYS", 50)
-    monkeypatch.setattr(insert_call, "GRID_TEAMS", 2)
+    monkeypatch.setattr(launches, "GRID_TEAMS", 2)
     empty = insert_call.cp.empty
     need, asked = insert_call.workspace_words(100), []
 
@@ -318,10 +320,10 @@ def test_step_rows_of_more_keys_than_rows(eviction, teams, monkeypatch):
 
     from keras_sparse.table import BatchTooLargeError
     from keras_sparse.table import HashTable
-    from keras_sparse.table import insert_call
+    from keras_sparse.table import launches
     from keras_sparse.table import step_rows_together
 
-    monkeypatch.setattr(insert_call, "GRID_TEAMS", teams)
+    monkeypatch.setattr(launches, "GRID_TEAMS", teams)
 
     kw = dict(capacity=64, eviction=eviction, bucket_size=8)
     cpu, gpu = HashTable(device="cpu", **kw), HashTable(device="gpu", **kw)
