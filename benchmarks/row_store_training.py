@@ -47,7 +47,8 @@ The table prints the median samples/s of each variant and its ratio to
 ``whole``, the share of key lookups the device table served (hits), the
 rows moved per step (fills + write-backs) and their bytes, the process's
 CPU time per timed step (every thread; less disturbed by other load than
-wall time), and peak RSS.
+wall time), peak RSS, and with ``--stage`` the share of steps whose
+mapping the stage made ahead (`keras_sparse.data.cache_ahead`).
 Compare ratios from one run only.
 """
 
@@ -203,6 +204,8 @@ def _child(args, memory):
         "init_s": init_s,
         "train_s": seconds,
         "cpu_ms_per_step": cpu * 1e3 / steps,
+        # Steps whose mapping the input stage made ahead (`--stage`).
+        "ahead": delta.get("used_ahead", 0) / steps,
         "reopen_s": None,
     }
     if args.reopen and args.variant == "disk":
@@ -347,6 +350,7 @@ def main():
     header = "variant            samples/s  ratio  cpu ms/step   hits"
     header += "   rows moved/step  bytes/step"
     header += "  disk rd/step  peak RSS MB  anon MB  file MB  init s  reopen s"
+    header += "  mapped ahead"
     print(header)
     for variant in variants:
         rows = results[variant]
@@ -364,6 +368,7 @@ def main():
             f"  {max(r['peak_file_mb'] for r in rows):7.0f}"
             f"  {statistics.median(r['init_s'] for r in rows):6.1f}"
             + ("         -" if reopened is None else f"  {reopened:8.2f}")
+            + f"  {last['ahead']:12.0%}"
         )
 
 
