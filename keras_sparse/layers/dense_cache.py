@@ -99,6 +99,7 @@ from keras_sparse.layers.row_storage import cache_hop
 from keras_sparse.layers.row_storage import cache_processes
 from keras_sparse.layers.row_storage import cache_replicas
 from keras_sparse.layers.row_storage import cache_store
+from keras_sparse.layers.row_storage import cache_workers
 from keras_sparse.layers.row_storage.cache_state import CacheState
 from keras_sparse.layers.row_storage.dense_slots import DenseSlots
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
@@ -260,30 +261,34 @@ class CacheRows(CacheState, SparseEmbeddingBase):
 
     def _map_replicated(self, context, flat, use):
         """This replica's int32 slots, its copy of the cache filled: the
-        replicas' whole batch mapped and moved once (`cache_replicas`)."""
+        replicas' whole batch mapped and moved once per process
+        (`cache_replicas`), each worker's copy alike (`cache_workers`)."""
         import tensorflow as tf
 
+        local = cache_replicas.local_replicas()
         rounds = self.__dict__.get("_replica_rounds")
-        if rounds is None or rounds.replicas != context.num_replicas_in_sync:
-            rounds = cache_replicas.Rounds(
-                self.owner_name, context.num_replicas_in_sync
-            )
+        if rounds is None or rounds.replicas != local:
+            rounds = cache_replicas.Rounds(self.owner_name, local)
             self.__dict__["_replica_rounds"] = rounds
-        ids, used, start = cache_replicas.gather(context, flat, use)
+        workers = cache_workers.spans_workers()
+        words = cache_workers.fingerprint(self) if workers else None
+        ids, used, start, words = cache_replicas.gather(context, flat, use, words)
         # The step counter keys the rounds: every replica reads it alike.
         step = ops.convert_to_tensor(self.sparse_iterations)
         asked = (rounds, cache_replicas.replica_id(context), step)
-        slots, fill = self._map(ids, used, True, asked)
+        check = None if words is None else (words, local)
+        slots, fill = self._map(ids, used, True, asked, check)
         row_moves.move_rows(self, slots, fill, rounds=asked)
         mine = tf.slice(slots, tf.reshape(start, (1,)), tf.shape(flat)[:1])
         mine.set_shape(flat.shape)
         return mine
 
-    def _map(self, flat, use, insert, rounds=None):
+    def _map(self, flat, use, insert, rounds=None, check=None):
         """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``
         (see `DenseSlots.assign`; read-only: `DenseSlots.lookup`).
         ``rounds``: ``(Rounds, replica, step)``, the replicas' whole batch
-        mapped once (TensorFlow)."""
+        mapped once (TensorFlow); ``check``: ``(words, local)``, the
+        workers' fingerprints checked before (`cache_workers.check`)."""
 
         def mapped(ids, used):
             ids = np.asarray(ids).reshape(-1)
@@ -301,10 +306,15 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             host, extra = mapped, []
         else:
 
-            def host(ids, used, replica, step):
-                return rounds[0].run("map", replica, step, lambda: mapped(ids, used))
+            def host(ids, used, replica, step, *words):
+                def once():
+                    if words:  # before the cache changes
+                        cache_workers.check(self, words[0], check[1])
+                    return mapped(ids, used)
 
-            extra = list(rounds[1:])
+                return rounds[0].run("map", replica, step, once)
+
+            extra = list(rounds[1:]) + ([] if check is None else [check[0]])
 
         if not is_symbolic(flat):
             if _in_shape_inference():  # placeholder values: map nothing

@@ -14,11 +14,7 @@ update's backward pass gathers every process's rows and gradients
 batch's update, as a table without a cache does under DDP.
 """
 
-import hashlib
-import os
-import socket
-
-import numpy as np
+from keras_sparse.layers.row_storage import cache_copies
 
 _BUILDS = {}  # label -> stores opened in this process (`shared_seed`)
 
@@ -95,57 +91,26 @@ def check_copies(cache, group):
     """Raises ValueError naming the table when the processes' copies of
     ``cache`` differ (their stores' rows, their id maps, their cache
     variables) or when processes of one machine share a disk store's
-    folder; once per process group (every process raises alike)."""
+    folder (`cache_copies`); once per process group (every process raises
+    alike)."""
     import torch.distributed as dist
+    from keras import ops
 
     checked = cache.__dict__.setdefault("_checked_groups", set())
     if id(group) in checked:
         return
     world = dist.get_world_size(group)
-    mine = (socket.gethostname(), _folder(cache), _digest(cache))
+    variables = [cache.embeddings, *cache.slots.values()]
+    mine = cache_copies.identity(cache, [ops.convert_to_numpy(v) for v in variables])
     found = [None] * world
     dist.all_gather_object(found, mine, group=group)
-    where = (
+    cache_copies.refuse_differing(
+        found,
+        (mine[0], cache_copies.folder(cache)),
         f"Layer '{cache.owner_name}': `cache_rows` under torch.distributed "
-        f"with {world} processes"
+        f"with {world} processes",
+        "ks.store.Disk(f'{path}/rank{rank}')",
+        "Build the layer after init_process_group in every process (an "
+        "unseeded initializer then gets one seed)",
     )
-    folders = [(host, path) for host, path, _ in found if path is not None]
-    if len(set(folders)) < len(folders):
-        raise ValueError(
-            f"{where}: the processes share the disk store's folder "
-            f"{folders[0][1]}; each process needs a folder of its own "
-            "(`store`: e.g. ks.store.Disk(f'{path}/rank{rank}'))."
-        )
-    if len({digest for _, _, digest in found}) > 1:
-        raise ValueError(
-            f"{where} needs the same table in every process, but the "
-            "processes' copies differ (the store's rows, the cached ids or "
-            "the cache's rows). Build the layer after init_process_group in "
-            "every process (an unseeded initializer then gets one seed), "
-            "give `embeddings_initializer` a seed, or load the same weights "
-            "in every process."
-        )
     checked.add(id(group))
-
-
-def _folder(cache):
-    folder = getattr(cache.row_tier.store, "path", None)
-    return None if folder is None else os.path.realpath(os.fspath(folder))
-
-
-def _digest(cache, samples=64):
-    """A hash of the stored rows of ``samples`` ids spread over the table,
-    the cached ids and the cache variables."""
-    from keras import ops
-
-    sha = hashlib.sha1()
-    ids = np.unique(np.linspace(0, cache.input_dim - 1, samples).astype(np.int64))
-    with cache.row_tier.lock:
-        arrays = cache.row_tier.store.row_arrays()
-        if arrays is not None:
-            for name in sorted(arrays):
-                sha.update(np.ascontiguousarray(arrays[name][ids]).tobytes())
-        sha.update(cache.slot_map.id_of_slot.tobytes())
-    for var in [cache.embeddings, *cache.slots.values()]:
-        sha.update(np.ascontiguousarray(ops.convert_to_numpy(var)).tobytes())
-    return sha.hexdigest()
