@@ -3,14 +3,14 @@ MultiWorkerMirroredStrategy: the cases `tests/test_tf_multiworker.py`'s
 worker processes run after the others (same launch), printed as
 ``CACHE {json}``.
 
-A 3000-id table cached in 200 rows over a host store (each worker holds a
-copy of the map, store and cache; every worker maps the whole gathered
-batch) trains in the strategy's loop with SGD and with Adagrad. Its
-unseeded initializer draws a different seed in each worker (the chief's
-is shared). The reference is the same model and strategy without
-``cache_rows``, from the same table and head: every id's values, slots
-and step count must match exactly, and so must predictions; both
-workers' copies must be identical (`digest`).
+Two 3000-id tables over the same ids, each cached in 200 rows over a
+host store (each worker holds a copy of the map, store and cache; every
+worker maps the whole gathered batch), train in the strategy's loop, one
+with SGD, one with Adagrad. Their unseeded initializers draw a different
+seed in each worker (the chief's is shared). The reference is the same
+model and strategy without ``cache_rows``, from the same tables and head:
+every id's values, slots and step count must match exactly, and so must
+predictions; both workers' copies must be identical (`digest`).
 """
 
 import hashlib
@@ -31,18 +31,26 @@ def data(steps=STEPS, seed=0):
     return x, rng.normal(size=(GLOBAL * steps, 1)).astype("float32")
 
 
-def model(optimizer, cache):
-    """``(model, layer)``: the table "ids" (``cache``: its ``cache_rows``
-    and ``store``, or none) and a one-unit head "out"."""
+def model(cache):
+    """``(model, layers)``: a table per optimizer over the same ids
+    (``cache``: their ``cache_rows`` and ``store`` and other arguments, or
+    none) and a one-unit head "out"."""
     import keras_sparse as ks
 
     inputs = keras.Input((2,), dtype="int32")
-    layer = ks.AllToAllDenseEmbedding(
-        ROWS, DIM, combiner="sum", name="ids",
-        optimizer=cached_tables.sparse_optimizer(optimizer), **cache,
-    )  # fmt: skip
-    head = keras.layers.Dense(1, name="out")
-    return keras.Model(inputs, head(layer(inputs))), layer
+    layers = {
+        name: ks.AllToAllDenseEmbedding(
+            ROWS,
+            DIM,
+            combiner="sum",
+            name=name,
+            optimizer=cached_tables.sparse_optimizer(name),
+            **cache,
+        )  # fmt: skip
+        for name in OPTIMIZERS
+    }
+    features = keras.layers.Concatenate()([layer(inputs) for layer in layers.values()])
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(features)), layers
 
 
 def digest(cache, state):
@@ -54,8 +62,14 @@ def digest(cache, state):
     for var in [cache.embeddings, *cache.slots.values()]:
         sha.update(np.ascontiguousarray(keras.ops.convert_to_numpy(var)).tobytes())
     sha.update(cache.slot_map.id_of_slot.tobytes())
-    sha.update(repr(sorted(cache.stats().items())).encode())
+    sha.update(repr(_counters(cache)).encode())
     return sha.hexdigest()
+
+
+def _counters(cache):
+    """The cache's counters but ``store_hits`` (which counts the reads of
+    inference too: each worker's own share of a ``predict``)."""
+    return {k: int(v) for k, v in cache.stats().items() if k != "store_hits"}
 
 
 def run(strategy, train, index, mark):
@@ -63,28 +77,56 @@ def run(strategy, train, index, mark):
     x, y = data()
     probe, _ = data(2, seed=1)
     probe[: GLOBAL // 2] = x[: GLOBAL // 2]  # trained ids, evicted or not
-    out = {}
-    for optimizer in OPTIMIZERS:
-        keras.utils.set_random_seed(10 + index)  # unseeded: seeds differ
-        with strategy.scope():
-            cached, layer = model(optimizer, {"cache_rows": CACHE, "store": "host"})
-            reference, plain = model(optimizer, {})
-        start = cached_tables.start_from(cached, layer, "dense", None)
-        cached_tables.start_from(reference, plain, "dense", start)
-        train(cached, x, y)
-        train(reference, x, y)
-        mark(f"cache {optimizer} trained")
+    keras.utils.set_random_seed(10 + index)  # unseeded: seeds differ
+    with strategy.scope():
+        cached, layers = model({"cache_rows": CACHE, "store": "host"})
+        reference, plain = model({})
+    # The reference starts from the cached tables (the chief's) and head.
+    for name, layer in layers.items():
+        plain[name].embeddings.assign(layer.get_weights()[0])
+    start = {name: layer.get_weights()[0] for name, layer in layers.items()}
+    reference.get_layer("out").set_weights(cached.get_layer("out").get_weights())
+    train(cached, x, y)
+    train(reference, x, y)
+    mark("cache trained")
+    trained = {name: _counters(layer.row_cache) for name, layer in layers.items()}
+    predicted = cached.predict(probe, batch_size=GLOBAL, verbose=0)
+    expected = reference.predict(probe, batch_size=GLOBAL, verbose=0)
+    out = {"predict": float(np.abs(predicted - expected).max())}
+    inferred = {name: _counters(layer.row_cache) for name, layer in layers.items()}
+    for name, layer in layers.items():
         got = cached_tables.state("dense", layer)
-        want = cached_tables.state("dense", plain)
-        predicted = cached.predict(probe, batch_size=GLOBAL, verbose=0)
-        expected = reference.predict(probe, batch_size=GLOBAL, verbose=0)
-        out[optimizer] = {
+        want = cached_tables.state("dense", plain[name])
+        out[name] = {
             "exact": max_gap(got, want),
             "keys": sorted(got),
             "steps": int(got["steps"]),
-            "moved": float(np.abs(got["0"] - start[0]).max()),
-            "predict": float(np.abs(predicted - expected).max()),
-            "stats": {k: int(v) for k, v in layer.row_cache.stats().items()},
+            "moved": float(np.abs(got["0"] - start[name]).max()),
+            "stats": trained[name],
+            "inference_keeps_stats": inferred[name] == trained[name],
             "digest": digest(layer.row_cache, got),
         }
     return out
+
+
+def refused(strategy, train, index):
+    """Copies that differ (a seed per worker): ``(error, cache
+    unchanged)``, the first step's error in each worker. (Later cases
+    still train: the step's collectives went through. A disk folder both
+    workers write is refused by the same check,
+    tests/test_cache_workers_check.py; here the two workers would race to
+    create its files.)"""
+    seeded = keras.initializers.RandomUniform(-0.1, 0.1, seed=index)
+    with strategy.scope():
+        cached, layers = model(
+            dict(cache_rows=CACHE, store="host", embeddings_initializer=seeded)
+        )
+    x, y = data(1)
+    before = [layer.row_cache.stats() for layer in layers.values()]
+    try:
+        train(cached, x, y)
+        error = "trained"
+    except Exception as e:  # noqa: BLE001  (TF wraps the error)
+        error = str(e)
+        error = error[error.find("Layer '") :][:600]
+    return error, [layer.row_cache.stats() for layer in layers.values()] == before

@@ -263,6 +263,7 @@ def _worker(index, ports, tmp):
 
     train = _loop_trainer(strategy, multiworker_cache.GLOBAL)
     cache = multiworker_cache.run(strategy, train, index, mark)
+    cache["refused"] = multiworker_cache.refused(strategy, train, index)
     print("CACHE " + json.dumps(cache), flush=True)
 
     # The dead peer: the other worker exits before its second step.
@@ -554,6 +555,18 @@ def test_a_cached_table_trains_in_each_worker_as_the_whole_table(
     assert result["steps"] == multiworker_cache.STEPS
     assert result["moved"] > 100 * TOL  # the steps did train
     assert result["exact"] == 0.0, result
-    assert result["predict"] == 0.0, result
+    assert _get(workers, index, "CACHE")["predict"] == 0.0
+    assert result["inference_keeps_stats"] is True
     other = _get(workers, 1 - index, "CACHE")[optimizer]
     assert result["digest"] == other["digest"]
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_cached_copies_that_differ_are_refused(workers, index):
+    """A seed per worker: the first step fails in every worker with the
+    table's error, its cache unchanged."""
+    message, unchanged = _get(workers, index, "CACHE")["refused"]
+    assert message.startswith("Layer 'sgd': `cache_rows` under "), message
+    assert "MultiWorkerMirroredStrategy with 2 workers" in message, message
+    assert "copies differ" in message and "chief's seed" in message, message
+    assert unchanged
