@@ -309,7 +309,7 @@ def _run(tmp):
     outputs = []
     for proc in procs:
         try:
-            outputs.append(proc.communicate(timeout=240))
+            outputs.append(proc.communicate(timeout=400))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()

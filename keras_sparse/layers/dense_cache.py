@@ -55,7 +55,10 @@ ids, the first to ask maps and moves them for all
 (`keras_sparse.layers.row_storage.cache_replicas`), and each fills its own
 copy of the cache. PyTorch processes under DistributedDataParallel each
 hold a copy of the id map, store and cache, and each maps the whole batch
-gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`).
+gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`);
+so do the workers of a TensorFlow `MultiWorkerMirroredStrategy`, their
+replicas gathering the batch across the workers
+(`keras_sparse.layers.row_storage.cache_workers`).
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the

@@ -102,10 +102,10 @@ def check(cache, words, local):
     every worker sees the same words and raises alike."""
     rows = np.asarray(words).reshape(-1, WORDS)[::local]
     found = [(_folder_key(row), tuple(row[2:])) for row in rows]
-    mine = cache.__dict__["_worker_words"]
+    mine = cache.__dict__.get("_worker_words")
     cache_copies.refuse_differing(
         found,
-        (_folder_key(mine), cache_copies.folder(cache)),
+        (None if mine is None else _folder_key(mine), cache_copies.folder(cache)),
         f"Layer '{cache.owner_name}': `cache_rows` under "
         f"MultiWorkerMirroredStrategy with {len(rows)} workers",
         "ks.store.Disk(f'{path}/worker{index}')",
