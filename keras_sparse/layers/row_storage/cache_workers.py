@@ -46,9 +46,10 @@ def spans_workers():
 def shared_seed(seed):
     """``seed`` (drawn for an unseeded initializer) or, across the workers
     of a MultiWorkerMirroredStrategy, the chief's: every worker's store
-    then starts from the same rows. A collective, so only where every
-    worker builds the table alike (in the strategy's scope, outside a
-    step); elsewhere the seed stays and `check` tells."""
+    then starts from the same rows. A collective, as the strategy's own
+    creation of variables is (every worker builds the table in the same
+    order), so only in the strategy's scope outside a step; elsewhere the
+    seed stays and `check` tells."""
     import tensorflow as tf
 
     if not (
