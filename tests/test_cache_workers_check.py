@@ -15,6 +15,9 @@ import keras_sparse as ks
 from keras_sparse.layers.row_storage import cache_copies
 from keras_sparse.layers.row_storage import cache_workers
 
+# Host-side decisions on NumPy words: once, not per backend.
+pytestmark = pytest.mark.backend_independent
+
 
 def _cache(seed, store="host"):
     layer = ks.AllToAllDenseEmbedding(
