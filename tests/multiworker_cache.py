@@ -3,11 +3,12 @@ MultiWorkerMirroredStrategy: the cases `tests/test_tf_multiworker.py`'s
 worker processes run after the others (same launch), printed as
 ``CACHE {json}``.
 
-Two 3000-id tables over the same ids, each cached in 200 rows over a
-host store (each worker holds a copy of the map, store and cache; every
-worker maps the whole gathered batch), train in the strategy's loop, one
-with SGD, one with Adagrad. Their unseeded initializers draw a different
-seed in each worker (the chief's is shared). The reference is the same
+Two 3000-id tables and an `EmbeddingCollection`'s table over the same
+ids, each cached in 200 rows over a host store (each worker holds a copy
+of the map, store and cache; every worker maps the whole gathered batch),
+train in the strategy's loop, with SGD, Adagrad and Adagrad. Their
+unseeded initializers draw a different seed in each worker (the chief's
+is shared). The reference is the same
 model and strategy without ``cache_rows``, from the same tables and head:
 every id's values, slots and step count must match exactly, and so must
 predictions; both workers' copies must be identical (`digest`).
@@ -32,9 +33,10 @@ def data(steps=STEPS, seed=0):
 
 
 def model(cache):
-    """``(model, layers)``: a table per optimizer over the same ids
-    (``cache``: their ``cache_rows`` and ``store`` and other arguments, or
-    none) and a one-unit head "out"."""
+    """``(model, layers)``: a table per optimizer over the same ids, an
+    `EmbeddingCollection` "coll" of one table "a" over them too (Adagrad)
+    (``cache``: their ``cache_rows``, ``store`` and other arguments, or
+    none), and a one-unit head "out"."""
     import keras_sparse as ks
 
     inputs = keras.Input((2,), dtype="int32")
@@ -49,8 +51,26 @@ def model(cache):
         )  # fmt: skip
         for name in OPTIMIZERS
     }
-    features = keras.layers.Concatenate()([layer(inputs) for layer in layers.values()])
-    return keras.Model(inputs, keras.layers.Dense(1, name="out")(features)), layers
+    features = [layer(inputs) for layer in layers.values()]
+    layers["coll"] = ks.EmbeddingCollection(
+        {"a": ks.TableConfig(ROWS, DIM, combiner="sum", **cache)},
+        optimizer=cached_tables.sparse_optimizer("adagrad"),
+        name="coll",
+    )
+    features.append(layers["coll"]({"a": inputs})["a"])
+    out = keras.layers.Dense(1, name="out")(keras.layers.Concatenate()(features))
+    return keras.Model(inputs, out), layers
+
+
+def _kind(name):
+    return "collection" if name == "coll" else "dense"
+
+
+def _cache(layer):
+    """A layer's cache (`CacheRows`): the dense table's, the collection's
+    table "a"'s."""
+    caches = getattr(layer, "table_caches", None)
+    return layer.row_cache if caches is None else caches["a"]
 
 
 def digest(cache, state):
@@ -82,29 +102,34 @@ def run(strategy, train, index, mark):
         cached, layers = model({"cache_rows": CACHE, "store": "host"})
         reference, plain = model({})
     # The reference starts from the cached tables (the chief's) and head.
+    start = {}
     for name, layer in layers.items():
-        plain[name].embeddings.assign(layer.get_weights()[0])
-    start = {name: layer.get_weights()[0] for name, layer in layers.items()}
-    reference.get_layer("out").set_weights(cached.get_layer("out").get_weights())
+        kind = _kind(name)
+        begin = cached_tables.start_from(cached, layer, kind, None)
+        cached_tables.start_from(reference, plain[name], kind, begin)
+        start[name] = begin[0]
     train(cached, x, y)
     train(reference, x, y)
     mark("cache trained")
-    trained = {name: _counters(layer.row_cache) for name, layer in layers.items()}
+    trained = {name: _counters(_cache(layer)) for name, layer in layers.items()}
     predicted = cached.predict(probe, batch_size=GLOBAL, verbose=0)
     expected = reference.predict(probe, batch_size=GLOBAL, verbose=0)
     out = {"predict": float(np.abs(predicted - expected).max())}
-    inferred = {name: _counters(layer.row_cache) for name, layer in layers.items()}
+    inferred = {name: _counters(_cache(layer)) for name, layer in layers.items()}
     for name, layer in layers.items():
-        got = cached_tables.state("dense", layer)
-        want = cached_tables.state("dense", plain[name])
+        got = cached_tables.state(_kind(name), layer)
+        want = cached_tables.state(_kind(name), plain[name])
+        table = got["0"] if _kind(name) == "dense" else got["a:embeddings"]
         out[name] = {
             "exact": max_gap(got, want),
             "keys": sorted(got),
-            "steps": int(got["steps"]),
-            "moved": float(np.abs(got["0"] - start[name]).max()),
+            "steps": int(
+                got["steps" if _kind(name) == "dense" else "sparse_iterations"]
+            ),
+            "moved": float(np.abs(table - start[name]).max()),
             "stats": trained[name],
             "inference_keeps_stats": inferred[name] == trained[name],
-            "digest": digest(layer.row_cache, got),
+            "digest": digest(_cache(layer), got),
         }
     return out
 
@@ -122,11 +147,11 @@ def refused(strategy, train, index):
             dict(cache_rows=CACHE, store="host", embeddings_initializer=seeded)
         )
     x, y = data(1)
-    before = [layer.row_cache.stats() for layer in layers.values()]
+    before = [_cache(layer).stats() for layer in layers.values()]
     try:
         train(cached, x, y)
         error = "trained"
     except Exception as e:  # noqa: BLE001  (TF wraps the error)
         error = str(e)
         error = error[error.find("Layer '") :][:600]
-    return error, [layer.row_cache.stats() for layer in layers.values()] == before
+    return error, [_cache(layer).stats() for layer in layers.values()] == before

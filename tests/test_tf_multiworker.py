@@ -531,42 +531,47 @@ def test_stored_layer_file_loads_on_one_device(workers):
 
 
 # ------------------------------------------- tables with cache_rows (CACHE)
-# tests/multiworker_cache.py: a 3000-id table cached in 200 rows over a
-# host store in each worker, trained with SGD and Adagrad; the reference
-# is the same table without ``cache_rows`` under the strategy.
+# tests/multiworker_cache.py: two 3000-id tables (SGD, Adagrad) and a
+# collection's table (Adagrad), each cached in 200 rows over a host store in
+# each worker; the reference is the same model without ``cache_rows`` under
+# the strategy.
+CACHED_KEYS = {
+    "sgd": ["0", "steps"],
+    "adagrad": ["0", "1", "steps"],
+    "coll": ["a:embeddings", "a:slot_accumulator", "sparse_iterations"],
+}
+
+
 @pytest.mark.parametrize("index", range(WORKERS))
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_a_cached_table_trains_in_each_worker_as_the_whole_table(
-    workers, index, optimizer
-):
+@pytest.mark.parametrize("table", sorted(CACHED_KEYS))
+def test_a_cached_table_trains_in_each_worker_as_the_whole_table(workers, index, table):
     """Every id's values and slots and the step count equal the uncached
-    table's bit for bit, and so do predictions; rows went down to the
-    store and came back; both workers' copies (state, cache variables,
-    cached ids, counters) are identical, from seeds drawn differently."""
-    result = _get(workers, index, "CACHE")[optimizer]
+    table's bit for bit, and so do predictions (which count nothing); rows
+    went down to the store and came back; both workers' copies (state,
+    cache variables, cached ids, counters) are identical, from seeds drawn
+    differently."""
     from tests import multiworker_cache
 
+    result = _get(workers, index, "CACHE")[table]
     stats = result["stats"]
     assert stats["fills"] > 0 and stats["write_backs"] > 0, stats
     assert stats["evictions"] == stats["write_backs"], stats
-    assert result["keys"] == (
-        ["0", "1", "steps"] if optimizer == "adagrad" else ["0", "steps"]
-    )
+    assert result["keys"] == CACHED_KEYS[table]
     assert result["steps"] == multiworker_cache.STEPS
     assert result["moved"] > 100 * TOL  # the steps did train
     assert result["exact"] == 0.0, result
     assert _get(workers, index, "CACHE")["predict"] == 0.0
     assert result["inference_keeps_stats"] is True
-    other = _get(workers, 1 - index, "CACHE")[optimizer]
+    other = _get(workers, 1 - index, "CACHE")[table]
     assert result["digest"] == other["digest"]
 
 
 @pytest.mark.parametrize("index", range(WORKERS))
 def test_cached_copies_that_differ_are_refused(workers, index):
-    """A seed per worker: the first step fails in every worker with the
-    table's error, its cache unchanged."""
+    """A seed per worker: the first step fails in every worker with a
+    table's error, the caches unchanged."""
     message, unchanged = _get(workers, index, "CACHE")["refused"]
-    assert message.startswith("Layer 'sgd': `cache_rows` under "), message
-    assert "MultiWorkerMirroredStrategy with 2 workers" in message, message
+    assert message.startswith("Layer '"), message
+    assert "`cache_rows` under MultiWorkerMirroredStrategy with 2 workers" in message
     assert "copies differ" in message and "chief's seed" in message, message
     assert unchanged
