@@ -22,6 +22,10 @@ RSS is its own), the variants interleaved over ``--repeat`` rounds:
 ``--stage`` trains every variant through `keras_sparse.data.prefetch`
 (its table calls run batches ahead of the steps).
 
+``--tune-allocator`` calls ``ks.tune_cpu_allocator()`` in every variant
+before the layer is built (the setting recommended for JAX on a CPU: XLA's
+step buffers reused, the tables' and slots' variables on huge pages).
+
 ``--reopen`` (disk): after training, ``flush_store()``, close the store and
 time a new layer opening it in place (``ks.store.Disk(path, reopen=True)``)
 and reading the last batch's ids, checked equal to the trained layer's.
@@ -150,6 +154,8 @@ def _child(args, memory):
             embeddings_initializer=args.initializer,
         )  # fmt: skip
 
+    if args.tune_allocator:
+        ks.tune_cpu_allocator()
     start = time.perf_counter()
     layer = new_layer(store)
     layer.build((None, args.fields))
@@ -289,6 +295,11 @@ def main():
     parser.add_argument(
         "--stage", action="store_true", help="train through ks.data.prefetch"
     )
+    parser.add_argument(
+        "--tune-allocator",
+        action="store_true",
+        help="ks.tune_cpu_allocator() in every variant",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -316,9 +327,9 @@ def main():
     ]
     if args.store_dir is not None:
         args.passthrough.append(f"--store-dir={args.store_dir}")
-    for flag in ("reopen", "stage"):
+    for flag in ("reopen", "stage", "tune_allocator"):
         if getattr(args, flag):
-            args.passthrough.append(f"--{flag}")
+            args.passthrough.append(f"--{flag.replace('_', '-')}")
     variants = args.variants.split(",")
     results = {v: [] for v in variants}
     for _ in range(args.repeat):
@@ -329,7 +340,8 @@ def main():
         f"backend={backend} layer={args.layer} universe={args.universe:,} "
         f"cache={args.cache:,} dim={args.dim} fields={args.fields} batch={args.batch} "
         f"zipf={args.zipf} steps={args.steps - args.warm_steps}+"
-        f"{args.warm_steps} warm repeat={args.repeat} stage={args.stage}"
+        f"{args.warm_steps} warm repeat={args.repeat} stage={args.stage} "
+        f"tuned allocator={args.tune_allocator}"
     )
     base = statistics.median(r["samples_s"] for r in results[variants[0]])
     header = "variant            samples/s  ratio  cpu ms/step   hits"

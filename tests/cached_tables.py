@@ -84,3 +84,38 @@ def state(kind, layer):
         tables = [keras.ops.convert_to_numpy(v) for v in variables]
         steps = keras.ops.convert_to_numpy(layer.sparse_iterations)
     return {**{str(i): t for i, t in enumerate(tables)}, "steps": np.asarray(steps)}
+
+
+def entries(result, prefix):
+    """The names of the ``{prefix}got/<name>`` entries of one process's
+    ``result``, checked to be those of its ``{prefix}want/<name>`` ones."""
+    got = {k[len(prefix) + 4 :] for k in result if k.startswith(prefix + "got/")}
+    want = {k[len(prefix) + 5 :] for k in result if k.startswith(prefix + "want/")}
+    assert got == want, (got, want)
+    return sorted(want)
+
+
+def assert_copies_identical(ranks, ends=(":head",)):
+    """Every process's trained tables (``:got/`` entries) and the entries
+    ending in ``ends`` equal the first process's, bit for bit."""
+    first, *others = ranks
+    keys = [k for k in first if ":got/" in k or k.endswith(tuple(ends))]
+    assert len(keys) >= 8
+    for other in others:
+        for key in keys:
+            np.testing.assert_array_equal(first[key], other[key], err_msg=key)
+
+
+def assert_copies_refused(result, differ, where):
+    """``result[differ]`` (copies that differ) and ``result["shared"]`` (a
+    disk folder two processes share): each the error of table "ids" under
+    ``where`` (e.g. "torch.distributed with 2 processes"), raised before
+    the cache changed (``[size=0]``). Returns the first message."""
+    differ, shared = str(result[differ]), str(result["shared"])
+    for message in (differ, shared):
+        assert "Layer 'ids'" in message and "`cache_rows`" in message, message
+        assert where in message, message
+        assert message.endswith("[size=0]"), message
+    assert "copies differ" in differ, differ
+    assert "folder of its own" in shared and "rank" in shared, shared
+    return differ

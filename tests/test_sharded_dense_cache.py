@@ -9,7 +9,8 @@ the same table and head. Every id's values and optimizer slots must match
 exactly (and a model on one device, up to the rounding of the head's
 cross-device gradient sums), through ``model.fit``, through
 ``ks.data.prefetch`` and under a ModelParallel layout of the head. A batch
-the cache cannot map is refused before its step.
+the cache cannot map is refused before its step. Several JAX processes:
+`test_jax_processes_cache.py`.
 """
 
 import keras
@@ -18,7 +19,6 @@ import pytest
 
 import keras_sparse as ks
 from tests import cached_tables
-from tests.cached_tables import DIM
 from tests.cached_tables import VOCAB
 
 pytestmark = pytest.mark.skipif(
@@ -101,25 +101,6 @@ def test_a_replicated_cache_trains_as_the_whole_table(kind, optimizer, how):
         for key, value in one.items():
             np.testing.assert_allclose(got[key], value, atol=1e-6, err_msg=key)
         np.testing.assert_allclose(got_pred, one_pred, atol=1e-6)
-
-
-def test_several_jax_processes_are_refused(monkeypatch):
-    import jax
-
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    keras.distribution.set_distribution(_distribution())
-    try:
-        layer = ks.AllToAllDenseEmbedding(
-            VOCAB, DIM, optimizer="sgd", cache_rows=CACHE, name="big"
-        )
-        with pytest.raises(ValueError, match="8 devices in 2 JAX processes") as info:
-            layer.build((None, 2))
-    finally:
-        keras.distribution.set_distribution(None)
-    message = str(info.value)
-    assert "Layer 'big'" in message and "`cache_rows`" in message
-    assert "a Keras distribution of one JAX process" in message
-    assert not layer.weights  # refused before any variable
 
 
 @pytest.mark.parametrize("kind", ["dense", "collection"])

@@ -37,6 +37,11 @@ static inline int64_t ks_id(const void *ids, int32_t id_bytes, int64_t p) {
  * sweeps the rows, taking the first whose reference bit is clear and that
  * the batch does not use, clearing the bit of each row it passes.
  *
+ * `slot_of_id` is the one large array (an int32 per id of the table), read
+ * at random: it is read once per position, a few positions ahead of its
+ * use, and `slots` keeps what was read (a row, or -2 - k for the k-th
+ * missing id) for the later passes.
+ *
  * Errors, before anything changes: KS_CACHE_OUT_OF_RANGE (state[KS_INFO]:
  * the first bad id, state[KS_INFO2]: how many are bad), KS_CACHE_NO_ROOM
  * (state[KS_INFO]: the ids left without a row). */
@@ -61,52 +66,61 @@ int64_t ks_cache_assign(const void *ids, int32_t id_bytes, const uint8_t *use,
     state[KS_INFO2] = bad;
     return KS_CACHE_OUT_OF_RANGE;
   }
-  for (int64_t p = 0; p < n; ++p) slots[p] = -1;
   if (fill) memset(fill, 0, (size_t)n);
-  if (!positions) return 0;
+  if (!positions) {
+    for (int64_t p = 0; p < n; ++p) slots[p] = -1;
+    return 0;
+  }
   /* Distinct missing ids by first position: each marked -2 - k in the map
    * until it gets its row (undone if the batch does not fit). */
   int64_t m = 0, hit_positions = 0;
   for (int64_t p = 0; p < n; ++p) {
-    if (use && !use[p]) continue;
+    if (p + KS_CACHE_AHEAD < n) {
+      int64_t next = ks_id(ids, id_bytes, p + KS_CACHE_AHEAD);
+      if (next >= 0 && next < input_dim) __builtin_prefetch(slot_of_id + next);
+    }
+    if (use && !use[p]) {
+      slots[p] = -1;
+      continue;
+    }
     int64_t id = ks_id(ids, id_bytes, p);
     int32_t s = slot_of_id[id];
     if (s >= 0) {
       ++hit_positions;
     } else if (s == -1) {
-      slot_of_id[id] = (int32_t)(-2 - m);
+      s = (int32_t)(-2 - m);
+      slot_of_id[id] = s;
       fill_pos[m] = p;
       fill_ids[m] = id;
       ++m;
     }
+    slots[p] = s;
   }
   if (m > capacity - hit_positions) {
     /* Rows the batch's hits use, counted once each. */
     uint8_t *seen = calloc((size_t)capacity, 1);
     int64_t distinct = 0;
-    if (!seen) {
-      for (int64_t k = 0; k < m; ++k) slot_of_id[fill_ids[k]] = -1;
-      return KS_CACHE_NO_MEMORY;
-    }
-    for (int64_t p = 0; p < n; ++p) {
-      if (use && !use[p]) continue;
-      int32_t s = slot_of_id[ks_id(ids, id_bytes, p)];
-      if (s >= 0 && !seen[s]) {
-        seen[s] = 1;
-        ++distinct;
+    if (seen) {
+      for (int64_t p = 0; p < n; ++p) {
+        int32_t s = slots[p];
+        if (s >= 0 && !seen[s]) {
+          seen[s] = 1;
+          ++distinct;
+        }
       }
+      free(seen);
     }
-    free(seen);
-    if (m > capacity - distinct) {
+    if (!seen || m > capacity - distinct) {
       for (int64_t k = 0; k < m; ++k) slot_of_id[fill_ids[k]] = -1;
+      for (int64_t p = 0; p < n; ++p) slots[p] = -1;
+      if (!seen) return KS_CACHE_NO_MEMORY;
       state[KS_INFO] = m - (capacity - distinct);
       return KS_CACHE_NO_ROOM;
     }
   }
   int64_t calls = ++state[KS_CALLS];
   for (int64_t p = 0; p < n; ++p) {
-    if (use && !use[p]) continue;
-    int32_t s = slot_of_id[ks_id(ids, id_bytes, p)];
+    int32_t s = slots[p];
     if (s >= 0) {
       referenced[s] = 1;
       used_in[s] = calls;
@@ -129,6 +143,10 @@ int64_t ks_cache_assign(const void *ids, int32_t id_bytes, const uint8_t *use,
   state[KS_HAND] = hand;
   int64_t evictions = 0;
   for (int64_t k = 0; k < m; ++k) {
+    if (k + KS_CACHE_AHEAD < m) {
+      int64_t old = id_of_slot[victims[k + KS_CACHE_AHEAD]];
+      if (old >= 0) __builtin_prefetch(slot_of_id + old, 1);
+    }
     int64_t v = victims[k];
     int64_t old = id_of_slot[v];
     evicted[k] = old;
@@ -142,11 +160,26 @@ int64_t ks_cache_assign(const void *ids, int32_t id_bytes, const uint8_t *use,
     if (fill) fill[fill_pos[k]] = 1;
   }
   state[KS_EVICTIONS] += evictions;
+  /* Hits keep their rows (victims are never a row of the batch); missing
+   * ids take their victims. */
   for (int64_t p = 0; p < n; ++p) {
-    if (use && !use[p]) continue;
-    slots[p] = slot_of_id[ks_id(ids, id_bytes, p)];
+    int32_t s = slots[p];
+    if (s <= -2) slots[p] = (int32_t)victims[-2 - (int64_t)s];
   }
   return m;
+}
+
+/* Asks for a row's first and last cache lines: rows are not aligned to
+ * lines (a 64-byte row usually spans two), and rows of up to two lines are
+ * the common case. */
+static inline void ks_prefetch_row(const char *row, size_t width, int write) {
+  if (write) {
+    __builtin_prefetch(row, 1);
+    __builtin_prefetch(row + width - 1, 1);
+  } else {
+    __builtin_prefetch(row, 0);
+    __builtin_prefetch(row + width - 1, 0);
+  }
 }
 
 /* Carries out m moves on `fields` row arrays: for each k, the row
@@ -164,10 +197,10 @@ void ks_cache_move_rows(int64_t m, const int64_t *victims,
     for (int64_t k = 0; k < m; ++k) {
       if (k + KS_CACHE_AHEAD < m) { /* random rows: ask for them early */
         int64_t next = k + KS_CACHE_AHEAD;
-        __builtin_prefetch(stored + fill_ids[next] * width);
-        __builtin_prefetch(rows + victims[next] * width, 1);
+        ks_prefetch_row(stored + fill_ids[next] * width, width, 0);
+        ks_prefetch_row(rows + victims[next] * width, width, 1);
         if (evicted[next] >= 0)
-          __builtin_prefetch(stored + evicted[next] * width, 1);
+          ks_prefetch_row(stored + evicted[next] * width, width, 1);
       }
       char *row = rows + victims[k] * width;
       if (evicted[k] >= 0) memcpy(stored + evicted[k] * width, row, width);

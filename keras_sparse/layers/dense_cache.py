@@ -56,8 +56,11 @@ ids, the first to ask maps and moves them for all
 copy of the cache. PyTorch processes under DistributedDataParallel each
 hold a copy of the id map, store and cache, and each maps the whole batch
 gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`);
-so do the workers of a TensorFlow `MultiWorkerMirroredStrategy`, their
-replicas gathering the batch across the workers
+so do the JAX processes of a Keras distribution, every device's host call
+handed the whole global batch inside the step
+(`keras_sparse.layers.row_storage.cache_jax_processes`), and the workers
+of a TensorFlow `MultiWorkerMirroredStrategy`, their replicas gathering
+the batch across the workers
 (`keras_sparse.layers.row_storage.cache_workers`).
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
@@ -99,6 +102,7 @@ from keras_sparse.layers import row_moves
 from keras_sparse.layers.hash import jax_step_mapping
 from keras_sparse.layers.row_storage import cache_checks
 from keras_sparse.layers.row_storage import cache_hop
+from keras_sparse.layers.row_storage import cache_jax_processes
 from keras_sparse.layers.row_storage import cache_processes
 from keras_sparse.layers.row_storage import cache_replicas
 from keras_sparse.layers.row_storage import cache_store
@@ -173,6 +177,17 @@ class CacheRows(CacheState, SparseEmbeddingBase):
 
     # ---------------------------------------------------------------- call
     def call(self, inputs, weights=None, training=None):
+        if (
+            training
+            and not is_symbolic(inputs)
+            and cache_jax_processes.active()
+            and not _in_shape_inference()
+        ):  # an eager call holds arrays that no process can read whole
+            raise ValueError(
+                f"Layer '{self.owner_name}': `cache_rows` across JAX processes "
+                "trains in compiled steps only (`model.fit`, `train_on_batch`); "
+                "drop `run_eagerly=True`."
+            )
         ids, weights, use = input_forms.fixed_vocabulary_ids(
             self.owner_name, inputs, weights, self.input_dim, self.combiner,
             in_range=False,
@@ -193,6 +208,8 @@ class CacheRows(CacheState, SparseEmbeddingBase):
                 slots, flat_all, use_all = self._map_processes(
                     group, flat, use, one_hop
                 )
+            elif cache_jax_processes.active():  # JAX processes, one mesh
+                slots = self._map_jax_processes(flat, use)
             elif one_hop == "torch_cpu":
                 slots = cache_hop.map_and_move_torch(self, flat, use)
             elif one_hop:
@@ -262,6 +279,25 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             row_moves.move_rows(self, slots, fill, self._route())
         return slots[start : start + int(flat.shape[0])], ids, used
 
+    def _map_jax_processes(self, flat, use):
+        """The int32 slots of the global batch ``flat``, every device's copy
+        of the cache filled: each process maps and moves the whole batch
+        once for its devices (`cache_jax_processes`)."""
+        rounds = self._rounds(cache_jax_processes.local_devices())
+        # The step counter keys the rounds: every device reads it alike.
+        asked = (rounds, ops.convert_to_tensor(self.sparse_iterations))
+        slots, fill = self._map(flat, use, True, asked)
+        row_moves.move_rows(self, slots, fill, rounds=asked)
+        return slots
+
+    def _rounds(self, callers):
+        """The `cache_replicas.Rounds` of ``callers`` replicas or devices."""
+        rounds = self.__dict__.get("_replica_rounds")
+        if rounds is None or rounds.replicas != callers:
+            rounds = cache_replicas.Rounds(self.owner_name, callers)
+            self.__dict__["_replica_rounds"] = rounds
+        return rounds
+
     def _map_replicated(self, context, flat, use):
         """This replica's int32 slots, its copy of the cache filled: the
         replicas' whole batch mapped and moved once per process
@@ -269,16 +305,13 @@ class CacheRows(CacheState, SparseEmbeddingBase):
         import tensorflow as tf
 
         local = cache_replicas.local_replicas()
-        rounds = self.__dict__.get("_replica_rounds")
-        if rounds is None or rounds.replicas != local:
-            rounds = cache_replicas.Rounds(self.owner_name, local)
-            self.__dict__["_replica_rounds"] = rounds
+        rounds = self._rounds(local)
         workers = cache_workers.spans_workers()
         words = cache_workers.fingerprint(self) if workers else None
         ids, used, start, words = cache_replicas.gather(context, flat, use, words)
         # The step counter keys the rounds: every replica reads it alike.
         step = ops.convert_to_tensor(self.sparse_iterations)
-        asked = (rounds, cache_replicas.replica_id(context), step)
+        asked = (rounds, step, cache_replicas.replica_id(context))
         check = None if words is None else (words, local)
         slots, fill = self._map(ids, used, True, asked, check)
         row_moves.move_rows(self, slots, fill, rounds=asked)
@@ -289,9 +322,11 @@ class CacheRows(CacheState, SparseEmbeddingBase):
     def _map(self, flat, use, insert, rounds=None, check=None):
         """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``
         (see `DenseSlots.assign`; read-only: `DenseSlots.lookup`).
-        ``rounds``: ``(Rounds, replica, step)``, the replicas' whole batch
-        mapped once (TensorFlow); ``check``: ``(words, local)``, the
-        workers' fingerprints checked before (`cache_workers.check`)."""
+        ``rounds``: ``(Rounds, step, replica)``, the replicas' whole batch
+        mapped once (TensorFlow); ``(Rounds, step)``, each JAX process's
+        devices' (`cache_jax_processes.each_device` adds the device).
+        ``check``: ``(words, local)``, the TensorFlow workers' fingerprints
+        checked first (`cache_workers.check`)."""
 
         def mapped(ids, used):
             ids = np.asarray(ids).reshape(-1)
@@ -309,7 +344,7 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             host, extra = mapped, []
         else:
 
-            def host(ids, used, replica, step, *words):
+            def host(ids, used, step, replica, *words):
                 def once():
                     if words:  # before the cache changes
                         cache_workers.check(self, words[0], check[1])
@@ -326,6 +361,15 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             return tuple(ops.convert_to_tensor(x) for x in out)
         n = None if None in tuple(flat.shape) else int(flat.shape[0])
         backend = keras.backend.backend()
+        if backend == "jax" and rounds is not None:
+            import jax
+
+            types = [
+                jax.ShapeDtypeStruct((n,), np.int32),
+                jax.ShapeDtypeStruct((n,), np.bool_),
+            ]
+            host = jax_step_mapping.final_on_failure(self, host)
+            return cache_jax_processes.each_device(host, types, flat, use, *extra)
         if backend == "jax":
 
             def host_rows(ids, used, out):

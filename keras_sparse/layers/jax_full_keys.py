@@ -43,6 +43,7 @@ from keras_sparse.layers.jax_key_queue import CALL_QUEUES
 from keras_sparse.layers.jax_key_queue import KeyQueue
 from keras_sparse.layers.jax_key_queue import key_queue
 from keras_sparse.layers.row_storage import cache_batches
+from keras_sparse.layers.row_storage import cache_jax_processes
 
 _ACTIVE = contextvars.ContextVar("keras_sparse_full_keys_model", default=None)
 _BUILDING = contextvars.ContextVar("keras_sparse_symbolic_build", default=False)
@@ -304,6 +305,8 @@ def _precheck(model, args, kwargs):
     checked up front. Other sources are checked batch by batch.
     """
     model_feeds = _feeds(model)
+    if model_feeds.cached:  # across JAX processes: their copies are equal
+        cache_batches.check_copies(model_feeds.cached)
     x = args[0] if args else kwargs.get("x")
     validation = kwargs.get("validation_data")
     for data in (x, validation[0] if isinstance(validation, tuple) else None):
@@ -317,7 +320,9 @@ def _precheck(model, args, kwargs):
         if model_feeds.fixed_layers:
             _check_ids_fit(model, data, model_feeds.fixed_layers)
         if model_feeds.cached and cache_batches.needed():
-            cache_batches.check_batch(data, model_feeds.cached, False)  # the range
+            # The range (across processes each batch's, all checking alike).
+            if not cache_jax_processes.active():
+                cache_batches.check_batch(data, model_feeds.cached, False)
         for feed in model_feeds.hash_feeds:
             if feed.layer.key_dtype != "int32":
                 continue

@@ -16,6 +16,7 @@ import numpy as np
 from keras import ops
 
 from keras_sparse.backend_utils import is_symbolic
+from keras_sparse.layers.row_storage import cache_jax_processes
 from keras_sparse.ops import backend_module
 
 
@@ -26,9 +27,11 @@ def move_rows(layer, rows, fresh, route="io_callback", rounds=None):
     reaches the host, "io_callback" or "cpu_buffers" (an in-place buffer
     callback, for a layer called once by a step on one CPU device; see
     `keras_sparse.layers.hash.jax_step_mapping.choose_route`).
-    ``rounds``: ``(Rounds, replica, step)`` of a TensorFlow strategy whose
+    ``rounds``: ``(Rounds, step, replica)`` of a TensorFlow strategy whose
     replicas move the same rows, once for all
-    (`keras_sparse.layers.row_storage.cache_replicas`)."""
+    (`keras_sparse.layers.row_storage.cache_replicas`); ``(Rounds, step)``
+    of a JAX mesh over several processes, once per process
+    (`keras_sparse.layers.row_storage.cache_jax_processes`)."""
     tier = layer.row_tier
     variables = {"table": layer.embeddings, **layer.slots}
     safe = ops.where(fresh, rows, ops.zeros_like(rows))
@@ -49,7 +52,13 @@ def move_rows(layer, rows, fresh, route="io_callback", rounds=None):
 
     args = [rows, fresh] + [before[name] for name in names]
     if rounds is not None:  # every replica asks; the first moves the rows
-        filled, *fills = _tf_hop(_once(host, rounds[0]), args, list(rounds[1:]))
+        once = _once(host, rounds[0])
+        if keras.backend.backend() == "jax":
+            filled, *fills = cache_jax_processes.each_device(
+                once, _jax_shapes(args), *args, *rounds[1:]
+            )
+        else:
+            filled, *fills = _tf_hop(once, args, list(rounds[1:]))
     elif not is_symbolic(rows):
         out = host(*(ops.convert_to_numpy(a) for a in args))
         filled, *fills = (ops.convert_to_tensor(x) for x in out)
@@ -61,12 +70,19 @@ def move_rows(layer, rows, fresh, route="io_callback", rounds=None):
     return filled
 
 
-def _jax_hop(host, args):
+def _jax_shapes(args):
+    """The results of a JAX hop of ``args`` (rows, fresh, rows' values):
+    the filled flags and the filled rows' values."""
     import jax
 
     shapes = [jax.ShapeDtypeStruct(args[1].shape, "bool")]
-    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
-    return jax.experimental.io_callback(host, shapes, *args, ordered=True)
+    return shapes + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
+
+
+def _jax_hop(host, args):
+    import jax
+
+    return jax.experimental.io_callback(host, _jax_shapes(args), *args, ordered=True)
 
 
 def _jax_buffer_hop(host, args):
@@ -76,13 +92,11 @@ def _jax_buffer_hop(host, args):
     effects, as the hash layer's mapping callback is (the step consumes
     the filled rows, so the callback runs once per step, in step order),
     except where Keras rematerializes the call."""
-    import jax
 
     from keras_sparse.layers.hash.jax_step_mapping import buffer_callback_or_none
     from keras_sparse.layers.hash.jax_step_mapping import rematerializing
 
-    shapes = [jax.ShapeDtypeStruct(args[1].shape, "bool")]
-    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[2:]]
+    shapes = _jax_shapes(args)
 
     def callback(ctx, outputs, *inputs):
         got = host(*(np.asarray(x) for x in inputs))
@@ -94,11 +108,11 @@ def _jax_buffer_hop(host, args):
 
 
 def _once(host, rounds):
-    """``host`` taking the replica's number and the step last, run once
+    """``host`` taking the step and the replica's number last, run once
     per round."""
 
     def replicated(*args):
-        *values, replica, step = args
+        *values, step, replica = args
         return rounds.run("move", replica, step, lambda: host(*values))
 
     return replicated

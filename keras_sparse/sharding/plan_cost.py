@@ -161,12 +161,12 @@ def structural_problem(spec, strategy, d, processes=1):
         )
     if strategy != "data" and not spec.shardable:
         return f"{type(spec.layer).__name__} tables can only be replicated"
-    if spec.one_device and d > 1 and (strategy != "data" or processes > 1):
-        # `processes` counts JAX processes; torch DDP keeps a copy in each.
+    if spec.one_device and d > 1 and strategy != "data":
         return (
             "a cache (`cache_rows`) runs on several devices replicated only: "
-            "in one process on JAX and TensorFlow (a Keras distribution, a "
-            "MirroredStrategy), or a copy per process under torch DDP"
+            "a Keras distribution (JAX; a copy per process across processes), "
+            "a MirroredStrategy of one process, or a copy per process under "
+            "a MultiWorkerMirroredStrategy or torch DDP"
         )
     # Key sharding keeps a store per table shard (JAX: see row_tier_shards).
     if spec.store is not None and strategy not in ("data", "row", "key"):

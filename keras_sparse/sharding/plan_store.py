@@ -190,7 +190,7 @@ def store_suggestion(spec, free, devices, cache_bytes):
         + (
             ""
             if spec.hash_keys or devices == 1
-            else "; `cache_rows` runs replicated, in one process"
+            else "; `cache_rows` runs replicated (a copy per process)"
         )
     )
 

@@ -7,10 +7,16 @@ there (an id outside ``[0, input_dim)``, more distinct ids than
 ``cache_rows``) would leave them waiting until XLA aborts the process. So
 `keras_sparse.layers.jax_full_keys` checks each batch first, with these
 functions, and the step is not run. On one device the step itself raises.
+Across JAX processes each process checks the whole global batch (the
+processes' batches gathered, `cache_jax_processes.gather_batch`), so all
+raise alike or none does: a process left alone in the step would wait.
 """
 
 import keras
 import numpy as np
+
+from keras_sparse.layers.row_storage import cache_jax_processes
+from keras_sparse.layers.row_storage import cache_processes
 
 
 def feeds(model):
@@ -80,9 +86,22 @@ def check_batch(x, cached, training):
     batch ``x``; ``training``: a training batch (else the range only)."""
     from keras_sparse.layers.model_feeds import array_at
 
+    several = cache_jax_processes.active()
     for cache, model_input in cached:
         try:
             ids = array_at(x, model_input.find(x))
         except (ValueError, KeyError, IndexError, TypeError):
             continue  # not in this batch: Keras reports that itself
+        if several:  # every process checks the same global batch
+            ids = cache_jax_processes.gather_batch(ids)
         check(cache, ids, training)
+
+
+def check_copies(cached):
+    """`cache_processes.check_copies` of the tables of ``cached`` (see
+    `feeds`) across JAX processes, before a step takes the model's state
+    (the step's trace cannot read the variables)."""
+    if not cache_jax_processes.active():
+        return
+    for cache in dict.fromkeys(cache for cache, _ in cached):
+        cache_processes.check_copies(cache)

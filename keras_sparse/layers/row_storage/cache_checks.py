@@ -105,27 +105,28 @@ def check_initializer(where, initializer):
 #: layers' combinations).
 ONE_DEVICE_ONLY = (
     "A table with `cache_rows` trains on one device, under a Keras "
-    "distribution of one JAX process or a TensorFlow MirroredStrategy of one "
-    "process (its cache replicated), in the workers of a TensorFlow "
-    "MultiWorkerMirroredStrategy or torch.distributed processes under "
-    "DistributedDataParallel (a copy in each process); under other sharding, "
-    "use a DistributedHashEmbedding with `store=` (sharding='key' on every "
-    "backend, also sharding='data' on JAX) or drop `cache_rows`."
+    "distribution (JAX, one process or several: a copy in each process) or "
+    "a TensorFlow MirroredStrategy of one process (its cache replicated), or "
+    "in the workers of a TensorFlow MultiWorkerMirroredStrategy or "
+    "torch.distributed processes under DistributedDataParallel (a copy in "
+    "each process); under other sharding, use a DistributedHashEmbedding "
+    "with `store=` (sharding='key' on every backend, also sharding='data' on "
+    "JAX) or drop `cache_rows`."
 )
 
 
 def check_one_device(name):
-    """Refuses the several devices a cache cannot follow, those of several
-    processes (each host would map its own part of the batch into its own
-    rows): a tf.distribute strategy other than a (MultiWorker)
-    MirroredStrategy, a JAX distribution over several processes. In one
-    process one id map and one store serve the cache, replicated on every
-    device: a Keras distribution (the step's host callback sees the whole
-    batch, `dense_cache`), a MirroredStrategy (the replicas gather the
-    batch, `cache_replicas`). torch.distributed processes under DDP and
-    the workers of a MultiWorkerMirroredStrategy each hold a copy of the
-    map, store and cache, all mapping the gathered batch
-    (`cache_processes`, `cache_workers`)."""
+    """Refuses the several devices a cache cannot follow: a tf.distribute
+    strategy other than a (MultiWorker)MirroredStrategy (each host would map
+    its own part of the batch into its own rows). In one process one id map
+    and one store serve the cache, replicated on every device: a Keras
+    distribution (the step's host callback sees the whole batch,
+    `dense_cache`), a MirroredStrategy (the replicas gather the batch,
+    `cache_replicas`). torch.distributed processes under DDP, the JAX
+    processes of a Keras distribution and the workers of a
+    MultiWorkerMirroredStrategy each hold a copy of the map, store and
+    cache, all mapping the whole batch (`cache_processes`,
+    `cache_jax_processes`, `cache_workers`)."""
     where = _several_devices()
     if where is not None:
         raise ValueError(
@@ -142,15 +143,8 @@ def _several_devices():
     dist = keras.distribution.distribution()
     devices = getattr(getattr(dist, "device_mesh", None), "devices", None)
     if devices is not None and np.size(devices) > 1:
-        if backend == "jax":
-            import jax
-
-            if jax.process_count() == 1:
-                return None
-            return (
-                f"a distribution over {np.size(devices)} devices in "
-                f"{jax.process_count()} JAX processes"
-            )
+        if backend == "jax":  # one process or several (a copy in each)
+            return None
         return f"a distribution over {np.size(devices)} devices"
     if backend == "tensorflow":
         import tensorflow as tf

@@ -1,5 +1,5 @@
 """The check that the copies of a table with ``cache_rows`` held by
-several processes are alike (torch.distributed processes,
+several processes are alike (torch.distributed and JAX processes,
 `cache_processes`; TensorFlow workers, `cache_workers`).
 
 Each process holds its own id map, store and cache variables and maps

@@ -47,11 +47,12 @@ def initial_rows(cache, fields):
     seed = getattr(init, "seed", None)
     if not isinstance(seed, (int, np.integer)):
         seed = int(np.random.default_rng(seed=None).integers(1, 2**31 - 1))
+    backend = keras.backend.backend()
     if getattr(init, "_init_seed", 0) is None:
         # Unseeded (Keras drew a seed): one seed for every process.
-        if keras.backend.backend() == "torch":
+        if backend in ("torch", "jax"):
             seed = cache_processes.shared_seed(cache.owner_name, int(seed))
-        elif keras.backend.backend() == "tensorflow":
+        elif backend == "tensorflow":
             seed = cache_workers.shared_seed(int(seed))
     slot_values = {
         spec.name: spec.initial_value for spec in cache.sparse_optimizer.slot_specs()
