@@ -154,18 +154,26 @@ def _apply_plan(strategy):
     return out
 
 
-def _sparse_cases(strategy, index, tmp, mark):
-    """Collection and key-sharded hash tables (tests/multiworker_sparse.py)
-    trained in the same loop."""
-    from tests import multiworker_sparse
+def _loop_trainer(strategy, batch):
+    """``train(model, x, y)``: the strategy's custom loop over global
+    batches of ``batch`` (the head by SGD)."""
 
     def train(model, x, y):
         with strategy.scope():
             optimizer = keras.optimizers.SGD(0.05)
             optimizer.build(model.trainable_variables)
-        step = _train_step(strategy, model, optimizer, multiworker_sparse.GLOBAL)
-        _train(strategy, step, None, data=(x, y), batch=multiworker_sparse.GLOBAL)
+        step = _train_step(strategy, model, optimizer, batch)
+        _train(strategy, step, None, data=(x, y), batch=batch)
 
+    return train
+
+
+def _sparse_cases(strategy, index, tmp, mark):
+    """Collection and key-sharded hash tables (tests/multiworker_sparse.py)
+    trained in the same loop."""
+    from tests import multiworker_sparse
+
+    train = _loop_trainer(strategy, multiworker_sparse.GLOBAL)
     return multiworker_sparse.run(strategy, train, index, tmp, mark)
 
 
@@ -251,6 +259,12 @@ def _worker(index, ports, tmp):
     sparse = _sparse_cases(strategy, index, tmp, mark)
     print("SPARSE " + json.dumps(sparse), flush=True)
     print("PLAN " + json.dumps(_apply_plan(strategy)), flush=True)
+    from tests import multiworker_cache
+
+    train = _loop_trainer(strategy, multiworker_cache.GLOBAL)
+    cache = multiworker_cache.run(strategy, train, index, mark)
+    cache["refused"] = multiworker_cache.refused(strategy, train, index)
+    print("CACHE " + json.dumps(cache), flush=True)
 
     # The dead peer: the other worker exits before its second step.
     def die(step):
@@ -295,7 +309,7 @@ def _run(tmp):
     outputs = []
     for proc in procs:
         try:
-            outputs.append(proc.communicate(timeout=240))
+            outputs.append(proc.communicate(timeout=400))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
@@ -312,7 +326,7 @@ def _results(tmp_path_factory):
             lines = {}
             for line in out.splitlines():
                 head, _, rest = line.partition(" ")
-                if head in ("RESULTS", "SPARSE", "PLAN", "DEAD"):
+                if head in ("RESULTS", "SPARSE", "PLAN", "CACHE", "DEAD"):
                     lines[head] = json.loads(rest)
             lines["returncode"] = code
             lines["log"] = out[-3000:] + err[-3000:]
@@ -514,3 +528,50 @@ def test_stored_layer_file_loads_on_one_device(workers):
     """The chief's file on one device: the stored layer keeps every key
     (in its table or its store) with the reference's records."""
     assert _get(workers, 0, "SPARSE")["one_device"]["stored"] <= TOL
+
+
+# ------------------------------------------- tables with cache_rows (CACHE)
+# tests/multiworker_cache.py: two 3000-id tables (SGD, Adagrad) and a
+# collection's table (Adagrad), each cached in 200 rows over a host store in
+# each worker; the reference is the same model without ``cache_rows`` under
+# the strategy.
+CACHED_KEYS = {
+    "sgd": ["0", "steps"],
+    "adagrad": ["0", "1", "steps"],
+    "coll": ["a:embeddings", "a:slot_accumulator", "sparse_iterations"],
+}
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+@pytest.mark.parametrize("table", sorted(CACHED_KEYS))
+def test_a_cached_table_trains_in_each_worker_as_the_whole_table(workers, index, table):
+    """Every id's values and slots and the step count equal the uncached
+    table's bit for bit, and so do predictions (which count nothing); rows
+    went down to the store and came back; both workers' copies (state,
+    cache variables, cached ids, counters) are identical, from seeds drawn
+    differently."""
+    from tests import multiworker_cache
+
+    result = _get(workers, index, "CACHE")[table]
+    stats = result["stats"]
+    assert stats["fills"] > 0 and stats["write_backs"] > 0, stats
+    assert stats["evictions"] == stats["write_backs"], stats
+    assert result["keys"] == CACHED_KEYS[table]
+    assert result["steps"] == multiworker_cache.STEPS
+    assert result["moved"] > 100 * TOL  # the steps did train
+    assert result["exact"] == 0.0, result
+    assert _get(workers, index, "CACHE")["predict"] == 0.0
+    assert result["inference_keeps_stats"] is True
+    other = _get(workers, 1 - index, "CACHE")[table]
+    assert result["digest"] == other["digest"]
+
+
+@pytest.mark.parametrize("index", range(WORKERS))
+def test_cached_copies_that_differ_are_refused(workers, index):
+    """A seed per worker: the first step fails in every worker with a
+    table's error, the caches unchanged."""
+    message, unchanged = _get(workers, index, "CACHE")["refused"]
+    assert message.startswith("Layer '"), message
+    assert "`cache_rows` under MultiWorkerMirroredStrategy with 2 workers" in message
+    assert "copies differ" in message and "chief's seed" in message, message
+    assert unchanged

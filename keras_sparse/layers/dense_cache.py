@@ -58,7 +58,10 @@ hold a copy of the id map, store and cache, and each maps the whole batch
 gathered in rank order (`keras_sparse.layers.row_storage.cache_processes`);
 so do the JAX processes of a Keras distribution, every device's host call
 handed the whole global batch inside the step
-(`keras_sparse.layers.row_storage.cache_jax_processes`).
+(`keras_sparse.layers.row_storage.cache_jax_processes`), and the workers
+of a TensorFlow `MultiWorkerMirroredStrategy`, their replicas gathering
+the batch across the workers
+(`keras_sparse.layers.row_storage.cache_workers`).
 
 A fill leaves the id's stored row in place (its write-back overwrites it).
 Ids outside ``[0, input_dim)`` raise where the ids are mapped, before the
@@ -104,6 +107,7 @@ from keras_sparse.layers.row_storage import cache_jax_processes
 from keras_sparse.layers.row_storage import cache_processes
 from keras_sparse.layers.row_storage import cache_replicas
 from keras_sparse.layers.row_storage import cache_store
+from keras_sparse.layers.row_storage import cache_workers
 from keras_sparse.layers.row_storage.cache_state import CacheState
 from keras_sparse.layers.row_storage.dense_slots import DenseSlots
 from keras_sparse.layers.sparse_embedding_base import SparseEmbeddingBase
@@ -297,26 +301,33 @@ class CacheRows(CacheState, SparseEmbeddingBase):
 
     def _map_replicated(self, context, flat, use):
         """This replica's int32 slots, its copy of the cache filled: the
-        replicas' whole batch mapped and moved once (`cache_replicas`)."""
+        replicas' whole batch mapped and moved once per process
+        (`cache_replicas`), each worker's copy alike (`cache_workers`)."""
         import tensorflow as tf
 
-        rounds = self._rounds(context.num_replicas_in_sync)
-        ids, used, start = cache_replicas.gather(context, flat, use)
+        local = cache_replicas.local_replicas()
+        rounds = self._rounds(local)
+        workers = cache_workers.spans_workers()
+        words = cache_workers.fingerprint(self) if workers else None
+        ids, used, start, words = cache_replicas.gather(context, flat, use, words)
         # The step counter keys the rounds: every replica reads it alike.
         step = ops.convert_to_tensor(self.sparse_iterations)
         asked = (rounds, step, cache_replicas.replica_id(context))
-        slots, fill = self._map(ids, used, True, asked)
+        check = None if words is None else (words, local)
+        slots, fill = self._map(ids, used, True, asked, check)
         row_moves.move_rows(self, slots, fill, rounds=asked)
         mine = tf.slice(slots, tf.reshape(start, (1,)), tf.shape(flat)[:1])
         mine.set_shape(flat.shape)
         return mine
 
-    def _map(self, flat, use, insert, rounds=None):
+    def _map(self, flat, use, insert, rounds=None, check=None):
         """Flat ``(slots int32, fill bool)`` of ``flat`` ids where ``use``
         (see `DenseSlots.assign`; read-only: `DenseSlots.lookup`).
         ``rounds``: ``(Rounds, step, replica)``, the replicas' whole batch
         mapped once (TensorFlow); ``(Rounds, step)``, each JAX process's
-        devices' (`cache_jax_processes.each_device` adds the device)."""
+        devices' (`cache_jax_processes.each_device` adds the device).
+        ``check``: ``(words, local)``, the TensorFlow workers' fingerprints
+        checked first (`cache_workers.check`)."""
 
         def mapped(ids, used):
             ids = np.asarray(ids).reshape(-1)
@@ -334,10 +345,15 @@ class CacheRows(CacheState, SparseEmbeddingBase):
             host, extra = mapped, []
         else:
 
-            def host(ids, used, step, replica):
-                return rounds[0].run("map", replica, step, lambda: mapped(ids, used))
+            def host(ids, used, step, replica, *words):
+                def once():
+                    if words:  # before the cache changes
+                        cache_workers.check(self, words[0], check[1])
+                    return mapped(ids, used)
 
-            extra = list(rounds[1:])
+                return rounds[0].run("map", replica, step, once)
+
+            extra = list(rounds[1:]) + ([] if check is None else [check[0]])
 
         if not is_symbolic(flat):
             if _in_shape_inference():  # placeholder values: map nothing

@@ -166,7 +166,7 @@ def structural_problem(spec, strategy, d, processes=1):
             "a cache (`cache_rows`) runs on several devices replicated only: "
             "a Keras distribution (JAX; a copy per process across processes), "
             "a MirroredStrategy of one process, or a copy per process under "
-            "torch DDP"
+            "a MultiWorkerMirroredStrategy or torch DDP"
         )
     # Key sharding keeps a store per table shard (JAX: see row_tier_shards).
     if spec.store is not None and strategy not in ("data", "row", "key"):

@@ -107,7 +107,8 @@ ONE_DEVICE_ONLY = (
     "A table with `cache_rows` trains on one device, under a Keras "
     "distribution (JAX, one process or several: a copy in each process) or "
     "a TensorFlow MirroredStrategy of one process (its cache replicated), or "
-    "in torch.distributed processes under DistributedDataParallel (a copy in "
+    "in the workers of a TensorFlow MultiWorkerMirroredStrategy or "
+    "torch.distributed processes under DistributedDataParallel (a copy in "
     "each process); under other sharding, use a DistributedHashEmbedding "
     "with `store=` (sharding='key' on every backend, also sharding='data' on "
     "JAX) or drop `cache_rows`."
@@ -116,14 +117,16 @@ ONE_DEVICE_ONLY = (
 
 def check_one_device(name):
     """Refuses the several devices a cache cannot follow: a tf.distribute
-    strategy other than a MirroredStrategy (each host would map its own part
-    of the batch into its own rows). In one process one id map and one
-    store serve the cache, replicated on every device: a Keras distribution
-    (the step's host callback sees the whole batch, `dense_cache`), a
-    MirroredStrategy (the replicas gather the batch, `cache_replicas`).
-    torch.distributed processes under DDP and the JAX processes of a Keras
-    distribution each hold a copy of the map, store and cache, all mapping
-    the whole batch (`cache_processes`, `cache_jax_processes`)."""
+    strategy other than a (MultiWorker)MirroredStrategy (each host would map
+    its own part of the batch into its own rows). In one process one id map
+    and one store serve the cache, replicated on every device: a Keras
+    distribution (the step's host callback sees the whole batch,
+    `dense_cache`), a MirroredStrategy (the replicas gather the batch,
+    `cache_replicas`). torch.distributed processes under DDP, the JAX
+    processes of a Keras distribution and the workers of a
+    MultiWorkerMirroredStrategy each hold a copy of the map, store and
+    cache, all mapping the whole batch (`cache_processes`,
+    `cache_jax_processes`, `cache_workers`)."""
     where = _several_devices()
     if where is not None:
         raise ValueError(
@@ -148,10 +151,14 @@ def _several_devices():
 
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
-            # One process's MirroredStrategy: one host map serves every
-            # replica's copy (`cache_replicas`).
-            one_process = isinstance(strategy, tf.distribute.MirroredStrategy)
-            if strategy.num_replicas_in_sync > 1 and not one_process:
+            # A MirroredStrategy: one host map serves every replica's copy
+            # (`cache_replicas`); a MultiWorkerMirroredStrategy: one per
+            # worker, each mapping the whole batch (`cache_workers`).
+            mirrored = (
+                tf.distribute.MirroredStrategy,
+                tf.distribute.MultiWorkerMirroredStrategy,
+            )
+            if strategy.num_replicas_in_sync > 1 and not isinstance(strategy, mirrored):
                 return (
                     f"{type(strategy).__name__} over "
                     f"{strategy.num_replicas_in_sync} replicas"

@@ -16,13 +16,9 @@ up its own positions; the sparse update sums every process's gradients
 copy applies the whole batch's update, as a table without a cache does.
 """
 
-import hashlib
-import os
-import socket
-
 import keras
-import numpy as np
 
+from keras_sparse.layers.row_storage import cache_copies
 from keras_sparse.layers.row_storage import cache_jax_processes
 
 _BUILDS = {}  # label -> stores opened in this process (`shared_seed`)
@@ -113,16 +109,23 @@ def check_copies(cache, group=None):
     """Raises ValueError naming the table when the processes' copies of
     ``cache`` differ (their stores' rows, their id maps, their cache
     variables) or when processes of one machine share a disk store's
-    folder; once per process group (every process raises alike).
-    ``group``: the torch.distributed group; None: the JAX processes."""
+    folder (`cache_copies`); once per process group (every process raises
+    alike). ``group``: the torch.distributed group; None: the JAX
+    processes."""
+    from keras import ops
+
     checked = cache.__dict__.setdefault("_checked_groups", set())
     if id(group) in checked:
         return
-    mine = (socket.gethostname(), _folder(cache), _digest(cache))
+    variables = [cache.embeddings, *cache.slots.values()]
+    mine = cache_copies.identity(cache, [ops.convert_to_numpy(v) for v in variables])
     if group is None:  # JAX: through the processes' key-value store
         count = _CHECKS[cache.owner_name] = _CHECKS.get(cache.owner_name, 0) + 1
         key = f"cache_copies/{cache.owner_name}/{count}"
-        found = [tuple(x) for x in cache_jax_processes.all_gather_object(key, mine)]
+        found = [
+            (None if folder is None else tuple(folder), digest)  # JSON: lists
+            for folder, digest in cache_jax_processes.all_gather_object(key, mine)
+        ]
         what, start = "JAX processes", "jax.distributed.initialize"
     else:
         import torch.distributed as dist
@@ -130,26 +133,15 @@ def check_copies(cache, group=None):
         found = [None] * dist.get_world_size(group)
         dist.all_gather_object(found, mine, group=group)
         what, start = "processes", "init_process_group"
-    where = (
+    cache_copies.refuse_differing(
+        found,
+        (mine[0], cache_copies.folder(cache)),
         f"Layer '{cache.owner_name}': `cache_rows` under "
-        f"{_backend_words()} with {len(found)} {what}"
+        f"{_backend_words()} with {len(found)} {what}",
+        "ks.store.Disk(f'{path}/rank{rank}')",
+        f"Build the layer after {start} in every process (an unseeded "
+        "initializer then gets one seed)",
     )
-    folders = [(host, path) for host, path, _ in found if path is not None]
-    if len(set(folders)) < len(folders):
-        raise ValueError(
-            f"{where}: the processes share the disk store's folder "
-            f"{folders[0][1]}; each process needs a folder of its own "
-            "(`store`: e.g. ks.store.Disk(f'{path}/rank{rank}'))."
-        )
-    if len({digest for _, _, digest in found}) > 1:
-        raise ValueError(
-            f"{where} needs the same table in every process, but the "
-            "processes' copies differ (the store's rows, the cached ids or "
-            f"the cache's rows). Build the layer after {start} in "
-            "every process (an unseeded initializer then gets one seed), "
-            "give `embeddings_initializer` a seed, or load the same weights "
-            "in every process."
-        )
     checked.add(id(group))
 
 
@@ -157,26 +149,3 @@ def _backend_words():
     if keras.backend.backend() == "jax":
         return "a Keras distribution"
     return "torch.distributed"
-
-
-def _folder(cache):
-    folder = getattr(cache.row_tier.store, "path", None)
-    return None if folder is None else os.path.realpath(os.fspath(folder))
-
-
-def _digest(cache, samples=64):
-    """A hash of the stored rows of ``samples`` ids spread over the table,
-    the cached ids and the cache variables."""
-    from keras import ops
-
-    sha = hashlib.sha1()
-    ids = np.unique(np.linspace(0, cache.input_dim - 1, samples).astype(np.int64))
-    with cache.row_tier.lock:
-        arrays = cache.row_tier.store.row_arrays()
-        if arrays is not None:
-            for name in sorted(arrays):
-                sha.update(np.ascontiguousarray(arrays[name][ids]).tobytes())
-        sha.update(cache.slot_map.id_of_slot.tobytes())
-    for var in [cache.embeddings, *cache.slots.values()]:
-        sha.update(np.ascontiguousarray(ops.convert_to_numpy(var)).tobytes())
-    return sha.hexdigest()

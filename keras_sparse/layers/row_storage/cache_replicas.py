@@ -7,9 +7,11 @@ every replica all-gathers the batch's ids (in replica order, as the sparse
 update gathers its gradients: `keras_sparse.ops.tensorflow.replicas`) and
 asks the host to map the whole batch; the first replica to ask maps it and
 carries out its moves (write-backs, store reads), the others get the same
-answer (`Rounds`). Each replica then writes the same filled rows into its
-copy, looks up its own positions and applies the whole batch's sparse
-update: the copies stay identical and equal one device's cache.
+answer (`Rounds`). Each replica then writes the same filled rows into
+its copy, looks up its own positions and applies the whole batch's sparse
+update: the copies stay identical and equal one device's cache. Under a
+MultiWorkerMirroredStrategy the all-gathers span the workers and each
+worker maps the whole batch once for its own replicas (`cache_workers`).
 """
 
 import threading
@@ -29,17 +31,31 @@ def replica_context():
     return multi_replica_context()
 
 
-def gather(context, flat, use):
-    """``(ids, use, start)``: every replica's flat ``ids`` and ``use``, in
-    replica order, and where this replica's positions start in them."""
+def gather(context, flat, use, words=None):
+    """``(ids, use, start, words)``: every replica's flat ``ids`` and
+    ``use``, in replica order, where this replica's positions start in
+    them, and every replica's ``words`` (an int32 vector as long on each,
+    carried by the same all-gather as the sizes; None without)."""
     import tensorflow as tf
 
-    n = tf.shape(flat)[:1]
-    sizes = context.all_gather(n, axis=0)
+    head = tf.shape(flat)[:1]
+    if words is not None:
+        head = tf.concat([head, words], 0)
+    heads = tf.reshape(context.all_gather(head, axis=0), [-1, head.shape[0]])
+    sizes, words = heads[:, 0], None if words is None else heads[:, 1:]
     replica = context.replica_id_in_sync_group
     start = tf.reduce_sum(sizes[:replica])
     ids, used = context.all_gather([flat, tf.cast(use, tf.int32)], axis=0)
-    return ids, tf.cast(used, tf.bool), start
+    return ids, tf.cast(used, tf.bool), start, words
+
+
+def local_replicas():
+    """The replicas of the active strategy this process runs (every one
+    under a MirroredStrategy; a worker's under MultiWorkerMirroredStrategy,
+    whose all-gathers span the workers)."""
+    import tensorflow as tf
+
+    return len(tf.distribute.get_strategy().extended.worker_devices)
 
 
 def replica_id(context):

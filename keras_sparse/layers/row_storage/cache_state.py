@@ -99,10 +99,17 @@ class CacheState:
         with tier.lock:
             tier.drop_plans()
             self.slot_map.clear()
-            self.__dict__.pop("_replica_rounds", None)  # a fresh start
+            self._start_afresh()
             store_assets.load(
                 self.owner_name, tier.store.fields, dir_path, tier.store.write
             )
+
+    def _start_afresh(self):
+        """Forgets the step state kept under strategies: the replicas'
+        rounds (`cache_replicas`), the worker's fingerprint of its copy
+        (`cache_workers`: taken again at the next step)."""
+        for key in ("_replica_rounds", "_worker_words"):
+            self.__dict__.pop(key, None)
 
     def full_table(self):
         """``{"values" | slot name: [input_dim, width]}``: the store's rows
@@ -132,7 +139,7 @@ class CacheState:
         with tier.lock:
             tier.drop_plans()
             self.slot_map.clear()
-            self.__dict__.pop("_replica_rounds", None)  # a fresh start
+            self._start_afresh()
             for first in range(0, self.input_dim, step):
                 end = min(first + step, self.input_dim)
                 rows = {f.name: np.asarray(arrays[f.name][first:end]) for f in fields}

@@ -12,6 +12,7 @@ from keras import ops
 from keras_sparse.layers.hash.keyed_fresh_rows import key_values
 from keras_sparse.layers.hash.keyed_fresh_rows import per_key
 from keras_sparse.layers.row_storage import cache_processes
+from keras_sparse.layers.row_storage import cache_workers
 from keras_sparse.layers.row_storage.cache_checks import check_initializer
 from keras_sparse.layers.row_storage.dense_moves import DenseMoves
 from keras_sparse.layers.row_tier import VALUES
@@ -47,9 +48,12 @@ def initial_rows(cache, fields):
     if not isinstance(seed, (int, np.integer)):
         seed = int(np.random.default_rng(seed=None).integers(1, 2**31 - 1))
     backend = keras.backend.backend()
-    if backend in ("torch", "jax") and getattr(init, "_init_seed", 0) is None:
+    if getattr(init, "_init_seed", 0) is None:
         # Unseeded (Keras drew a seed): one seed for every process.
-        seed = cache_processes.shared_seed(cache.owner_name, int(seed))
+        if backend in ("torch", "jax"):
+            seed = cache_processes.shared_seed(cache.owner_name, int(seed))
+        elif backend == "tensorflow":
+            seed = cache_workers.shared_seed(int(seed))
     slot_values = {
         spec.name: spec.initial_value for spec in cache.sparse_optimizer.slot_specs()
     }
