@@ -7,7 +7,7 @@ that no cache stands between (a NumPy array updated in place), under
 random interleavings of mappings made ahead, batches mapped ahead but
 never trained, steps, read-only lookups and settling; then end to end
 through `ks.data.prefetch` against the same model trained without the
-stage.
+stage (a checkpoint mid-epoch included).
 """
 
 import keras
@@ -76,6 +76,7 @@ _op = st.one_of(
     st.tuples(st.just("stray"), _batch),  # mapped ahead, never trained
     st.tuples(st.just("step"), st.just(0)),
     st.tuples(st.just("read"), _batch),
+    st.tuples(st.just("save"), st.just(0)),
     st.tuples(st.just("settle"), st.just(0)),
 )
 
@@ -101,10 +102,11 @@ def test_mappings_made_ahead_keep_every_row_exact(route, batches, ops):
             table.step(batches[trained])
             trained += 1
             mapped = max(mapped, trained)
-        elif kind == "read":
+        elif kind == "read":  # mappings made ahead stay for their steps
             ids = np.array(arg, np.int64)
             np.testing.assert_array_equal(table.read(ids), table.reference[ids])
-            mapped = trained
+        elif kind == "save":
+            np.testing.assert_array_equal(table.whole(), table.reference)
         elif kind == "settle":
             table.map.ahead.settle()
             mapped = trained
@@ -203,14 +205,15 @@ def test_batches_mapped_ahead_but_not_trained_are_undone():
         layer.row_cache.map_ahead(x[-32:])
         for a, b in zip(layer.get_weights(), plain_layer.get_weights()):
             np.testing.assert_array_equal(a, b)
-    assert layer.stats()["undone_ahead"] >= 1
     np.testing.assert_array_equal(
         staged.predict(x[-32:], verbose=0), plain.predict(x[-32:], verbose=0)
     )
+    assert layer.stats()["size"] == plain_layer.stats()["size"]
     staged.fit(x[128:192], y[128:192], batch_size=32, verbose=0, shuffle=False)
     plain.fit(x[128:192], y[128:192], batch_size=32, verbose=0, shuffle=False)
     for a, b in zip(layer.get_weights(), plain_layer.get_weights()):
         np.testing.assert_array_equal(a, b)
+    assert layer.stats()["undone_ahead"] >= 1
 
 
 def test_the_stage_raises_a_bad_id_before_the_step():
@@ -229,3 +232,31 @@ def test_the_stage_raises_a_bad_id_before_the_step():
         plain.fit(x[:32], y[:32], batch_size=32, verbose=0, shuffle=False)
     for a, b in zip(layer.get_weights(), plain_layer.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+class _SaveAt(keras.callbacks.Callback):
+    """The cached layer's whole table after batch ``at`` of the first
+    epoch, as a checkpoint taken then would hold it."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.saved = at, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at and self.saved is None:
+            self.saved = self.model.get_layer("ids").get_weights()
+
+
+def test_a_checkpoint_mid_epoch_sees_the_trained_table_and_keeps_the_look_ahead():
+    x, y = _data()
+    plain, plain_layer = _model(150)
+    plain.fit(x[:192], y[:192], batch_size=32, verbose=0, shuffle=False)
+    staged, layer = _model(150)
+    save = _SaveAt(5)
+    with ks.data.prefetch((x, y), staged, batch_size=32, shuffle=False) as stage:
+        staged.fit(stage, verbose=0, callbacks=[save])
+    for a, b in zip(save.saved, plain_layer.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    stats = layer.stats()
+    assert stats["used_ahead"] == stats["mapped_ahead"] == 24
+    assert stats["undone_ahead"] == 0

@@ -22,7 +22,10 @@ former id back and forgets the new ids: no move has run for them, so
 every row is where the map then says. Only the CLOCK bits keep the
 undone mappings' traces, which changes which rows later batches evict,
 never a value. Readers of the map that must see it as of the last
-trained step (read-only lookups, saves, clearing it) undo them first
+trained step (read-only lookups, saves, counts) read it with the
+mappings made ahead undone in their answer only (`as_trained`,
+`trained_id_of_slot`), so the mappings stay for their steps, e.g.
+across a checkpoint taken mid-epoch; clearing the map undoes them
 (`settle`).
 """
 
@@ -119,17 +122,42 @@ class AheadMaps:
             return self._undo_all()
 
     def pending(self):
-        """What the mappings made ahead added: to the map's counts (a dict
-        of them) and, as ``"rows"``, the empty rows they gave ids."""
-        with self._queue_lock:
-            entries = list(self._entries)
+        """What the mappings made ahead added to the map's counts."""
         out = dict.fromkeys(self._map.counts, 0)
-        out["rows"] = 0
-        for entry in entries:
+        for entry in self._pending():
             for name, added in entry.counts.items():
                 out[name] += added
-            out["rows"] += int(np.count_nonzero(entry.evicted < 0))
         return out
+
+    def trained_id_of_slot(self):
+        """The map's id per row as of the last trained step: a copy with
+        the mappings made ahead undone (caller holds the map's lock)."""
+        id_of_slot = self._map.id_of_slot.copy()
+        for entry in reversed(self._pending()):
+            id_of_slot[entry.victims] = entry.evicted
+        return id_of_slot
+
+    def as_trained(self, ids, slots):
+        """Corrects ``slots``, the map's rows of ``ids`` now, to the rows as
+        of the last trained step, in place (caller holds the map's lock):
+        an id a mapping made ahead gave a row is not cached yet, one it
+        evicted is still in its row."""
+        entries = self._pending()
+        if not entries:
+            return
+        undone = {}
+        for entry in reversed(entries):
+            undone.update(dict.fromkeys(entry.fill_ids.tolist(), -1))
+            old = entry.evicted >= 0
+            undone.update(zip(entry.evicted[old].tolist(), entry.victims[old].tolist()))
+        keys = np.fromiter(undone, np.int64, len(undone))
+        hit = np.flatnonzero(np.isin(ids, keys))
+        for p in hit:
+            slots[p] = undone[int(ids[p])]
+
+    def _pending(self):
+        with self._queue_lock:
+            return list(self._entries)
 
     def _take(self, ids, use):
         with self._queue_lock:

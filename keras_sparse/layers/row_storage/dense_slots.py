@@ -54,8 +54,7 @@ class DenseSlots:
         """Ids cached as of the last trained step (mappings made ahead
         left out)."""
         with self.lock:
-            held = int(np.count_nonzero(self.id_of_slot >= 0))
-            return held - self.ahead.pending()["rows"]
+            return int(np.count_nonzero(self.ahead.trained_id_of_slot() >= 0))
 
     def trained_counts(self):
         """`counts` as of the mappings steps used (those made ahead left
@@ -65,10 +64,12 @@ class DenseSlots:
             return {k: v - pending[k] for k, v in self.counts.items()}
 
     def cached(self):
-        """``(ids, slots)`` of the cached ids, ids ascending."""
-        self.ahead.settle()
-        slots = np.flatnonzero(self.id_of_slot >= 0)
-        ids = self.id_of_slot[slots]
+        """``(ids, slots)`` of the ids cached as of the last trained step,
+        ids ascending (mappings made ahead read as undone, left in place)."""
+        with self.lock:
+            id_of_slot = self.ahead.trained_id_of_slot()
+        slots = np.flatnonzero(id_of_slot >= 0)
+        ids = id_of_slot[slots]
         order = np.argsort(ids)
         return ids[order], slots[order]
 
@@ -105,9 +106,10 @@ class DenseSlots:
         at = np.flatnonzero(use)
         used = ids[at]
         self.check_range(used)
-        self.ahead.settle()
         with self.lock:
-            slots[at] = self.slot_of_id[used]
+            found = self.slot_of_id[used]
+            self.ahead.as_trained(used, found)
+        slots[at] = found
         return slots
 
     def assign(self, ids, use):
