@@ -181,12 +181,14 @@ def test_row_store_training_quick_reopens_the_disk_store(tmp_path):
     assert done.returncode == 0, out[-4000:]
     row = [line.split() for line in done.stdout.splitlines() if line[:5] == "disk "]
     assert len(row) == 1, out[-4000:]
-    _, rate, ratio, cpu, hits, moved, _, read, rss, anon, _, init, reopen = row[0]
+    _, rate, ratio, cpu, hits, moved, _, read, rss, anon, _, init, *rest = row[0]
+    reopen, ahead = rest
     assert float(rate) > 0 and ratio == "1.00x" and float(cpu) > 0, row
     assert 0 < float(hits[:-1]) < 100 and float(moved) > 0, row  # a cache of 10%
     assert float(read) >= 0 and float(rss) >= float(anon) > 0, row
     assert float(init) > 0, row
     assert float(reopen) > 0, row
+    assert ahead == "0%", row  # mapped ahead only through the stage (--stage)
     assert list(tmp_path.iterdir()) == []  # the store was deleted
 
 
