@@ -130,10 +130,14 @@ class AheadMaps:
         return out
 
     def trained_id_of_slot(self):
-        """The map's id per row as of the last trained step: a copy with
+        """The map's id per row as of the last trained step, to read only:
+        the map's own array when nothing is mapped ahead, else a copy with
         the mappings made ahead undone (caller holds the map's lock)."""
+        entries = self._pending()
+        if not entries:
+            return self._map.id_of_slot
         id_of_slot = self._map.id_of_slot.copy()
-        for entry in reversed(self._pending()):
+        for entry in reversed(entries):
             id_of_slot[entry.victims] = entry.evicted
         return id_of_slot
 
