@@ -6,6 +6,7 @@ import doctest
 import itertools
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -175,7 +176,7 @@ def test_host_store_matches_a_dict(ops, capacity):
 @given(ops=ops_st)
 def test_disk_store_matches_a_dict_across_flush_and_reopen(ops, tmp_path):
     def reopen(store):
-        store.flush()
+        store.close()  # flushes; one open store per folder
         return DiskStore.open(store.path)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -272,6 +273,7 @@ def test_dense_stores_match_a_numpy_array(disk, tmp_path, monkeypatch):
         again = DenseDiskStore.open(tmp_path / "d")
         np.testing.assert_array_equal(again.read(ids)[1]["score"], score)
         again.clear()
+        again.close()
         assert not DenseDiskStore.open(tmp_path / "d").read(ids)[1]["score"].any()
 
 
@@ -367,6 +369,15 @@ def test_chunks_raise_when_the_store_changes_underneath():
         next(it)
 
 
+def _files_at_a_crash(path, copy):
+    """The store reopened from a copy of ``path``'s files as they are now
+    (what a crash of the process holding ``path`` would leave: mapped
+    writes are in the page cache, and the folder stays locked while its
+    store is open)."""
+    shutil.copytree(path, copy)
+    return DiskStore.open(copy)
+
+
 def test_crash_between_flushes_keeps_the_last_flush(tmp_path):
     """Reopening without a flush (as after a crash) gives the keys of the
     last flush; a slot freed since then was not given to another key, so
@@ -378,7 +389,7 @@ def test_crash_between_flushes_keeps_the_last_flush(tmp_path):
     store.erase([10])
     store.write([30], _rows([30], 2))  # must not take 10's slot
     store.write([20], _rows([20], 3))
-    crashed = DiskStore.open(path)
+    crashed = _files_at_a_crash(path, tmp_path / "crash1")
     assert crashed.contains([10, 20, 30]).tolist() == [True, True, False]
     found, rows = crashed.read([10, 20])
     # 10: its rows at the flush; 20: written in place since (newer).
@@ -386,7 +397,8 @@ def test_crash_between_flushes_keeps_the_last_flush(tmp_path):
     store.flush()  # now the freed slot may be reused
     store.write([40], _rows([40], 4))
     assert store._slots == 3
-    assert DiskStore.open(path).contains([10, 20, 30, 40]).tolist() == [
+    crashed = _files_at_a_crash(path, tmp_path / "crash2")
+    assert crashed.contains([10, 20, 30, 40]).tolist() == [
         False,
         True,
         True,
@@ -439,7 +451,7 @@ def test_a_new_store_does_not_replace_one_unless_asked(tmp_path):
     store = DiskStore(path, FIELDS[:1], overwrite=True)
     assert store.size == 0 and not (path / "score.rows").exists()
     assert sorted(os.listdir(path)) == sorted(
-        ["manifest.json", "values.rows", store._index_name]
+        [".lock", "manifest.json", "values.rows", store._index_name]
     )
 
 

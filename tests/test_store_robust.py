@@ -1,11 +1,15 @@
 """Row-store edge cases: imports that evict, tables set later, refused
 builds, reopened shard folders, saves of unbuilt layers, incomplete files."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
 
 from keras_sparse.layers.hash.embedding import DistributedHashEmbedding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _layer(name="ids", capacity=64, **kwargs):
@@ -163,3 +167,53 @@ def test_an_incomplete_file_says_which_keys_are_missing(tmp_path):
     np.testing.assert_array_equal(
         np.sort(again.export()["keys"]), np.sort(entries["record_keys"])
     )
+
+
+_HOLDER = """
+import sys
+import numpy as np
+from keras_sparse import store
+fields = [store.FieldSpec("values", 4, "float32")]
+s = store.DenseDiskStore(sys.argv[1], fields, 1000, lambda a, b: {"values":
+    np.full((b - a, 4), 7.0, "float32")})
+print("open", flush=True)
+sys.stdin.readline()  # holds the store (and its maps) until told
+rows = s.row_arrays()["values"]
+print(float(rows[999, 0]), flush=True)
+"""
+
+
+def test_a_folder_another_process_holds_is_never_touched(tmp_path):
+    import subprocess
+    import sys
+
+    from keras_sparse import store
+
+    folder = tmp_path / "rows"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(folder)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        fields = [store.FieldSpec("values", 4, "float32")]
+        # A store on the same files would cut them under the holder's maps.
+        with pytest.raises(store.FolderInUse, match="open in another"):
+            store.DenseDiskStore(folder, fields, 10, overwrite=True)
+        with pytest.raises(store.FolderInUse, match="open in another"):
+            store.DenseDiskStore.open(folder)
+        spec = store.Disk(str(folder))
+        with pytest.warns(UserWarning, match=r"in this process or another.*rows\.1"):
+            moved = spec.open_dense(fields, 10)
+        assert moved.path == f"{folder}.1" and moved.asked_path == str(folder)
+        moved.close()
+        with pytest.raises(ValueError, match="is open already"):
+            store.Disk(str(folder), reopen=True).open_dense(fields, 1000)
+        out, _ = holder.communicate("go\n", timeout=60)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    assert holder.returncode == 0 and out.strip() == "7.0"
+    # Its lock went with it: the folder opens again.
+    with store.DenseDiskStore.open(folder) as reopened:
+        assert reopened.row_arrays()["values"][999, 0] == 7.0

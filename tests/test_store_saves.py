@@ -248,10 +248,12 @@ def test_a_disk_store_reopens_in_place(tmp_path):
     assert layer.stats()["store_size"] == len(before["keys"])
     _assert_same(shared.records(layer), before)
     # While it is open, a new store never replaces it; nor reopens it.
-    with pytest.warns(UserWarning, match=r"open in this process.*ids\.1"):
+    with pytest.warns(
+        UserWarning, match=r"is open, in this process or another.*ids\.1"
+    ):
         _, other = shared.model(64, ks.store.Disk(folder))
     assert other.row_tier.store.path == f"{folder / 'ids'}.1"
-    with pytest.raises(ValueError, match="open in this process already"):
+    with pytest.raises(ValueError, match="is open already"):
         shared.model(64, ks.store.Disk(folder, reopen=True))
     layer.row_tier.store.close()
     del model, layer

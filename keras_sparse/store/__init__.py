@@ -8,7 +8,8 @@ works on whole arrays of keys with vectorized NumPy, never a loop per key.
 - `DenseHostStore`: ids ``[0, num_rows)`` (a fixed vocabulary), host memory.
 - `DiskStore` / `DenseDiskStore`: the same with rows in memory-mapped files
   on local disk (larger than RAM); `flush` makes them durable and ``open``
-  reopens them in place (format and crash safety: `disk_format`).
+  reopens them in place (format and crash safety: `disk_format`); a
+  folder holds one open store at a time, across processes (`FolderInUse`).
 - `Host()` / `Disk(path)`: what a layer's ``store`` argument takes; `get`
   resolves None, ``"host"``, a spec or its config dict.
 
@@ -21,6 +22,7 @@ from .disk_format import StoreFormatError
 from .disk_store import DiskStore
 from .fields import FieldSpec
 from .host_store import HostStore
+from .on_disk import FolderInUse
 from .protocol import RowStore
 from .specs import Disk
 from .specs import Host
@@ -33,6 +35,7 @@ __all__ = [
     "Disk",
     "DiskStore",
     "FieldSpec",
+    "FolderInUse",
     "Host",
     "HostStore",
     "RowStore",

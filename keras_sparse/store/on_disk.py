@@ -1,6 +1,14 @@
 """`OnDisk`: what `DiskStore` and `DenseDiskStore` share: a folder of
 memory-mapped row files and a manifest (`disk_format`), flushed by
-`clear` and `close`."""
+`clear` and `close`.
+
+An open store holds an exclusive lock on its folder (``.lock``, released
+by `close`, or by the OS when the process ends): a second store on the
+same files, in any process of the host, would cut or rewrite files the
+first one has mapped (a process reading a mapped page past a file's new
+end is killed by SIGBUS), so a store never opens a folder that another
+one holds (`FolderInUse`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,18 @@ import os
 import weakref
 
 from . import disk_format
+
+try:
+    import fcntl
+except ImportError:  # no advisory locks (Windows): this process's own check only
+    fcntl = None
+
+LOCK = ".lock"
+
+
+class FolderInUse(ValueError):
+    """The folder's store is open in another process (it holds the lock)."""
+
 
 # Folders of the disk stores open in this process (closed or collected
 # stores drop out): a new store never replaces one in use.
@@ -25,6 +45,25 @@ def in_use(folder) -> bool:
     return store is not None and not store._closed
 
 
+def _claim(folder, who):
+    """An open lock file holding ``folder``'s exclusive lock; raises
+    `FolderInUse` when another store (of any process) holds it."""
+    os.makedirs(folder, exist_ok=True)
+    handle = open(os.path.join(folder, LOCK), "a+b")  # noqa: SIM115 (held open)
+    if fcntl is None:
+        return handle
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise FolderInUse(
+            f"{who}: the store in {folder} is open in another store or "
+            "process (two stores on the same files would corrupt them); give "
+            "each one a folder of its own"
+        ) from None
+    return handle
+
+
 class OnDisk:
     """Mixin placed before the in-memory base (`KeyedStore`, `DenseStore`);
     ``_kind`` is the manifest's kind, ``_index_files`` what else the folder
@@ -34,7 +73,13 @@ class OnDisk:
 
     def _create_folder(self, path, overwrite: bool) -> str:
         folder = os.fspath(path)
-        disk_format.prepare_folder(folder, overwrite, type(self).__name__)
+        lock = _claim(folder, type(self).__name__)
+        try:
+            disk_format.prepare_folder(folder, overwrite, type(self).__name__)
+        except BaseException:
+            lock.close()
+            raise
+        self._lock = lock
         self._folder = folder
         _OPEN[os.path.realpath(folder)] = self
         return folder
@@ -46,7 +91,9 @@ class OnDisk:
         folder = os.fspath(path)
         who = f"{cls.__name__}.open"
         manifest, fields, capacity = disk_format.read_manifest(folder, cls._kind, who)
+        lock = _claim(folder, who)
         self = cls.__new__(cls)
+        self._lock = lock
         self._folder = folder
         _OPEN[os.path.realpath(folder)] = self
         return self, manifest, fields, capacity
@@ -66,6 +113,7 @@ class OnDisk:
         if not self._closed:
             self.flush()
             super().close()
+            self._lock.close()
             if _OPEN.get(os.path.realpath(self._folder)) is self:
                 del _OPEN[os.path.realpath(self._folder)]
 

@@ -14,6 +14,7 @@ from .dense_store import DenseHostStore
 from .disk_store import DiskStore
 from .host_store import HostStore
 from .host_store import check_capacity
+from .on_disk import FolderInUse
 from .on_disk import in_use
 
 
@@ -52,7 +53,8 @@ class Disk:
     folder that a store of this process has open is never replaced (e.g.
     ``load_model`` of a file whose layer's store is still in use): the new
     store goes to the first free ``<folder>.1``, ``<folder>.2``, ...,
-    with a warning.
+    with a warning; so does a folder whose store another process holds
+    open (its lock, `on_disk`).
 
     ``reopen=True`` opens the store left in the folder in place instead,
     without copying its files (its fields, and rows for a fixed
@@ -74,26 +76,41 @@ class Disk:
         if not isinstance(self.reopen, bool):
             raise ValueError(f"Disk: reopen must be True or False, got {self.reopen!r}")
 
-    def _folder(self, name):
+    def _open(self, name, create, reopen):
+        """The store ``create(folder)`` (or ``reopen(folder)`` with
+        ``reopen=True`` where a store was left) makes in the first folder
+        no store holds, in this process or another: ``path`` (or
+        ``path/name``), else ``<folder>.1``, ``<folder>.2``, ... with a
+        warning. Its ``asked_path`` is the folder asked for."""
         folder = self.path if name is None else os.path.join(self.path, name)
-        if not in_use(folder):
-            return folder
-        if self.reopen:
-            raise ValueError(
-                f"Disk(reopen=True): the store in {folder} is open in this "
-                "process already (two stores on the same files would corrupt "
-                "them); close the other one first (layers: drop them)"
-            )
-        n = 1
-        while in_use(f"{folder}.{n}"):
+        n = 0
+        while True:
+            candidate = folder if n == 0 else f"{folder}.{n}"
+            store = None
+            if not in_use(candidate):
+                try:
+                    store = (reopen if self._existing(candidate) else create)(candidate)
+                except FolderInUse:
+                    pass
+            if store is not None:
+                break
+            if self.reopen:
+                raise ValueError(
+                    f"Disk(reopen=True): the store in {folder} is open "
+                    "already, in this process or another (two stores on the "
+                    "same files would corrupt them); close the other one "
+                    "first (layers: drop them)"
+                )
             n += 1
-        warnings.warn(
-            f"Disk: the store in {folder} is open in this process; the new "
-            f"store goes to {folder}.{n} instead (give each layer its own "
-            "folder)",
-            stacklevel=4,
-        )
-        return f"{folder}.{n}"
+        if n:
+            warnings.warn(
+                f"Disk: the store in {folder} is open, in this process or "
+                f"another; the new store goes to {candidate} instead (give "
+                "each layer and process its own folder)",
+                stacklevel=4,
+            )
+        store.asked_path = folder
+        return store
 
     def _existing(self, folder):
         return self.reopen and os.path.exists(
@@ -101,16 +118,18 @@ class Disk:
         )
 
     def open_keyed(self, fields, name=None):
-        folder = self._folder(name)
-        if self._existing(folder):
-            return _matching(DiskStore.open(folder), fields, None)
-        return DiskStore(folder, fields, self.initial_capacity, overwrite=True)
+        return self._open(
+            name,
+            lambda f: DiskStore(f, fields, self.initial_capacity, overwrite=True),
+            lambda f: _matching(DiskStore.open(f), fields, None),
+        )
 
     def open_dense(self, fields, num_rows, initializer=None, name=None):
-        folder = self._folder(name)
-        if self._existing(folder):
-            return _matching(DenseDiskStore.open(folder), fields, num_rows)
-        return DenseDiskStore(folder, fields, num_rows, initializer, overwrite=True)
+        return self._open(
+            name,
+            lambda f: DenseDiskStore(f, fields, num_rows, initializer, overwrite=True),
+            lambda f: _matching(DenseDiskStore.open(f), fields, num_rows),
+        )
 
     def get_config(self) -> dict:
         config = {"path": self.path, "initial_capacity": self.initial_capacity}

@@ -53,8 +53,11 @@ def refuse_differing(found, own, where, own_folder, rebuild):
 
 
 def folder(cache):
-    """The real path of ``cache``'s disk store's folder, or None."""
-    path = getattr(cache.row_tier.store, "path", None)
+    """The real path of the folder ``cache``'s disk store was asked for
+    (a store whose folder another process held went to another one,
+    `keras_sparse.store.Disk`), or None."""
+    store = cache.row_tier.store
+    path = getattr(store, "asked_path", getattr(store, "path", None))
     return None if path is None else os.path.realpath(os.fspath(path))
 
 
