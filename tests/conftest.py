@@ -70,15 +70,22 @@ def _flush_progress():
         pass  # no terminal to tell: the log has everything
 
 
-def pytest_runtest_logreport(report):
+def pytest_runtest_logstart(nodeid, location):
+    # A file's time starts when its first test starts (its first report
+    # comes after its module fixtures ran, which belong to it).
     import time
 
     if _PROGRESS_FD is None:
         return
-    name = report.nodeid.split("::")[0]
+    name = nodeid.split("::")[0]
     if name != _progress["file"]:
         _flush_progress()
         _progress.update(file=name, counts={}, start=time.monotonic())
+
+
+def pytest_runtest_logreport(report):
+    if _PROGRESS_FD is None:
+        return
     if report.when == "call" or (report.when == "setup" and not report.passed):
         outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
         _progress["counts"][outcome] = _progress["counts"].get(outcome, 0) + 1

@@ -14,6 +14,10 @@ KERNELS = sorted(
 NVCC = shutil.which("nvcc")
 
 
+# nvcc sees no Keras backend: one run compiles them all.
+pytestmark = pytest.mark.backend_independent
+
+
 @pytest.mark.skipif(
     NVCC is None, reason="nvcc not found on PATH; CUDA compile check skipped"
 )
