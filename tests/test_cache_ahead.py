@@ -260,3 +260,37 @@ def test_a_checkpoint_mid_epoch_sees_the_trained_table_and_keeps_the_look_ahead(
     stats = layer.stats()
     assert stats["used_ahead"] == stats["mapped_ahead"] == 24
     assert stats["undone_ahead"] == 0
+
+
+def _collection(cache_rows):
+    from tests import cached_tables
+
+    keras.utils.set_random_seed(4)
+    cache = {"cache_rows": cache_rows, "store": "host"} if cache_rows else {}
+    model, layer = cached_tables.build("collection", "adagrad", cache)
+    model.compile("sgd", "mse")
+    return model, layer
+
+
+def test_the_stage_maps_a_collections_cached_table_ahead_and_trains_exactly():
+    from tests import cached_tables
+
+    x, y = cached_tables.data(16, 24)
+    plain, plain_layer = _collection(40)
+    plain.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    staged, layer = _collection(40)
+    with ks.data.prefetch((x, y), staged, batch_size=16, shuffle=False) as stage:
+        staged.fit(stage, epochs=2, verbose=0)
+    stats = layer.stats("a")
+    assert stats["used_ahead"] == stats["mapped_ahead"] == 48
+    assert stats["undone_ahead"] == 0 and stats["write_backs"] > 100
+    assert plain_layer.stats("a")["mapped_ahead"] == 0
+    got, want = (
+        cached_tables.state("collection", layer),
+        cached_tables.state("collection", plain_layer),
+    )
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for a, b in zip(_weights(staged), _weights(plain)):
+        np.testing.assert_array_equal(a, b)

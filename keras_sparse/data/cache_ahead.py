@@ -1,38 +1,64 @@
 """The input stage's look-ahead for tables with ``cache_rows``.
 
 A training pass hands each batch to Keras only after mapping, for every
-`AllToAllDenseEmbedding` with ``cache_rows`` it feeds, the batch's ids to
-cache rows (`CacheRows.map_ahead`): the mapping, most of a cached step's
-host work, then runs while the previous step trains, and the step only
-moves the rows its mapping chose. Batches are mapped in the order Keras
-receives them, after routing, so a step finds its batch's mapping first in
-line; when it does not (a batch fetched but never trained), the mappings
-are undone and the step maps its ids itself
+table with ``cache_rows`` it feeds (an `AllToAllDenseEmbedding`'s, or a
+table of an `EmbeddingCollection`), the batch's ids to cache rows
+(`CacheRows.map_ahead`): the mapping, most of a cached step's host work,
+then runs while the previous step trains, and the step only moves the
+rows its mapping chose. Batches are mapped in the order Keras receives
+them, after routing, so a step finds its batch's mapping first in line;
+when it does not (a batch fetched but never trained), the mappings are
+undone and the step maps its ids itself
 (`keras_sparse.layers.row_storage.ahead_maps`).
 """
 
 import numpy as np
 
 from keras_sparse.layers.model_feeds import array_at
+from keras_sparse.layers.row_storage import cache_batches
 
 
-def cached_feeds(feeds):
-    """The feeds whose layer has a ``cache_rows`` table the look-ahead
-    serves: a fixed-vocabulary layer's, fed plain ids (no per-id weights,
-    whose zeros would leave positions unused)."""
-    return [
-        feed
+def cached_feeds(model, feeds):
+    """``[(cache, ModelInput)]``: the tables with ``cache_rows`` the
+    look-ahead serves and the model input of each. A fixed-vocabulary
+    layer's table among the stage's ``feeds``, and the collection tables
+    a functional model reads straight from an input; each fed plain ids
+    (no per-id weights, whose zeros would leave positions unused). A
+    table read from several inputs is left to its steps (a step takes a
+    mapping only if it was made for exactly its ids: one per table and
+    batch)."""
+    found = [
+        (feed.layer.row_cache, feed.keys)
         for feed in feeds
         if feed.kind == "dense"
         and getattr(feed.layer, "row_cache", None) is not None
         and feed.weights is None
     ]
+    if hasattr(model, "_inputs_struct"):  # a functional model: walk it
+        found += [
+            (cache, place)
+            for cache, place in cache_batches.feeds(model)
+            if _of_a_collection(cache)
+        ]
+    places = {}
+    for cache, place in found:
+        places.setdefault(id(cache), set()).add(place.path)
+    unique = {}
+    for cache, place in found:
+        if len(places[id(cache)]) == 1:
+            unique.setdefault(id(cache), (cache, place))
+    return list(unique.values())
+
+
+def _of_a_collection(cache):
+    owner = cache._owner() if cache._owner is not None else None
+    return any(c is cache for c in getattr(owner, "table_caches", {}).values())
 
 
 def map_batch(feeds, x):
     """Maps batch ``x``'s ids ahead for each of ``feeds`` (`cached_feeds`);
     raises as the step would (e.g. an id out of range), before it runs."""
-    for feed in feeds:
-        ids = np.asarray(array_at(x, feed.keys.find(x)))
+    for cache, place in feeds:
+        ids = np.asarray(array_at(x, place.find(x)))
         if ids.dtype.kind in "iu":
-            feed.layer.row_cache.map_ahead(ids)
+            cache.map_ahead(ids)

@@ -129,6 +129,7 @@ Caveats:
   device count, else the bucketing reports an overflow before the step.
 """
 
+from keras_sparse.data import cache_ahead
 from keras_sparse.data.feed_layouts import default_replicas
 from keras_sparse.data.feed_layouts import feed_layout
 from keras_sparse.data.feed_layouts import feed_shares
@@ -282,6 +283,8 @@ def prefetch(
     )
     engine.copy_batch = copy_batch
     engine.local_replicas = local
+    if insert:
+        engine.cached_feeds = cache_ahead.cached_feeds(model, feeds)
     engine.layouts = [
         feed_layout(f.layer, dedup, bucket) if f.kind == "hash" else None for f in feeds
     ]

@@ -9,7 +9,6 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_sparse.data import cache_ahead
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.prefetch_pass import Pass
 from keras_sparse.data.prefetch_pass import counters
@@ -70,7 +69,7 @@ class Engine:
         self.scratch = {}  # feed index -> `segment_scratch` array
         # Tables with ``cache_rows`` whose training batches are mapped
         # ahead, as Keras receives them (`cache_ahead`).
-        self.cached_feeds = cache_ahead.cached_feeds(feeds) if insert else []
+        self.cached_feeds = []  # set by `prefetch` (it knows the model)
 
     # ---------------------------------------------------------------- passes
     def start_pass(self):
