@@ -85,6 +85,8 @@ def test_a_replicated_cache_trains_as_the_whole_table(kind, optimizer, how):
     # Rows went down to the store and came back: the cache was too small.
     assert stats["evictions"] >= 100 and stats["fills"] >= stats["evictions"], stats
     assert stats["store_size"] == VOCAB
+    if how == "prefetch":  # the stage mapped every batch ahead of its step
+        assert stats["used_ahead"] == stats["mapped_ahead"] == STEPS, stats
     want, want_pred, _, _ = _train(kind, optimizer, {}, start, how)
     assert sorted(got) == sorted(want) and len(want) >= 2 + (optimizer == "adagrad")
     for key, value in want.items():
