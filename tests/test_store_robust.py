@@ -217,3 +217,23 @@ def test_a_folder_another_process_holds_is_never_touched(tmp_path):
     # Its lock went with it: the folder opens again.
     with store.DenseDiskStore.open(folder) as reopened:
         assert reopened.row_arrays()["values"][999, 0] == 7.0
+
+
+def test_a_file_system_without_locks_opens_with_a_warning(tmp_path, monkeypatch):
+    import errno
+
+    from keras_sparse import store
+    from keras_sparse.store import on_disk
+
+    if on_disk.fcntl is None:
+        pytest.skip("no advisory locks on this platform")
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(on_disk.fcntl, "flock", no_locks)
+    fields = [store.FieldSpec("values", 2, "float32")]
+    with pytest.warns(UserWarning, match="cannot lock"):
+        opened = store.Disk(str(tmp_path / "rows")).open_dense(fields, 5)
+    assert opened.path == str(tmp_path / "rows")  # not sent to rows.1
+    opened.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 import weakref
 
 from . import disk_format
@@ -54,13 +55,21 @@ def _claim(folder, who):
         return handle
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # held: EWOULDBLOCK
         handle.close()
         raise FolderInUse(
             f"{who}: the store in {folder} is open in another store or "
             "process (two stores on the same files would corrupt them); give "
             "each one a folder of its own"
         ) from None
+    except OSError as error:
+        # A file system without advisory locks (ENOLCK, EOPNOTSUPP): this
+        # process's own check (`in_use`) is all there is.
+        warnings.warn(
+            f"{who}: cannot lock {folder} ({error}); a store another process "
+            "opens there too would corrupt this one",
+            stacklevel=4,
+        )
     return handle
 
 
