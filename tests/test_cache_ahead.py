@@ -279,7 +279,11 @@ def test_the_stage_maps_a_collections_cached_table_ahead_and_trains_exactly():
     plain, plain_layer = _collection(40)
     plain.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     staged, layer = _collection(40)
-    with ks.data.prefetch((x, y), staged, batch_size=16, shuffle=False) as stage:
+    # Batches copied to the device in the workers: the ids mapped ahead are
+    # read before the copy.
+    with ks.data.prefetch(
+        (x, y), staged, batch_size=16, shuffle=False, transfer=True
+    ) as stage:
         staged.fit(stage, epochs=2, verbose=0)
     stats = layer.stats("a")
     assert stats["used_ahead"] == stats["mapped_ahead"] == 48

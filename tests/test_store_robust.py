@@ -237,3 +237,43 @@ def test_a_file_system_without_locks_opens_with_a_warning(tmp_path, monkeypatch)
         opened = store.Disk(str(tmp_path / "rows")).open_dense(fields, 5)
     assert opened.path == str(tmp_path / "rows")  # not sent to rows.1
     opened.close()
+
+
+def test_a_store_that_fails_to_open_lets_go_of_its_folder(tmp_path):
+    from keras_sparse import store
+
+    fields = [store.FieldSpec("values", 2, "float32")]
+
+    def broken(first, end):
+        raise RuntimeError("no rows today")
+
+    with pytest.raises(RuntimeError, match="no rows today") as failed:
+        store.DenseDiskStore(tmp_path / "rows", fields, 5, broken)
+    # The failed store lives on in the traceback, without the folder.
+    assert failed.value.__traceback__ is not None
+    with store.DenseDiskStore(tmp_path / "rows", fields, 5, overwrite=True) as again:
+        assert again.size == 5
+
+
+def test_a_forked_child_does_not_keep_the_folder(tmp_path):
+    import signal
+
+    from keras_sparse import store
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    fields = [store.FieldSpec("values", 2, "float32")]
+    held = store.DenseDiskStore(tmp_path / "rows", fields, 5)
+    child = os.fork()
+    if child == 0:  # holds the parent's copies until killed
+        import time
+
+        time.sleep(60)
+        os._exit(0)
+    try:
+        held.close()
+        with store.DenseDiskStore.open(tmp_path / "rows") as again:
+            assert again.size == 5
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

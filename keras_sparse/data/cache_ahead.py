@@ -51,14 +51,30 @@ def cached_feeds(model, feeds):
 
 
 def _of_a_collection(cache):
+    """Whether ``cache`` is a table of an `EmbeddingCollection` called
+    once in the model (a second call, e.g. with per-id weights, would map
+    other ids in the step)."""
     owner = cache._owner() if cache._owner is not None else None
-    return any(c is cache for c in getattr(owner, "table_caches", {}).values())
+    tables = getattr(owner, "table_caches", {}).values()
+    calls = len(getattr(owner, "_inbound_nodes", ()))
+    return calls == 1 and any(c is cache for c in tables)
 
 
-def map_batch(feeds, x):
-    """Maps batch ``x``'s ids ahead for each of ``feeds`` (`cached_feeds`);
-    raises as the step would (e.g. an id out of range), before it runs."""
-    for cache, place in feeds:
+def host_ids(feeds, x):
+    """The ids of batch ``x`` (host arrays, before any device copy) for
+    each of ``feeds`` (`cached_feeds`), in order; None where not integers
+    (the step then maps them itself)."""
+    out = []
+    for _, place in feeds:
         ids = np.asarray(array_at(x, place.find(x)))
-        if ids.dtype.kind in "iu":
-            cache.map_ahead(ids)
+        out.append(ids if ids.dtype.kind in "iu" else None)
+    return out
+
+
+def map_batch(feeds, ids):
+    """Maps one batch's ``ids`` (`host_ids`) ahead for each of ``feeds``
+    (`cached_feeds`), in the order Keras receives the batches; raises as
+    the step would (e.g. an id out of range), before it runs."""
+    for (cache, _), each in zip(feeds, ids):
+        if each is not None:
+            cache.map_ahead(each)

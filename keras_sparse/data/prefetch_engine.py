@@ -9,6 +9,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from keras_sparse.data import cache_ahead
 from keras_sparse.data import routing as routing_lib
 from keras_sparse.data.prefetch_pass import Pass
 from keras_sparse.data.prefetch_pass import counters
@@ -212,8 +213,9 @@ class Engine:
         return codes, fresh_keys, segments
 
     def finish(self, parts, codes, segments):
-        """The batch handed to Keras: each hash layer's input replaced by its
-        codes (with what they travel with), routed, copied to the device."""
+        """The batch handed to Keras (each hash layer's input replaced by its
+        codes, with what they travel with, routed, copied to the device) and
+        the host ids of its tables mapped ahead (`cache_ahead.host_ids`)."""
         (x, y, sw), jobs = parts
         # Layers drawing fresh rows per key: their keys' words, written into
         # the packed array by `pack_groups`.
@@ -239,9 +241,11 @@ class Engine:
             packed = pack_groups([(blocks, r) for _, blocks, r in packs])
             for (path, _, _), array in zip(packs, packed):
                 x = replace_at(x, path, array)
+        # Host ids of the tables mapped ahead, read before the device copy.
+        ahead = cache_ahead.host_ids(self.cached_feeds, x)
         if self.copy_batch is not None:
             x, y, sw = self.copy_batch((x, y, sw))
-        return x, y, sw
+        return (x, y, sw), ahead
 
     def _blocks(self, f_idx, codes, segments):
         """Feed ``f_idx``'s arrays: its codes, then what they travel with."""

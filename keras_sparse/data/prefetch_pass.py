@@ -100,6 +100,7 @@ class Pass:
         self.fed_all = False  # the feeder has put its last batch
         self.slots = threading.Semaphore(engine.capacity)
         self.results = {}
+        self.ahead_ids = {}  # seq -> host ids to map ahead (`cache_ahead`)
         self.batches = {}  # seq -> Batch, prepared and not yet finished
         # Layers sharing one table form one lane; a lane's calls run in
         # (batch, feed) order: ticket = batch * lane size + position.
@@ -326,17 +327,19 @@ class Pass:
 
     def _run_finish(self, b):
         t0 = time.perf_counter()
-        out, err = None, b.err
+        out, ahead, err = None, None, b.err
         if err is None and b.seq > self.failed_seq:
             err = RuntimeError("an earlier batch failed")
         if err is None:
             try:
-                out = self.e.finish(b.parts, b.codes, b.segments)
+                out, ahead = self.e.finish(b.parts, b.codes, b.segments)
             except BaseException as exc:  # noqa: BLE001
                 err = exc
         with self.cond:
             del self.batches[b.seq]
             self.results[b.seq] = (out, err)
+            if err is None and ahead:
+                self.ahead_ids[b.seq] = ahead
             self.e.stats["prepare_s"] += time.perf_counter() - t0
             self.cond.notify_all()
 
@@ -363,6 +366,7 @@ class Pass:
                     raise RuntimeError("prefetch: the worker threads died")
                 self.cond.wait(_POLL)
             out, err = self.results.pop(key)
+            ahead = self.ahead_ids.pop(key, None)
             self.next += 1
             self.e.stats["wait_s"] += time.perf_counter() - t0
             self.e.stats["batches"] += 1
@@ -388,8 +392,8 @@ class Pass:
                 raise error from err
             finally:
                 del error, err
-        if self.e.cached_feeds:
-            cache_ahead.map_batch(self.e.cached_feeds, out[0])
+        if ahead:
+            cache_ahead.map_batch(self.e.cached_feeds, ahead)
         # Trim the bookkeeping of batches surely dispatched long ago.
         for old in [s for s in self.pending if s < key - 64]:
             del self.pending[old]

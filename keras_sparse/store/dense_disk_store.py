@@ -29,19 +29,21 @@ class DenseDiskStore(OnDisk, DenseStore):
         fields = check_fields(fields, "DenseDiskStore")
         num_rows = check_num_rows(num_rows, "DenseDiskStore")
         folder = self._create_folder(path, overwrite)
-        rows = MappedRows(folder, fields, num_rows, create=True)
-        self._setup(fields, rows, num_rows)
-        if initializer is not None:
-            fill_initial(rows, fields, num_rows, initializer, "DenseDiskStore")
-        self.flush()
+        with self._opening():
+            rows = MappedRows(folder, fields, num_rows, create=True)
+            self._setup(fields, rows, num_rows)
+            if initializer is not None:
+                fill_initial(rows, fields, num_rows, initializer, "DenseDiskStore")
+            self.flush()
 
     @classmethod
     def open(cls, path):
         """The store in ``path``, its files mapped in place."""
         self, manifest, fields, _ = cls._open_folder(path)
-        num_rows = manifest["rows"]
-        rows = MappedRows(self._folder, fields, num_rows, create=False)
-        self._setup(fields, rows, num_rows)
+        with self._opening():
+            num_rows = manifest["rows"]
+            rows = MappedRows(self._folder, fields, num_rows, create=False)
+            self._setup(fields, rows, num_rows)
         return self
 
     def flush(self):

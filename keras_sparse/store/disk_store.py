@@ -46,38 +46,43 @@ class DiskStore(OnDisk, KeyedStore):
         fields = check_fields(fields, "DiskStore")
         capacity = check_capacity(initial_capacity, "DiskStore")
         folder = self._create_folder(path, overwrite)
-        self._initial_capacity = capacity
-        self._index_name = None
-        self._setup(
-            fields,
-            MappedRows(folder, fields, capacity, create=True),
-            KeyIndex(capacity),
-            np.zeros(capacity, bool),
-            np.zeros(0, np.int64),
-            0,
-        )
-        self.flush()
+        with self._opening():
+            self._initial_capacity = capacity
+            self._index_name = None
+            self._setup(
+                fields,
+                MappedRows(folder, fields, capacity, create=True),
+                KeyIndex(capacity),
+                np.zeros(capacity, bool),
+                np.zeros(0, np.int64),
+                0,
+            )
+            self.flush()
 
     @classmethod
     def open(cls, path):
         """The store flushed last in ``path``, its files mapped in place."""
         self, manifest, fields, capacity = cls._open_folder(path)
-        folder = self._folder
-        arrays = disk_format.read_index(folder, manifest, f"{cls.__name__}.open")
-        table = arrays["table"]
-        index = KeyIndex.from_arrays(
-            table, arrays["keys"], manifest["size"], np.count_nonzero(table == REMOVED)
-        )
-        self._initial_capacity = int(manifest.get("initial_capacity", 1024))
-        self._index_name = manifest["index"]
-        self._setup(
-            fields,
-            MappedRows(folder, fields, capacity, create=False),
-            index,
-            arrays["live"],
-            arrays["free"],
-            manifest["slots"],
-        )
+        with self._opening():
+            folder = self._folder
+            arrays = disk_format.read_index(folder, manifest, f"{cls.__name__}.open")
+            table = arrays["table"]
+            index = KeyIndex.from_arrays(
+                table,
+                arrays["keys"],
+                manifest["size"],
+                np.count_nonzero(table == REMOVED),
+            )
+            self._initial_capacity = int(manifest.get("initial_capacity", 1024))
+            self._index_name = manifest["index"]
+            self._setup(
+                fields,
+                MappedRows(folder, fields, capacity, create=False),
+                index,
+                arrays["live"],
+                arrays["free"],
+                manifest["slots"],
+            )
         return self
 
     def flush(self):

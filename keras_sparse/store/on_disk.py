@@ -12,6 +12,7 @@ one holds (`FolderInUse`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import warnings
@@ -53,24 +54,44 @@ def _claim(folder, who):
     handle = open(os.path.join(folder, LOCK), "a+b")  # noqa: SIM115 (held open)
     if fcntl is None:
         return handle
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # held: EWOULDBLOCK
-        handle.close()
-        raise FolderInUse(
-            f"{who}: the store in {folder} is open in another store or "
-            "process (two stores on the same files would corrupt them); give "
-            "each one a folder of its own"
-        ) from None
-    except OSError as error:
-        # A file system without advisory locks (ENOLCK, EOPNOTSUPP): this
-        # process's own check (`in_use`) is all there is.
-        warnings.warn(
-            f"{who}: cannot lock {folder} ({error}); a store another process "
-            "opens there too would corrupt this one",
-            stacklevel=4,
-        )
+    for attempt in range(2):
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:  # held: EWOULDBLOCK
+            if attempt == 0:
+                gc.collect()  # a store dropped in a reference cycle lets go
+                continue
+            handle.close()
+            raise FolderInUse(
+                f"{who}: the store in {folder} is open in another store or "
+                "process (two stores on the same files would corrupt them); "
+                "give each one a folder of its own"
+            ) from None
+        except OSError as error:
+            # A file system without advisory locks (ENOLCK, EOPNOTSUPP):
+            # this process's own check (`in_use`) is all there is.
+            warnings.warn(
+                f"{who}: cannot lock {folder} ({error}); a store another "
+                "process opens there too would corrupt this one",
+                stacklevel=4,
+            )
+            return handle
     return handle
+
+
+def _drop_locks_in_child():
+    # A forked child shares its parent's locks (they belong to the open
+    # file, which the fork copies): its copies must not keep a folder
+    # locked after the parent closes its store.
+    for store in list(_OPEN.values()):
+        lock = store.__dict__.get("_lock")
+        if lock is not None:
+            lock.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
 class OnDisk:
@@ -81,17 +102,29 @@ class OnDisk:
     _kind = None
 
     def _create_folder(self, path, overwrite: bool) -> str:
+        """Claims and prepares ``path`` for a new store; the constructor
+        makes the rest under `_opening`."""
         folder = os.fspath(path)
-        lock = _claim(folder, type(self).__name__)
+        self._lock = _claim(folder, type(self).__name__)
+        self._folder = folder
         try:
             disk_format.prepare_folder(folder, overwrite, type(self).__name__)
         except BaseException:
-            lock.close()
+            self._lock.close()
             raise
-        self._lock = lock
-        self._folder = folder
-        _OPEN[os.path.realpath(folder)] = self
         return folder
+
+    @contextlib.contextmanager
+    def _opening(self):
+        """The rest of a store's opening: on failure its lock goes (a
+        half-made store must not hold the folder while its traceback
+        lives); on success the store is registered (`in_use`)."""
+        try:
+            yield
+        except BaseException:
+            self._lock.close()
+            raise
+        _OPEN[os.path.realpath(self._folder)] = self
 
     @classmethod
     def _open_folder(cls, path):
@@ -99,12 +132,20 @@ class OnDisk:
         folder's manifest, fields and row capacity."""
         folder = os.fspath(path)
         who = f"{cls.__name__}.open"
-        manifest, fields, capacity = disk_format.read_manifest(folder, cls._kind, who)
+        if not os.path.exists(os.path.join(folder, disk_format.MANIFEST)):
+            disk_format.read_manifest(folder, cls._kind, who)  # raises
+        # Locked before reading: a holder's last flush is then complete.
         lock = _claim(folder, who)
+        try:
+            manifest, fields, capacity = disk_format.read_manifest(
+                folder, cls._kind, who
+            )
+        except BaseException:
+            lock.close()
+            raise
         self = cls.__new__(cls)
         self._lock = lock
         self._folder = folder
-        _OPEN[os.path.realpath(folder)] = self
         return self, manifest, fields, capacity
 
     @property
