@@ -23,10 +23,10 @@ def cached_feeds(model, feeds):
     look-ahead serves and the model input of each. A fixed-vocabulary
     layer's table among the stage's ``feeds``, and the collection tables
     a functional model reads straight from an input; each fed plain ids
-    (no per-id weights, whose zeros would leave positions unused). A
-    table read from several inputs is left to its steps (a step takes a
-    mapping only if it was made for exactly its ids: one per table and
-    batch)."""
+    (no per-id weights, whose zeros would leave positions unused). Each
+    layer is called once (`model_feeds.plan`, `_of_a_collection`): a step
+    takes a mapping only if it was made for exactly its ids, one per table
+    and batch."""
     found = [
         (feed.layer.row_cache, feed.keys)
         for feed in feeds
@@ -40,14 +40,7 @@ def cached_feeds(model, feeds):
             for cache, place in cache_batches.feeds(model)
             if _of_a_collection(cache)
         ]
-    places = {}
-    for cache, place in found:
-        places.setdefault(id(cache), set()).add(place.path)
-    unique = {}
-    for cache, place in found:
-        if len(places[id(cache)]) == 1:
-            unique.setdefault(id(cache), (cache, place))
-    return list(unique.values())
+    return found
 
 
 def _of_a_collection(cache):

@@ -99,8 +99,8 @@ class Pass:
         self.inq = collections.deque()  # (seq, batch) read, not yet prepared
         self.fed_all = False  # the feeder has put its last batch
         self.slots = threading.Semaphore(engine.capacity)
+        # seq -> (batch, host ids to map ahead (`cache_ahead`), error)
         self.results = {}
-        self.ahead_ids = {}  # seq -> host ids to map ahead (`cache_ahead`)
         self.batches = {}  # seq -> Batch, prepared and not yet finished
         # Layers sharing one table form one lane; a lane's calls run in
         # (batch, feed) order: ticket = batch * lane size + position.
@@ -201,7 +201,7 @@ class Pass:
                 n += 1
         except BaseException as err:  # noqa: BLE001 - surfaced on next batch
             with self.cond:
-                self.results[n] = (None, err)
+                self.results[n] = (None, None, err)
                 self.failed_seq = min(self.failed_seq, n)
                 self.cond.notify_all()
             n += 1
@@ -337,9 +337,7 @@ class Pass:
                 err = exc
         with self.cond:
             del self.batches[b.seq]
-            self.results[b.seq] = (out, err)
-            if err is None and ahead:
-                self.ahead_ids[b.seq] = ahead
+            self.results[b.seq] = (out, ahead, err)
             self.e.stats["prepare_s"] += time.perf_counter() - t0
             self.cond.notify_all()
 
@@ -365,8 +363,7 @@ class Pass:
                 if not any(t.is_alive() for t in self.workers):
                     raise RuntimeError("prefetch: the worker threads died")
                 self.cond.wait(_POLL)
-            out, err = self.results.pop(key)
-            ahead = self.ahead_ids.pop(key, None)
+            out, ahead, err = self.results.pop(key)
             self.next += 1
             self.e.stats["wait_s"] += time.perf_counter() - t0
             self.e.stats["batches"] += 1

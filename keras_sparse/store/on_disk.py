@@ -54,30 +54,33 @@ def _claim(folder, who):
     handle = open(os.path.join(folder, LOCK), "a+b")  # noqa: SIM115 (held open)
     if fcntl is None:
         return handle
-    for attempt in range(2):
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return handle
-        except BlockingIOError:  # held: EWOULDBLOCK
-            if attempt == 0:
-                gc.collect()  # a store dropped in a reference cycle lets go
-                continue
+    if not _locked(handle, folder, who):
+        gc.collect()  # a store dropped in a reference cycle lets go
+        if not _locked(handle, folder, who):
             handle.close()
             raise FolderInUse(
                 f"{who}: the store in {folder} is open in another store or "
                 "process (two stores on the same files would corrupt them); "
                 "give each one a folder of its own"
-            ) from None
-        except OSError as error:
-            # A file system without advisory locks (ENOLCK, EOPNOTSUPP):
-            # this process's own check (`in_use`) is all there is.
-            warnings.warn(
-                f"{who}: cannot lock {folder} ({error}); a store another "
-                "process opens there too would corrupt this one",
-                stacklevel=4,
             )
-            return handle
     return handle
+
+
+def _locked(handle, folder, who):
+    """Takes ``handle``'s exclusive lock: False when another holds it."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # EWOULDBLOCK
+        return False
+    except OSError as error:
+        # A file system without advisory locks (ENOLCK, EOPNOTSUPP): this
+        # process's own check (`in_use`) is all there is.
+        warnings.warn(
+            f"{who}: cannot lock {folder} ({error}); a store another "
+            "process opens there too would corrupt this one",
+            stacklevel=5,
+        )
+    return True
 
 
 def _drop_locks_in_child():

@@ -5,6 +5,7 @@ and `get`, which resolves the forms a layer's argument may take."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import warnings
 
@@ -83,15 +84,9 @@ class Disk:
         ``path/name``), else ``<folder>.1``, ``<folder>.2``, ... with a
         warning. Its ``asked_path`` is the folder asked for."""
         folder = self.path if name is None else os.path.join(self.path, name)
-        n = 0
-        while True:
+        for n in itertools.count():
             candidate = folder if n == 0 else f"{folder}.{n}"
-            store = None
-            if not in_use(candidate):
-                try:
-                    store = (reopen if self._existing(candidate) else create)(candidate)
-                except FolderInUse:
-                    pass
+            store = self._free(candidate, create, reopen)
             if store is not None:
                 break
             if self.reopen:
@@ -101,7 +96,6 @@ class Disk:
                     "same files would corrupt them); close the other one "
                     "first (layers: drop them)"
                 )
-            n += 1
         if n:
             warnings.warn(
                 f"Disk: the store in {folder} is open, in this process or "
@@ -111,6 +105,16 @@ class Disk:
             )
         store.asked_path = folder
         return store
+
+    def _free(self, folder, create, reopen):
+        """The store opened in ``folder``, or None where a store (of this
+        process or another) holds it."""
+        if in_use(folder):
+            return None
+        try:
+            return (reopen if self._existing(folder) else create)(folder)
+        except FolderInUse:
+            return None
 
     def _existing(self, folder):
         return self.reopen and os.path.exists(
